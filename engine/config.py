@@ -1,0 +1,94 @@
+"""Frozen parameter sets shared by every decoding mode, validated once where they are built."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from engine.errors import InvalidArgument
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How the target picks each token.
+
+    ``temperature == 0`` is greedy. Otherwise the token at committed position ``t`` is drawn from
+    the target's (temperature, top-k, top-p)-filtered distribution with a uniform number derived
+    from ``(seed, t)`` only, so every mode (vanilla, sd, card) that sees the same target logits at
+    position ``t`` commits the same token there.
+    """
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise InvalidArgument(f"temperature must be a finite number >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise InvalidArgument(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+        if not (0.0 < self.top_p <= 1.0):
+            raise InvalidArgument(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.seed < 0:
+            raise InvalidArgument(f"seed must be >= 0, got {self.seed}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass(frozen=True)
+class StopParams:
+    """When a generation ends: EOS (every EOS id of the model), a stop string, or a token budget."""
+
+    max_new_tokens: int = 128
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise InvalidArgument(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if any(not s for s in self.stop):
+            raise InvalidArgument("stop strings must not be empty")
+
+
+@dataclass(frozen=True)
+class TreeParams:
+    """Shape of the draft tree and of the chains the target verifies.
+
+    width:      K, primary nodes per layer (the tier C).
+    branch:     k, children kept per expanded node (the tier B); 0 means ``width``.
+    max_depth:  layers grown below the root before the drafter idles until a correction.
+    max_chain:  most drafted tokens the target verifies in one forward.
+    b_extension: extend the chain by the best secondary-tier child of its last node.
+    """
+
+    width: int = 4
+    branch: int = 0
+    max_depth: int = 8
+    max_chain: int = 8
+    b_extension: bool = True
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.width <= 64:
+            raise InvalidArgument(f"tree width K must be in [1, 64], got {self.width}")
+        if not 0 <= self.branch <= 64:
+            raise InvalidArgument(f"branch k must be in [0, 64], got {self.branch}")
+        if self.max_depth < 1:
+            raise InvalidArgument(f"max_depth must be >= 1, got {self.max_depth}")
+        if self.max_chain < 0:
+            raise InvalidArgument(f"max_chain must be >= 0, got {self.max_chain}")
+
+    @property
+    def k(self) -> int:
+        return self.branch or self.width
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """Everything one generation needs besides the models."""
+
+    prompt_ids: tuple[int, ...]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    stop: StopParams = field(default_factory=StopParams)

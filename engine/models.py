@@ -1,0 +1,208 @@
+"""Model loading, in one place.
+
+A model spec is one of:
+    - a Hugging Face id (``HuggingFaceTB/SmolLM2-135M-Instruct``), read from the local HF cache or
+      the Hub;
+    - a local folder holding a transformers checkpoint (config.json + weights), or a folder with
+      exactly one ``.gguf`` file (tokenizer files beside it are used when present);
+    - a path to a ``.gguf`` file (transformers dequantizes it; needs ``gguf`` and ``accelerate``);
+    - ``default``: the embedded SmolLM2-135M-Instruct (engine.embedded fetches it once).
+
+Options: dtype (auto, float32, bfloat16, float16, float64), device (auto, cpu, cuda, cuda:N), and
+quantize (``none`` or ``int8``: dynamic int8 Linear layers, CPU only).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from engine.errors import InvalidArgument, NotFound
+from engine.fingerprint import tokenizer_fingerprint
+
+log = logging.getLogger(__name__)
+
+DTYPES = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float64": torch.float64,
+}
+QUANTIZE = ("none", "int8")
+DEFAULT_MODEL = "default"
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    spec: str = DEFAULT_MODEL
+    dtype: str = "auto"
+    device: str = "auto"
+    quantize: str = "none"
+
+    def __post_init__(self) -> None:
+        if not self.spec:
+            raise InvalidArgument("a model spec is empty")
+        if self.dtype != "auto" and self.dtype not in DTYPES:
+            raise InvalidArgument(f"dtype must be auto or one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.quantize not in QUANTIZE:
+            raise InvalidArgument(f"quantize must be one of {', '.join(QUANTIZE)}, got {self.quantize!r}")
+        if self.device != "auto" and not (self.device == "cpu" or self.device.startswith("cuda")):
+            raise InvalidArgument(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
+
+    @property
+    def label(self) -> str:
+        return self.spec if self.quantize == "none" else f"{self.spec} ({self.quantize})"
+
+
+@dataclass
+class LoadedModel:
+    """A causal LM ready for the engine, with everything the services need to know about it."""
+
+    name: str
+    model: torch.nn.Module
+    tokenizer: object
+    fingerprint: str
+    eos_ids: frozenset[int]
+    context_window: int
+
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(getattr(self.tokenizer, "chat_template", None))
+
+    def decode(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+    def encode_prompt(self, prompt: str | list[dict], chat: bool | None = None) -> list[int]:
+        """Token ids of a prompt; ``chat=None`` applies the chat template when there is one."""
+        use_chat = self.has_chat_template if chat is None else chat
+        if use_chat and not self.has_chat_template:
+            raise InvalidArgument(f"{self.name} has no chat template; use --no-chat")
+        if isinstance(prompt, list):
+            if not use_chat:
+                raise InvalidArgument("a list of messages needs the chat template")
+            messages = prompt
+        else:
+            if not prompt:
+                raise InvalidArgument("the prompt is empty")
+            messages = [{"role": "user", "content": prompt}]
+        if use_chat:
+            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+            if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+                ids = ids["input_ids"]
+            return list(ids)
+        return list(self.tokenizer(prompt, add_special_tokens=True)["input_ids"])
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise InvalidArgument(f"device {device} was asked for but CUDA is not available")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    if dtype != "auto":
+        return DTYPES[dtype]
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    return torch.float32
+
+
+def _locate(spec: str) -> tuple[str, str | None]:
+    """(path or HF id for from_pretrained, gguf file name or None)."""
+    if spec == DEFAULT_MODEL:
+        from engine.embedded import ensure_default_model
+
+        path = ensure_default_model()
+        return str(path.parent), path.name
+    path = Path(spec).expanduser()
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise NotFound(f"model file {spec} does not exist")
+        return str(path.parent), path.name
+    if path.is_dir():
+        ggufs = sorted(path.glob("*.gguf"))
+        if (path / "config.json").is_file() and not ggufs:
+            return str(path), None
+        if len(ggufs) == 1:
+            return str(path), ggufs[0].name
+        if len(ggufs) > 1:
+            raise InvalidArgument(f"{spec} holds several .gguf files; name one of them")
+        raise NotFound(f"{spec} holds neither a transformers checkpoint nor a .gguf file")
+    if spec.startswith((".", "/", "~")) or os.sep in spec.strip("/").replace("/", "", 1):
+        raise NotFound(f"model path {spec} does not exist")
+    return spec, None  # a Hugging Face id
+
+
+def load_tokenizer(spec: str) -> object:
+    from transformers import AutoTokenizer
+
+    where, gguf = _locate(spec)
+    return _tokenizer(where, gguf)
+
+
+def _tokenizer(where: str, gguf: str | None) -> object:
+    from transformers import AutoTokenizer
+
+    if gguf and not (Path(where) / "tokenizer.json").is_file() and not (Path(where) / "tokenizer_config.json").is_file():
+        tok = AutoTokenizer.from_pretrained(where, gguf_file=gguf)
+        if not getattr(tok, "chat_template", None):
+            from engine.embedded import gguf_chat_template
+
+            tok.chat_template = gguf_chat_template(Path(where) / gguf)
+        return tok
+    return AutoTokenizer.from_pretrained(where)
+
+
+def load_model(config: ModelConfig) -> LoadedModel:
+    """Load a model and its tokenizer; errors name the spec and say what to do."""
+    from transformers import AutoModelForCausalLM
+
+    where, gguf = _locate(config.spec)
+    device = resolve_device(config.device)
+    dtype = resolve_dtype(config.dtype, device)
+    kwargs: dict = {"dtype": dtype}
+    if gguf:
+        kwargs["gguf_file"] = gguf
+    try:
+        # transformers prints progress bars while dequantizing GGUF tensors; keep logs clean
+        with contextlib.redirect_stderr(io.StringIO()):
+            model = AutoModelForCausalLM.from_pretrained(where, **kwargs)
+        tokenizer = _tokenizer(where, gguf)
+    except OSError as exc:
+        raise NotFound(
+            f"cannot load model {config.spec!r}: {str(exc).splitlines()[0]} "
+            "(give a local folder, a .gguf file, a Hugging Face id in the local cache, or 'default')"
+        ) from exc
+    model = model.to(device).eval()
+    if config.quantize == "int8":
+        if device.type != "cpu":
+            raise InvalidArgument("quantize=int8 runs on the CPU only")
+        model = torch.ao.quantization.quantize_dynamic(model, {torch.nn.Linear}, dtype=torch.qint8)
+    return LoadedModel(
+        name=config.label,
+        model=model,
+        tokenizer=tokenizer,
+        fingerprint=tokenizer_fingerprint(tokenizer),
+        eos_ids=eos_ids_of(model, tokenizer),
+        context_window=int(getattr(model.config, "max_position_embeddings", 0) or 2048),
+    )
+
+
+def eos_ids_of(model: torch.nn.Module, tokenizer: object) -> frozenset[int]:
+    """Every EOS id the model declares (generation config and tokenizer)."""
+    ids: set[int] = set()
+    for source in (getattr(model, "generation_config", None), model.config, tokenizer):
+        eos = getattr(source, "eos_token_id", None)
+        if isinstance(eos, int):
+            ids.add(eos)
+        elif isinstance(eos, (list, tuple)):
+            ids.update(int(e) for e in eos)
+    return frozenset(ids)

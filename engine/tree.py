@@ -1,0 +1,311 @@
+"""The two-tier candidate tree (DESIGN.md §2) as columns of tensors.
+
+Glossary, as used here:
+    root        the node the tree grows from: a real node id after a hit, else the *virtual root*
+                of the epoch, ``virtual_root_id(epoch)`` (negative), standing for the last
+                committed token. Both sides derive virtual ids from the epoch, so a miss needs no
+                extra message to agree on the new root.
+    C (primary) rows of the node columns: at most K nodes per layer, each with a node id that is
+                never reused within a session. Rows are appended layer by layer, so a parent's row
+                always precedes its children's and node ids ascend with rows.
+    B (secondary) for every expanded node, its top-k children as (parent id, token, local logp),
+                including those promoted into C.
+    path score  product of local probabilities from the root; stored as ``path_logp`` (its log),
+                re-based on every hit so the new root has score 1.
+
+The tree is shared logic: the cache service (and the in-process runner) apply draft layers and
+target corrections to it; the drafter keeps a mirror and re-roots it with the cache's verdict, so
+both hold the same node ids after every correction.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.errors import Aborted, InvalidArgument
+
+NO_NODE = -1  # node id of a chain token taken from tier B (it has no node)
+
+
+def virtual_root_id(epoch: int) -> int:
+    """Id of the root of a tree started (at session start or after a miss) at ``epoch``."""
+    return -(epoch + 2)
+
+
+class Outcome(enum.Enum):
+    HIT = "hit"
+    SECONDARY_HIT = "secondary_hit"
+    MISS = "miss"
+
+
+def _i64(values: list[int] | torch.Tensor, device: torch.device) -> torch.Tensor:
+    return torch.as_tensor(values, dtype=torch.int64, device=device).reshape(-1)
+
+
+def _f32(values: list[float] | torch.Tensor, device: torch.device) -> torch.Tensor:
+    return torch.as_tensor(values, dtype=torch.float32, device=device).reshape(-1)
+
+
+@dataclass(frozen=True)
+class Layer:
+    """One layer published by the drafter.
+
+    parent_ids, node_ids, tokens, local_logp: [N] primary nodes (N <= K).
+    b_parent_ids, b_tokens, b_logp:           [M] secondary entries (M <= K*k), empty on a regrow.
+    epoch: the drafter's epoch when it built the layer (informational; node ids decide).
+    """
+
+    parent_ids: torch.Tensor
+    node_ids: torch.Tensor
+    tokens: torch.Tensor
+    local_logp: torch.Tensor
+    b_parent_ids: torch.Tensor
+    b_tokens: torch.Tensor
+    b_logp: torch.Tensor
+    epoch: int = 0
+
+    @property
+    def size(self) -> int:
+        return int(self.node_ids.numel())
+
+
+@dataclass(frozen=True)
+class Chain:
+    """The candidate continuation the target verifies next.
+
+    ``node_ids[i]`` is the node of ``tokens[i]``, or ``NO_NODE`` for a tier-B extension.
+    """
+
+    tokens: tuple[int, ...] = ()
+    node_ids: tuple[int, ...] = ()
+    epoch: int = 0
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+
+@dataclass(frozen=True)
+class Correction:
+    """What the target made of a chain: the accepted prefix and its own next token."""
+
+    epoch: int
+    accepted_tokens: tuple[int, ...]
+    accepted_node_ids: tuple[int, ...]
+    next_token: int
+
+
+@dataclass(frozen=True)
+class Advance:
+    """A correction as the drafter needs it: the new epoch and the cache's hit verdict."""
+
+    epoch: int
+    accepted_tokens: tuple[int, ...]
+    accepted_node_ids: tuple[int, ...]
+    next_token: int
+    outcome: Outcome
+    hit_node_id: int | None = None
+
+
+@dataclass
+class TreeSizes:
+    nodes: int
+    secondary: int
+    depth: int
+
+
+@dataclass
+class TwoTierTree:
+    """Tiers C and B of one session, on ``device``."""
+
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    epoch: int = 0
+
+    def __post_init__(self) -> None:
+        self.device = torch.device(self.device)
+        self.reset(self.epoch)
+
+    # ---- state -------------------------------------------------------------------------------
+    def reset(self, epoch: int) -> None:
+        """Empty tree under the virtual root of ``epoch``."""
+        self.epoch = epoch
+        self.root_id = virtual_root_id(epoch)
+        empty_i = torch.empty(0, dtype=torch.int64, device=self.device)
+        empty_f = torch.empty(0, dtype=torch.float32, device=self.device)
+        self.ids = empty_i  # [N] node ids, ascending
+        self.parents = empty_i  # [N] parent node ids (root_id for depth 1)
+        self.tokens = empty_i  # [N]
+        self.depth = empty_i  # [N] 1 = child of root
+        self.local_logp = empty_f  # [N] log p_draft(token | path)
+        self.path_logp = empty_f  # [N] sum of local_logp from the root
+        self.b_parents = empty_i  # [M]
+        self.b_tokens = empty_i  # [M]
+        self.b_logp = empty_f  # [M] local logp of the secondary child
+
+    def sizes(self) -> TreeSizes:
+        depth = int(self.depth.max().item()) if self.ids.numel() else 0
+        return TreeSizes(int(self.ids.numel()), int(self.b_tokens.numel()), depth)
+
+    def __len__(self) -> int:
+        return int(self.ids.numel())
+
+    def _known(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Ids, depths and path logps of the root followed by every node (root first, ascending)."""
+        root = torch.tensor([self.root_id], dtype=torch.int64, device=self.device)
+        zero_i = torch.zeros(1, dtype=torch.int64, device=self.device)
+        zero_f = torch.zeros(1, dtype=torch.float32, device=self.device)
+        return (
+            torch.cat([root, self.ids]),
+            torch.cat([zero_i, self.depth]),
+            torch.cat([zero_f, self.path_logp]),
+        )
+
+    def rows_of(self, node_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Row index into ``_known()`` (0 = root) of each id, and whether the id is present."""
+        known, _, _ = self._known()
+        pos = torch.searchsorted(known, node_ids.contiguous()).clamp(max=known.numel() - 1)
+        return pos, known[pos] == node_ids
+
+    # ---- draft side --------------------------------------------------------------------------
+    def apply_layer(self, layer: Layer) -> torch.Tensor:
+        """Add a layer's nodes whose parent is still in the tree; returns the kept mask [N].
+
+        Nodes under a pruned parent (a layer built before a correction arrived) are dropped, as
+        are ids already present (a layer delivered twice).
+        """
+        parent_ids = layer.parent_ids.to(self.device)
+        node_ids = layer.node_ids.to(self.device)
+        _, known_depth, known_path = self._known()
+        prow, present = self.rows_of(parent_ids)
+        keep = present & ~torch.isin(node_ids, self.ids) & (node_ids > self.root_id)
+        if bool(keep.any()):
+            local = layer.local_logp.to(self.device, torch.float32)[keep]
+            self.ids = torch.cat([self.ids, node_ids[keep]])
+            self.parents = torch.cat([self.parents, parent_ids[keep]])
+            self.tokens = torch.cat([self.tokens, layer.tokens.to(self.device)[keep]])
+            self.depth = torch.cat([self.depth, known_depth[prow[keep]] + 1])
+            self.local_logp = torch.cat([self.local_logp, local])
+            self.path_logp = torch.cat([self.path_logp, known_path[prow[keep]] + local])
+            order = torch.argsort(self.ids)  # late layers may interleave ids; keep them ascending
+            if not bool((order == torch.arange(order.numel(), device=self.device)).all()):
+                self._take(order)
+        b_parents = layer.b_parent_ids.to(self.device)
+        if b_parents.numel():
+            _, b_present = self.rows_of(b_parents)
+            self.b_parents = torch.cat([self.b_parents, b_parents[b_present]])
+            self.b_tokens = torch.cat([self.b_tokens, layer.b_tokens.to(self.device)[b_present]])
+            self.b_logp = torch.cat(
+                [self.b_logp, layer.b_logp.to(self.device, torch.float32)[b_present]]
+            )
+        return keep
+
+    def _take(self, rows: torch.Tensor) -> None:
+        self.ids = self.ids[rows]
+        self.parents = self.parents[rows]
+        self.tokens = self.tokens[rows]
+        self.depth = self.depth[rows]
+        self.local_logp = self.local_logp[rows]
+        self.path_logp = self.path_logp[rows]
+
+    # ---- target side -------------------------------------------------------------------------
+    def best_chain(self, max_len: int, b_extension: bool = True) -> Chain:
+        """Greedy descent by path score through C from the root, then one tier-B token."""
+        tokens: list[int] = []
+        node_ids: list[int] = []
+        cur = self.root_id
+        neg_inf = torch.tensor(float("-inf"), device=self.device)
+        while len(tokens) < max_len:
+            children = self.parents == cur
+            if not bool(children.any()):
+                break
+            j = int(torch.argmax(torch.where(children, self.path_logp, neg_inf)).item())
+            cur = int(self.ids[j].item())
+            tokens.append(int(self.tokens[j].item()))
+            node_ids.append(cur)
+        if b_extension and len(tokens) < max_len and self.b_parents.numel():
+            # cur has no C children here, so none of its B children was promoted into C
+            secondary = self.b_parents == cur
+            if bool(secondary.any()):
+                j = int(torch.argmax(torch.where(secondary, self.b_logp, neg_inf)).item())
+                tokens.append(int(self.b_tokens[j].item()))
+                node_ids.append(NO_NODE)
+        return Chain(tuple(tokens), tuple(node_ids), self.epoch)
+
+    def classify(self, correction: Correction) -> tuple[Outcome, int | None]:
+        """Hit / secondary hit / miss of the correction's next token below the accepted path."""
+        if correction.epoch != self.epoch:
+            raise Aborted(f"stale epoch {correction.epoch}: the session is at epoch {self.epoch}")
+        if len(correction.accepted_tokens) != len(correction.accepted_node_ids):
+            raise InvalidArgument("accepted_tokens and accepted_node_ids differ in length")
+        anchor: int | None = self.root_id
+        for i, nid in enumerate(correction.accepted_node_ids):
+            if nid == NO_NODE:
+                if i != len(correction.accepted_node_ids) - 1:
+                    raise InvalidArgument("a tier-B token can only end the accepted path")
+                anchor = None
+                continue
+            row, present = self.rows_of(_i64([nid], self.device))
+            r = int(row.item()) - 1
+            if not bool(present.item()) or r < 0 or int(self.parents[r].item()) != anchor:
+                raise InvalidArgument(f"accepted node {nid} is not on a path from the root")
+            if int(self.tokens[r].item()) != correction.accepted_tokens[i]:
+                raise InvalidArgument(f"accepted node {nid} does not hold the accepted token")
+            anchor = nid
+        if anchor is None:
+            return Outcome.MISS, None
+        nxt = correction.next_token
+        hit = (self.parents == anchor) & (self.tokens == nxt)
+        if bool(hit.any()):
+            return Outcome.HIT, int(self.ids[hit][0].item())
+        if bool(((self.b_parents == anchor) & (self.b_tokens == nxt)).any()):
+            return Outcome.SECONDARY_HIT, None
+        return Outcome.MISS, None
+
+    def apply_correction(self, correction: Correction) -> Advance:
+        """Classify, re-root and bump the epoch; the returned Advance goes to the drafter."""
+        outcome, hit_id = self.classify(correction)
+        advance = Advance(
+            epoch=self.epoch + 1,
+            accepted_tokens=correction.accepted_tokens,
+            accepted_node_ids=correction.accepted_node_ids,
+            next_token=correction.next_token,
+            outcome=outcome,
+            hit_node_id=hit_id,
+        )
+        self.reroot(advance)
+        return advance
+
+    def reroot(self, advance: Advance) -> torch.Tensor:
+        """Keep only the subtree below the hit node (or nothing); returns the kept rows."""
+        if advance.hit_node_id is None:
+            self.reset(advance.epoch)
+            return torch.empty(0, dtype=torch.int64, device=self.device)
+        hit = advance.hit_node_id
+        row, present = self.rows_of(_i64([hit], self.device))
+        if not bool(present.item()) or int(row.item()) == 0:
+            raise InvalidArgument(f"hit node {hit} is not in the tree")
+        r = int(row.item()) - 1
+        hit_depth, hit_path = self.depth[r].clone(), self.path_logp[r].clone()
+        keep = torch.zeros_like(self.ids, dtype=torch.bool)
+        frontier = _i64([hit], self.device)
+        max_depth = int(self.depth.max().item())
+        for d in range(int(hit_depth.item()) + 1, max_depth + 1):
+            level = (self.depth == d) & torch.isin(self.parents, frontier)
+            if not bool(level.any()):
+                break
+            keep |= level
+            frontier = self.ids[level]
+        rows = torch.nonzero(keep).flatten()
+        self._take(rows)
+        self.depth = self.depth - hit_depth
+        self.path_logp = self.path_logp - hit_path
+        kept_ids = torch.cat([_i64([hit], self.device), self.ids])
+        b_keep = torch.isin(self.b_parents, kept_ids)
+        self.b_parents = self.b_parents[b_keep]
+        self.b_tokens = self.b_tokens[b_keep]
+        self.b_logp = self.b_logp[b_keep]
+        self.root_id = hit
+        self.epoch = advance.epoch
+        return rows

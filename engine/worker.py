@@ -1,0 +1,176 @@
+"""A draft worker: one draft model serving any number of sessions from one thread.
+
+The worker never waits for the target. Each round it applies every queued command (start,
+advance, stop), then gives each session with work one ``Drafter.step()`` in turn (fair
+interleaving), handing each new layer to ``publish``. It sleeps only when no session has anything
+to grow (all trees at max depth), until the next command arrives. Drafters are touched by the
+worker thread alone; other threads talk to it through the command queue.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.config import TreeParams
+from engine.drafter import Drafter
+from engine.errors import CardError
+from engine.tree import Advance, Layer
+
+log = logging.getLogger(__name__)
+
+Publish = Callable[[str, Layer], None]
+
+
+@dataclass
+class DraftSessionStats:
+    forwards: int = 0
+    layers: int = 0
+    idle_s: float = 0.0
+
+
+@dataclass
+class _Session:
+    drafter: Drafter
+    stats: DraftSessionStats = field(default_factory=DraftSessionStats)
+    idle_since: float | None = None
+
+
+class DraftWorker:
+    def __init__(self, model: torch.nn.Module, params: TreeParams, publish: Publish,
+                 threads: int | None = None, name: str = "draft") -> None:
+        self.model = model
+        self.params = params
+        self.publish = publish
+        self.threads = threads
+        self.name = name
+        self._commands: queue.Queue[tuple] = queue.Queue()
+        self._sessions: dict[str, _Session] = {}
+        self._stats_lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._running = False
+
+    # ---- commands (any thread) ---------------------------------------------------------------
+    def start_session(self, session_id: str, committed: Sequence[int], epoch: int = 0) -> None:
+        self._commands.put(("start", session_id, list(committed), epoch))
+
+    def advance(self, session_id: str, advance: Advance) -> None:
+        self._commands.put(("advance", session_id, advance))
+
+    def stop_session(self, session_id: str) -> None:
+        self._commands.put(("stop", session_id))
+
+    def session_stats(self, session_id: str) -> DraftSessionStats | None:
+        """A snapshot of a live session's stats, the idle period under way included."""
+        with self._stats_lock:
+            s = self._sessions.get(session_id)
+            if s is None:
+                return None
+            snap = DraftSessionStats(**vars(s.stats))
+            if s.idle_since is not None:
+                snap.idle_s += time.perf_counter() - s.idle_since
+            return snap
+
+    @property
+    def active_sessions(self) -> int:
+        return len(self._sessions)
+
+    def kv_slots_held(self) -> int:
+        """KV slots held by all drafters (0 when no session is live)."""
+        return sum(s.drafter.kv_length() for s in list(self._sessions.values()))
+
+    # ---- lifecycle ---------------------------------------------------------------------------
+    def start(self) -> None:
+        self._running = True
+        self._thread = threading.Thread(target=self._run, name=f"draft-worker-{self.name}", daemon=True)
+        self._thread.start()
+
+    def close(self, timeout: float = 10.0) -> None:
+        self._running = False
+        self._commands.put(("wake",))
+        if self._thread is not None:
+            self._thread.join(timeout)
+            self._thread = None
+
+    # ---- the loop (worker thread) ------------------------------------------------------------
+    def _apply(self, cmd: tuple) -> None:
+        kind, *args = cmd
+        now = time.perf_counter()
+        if kind == "start":
+            sid, committed, epoch = args
+            drafter = Drafter(self.model, self.params)
+            drafter.start(committed, epoch)
+            with self._stats_lock:
+                self._sessions[sid] = _Session(drafter)
+        elif kind == "advance":
+            sid, adv = args
+            s = self._sessions.get(sid)
+            if s is None:
+                return
+            with self._stats_lock:
+                if s.idle_since is not None:
+                    s.stats.idle_s += now - s.idle_since
+                    s.idle_since = None
+            s.drafter.advance(adv)
+        elif kind == "stop":
+            (sid,) = args
+            with self._stats_lock:
+                s = self._sessions.pop(sid, None)
+            if s is not None:
+                s.drafter.release()
+
+    def _drain(self, block: bool) -> None:
+        try:
+            cmd = self._commands.get(timeout=0.5) if block else self._commands.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            self._safe_apply(cmd)
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return
+
+    def _safe_apply(self, cmd: tuple) -> None:
+        try:
+            self._apply(cmd)
+        except CardError as exc:
+            sid = cmd[1] if len(cmd) > 1 else "?"
+            log.warning("draft session %s dropped: %s", sid, exc)
+            with self._stats_lock:
+                self._sessions.pop(sid, None)
+
+    def _run(self) -> None:
+        if self.threads:
+            torch.set_num_threads(self.threads)
+        while self._running:
+            self._drain(block=False)
+            progressed = False
+            for sid, s in list(self._sessions.items()):
+                before = s.drafter.forwards
+                try:
+                    layer = s.drafter.step()
+                except Exception:  # a broken session must not take the worker down with it
+                    log.exception("draft session %s failed; dropping it", sid)
+                    self._sessions.pop(sid, None)
+                    continue
+                if layer is None:
+                    if s.idle_since is None:
+                        with self._stats_lock:
+                            s.idle_since = time.perf_counter()
+                    continue
+                s.stats.forwards += s.drafter.forwards - before
+                s.stats.layers += 1
+                progressed = True
+                self.publish(sid, layer)
+                self._drain(block=False)  # a correction may have landed during the forward
+                if sid not in self._sessions:
+                    continue
+            if not progressed:
+                self._drain(block=True)
