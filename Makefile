@@ -1,0 +1,31 @@
+# Set-up and checks. `make setup` builds .venv: torch's CPU wheel on machines without an NVIDIA
+# GPU (a few hundred MB instead of several GB), the default CUDA build where `nvidia-smi` works.
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+TORCH_VERSION ?= 2.13.0
+TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
+
+.PHONY: setup test lint proto
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV)
+
+setup: $(BIN)/python
+	@if $(BIN)/python -c "import torch" 2>/dev/null; then \
+		echo "torch already installed: $$($(BIN)/python -c 'import torch; print(torch.__version__)')"; \
+	elif command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi >/dev/null 2>&1; then \
+		$(BIN)/pip install -q "torch==$(TORCH_VERSION)"; \
+	elif $(BIN)/pip download -q --no-deps -d /tmp/card-torch-probe "torch==$(TORCH_VERSION)" \
+			--only-binary=:all: --no-index --find-links /opt/wheels >/dev/null 2>&1; then \
+		$(BIN)/pip install -q "torch==$(TORCH_VERSION)"; \
+	else \
+		$(BIN)/pip install -q "torch==$(TORCH_VERSION)" --index-url $(TORCH_CPU_INDEX); \
+	fi
+	$(BIN)/pip install -q -e ".[dev,bench]"
+
+test: setup
+	$(BIN)/python -m pytest -q
+
+lint: setup
+	$(BIN)/ruff check .

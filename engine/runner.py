@@ -1,0 +1,105 @@
+"""Decoding modes in one process: ``vanilla``, ``sd`` and ``card`` over the same target loop.
+
+    runner = InProcessRunner(target, draft, RunnerConfig(mode="card"))
+    gen = runner.generation(GenerationRequest(prompt_ids, sampling, stop))
+    for chunk in gen: print(chunk.text, end="")
+    gen.result.stats
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.config import GenerationRequest, TreeParams
+from engine.errors import FailedPrecondition, InvalidArgument
+from engine.generate import Generation
+from engine.models import LoadedModel
+from engine.tree import Layer
+from engine.sources import ChainSource, LocalCard, NoDraft, SyncDraft
+from engine.worker import DraftWorker
+
+MODES = ("vanilla", "sd", "card")
+
+
+@dataclass(frozen=True)
+class RunnerConfig:
+    """mode; tree shape (card); gamma (sd chain length); torch threads per model (None = all);
+    cache_device for card's tree; lockstep_depth (card, see LocalCard)."""
+
+    mode: str = "card"
+    tree: TreeParams = field(default_factory=TreeParams)
+    gamma: int = 4
+    target_threads: int | None = None
+    draft_threads: int | None = None
+    cache_device: str = "cpu"
+    lockstep_depth: int = 0
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise InvalidArgument(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")
+        if self.gamma < 1:
+            raise InvalidArgument(f"gamma must be >= 1, got {self.gamma}")
+
+
+def check_compatible(target: LoadedModel, draft: LoadedModel) -> None:
+    """A draft may serve a target only if their tokenizers give the same ids."""
+    if draft.fingerprint != target.fingerprint:
+        raise FailedPrecondition(
+            f"draft model {draft.name} has tokenizer {draft.fingerprint} but target model "
+            f"{target.name} has tokenizer {target.fingerprint}; a draft must share the target's tokenizer"
+        )
+
+
+class InProcessRunner:
+    def __init__(self, target: LoadedModel, draft: LoadedModel | None, config: RunnerConfig) -> None:
+        self.target = target
+        self.draft = draft
+        self.config = config
+        self.worker: DraftWorker | None = None
+        self._cards: weakref.WeakSet[LocalCard] = weakref.WeakSet()
+        if config.mode != "vanilla":
+            if draft is None:
+                raise InvalidArgument(f"mode {config.mode} needs a draft model")
+            check_compatible(target, draft)
+        if config.target_threads:
+            torch.set_num_threads(config.target_threads)
+
+    def _source(self) -> ChainSource:
+        cfg = self.config
+        if cfg.mode == "vanilla":
+            return NoDraft()
+        assert self.draft is not None
+        if cfg.mode == "sd":
+            return SyncDraft(self.draft.model, cfg.gamma)
+        source = LocalCard(None, cfg.tree, cfg.cache_device, cfg.lockstep_depth)
+        if self.worker is None:
+            self.worker = DraftWorker(self.draft.model, cfg.tree, self._publish,
+                                      threads=cfg.draft_threads, name=self.draft.name)
+            self.worker.start()
+        source.worker = self.worker
+        self._cards.add(source)
+        return source
+
+    def _publish(self, session_id: str, layer: Layer) -> None:
+        for card in list(self._cards):
+            card.publish(session_id, layer)  # each card keeps only its own session's layers
+
+    def generation(self, request: GenerationRequest) -> Generation:
+        return Generation(
+            self.target.model,
+            request,
+            self._source(),
+            eos_ids=self.target.eos_ids,
+            decode=self.target.decode,
+            context_window=self.target.context_window,
+            mode=self.config.mode,
+            model_name=self.target.name,
+        )
+
+    def close(self) -> None:
+        if self.worker is not None:
+            self.worker.close()
+            self.worker = None
