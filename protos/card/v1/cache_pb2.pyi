@@ -1,0 +1,247 @@
+from card.v1 import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class OpenSessionRequest(_message.Message):
+    __slots__ = ("prompt_ids", "tokenizer_fingerprint", "target_model", "draft")
+    PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOKENIZER_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    TARGET_MODEL_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_FIELD_NUMBER: _ClassVar[int]
+    prompt_ids: _common_pb2.Tensor
+    tokenizer_fingerprint: str
+    target_model: str
+    draft: str
+    def __init__(self, prompt_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., tokenizer_fingerprint: _Optional[str] = ..., target_model: _Optional[str] = ..., draft: _Optional[str] = ...) -> None: ...
+
+class OpenSessionResponse(_message.Message):
+    __slots__ = ("session_id", "draft")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    draft: str
+    def __init__(self, session_id: _Optional[str] = ..., draft: _Optional[str] = ...) -> None: ...
+
+class StepRequest(_message.Message):
+    __slots__ = ("session_id", "epoch", "accepted_tokens", "accepted_node_ids", "next_token")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_NODE_IDS_FIELD_NUMBER: _ClassVar[int]
+    NEXT_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    epoch: int
+    accepted_tokens: _common_pb2.Tensor
+    accepted_node_ids: _common_pb2.Tensor
+    next_token: int
+    def __init__(self, session_id: _Optional[str] = ..., epoch: _Optional[int] = ..., accepted_tokens: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., accepted_node_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., next_token: _Optional[int] = ...) -> None: ...
+
+class StepResponse(_message.Message):
+    __slots__ = ("epoch", "chain_tokens", "chain_node_ids", "outcome")
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    CHAIN_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CHAIN_NODE_IDS_FIELD_NUMBER: _ClassVar[int]
+    OUTCOME_FIELD_NUMBER: _ClassVar[int]
+    epoch: int
+    chain_tokens: _common_pb2.Tensor
+    chain_node_ids: _common_pb2.Tensor
+    outcome: _common_pb2.Outcome
+    def __init__(self, epoch: _Optional[int] = ..., chain_tokens: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., chain_node_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., outcome: _Optional[_Union[_common_pb2.Outcome, str]] = ...) -> None: ...
+
+class CloseSessionRequest(_message.Message):
+    __slots__ = ("session_id", "stats")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    STATS_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    stats: _common_pb2.GenerationStats
+    def __init__(self, session_id: _Optional[str] = ..., stats: _Optional[_Union[_common_pb2.GenerationStats, _Mapping]] = ...) -> None: ...
+
+class CloseSessionResponse(_message.Message):
+    __slots__ = ("draft_forwards", "draft_idle_s")
+    DRAFT_FORWARDS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_IDLE_S_FIELD_NUMBER: _ClassVar[int]
+    draft_forwards: int
+    draft_idle_s: float
+    def __init__(self, draft_forwards: _Optional[int] = ..., draft_idle_s: _Optional[float] = ...) -> None: ...
+
+class RegisterDraftRequest(_message.Message):
+    __slots__ = ("name", "model", "tokenizer_fingerprint", "capacity", "tree_width", "max_depth")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    TOKENIZER_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_FIELD_NUMBER: _ClassVar[int]
+    TREE_WIDTH_FIELD_NUMBER: _ClassVar[int]
+    MAX_DEPTH_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    model: str
+    tokenizer_fingerprint: str
+    capacity: int
+    tree_width: int
+    max_depth: int
+    def __init__(self, name: _Optional[str] = ..., model: _Optional[str] = ..., tokenizer_fingerprint: _Optional[str] = ..., capacity: _Optional[int] = ..., tree_width: _Optional[int] = ..., max_depth: _Optional[int] = ...) -> None: ...
+
+class RegisterDraftResponse(_message.Message):
+    __slots__ = ("worker_id", "heartbeat_interval_s")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    heartbeat_interval_s: float
+    def __init__(self, worker_id: _Optional[str] = ..., heartbeat_interval_s: _Optional[float] = ...) -> None: ...
+
+class CommandsRequest(_message.Message):
+    __slots__ = ("worker_id",)
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    def __init__(self, worker_id: _Optional[str] = ...) -> None: ...
+
+class DraftCommand(_message.Message):
+    __slots__ = ("start", "advance", "stop")
+    START_FIELD_NUMBER: _ClassVar[int]
+    ADVANCE_FIELD_NUMBER: _ClassVar[int]
+    STOP_FIELD_NUMBER: _ClassVar[int]
+    start: StartSession
+    advance: AdvanceSession
+    stop: StopSession
+    def __init__(self, start: _Optional[_Union[StartSession, _Mapping]] = ..., advance: _Optional[_Union[AdvanceSession, _Mapping]] = ..., stop: _Optional[_Union[StopSession, _Mapping]] = ...) -> None: ...
+
+class StartSession(_message.Message):
+    __slots__ = ("session_id", "committed_ids", "epoch")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    COMMITTED_IDS_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    committed_ids: _common_pb2.Tensor
+    epoch: int
+    def __init__(self, session_id: _Optional[str] = ..., committed_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., epoch: _Optional[int] = ...) -> None: ...
+
+class AdvanceSession(_message.Message):
+    __slots__ = ("session_id", "epoch", "accepted_tokens", "accepted_node_ids", "next_token", "outcome", "hit_node_id")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_NODE_IDS_FIELD_NUMBER: _ClassVar[int]
+    NEXT_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    OUTCOME_FIELD_NUMBER: _ClassVar[int]
+    HIT_NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    epoch: int
+    accepted_tokens: _common_pb2.Tensor
+    accepted_node_ids: _common_pb2.Tensor
+    next_token: int
+    outcome: _common_pb2.Outcome
+    hit_node_id: int
+    def __init__(self, session_id: _Optional[str] = ..., epoch: _Optional[int] = ..., accepted_tokens: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., accepted_node_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., next_token: _Optional[int] = ..., outcome: _Optional[_Union[_common_pb2.Outcome, str]] = ..., hit_node_id: _Optional[int] = ...) -> None: ...
+
+class StopSession(_message.Message):
+    __slots__ = ("session_id",)
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
+
+class LayerMessage(_message.Message):
+    __slots__ = ("worker_id", "session_id", "epoch", "parent_ids", "node_ids", "tokens", "local_logp", "b_parent_ids", "b_tokens", "b_logp", "draft_forwards", "draft_idle_s")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    PARENT_IDS_FIELD_NUMBER: _ClassVar[int]
+    NODE_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_LOGP_FIELD_NUMBER: _ClassVar[int]
+    B_PARENT_IDS_FIELD_NUMBER: _ClassVar[int]
+    B_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    B_LOGP_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_FORWARDS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_IDLE_S_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    session_id: str
+    epoch: int
+    parent_ids: _common_pb2.Tensor
+    node_ids: _common_pb2.Tensor
+    tokens: _common_pb2.Tensor
+    local_logp: _common_pb2.Tensor
+    b_parent_ids: _common_pb2.Tensor
+    b_tokens: _common_pb2.Tensor
+    b_logp: _common_pb2.Tensor
+    draft_forwards: int
+    draft_idle_s: float
+    def __init__(self, worker_id: _Optional[str] = ..., session_id: _Optional[str] = ..., epoch: _Optional[int] = ..., parent_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., node_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., tokens: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., local_logp: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., b_parent_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., b_tokens: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., b_logp: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., draft_forwards: _Optional[int] = ..., draft_idle_s: _Optional[float] = ...) -> None: ...
+
+class PublishLayersResponse(_message.Message):
+    __slots__ = ("layers_received",)
+    LAYERS_RECEIVED_FIELD_NUMBER: _ClassVar[int]
+    layers_received: int
+    def __init__(self, layers_received: _Optional[int] = ...) -> None: ...
+
+class HeartbeatRequest(_message.Message):
+    __slots__ = ("worker_id", "active_sessions")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    ACTIVE_SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    active_sessions: int
+    def __init__(self, worker_id: _Optional[str] = ..., active_sessions: _Optional[int] = ...) -> None: ...
+
+class HeartbeatResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class StatusRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class DraftInfo(_message.Message):
+    __slots__ = ("name", "model", "tokenizer_fingerprint", "capacity", "active_sessions", "last_heartbeat_unix")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    TOKENIZER_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_FIELD_NUMBER: _ClassVar[int]
+    ACTIVE_SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    LAST_HEARTBEAT_UNIX_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    model: str
+    tokenizer_fingerprint: str
+    capacity: int
+    active_sessions: int
+    last_heartbeat_unix: float
+    def __init__(self, name: _Optional[str] = ..., model: _Optional[str] = ..., tokenizer_fingerprint: _Optional[str] = ..., capacity: _Optional[int] = ..., active_sessions: _Optional[int] = ..., last_heartbeat_unix: _Optional[float] = ...) -> None: ...
+
+class SessionInfo(_message.Message):
+    __slots__ = ("session_id", "target_model", "draft", "epoch", "committed_tokens", "tree_nodes")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    TARGET_MODEL_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    COMMITTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TREE_NODES_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    target_model: str
+    draft: str
+    epoch: int
+    committed_tokens: int
+    tree_nodes: int
+    def __init__(self, session_id: _Optional[str] = ..., target_model: _Optional[str] = ..., draft: _Optional[str] = ..., epoch: _Optional[int] = ..., committed_tokens: _Optional[int] = ..., tree_nodes: _Optional[int] = ...) -> None: ...
+
+class StatusResponse(_message.Message):
+    __slots__ = ("drafts", "sessions", "totals", "cache_device", "redis_connected")
+    class TotalsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    DRAFTS_FIELD_NUMBER: _ClassVar[int]
+    SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    TOTALS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_DEVICE_FIELD_NUMBER: _ClassVar[int]
+    REDIS_CONNECTED_FIELD_NUMBER: _ClassVar[int]
+    drafts: _containers.RepeatedCompositeFieldContainer[DraftInfo]
+    sessions: _containers.RepeatedCompositeFieldContainer[SessionInfo]
+    totals: _containers.ScalarMap[str, float]
+    cache_device: str
+    redis_connected: bool
+    def __init__(self, drafts: _Optional[_Iterable[_Union[DraftInfo, _Mapping]]] = ..., sessions: _Optional[_Iterable[_Union[SessionInfo, _Mapping]]] = ..., totals: _Optional[_Mapping[str, float]] = ..., cache_device: _Optional[str] = ..., redis_connected: _Optional[bool] = ...) -> None: ...

@@ -1,0 +1,73 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable
+from typing import ClassVar as _ClassVar, Optional as _Optional
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Outcome(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    OUTCOME_UNSPECIFIED: _ClassVar[Outcome]
+    OUTCOME_HIT: _ClassVar[Outcome]
+    OUTCOME_SECONDARY_HIT: _ClassVar[Outcome]
+    OUTCOME_MISS: _ClassVar[Outcome]
+OUTCOME_UNSPECIFIED: Outcome
+OUTCOME_HIT: Outcome
+OUTCOME_SECONDARY_HIT: Outcome
+OUTCOME_MISS: Outcome
+
+class Tensor(_message.Message):
+    __slots__ = ("dtype", "shape", "data")
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    dtype: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    data: bytes
+    def __init__(self, dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class SamplingParams(_message.Message):
+    __slots__ = ("temperature", "top_k", "top_p", "seed")
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    temperature: float
+    top_k: int
+    top_p: float
+    seed: int
+    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
+
+class GenerationStats(_message.Message):
+    __slots__ = ("mode", "prompt_tokens", "new_tokens", "wall_s", "prefill_s", "target_forwards", "draft_forwards", "hits", "secondary_hits", "misses", "target_idle_s", "draft_idle_s", "step_rtt_ms", "accepted_lengths")
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    WALL_S_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_S_FIELD_NUMBER: _ClassVar[int]
+    TARGET_FORWARDS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_FORWARDS_FIELD_NUMBER: _ClassVar[int]
+    HITS_FIELD_NUMBER: _ClassVar[int]
+    SECONDARY_HITS_FIELD_NUMBER: _ClassVar[int]
+    MISSES_FIELD_NUMBER: _ClassVar[int]
+    TARGET_IDLE_S_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_IDLE_S_FIELD_NUMBER: _ClassVar[int]
+    STEP_RTT_MS_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_LENGTHS_FIELD_NUMBER: _ClassVar[int]
+    mode: str
+    prompt_tokens: int
+    new_tokens: int
+    wall_s: float
+    prefill_s: float
+    target_forwards: int
+    draft_forwards: int
+    hits: int
+    secondary_hits: int
+    misses: int
+    target_idle_s: float
+    draft_idle_s: float
+    step_rtt_ms: _containers.RepeatedScalarFieldContainer[float]
+    accepted_lengths: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, mode: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., new_tokens: _Optional[int] = ..., wall_s: _Optional[float] = ..., prefill_s: _Optional[float] = ..., target_forwards: _Optional[int] = ..., draft_forwards: _Optional[int] = ..., hits: _Optional[int] = ..., secondary_hits: _Optional[int] = ..., misses: _Optional[int] = ..., target_idle_s: _Optional[float] = ..., draft_idle_s: _Optional[float] = ..., step_rtt_ms: _Optional[_Iterable[float]] = ..., accepted_lengths: _Optional[_Iterable[int]] = ...) -> None: ...
