@@ -1,0 +1,61 @@
+"""Client channels with the shared options, and waiting for a peer to be SERVING."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from card_common.serving import MAX_MESSAGE_BYTES
+from engine.errors import Unavailable
+
+CHANNEL_OPTIONS: tuple[tuple[str, Any], ...] = (
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    # keep idle long-lived streams (draft commands) alive through NATs and proxies, and notice a
+    # dead peer within ~40 s even when nothing is sent
+    ("grpc.keepalive_time_ms", 30_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
+    # reconnect quickly after a peer restarts (default backoff grows to 120 s)
+    ("grpc.initial_reconnect_backoff_ms", 200),
+    ("grpc.max_reconnect_backoff_ms", 5_000),
+)
+
+
+def channel(addr: str) -> grpc.Channel:
+    """An insecure channel to ``addr`` ("host:port"); the cluster network is trusted (see docs)."""
+    return grpc.insecure_channel(addr, options=list(CHANNEL_OPTIONS))
+
+
+def health_status(addr: str, service: str = "", timeout_s: float = 2.0) -> str:
+    """The peer's health status name ("SERVING", "NOT_SERVING", ...); raises grpc.RpcError."""
+    with channel(addr) as ch:
+        resp = health_pb2_grpc.HealthStub(ch).Check(
+            health_pb2.HealthCheckRequest(service=service), timeout=timeout_s
+        )
+    return health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
+
+
+def wait_serving(addr: str, timeout_s: float = 30.0, service: str = "") -> None:
+    """Poll the health service of ``addr`` until SERVING; Unavailable after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    last = "no answer"
+    with channel(addr) as ch:
+        stub = health_pb2_grpc.HealthStub(ch)
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise Unavailable(f"{addr} is not serving after {timeout_s:g}s (last: {last})")
+            try:
+                resp = stub.Check(health_pb2.HealthCheckRequest(service=service),
+                                  timeout=max(0.05, min(2.0, remaining)))
+                if resp.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+                last = health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
+            except grpc.RpcError as err:
+                last = f"{err.code().name}: {err.details()}" if isinstance(err, grpc.Call) else str(err)
+            time.sleep(min(0.1, max(0.0, deadline - time.monotonic())))

@@ -1,0 +1,198 @@
+"""Engine values <-> card.v1 messages. Every crossing of the wire goes through here."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from card.v1 import cache_pb2, common_pb2
+
+from card_common.tensors import DTYPES, from_tensor_msg, ids_from_msg, ids_to_msg, to_tensor_msg
+from engine.config import SamplingParams
+from engine.errors import InvalidArgument
+from engine.sources import StepResult
+from engine.stats import GenerationStats
+from engine.tree import Advance, Chain, Correction, Layer, Outcome
+
+# ---- outcome ----------------------------------------------------------------------------------
+_OUTCOMES: dict[Outcome, int] = {
+    Outcome.HIT: common_pb2.OUTCOME_HIT,
+    Outcome.SECONDARY_HIT: common_pb2.OUTCOME_SECONDARY_HIT,
+    Outcome.MISS: common_pb2.OUTCOME_MISS,
+}
+_FROM_PROTO = {v: k for k, v in _OUTCOMES.items()}
+
+
+def outcome_to_proto(outcome: Outcome | None) -> int:
+    return common_pb2.OUTCOME_UNSPECIFIED if outcome is None else _OUTCOMES[outcome]
+
+
+def outcome_from_proto(value: int) -> Outcome | None:
+    return _FROM_PROTO.get(value)
+
+
+# ---- layer (draft -> cache) -------------------------------------------------------------------
+def layer_to_msg(session_id: str, layer: Layer, worker_id: str = "", draft_forwards: int = 0,
+                 draft_idle_s: float = 0.0) -> cache_pb2.LayerMessage:
+    return cache_pb2.LayerMessage(
+        worker_id=worker_id,
+        session_id=session_id,
+        epoch=layer.epoch,
+        parent_ids=to_tensor_msg(layer.parent_ids, "int64"),
+        node_ids=to_tensor_msg(layer.node_ids, "int64"),
+        tokens=to_tensor_msg(layer.tokens, "int64"),
+        local_logp=to_tensor_msg(layer.local_logp, "float32"),
+        b_parent_ids=to_tensor_msg(layer.b_parent_ids, "int64"),
+        b_tokens=to_tensor_msg(layer.b_tokens, "int64"),
+        b_logp=to_tensor_msg(layer.b_logp, "float32"),
+        draft_forwards=draft_forwards,
+        draft_idle_s=draft_idle_s,
+    )
+
+
+def _column(msg: common_pb2.Tensor, dtype: str, name: str) -> torch.Tensor:
+    if not msg.dtype and not msg.shape and not msg.data:
+        return from_tensor_msg(common_pb2.Tensor(dtype=dtype, shape=[0]))
+    t = from_tensor_msg(msg)
+    if t.dim() != 1:
+        raise InvalidArgument(f"layer column {name} must be 1-D, got shape {list(t.shape)}")
+    return t.to(DTYPES[dtype])
+
+
+def layer_from_msg(msg: cache_pb2.LayerMessage) -> Layer:
+    """Decode a layer; InvalidArgument when its columns disagree in length."""
+    cols = {
+        name: _column(getattr(msg, name), dtype, name)
+        for name, dtype in (("parent_ids", "int64"), ("node_ids", "int64"), ("tokens", "int64"),
+                            ("local_logp", "float32"), ("b_parent_ids", "int64"),
+                            ("b_tokens", "int64"), ("b_logp", "float32"))
+    }
+    n = {cols[c].numel() for c in ("parent_ids", "node_ids", "tokens", "local_logp")}
+    m = {cols[c].numel() for c in ("b_parent_ids", "b_tokens", "b_logp")}
+    if len(n) != 1 or len(m) != 1:
+        raise InvalidArgument(
+            f"layer of session {msg.session_id}: primary columns have lengths {sorted(n)} and "
+            f"secondary columns {sorted(m)}; each group must agree"
+        )
+    return Layer(**cols, epoch=msg.epoch)
+
+
+# ---- correction (target -> cache) and chain (cache -> target) ---------------------------------
+def correction_to_msg(session_id: str, correction: Correction) -> cache_pb2.StepRequest:
+    return cache_pb2.StepRequest(
+        session_id=session_id,
+        epoch=correction.epoch,
+        accepted_tokens=ids_to_msg(correction.accepted_tokens),
+        accepted_node_ids=ids_to_msg(correction.accepted_node_ids),
+        next_token=correction.next_token,
+    )
+
+
+def correction_from_msg(msg: cache_pb2.StepRequest) -> Correction:
+    return Correction(
+        epoch=msg.epoch,
+        accepted_tokens=tuple(ids_from_msg(msg.accepted_tokens)),
+        accepted_node_ids=tuple(ids_from_msg(msg.accepted_node_ids)),
+        next_token=msg.next_token,
+    )
+
+
+def chain_to_msg(chain: Chain, outcome: Outcome | None = None) -> cache_pb2.StepResponse:
+    return cache_pb2.StepResponse(
+        epoch=chain.epoch,
+        chain_tokens=ids_to_msg(chain.tokens),
+        chain_node_ids=ids_to_msg(chain.node_ids),
+        outcome=outcome_to_proto(outcome),
+    )
+
+
+def step_result_from_msg(msg: cache_pb2.StepResponse) -> StepResult:
+    """The chain and the verdict on the correction, as ``ChainSource.step`` returns them."""
+    tokens = tuple(ids_from_msg(msg.chain_tokens))
+    node_ids = tuple(ids_from_msg(msg.chain_node_ids))
+    if len(tokens) != len(node_ids):
+        raise InvalidArgument(f"chain has {len(tokens)} tokens but {len(node_ids)} node ids")
+    return StepResult(Chain(tokens, node_ids, msg.epoch), outcome_from_proto(msg.outcome))
+
+
+# ---- advance (cache -> draft) -----------------------------------------------------------------
+def advance_to_msg(session_id: str, advance: Advance) -> cache_pb2.AdvanceSession:
+    return cache_pb2.AdvanceSession(
+        session_id=session_id,
+        epoch=advance.epoch,
+        accepted_tokens=ids_to_msg(advance.accepted_tokens),
+        accepted_node_ids=ids_to_msg(advance.accepted_node_ids),
+        next_token=advance.next_token,
+        outcome=outcome_to_proto(advance.outcome),
+        hit_node_id=-1 if advance.hit_node_id is None else advance.hit_node_id,
+    )
+
+
+def advance_from_msg(msg: cache_pb2.AdvanceSession) -> Advance:
+    outcome = outcome_from_proto(msg.outcome)
+    if outcome is None:
+        raise InvalidArgument(f"advance for session {msg.session_id} carries no outcome")
+    return Advance(
+        epoch=msg.epoch,
+        accepted_tokens=tuple(ids_from_msg(msg.accepted_tokens)),
+        accepted_node_ids=tuple(ids_from_msg(msg.accepted_node_ids)),
+        next_token=msg.next_token,
+        outcome=outcome,
+        hit_node_id=None if msg.hit_node_id < 0 else msg.hit_node_id,
+    )
+
+
+# ---- sampling and stats -----------------------------------------------------------------------
+def _f32(x: float) -> float:
+    # the wire holds float32: 0.9 arrives as 0.899999976...; take the shortest decimal that maps
+    # to the same float32 so a remote generation uses exactly the value the user typed
+    return float(str(np.float32(x)))
+
+
+def sampling_to_msg(params: SamplingParams) -> common_pb2.SamplingParams:
+    return common_pb2.SamplingParams(
+        temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, seed=params.seed
+    )
+
+
+def sampling_from_msg(msg: common_pb2.SamplingParams) -> SamplingParams:
+    """Validated params (InvalidArgument on bad values). An unset top_p (0) means 1.0."""
+    top_p = _f32(msg.top_p) if msg.top_p != 0.0 else 1.0
+    return SamplingParams(temperature=_f32(msg.temperature), top_k=msg.top_k, top_p=top_p, seed=msg.seed)
+
+
+def stats_to_msg(stats: GenerationStats) -> common_pb2.GenerationStats:
+    return common_pb2.GenerationStats(
+        mode=stats.mode,
+        prompt_tokens=stats.prompt_tokens,
+        new_tokens=stats.new_tokens,
+        wall_s=stats.wall_s,
+        prefill_s=stats.prefill_s,
+        target_forwards=stats.target_forwards,
+        draft_forwards=stats.draft_forwards,
+        hits=stats.hits,
+        secondary_hits=stats.secondary_hits,
+        misses=stats.misses,
+        target_idle_s=stats.target_idle_s,
+        draft_idle_s=stats.draft_idle_s,
+        step_rtt_ms=stats.step_rtt_ms,
+        accepted_lengths=stats.accepted_lengths,
+    )
+
+
+def stats_from_msg(msg: common_pb2.GenerationStats) -> GenerationStats:
+    return GenerationStats(
+        mode=msg.mode,
+        prompt_tokens=msg.prompt_tokens,
+        new_tokens=msg.new_tokens,
+        wall_s=msg.wall_s,
+        prefill_s=msg.prefill_s,
+        target_forwards=msg.target_forwards,
+        draft_forwards=msg.draft_forwards,
+        hits=msg.hits,
+        secondary_hits=msg.secondary_hits,
+        misses=msg.misses,
+        target_idle_s=msg.target_idle_s,
+        draft_idle_s=msg.draft_idle_s,
+        step_rtt_ms=list(msg.step_rtt_ms),
+        accepted_lengths=list(msg.accepted_lengths),
+    )

@@ -1,0 +1,149 @@
+"""What every service process shares: gRPC server options, health, metrics, logging, shutdown."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import signal
+import sys
+import threading
+from collections.abc import Callable, Sequence
+from concurrent import futures
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+
+# Clients ping every 30 s (card_common.channels); the server must allow that or it answers with
+# GOAWAY "too_many_pings" and long-lived streams (draft commands) drop.
+SERVER_OPTIONS: tuple[tuple[str, Any], ...] = (
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.keepalive_time_ms", 30_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+    ("grpc.http2.max_pings_without_data", 0),
+)
+
+
+def make_server(max_workers: int = 32) -> grpc.Server:
+    """A thread-pool gRPC server with the shared options. Each open stream holds one thread."""
+    return grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=list(SERVER_OPTIONS))
+
+
+# ---- health ---------------------------------------------------------------------------------
+def add_health(server: grpc.Server) -> health.HealthServicer:
+    """Register grpc.health.v1 on ``server``; everything starts NOT_SERVING."""
+    servicer = health.HealthServicer(experimental_non_blocking=True)
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+    return servicer
+
+
+def set_serving(servicer: health.HealthServicer, serving: bool, services: Sequence[str] = ()) -> None:
+    """Set the overall status ("") and each named service (e.g. "card.v1.CacheService")."""
+    status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+    for name in ("", *services):
+        servicer.set(name, status)
+
+
+# ---- metrics --------------------------------------------------------------------------------
+def start_metrics_server(port: int, addr: str = "0.0.0.0") -> int:
+    """Serve Prometheus metrics over HTTP on ``port`` (0 = disabled); returns the port or 0."""
+    if port == 0:
+        return 0
+    from prometheus_client import start_http_server
+
+    start_http_server(port, addr=addr)
+    log.info("metrics on http://%s:%d/metrics", addr, port)
+    return port
+
+
+# ---- logging --------------------------------------------------------------------------------
+_RECORD_FIELDS = frozenset(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | {"message", "asctime"}
+
+
+def _extras(record: logging.LogRecord) -> dict[str, Any]:
+    return {k: v for k, v in vars(record).items() if k not in _RECORD_FIELDS and not k.startswith("_")}
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per line: ts, level, logger, msg, extra fields (session_id, ...), exc."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        entry: dict[str, Any] = {
+            "ts": datetime.datetime.fromtimestamp(record.created, datetime.timezone.utc).isoformat(
+                timespec="milliseconds"
+            ),
+            "level": record.levelname,
+            "logger": record.name,
+            "msg": record.getMessage(),
+        }
+        entry.update(_extras(record))
+        if record.exc_info:
+            entry["exc"] = self.formatException(record.exc_info)
+        return json.dumps(entry, default=str)
+
+
+class TextFormatter(logging.Formatter):
+    """Human-readable lines; extra fields are appended as key=value."""
+
+    def __init__(self) -> None:
+        super().__init__("%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+    def format(self, record: logging.LogRecord) -> str:
+        line = super().format(record)
+        extras = _extras(record)
+        if extras:
+            tail = " ".join(f"{k}={v}" for k, v in extras.items())
+            head, sep, rest = line.partition("\n")  # keep key=value on the message line
+            line = f"{head} {tail}{sep}{rest}"
+        return line
+
+
+def setup_logging(level: str = "INFO", json_logs: bool = False) -> None:
+    """Configure the root logger once per process (stderr; stdout is kept for announcements)."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(JsonFormatter() if json_logs else TextFormatter())
+    root = logging.getLogger()
+    for old in list(root.handlers):
+        root.removeHandler(old)
+    root.addHandler(handler)
+    root.setLevel(level.upper())
+
+
+# ---- shutdown -------------------------------------------------------------------------------
+def serve_until_signal(server: grpc.Server, on_shutdown: Callable[[], None], grace_s: float = 5.0,
+                       health_servicer: health.HealthServicer | None = None) -> None:
+    """Block until SIGTERM/SIGINT, then drain: NOT_SERVING, ``on_shutdown()``, ``server.stop(grace)``.
+
+    Health flips first so load balancers and probes stop routing here while sessions end cleanly.
+    Must be called from the main thread (signal handlers).
+    """
+    stop = threading.Event()
+
+    def handler(signum: int, _frame: Any) -> None:
+        log.info("received %s, shutting down", signal.Signals(signum).name)
+        stop.set()
+
+    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        while not stop.wait(1.0):
+            pass
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+        if health_servicer is not None:
+            health_servicer.enter_graceful_shutdown()
+        try:
+            on_shutdown()
+        except Exception:  # shutdown must reach server.stop whatever the cleanup did
+            log.exception("error during shutdown")
+        server.stop(grace_s).wait()
+        log.info("server stopped")
