@@ -18,6 +18,7 @@ import contextlib
 import io
 import logging
 import os
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -185,7 +186,9 @@ def load_model(config: ModelConfig) -> LoadedModel:
     if config.quantize == "int8":
         if device.type != "cpu":
             raise InvalidArgument("quantize=int8 runs on the CPU only")
-        model = torch.ao.quantization.quantize_dynamic(model, {torch.nn.Linear}, dtype=torch.qint8)
+        with warnings.catch_warnings():  # torch.ao.quantization warns it is moving to torchao
+            warnings.simplefilter("ignore")
+            model = torch.ao.quantization.quantize_dynamic(model, {torch.nn.Linear}, dtype=torch.qint8)
     return LoadedModel(
         name=config.label,
         model=model,

@@ -1,0 +1,154 @@
+"""``card-client``: generate text (in-process or through the services) and operate the trio."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+from collections.abc import Callable
+
+import click
+
+from engine.config import SamplingParams, StopParams, TreeParams
+from engine.errors import CardError
+from engine.models import DEFAULT_MODEL, QUANTIZE, ModelConfig
+
+from client.options import DEFAULT_DRAFT, GenerateOptions
+
+EXIT_USER_ERROR = 2
+
+
+def fail(message: str, code: int = EXIT_USER_ERROR) -> None:
+    click.echo(f"error: {message}", err=True)
+    sys.exit(code)
+
+
+def guarded(fn: Callable) -> Callable:
+    """Domain errors become one readable line and a non-zero exit code, never a traceback."""
+
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except CardError as exc:
+            fail(f"{exc.code}: {exc}")
+        except KeyboardInterrupt:
+            click.echo("\ninterrupted", err=True)
+            sys.exit(130)
+
+    wrapper.__name__ = fn.__name__
+    wrapper.__doc__ = fn.__doc__
+    return wrapper
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--log-level", default="WARNING", envvar="CARD_LOG_LEVEL", show_default=True,
+              type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False))
+def cli(log_level: str) -> None:
+    """CARD serving: exact speculative decoding with a draft, a cache and a target service."""
+    logging.basicConfig(level=log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    if logging.getLevelName(log_level.upper()) > logging.INFO:
+        # transformers warns about sequence lengths itself; the engine's own check says it better
+        import transformers
+
+        transformers.logging.set_verbosity_error()
+
+
+@cli.command()
+@click.argument("prompt")
+@click.option("--inprocess", is_flag=True, help="Run draft and target in this process (no services).")
+@click.option("--target", "target_addr", envvar="CARD_TARGET_ADDR", default=None,
+              help="Address of a running card-target (HOST:PORT). Unset: use a local trio.")
+@click.option("--draft", "draft_name", default=None, help="Name of the draft worker to use (services).")
+@click.option("--mode", type=click.Choice(["card", "sd", "vanilla"]), default="card", show_default=True)
+@click.option("--target-model", default=DEFAULT_MODEL, envvar="CARD_TARGET_MODEL", show_default=True,
+              help="Hugging Face id, local folder, .gguf file, or 'default' (embedded SmolLM2-135M).")
+@click.option("--draft-model", default=DEFAULT_DRAFT.spec, envvar="CARD_DRAFT_MODEL", show_default=True)
+@click.option("--draft-quantize", type=click.Choice(QUANTIZE), default=None,
+              help=f"Quantize the draft (default: {DEFAULT_DRAFT.quantize} for the default draft, else none).")
+@click.option("--dtype", default="auto", show_default=True, help="auto, float32, bfloat16, float16.")
+@click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda, cuda:N.")
+@click.option("--max-new-tokens", default=128, show_default=True, type=int)
+@click.option("--temperature", default=0.0, show_default=True, type=float, help="0 = greedy.")
+@click.option("--top-k", default=0, show_default=True, type=int, help="0 disables top-k.")
+@click.option("--top-p", default=1.0, show_default=True, type=float)
+@click.option("--seed", default=0, show_default=True, type=int)
+@click.option("--stop", "stop", multiple=True, help="Stop before this string (repeatable).")
+@click.option("--ignore-eos", is_flag=True, help="Keep generating past EOS.")
+@click.option("--tree-width", "-K", default=TreeParams.width, show_default=True, type=int,
+              help="K: primary nodes per draft layer.")
+@click.option("--max-depth", default=TreeParams.max_depth, show_default=True, type=int)
+@click.option("--max-chain", default=TreeParams.max_chain, show_default=True, type=int)
+@click.option("--gamma", default=4, show_default=True, type=int, help="Chain length of --mode sd.")
+@click.option("--chat/--no-chat", default=None, help="Apply the chat template (default: when there is one).")
+@click.option("--target-threads", type=int, default=None, help="torch threads of the target.")
+@click.option("--draft-threads", type=int, default=None, help="torch threads of the draft.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object: text, token_ids, stats.")
+@guarded
+def generate(prompt: str, inprocess: bool, target_addr: str | None, draft_name: str | None, mode: str,
+             target_model: str, draft_model: str, draft_quantize: str | None, dtype: str, device: str,
+             max_new_tokens: int, temperature: float, top_k: int, top_p: float, seed: int,
+             stop: tuple[str, ...], ignore_eos: bool, tree_width: int, max_depth: int, max_chain: int,
+             gamma: int, chat: bool | None, target_threads: int | None, draft_threads: int | None,
+             as_json: bool) -> None:
+    """Generate text for PROMPT, streaming it as the target commits it; a stats line follows."""
+    if draft_quantize is None:
+        draft_quantize = DEFAULT_DRAFT.quantize if draft_model == DEFAULT_DRAFT.spec else "none"
+    opts = GenerateOptions(
+        prompt=prompt,
+        mode=mode,
+        target=ModelConfig(target_model, dtype, device),
+        draft=ModelConfig(draft_model, dtype, device, draft_quantize),
+        sampling=SamplingParams(temperature, top_k, top_p, seed),
+        stop=StopParams(max_new_tokens, tuple(stop), ignore_eos),
+        tree=TreeParams(width=tree_width, max_depth=max_depth, max_chain=max_chain),
+        gamma=gamma,
+        chat=chat,
+        target_threads=target_threads,
+        draft_threads=draft_threads,
+        draft_name=draft_name,
+    )
+    on_text = None if as_json else _echo_text
+    if inprocess:
+        from client.inprocess import generate_inprocess
+
+        result = generate_inprocess(opts, on_text)
+    else:
+        from client.services import generate_via_services
+
+        result = generate_via_services(opts, target_addr, on_text)
+    if as_json:
+        click.echo(json.dumps(result.to_dict()))
+    else:
+        click.echo("")
+        click.echo(result.stats.summary(), err=True)
+
+
+def _echo_text(text: str) -> None:
+    click.echo(text, nl=False)
+    sys.stdout.flush()
+
+
+def _register_service_commands() -> None:
+    """Operator commands (up, status, drafts) live with the services client."""
+    try:
+        from client import ops
+    except ImportError as exc:  # the services client is an optional part of the install
+        logging.getLogger(__name__).debug("operator commands unavailable: %s", exc)
+        return
+    for name in ("up", "status", "drafts"):
+        command = getattr(ops, name, None)
+        if isinstance(command, click.Command):
+            cli.add_command(command, name)
+
+
+_register_service_commands()
+
+
+def main() -> None:
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    cli(prog_name="card-client")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,53 @@
+"""The options of ``card-client generate``, built once from flags and CARD_* variables."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+from engine.config import SamplingParams, StopParams, TreeParams
+from engine.models import DEFAULT_MODEL, ModelConfig
+from engine.runner import RunnerConfig
+
+# The embedded default pair: SmolLM2-135M-Instruct drafting for itself, dynamically quantized to
+# int8 (training-free; docs/default-draft.md has the measurement behind the choice).
+DEFAULT_DRAFT = ModelConfig(spec=DEFAULT_MODEL, quantize="int8")
+
+
+def default_thread_split(cores: int | None = None) -> tuple[int, int]:
+    """(target, draft) torch threads for in-process card: the draft gets a quarter, at least one."""
+    cores = cores or os.cpu_count() or 1
+    draft = max(1, cores // 4)
+    return max(1, cores - draft), draft
+
+
+@dataclass(frozen=True)
+class GenerateOptions:
+    prompt: str
+    mode: str
+    target: ModelConfig
+    draft: ModelConfig
+    sampling: SamplingParams
+    stop: StopParams
+    tree: TreeParams
+    gamma: int = 4
+    chat: bool | None = None
+    target_threads: int | None = None
+    draft_threads: int | None = None
+    lockstep_depth: int = 0
+    draft_name: str | None = None
+    extra: dict = field(default_factory=dict)
+
+    def runner_config(self) -> RunnerConfig:
+        if self.mode == "vanilla":
+            target_threads = self.target_threads or os.cpu_count()
+            return RunnerConfig(mode="vanilla", target_threads=target_threads)
+        t, d = default_thread_split()
+        return RunnerConfig(
+            mode=self.mode,
+            tree=self.tree,
+            gamma=self.gamma,
+            target_threads=self.target_threads or (t if self.mode == "card" else os.cpu_count()),
+            draft_threads=self.draft_threads or d,
+            lockstep_depth=self.lockstep_depth,
+        )
