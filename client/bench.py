@@ -1,0 +1,212 @@
+"""card-bench: the same prompts through every decoding mode, on one machine, in one run.
+
+    card-bench --target-model T.gguf --draft-model D.gguf --dataset gsm8k --n 10 --max-new-tokens 128
+
+Fair by construction: every mode gets the same prompt token ids (chat template applied once), the
+models are loaded once and shared, every mode is warmed up first, modes are interleaved prompt by
+prompt with a rotating order (so load from other processes and thermal drift hit every mode
+alike), and each mode runs with its best thread setting (one-model-at-a-time modes get every core;
+card splits them between target and draft). Greedy outputs must equal vanilla token for token:
+any difference is printed and makes the command exit with status 1.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+
+import click
+import torch
+
+from client import bench_data, bench_report
+from client.bench_modes import MODES, NEEDS_DRAFT, Mode, ModeSettings, build_mode
+from engine.config import TreeParams
+from engine.errors import CardError, InvalidArgument
+from engine.models import DTYPES, LoadedModel, ModelConfig, load_model
+
+EXIT_MISMATCH = 1
+EXIT_USAGE = 2
+
+
+def default_split(cores: int) -> tuple[int, int]:
+    """(target, draft) threads for card: the draft gets about a third of the cores, at least one."""
+    draft = max(1, cores // 3)
+    return max(1, cores - draft), draft
+
+
+def randomized(draft: LoadedModel, seed: int) -> LoadedModel:
+    """The draft's architecture and tokenizer with random weights: a useless draft of equal cost."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    dtype = next(p.dtype for p in draft.model.parameters() if p.is_floating_point())
+    model = AutoModelForCausalLM.from_config(draft.model.config, dtype=dtype).eval()
+    if any(type(m).__module__.startswith("torch.ao.nn.quantized") for m in draft.model.modules()):
+        model = torch.ao.quantization.quantize_dynamic(model, {torch.nn.Linear}, dtype=torch.qint8)
+    return LoadedModel(f"random-init {draft.name} (seed {seed})", model, draft.tokenizer,
+                       draft.fingerprint, draft.eos_ids, draft.context_window)
+
+
+def run_bench(target: LoadedModel, draft: LoadedModel | None, modes: list[Mode],
+              datasets: list[bench_data.Dataset], max_new_tokens: int, warmup_tokens: int,
+              progress: bool = True) -> list[dict]:
+    """Every prompt through every mode (order rotating per prompt); one record per run."""
+    from tqdm import tqdm
+
+    encoded = [(ds, [target.encode_prompt(p) for p in ds.prompts]) for ds in datasets]
+    if warmup_tokens:
+        first = encoded[0][1][0]
+        for mode in modes:
+            mode.run(first, min(warmup_tokens, max_new_tokens))
+    records: list[dict] = []
+    total = sum(len(ids) for _, ids in encoded) * len(modes)
+    with tqdm(total=total, disable=not progress, unit="run", dynamic_ncols=True, file=sys.stderr) as bar:
+        for ds, prompts in encoded:
+            for i, prompt_ids in enumerate(prompts):
+                shift = i % len(modes)
+                for mode in modes[shift:] + modes[:shift]:
+                    bar.set_postfix_str(f"{ds.name} #{i} {mode.name}")
+                    out = mode.run(prompt_ids, max_new_tokens)
+                    record = {"dataset": ds.name, "prompt_index": i, "mode": mode.name,
+                              "token_ids": out.token_ids, **out.stats.to_dict()}
+                    record["mode"] = mode.name
+                    records.append(record)
+                    bar.update(1)
+    return records
+
+
+def _parse_modes(value: str) -> list[str]:
+    modes = [m.strip() for m in value.split(",") if m.strip()]
+    unknown = [m for m in modes if m not in MODES]
+    if unknown:
+        raise InvalidArgument(f"unknown mode(s) {', '.join(unknown)}; choose from {', '.join(MODES)}")
+    if bench_report.REFERENCE not in modes:
+        modes.insert(0, bench_report.REFERENCE)  # speedups and exactness are measured against it
+    return list(dict.fromkeys(modes))
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--target-model", default="default", show_default=True,
+              help="target model spec: HF id, checkpoint folder, .gguf file, or 'default'")
+@click.option("--draft-model", default="default", show_default=True, help="draft model spec")
+@click.option("--target-dtype", type=click.Choice(["auto", *DTYPES]), default="auto", show_default=True)
+@click.option("--draft-dtype", type=click.Choice(["auto", *DTYPES]), default="auto", show_default=True)
+@click.option("--draft-quantize", type=click.Choice(["none", "int8"]), default="int8", show_default=True,
+              help="dynamic int8 Linear layers for the draft (CPU)")
+@click.option("--draft-random-init", type=int, default=None, metavar="SEED",
+              help="replace the draft's weights by random ones (seeded): the useless-draft worst case")
+@click.option("--modes", default="vanilla,sd,card,hf,hf-assisted", show_default=True,
+              help=f"comma-separated, from {', '.join(MODES)} (vanilla is always run: it is the reference)")
+@click.option("--dataset", "datasets", multiple=True, default=("gsm8k",), show_default=True,
+              help="gsm8k | humaneval | mt_bench | name=path | path to a jsonl(.gz); repeatable")
+@click.option("--n", "n_prompts", type=click.IntRange(min=1), default=10, show_default=True,
+              help="first N prompts of each dataset")
+@click.option("--max-new-tokens", type=click.IntRange(min=1), default=128, show_default=True)
+@click.option("--tree-width", type=click.IntRange(1, 64), default=None, help="K (card)")
+@click.option("--branch", type=click.IntRange(0, 64), default=None, help="k, secondary children per node")
+@click.option("--max-depth", type=click.IntRange(min=1), default=None, help="tree depth cap (card)")
+@click.option("--max-chain", type=click.IntRange(min=0), default=None, help="verify length cap (card)")
+@click.option("--b-extension/--no-b-extension", default=None, help="extend chains from tier B (card)")
+@click.option("--gamma", type=click.IntRange(min=1), default=4, show_default=True, help="sd chain length")
+@click.option("--lockstep-depth", type=click.IntRange(min=0), default=0, show_default=True,
+              help="card waits until the tree is this deep before each verify (0 = asynchronous)")
+@click.option("--threads", type=click.IntRange(min=1), default=None,
+              help="threads for one-model modes (default: every core)")
+@click.option("--target-threads", type=click.IntRange(min=1), default=None, help="card target threads")
+@click.option("--draft-threads", type=click.IntRange(min=1), default=None, help="card draft threads")
+@click.option("--ignore-eos", is_flag=True, help="always generate --max-new-tokens tokens")
+@click.option("--warmup-tokens", type=click.IntRange(min=0), default=8, show_default=True,
+              help="tokens of the first prompt each mode generates before timing starts")
+@click.option("--out", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="JSON results (default bench-results/bench-<time>.json)")
+@click.option("--chart", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="PNG chart (default: the JSON path with .png)")
+@click.option("--no-progress", is_flag=True, help="no progress bar")
+def main(**opts: object) -> None:
+    """Compare decoding modes on the same prompts, on this machine, in one run."""
+    try:
+        code = bench(**opts)
+    except CardError as exc:
+        click.echo(f"card-bench: {exc}", err=True)
+        code = EXIT_USAGE
+    sys.exit(code)
+
+
+def bench(*, target_model: str, draft_model: str, target_dtype: str, draft_dtype: str, draft_quantize: str,
+          draft_random_init: int | None, modes: str, datasets: tuple[str, ...], n_prompts: int,
+          max_new_tokens: int, tree_width: int | None, branch: int | None, max_depth: int | None,
+          max_chain: int | None, b_extension: bool | None, gamma: int, lockstep_depth: int, ignore_eos: bool,
+          threads: int | None, target_threads: int | None, draft_threads: int | None, warmup_tokens: int,
+          out: Path | None, chart: Path | None, no_progress: bool) -> int:
+    mode_names = _parse_modes(modes)
+    cores = os.cpu_count() or 1
+    split = default_split(cores)
+    tree_defaults = TreeParams()
+    tree = TreeParams(
+        width=tree_width or tree_defaults.width,
+        branch=tree_defaults.branch if branch is None else branch,
+        max_depth=max_depth or tree_defaults.max_depth,
+        max_chain=tree_defaults.max_chain if max_chain is None else max_chain,
+        b_extension=tree_defaults.b_extension if b_extension is None else b_extension,
+    )
+    settings = ModeSettings(tree=tree, gamma=gamma, all_threads=threads or cores,
+                            target_threads=target_threads or split[0],
+                            draft_threads=draft_threads or split[1],
+                            lockstep_depth=lockstep_depth, ignore_eos=ignore_eos)
+    loaded = [bench_data.load(spec, n_prompts) for spec in datasets]
+
+    t0 = time.perf_counter()
+    target = load_model(ModelConfig(spec=target_model, dtype=target_dtype))
+    draft = None
+    if any(m in NEEDS_DRAFT for m in mode_names):
+        draft = load_model(ModelConfig(spec=draft_model, dtype=draft_dtype, quantize=draft_quantize))
+        if draft_random_init is not None:
+            draft = randomized(draft, draft_random_init)
+    click.echo(f"loaded target {target.name} and draft {draft.name if draft else '-'} "
+               f"in {time.perf_counter() - t0:.1f}s", err=True)
+
+    built = [build_mode(m, target, draft, settings) for m in mode_names]
+    try:
+        records = run_bench(target, draft, built, loaded, max_new_tokens, warmup_tokens,
+                            progress=not no_progress)
+    finally:
+        for m in built:
+            m.close()
+
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    out = out or Path("bench-results") / f"bench-{stamp}.json"
+    config = {
+        "target_model": target.name, "draft_model": draft.name if draft else None,
+        "target_dtype": target_dtype, "draft_dtype": draft_dtype, "draft_quantize": draft_quantize,
+        "draft_random_init": draft_random_init, "modes": mode_names,
+        "datasets": {d.name: str(d.path) for d in loaded}, "n": n_prompts,
+        "max_new_tokens": max_new_tokens, "ignore_eos": ignore_eos, "tree": vars(tree) | {"k": tree.k},
+        "gamma": gamma, "lockstep_depth": lockstep_depth, "warmup_tokens": warmup_tokens, "greedy": True,
+    }
+    machine = bench_report.machine_info({m.name: m.threads for m in built})
+    title = (f"{target.name} / draft {draft.name if draft else '-'}; {max_new_tokens} new tokens, "
+             f"greedy; {machine['cpu_model']} x{cores}")
+    return finish(records, config, machine, out, chart or out.with_suffix(".png"), title)
+
+
+def finish(records: list[dict], config: dict, machine: dict, out: Path, chart: Path, title: str) -> int:
+    """Check exactness, print the table and any mismatch, write JSON and chart; the exit status."""
+    bad = bench_report.check_exactness(records)
+    rows = bench_report.summarize(records)
+    click.echo(bench_report.table(rows))
+    for line in bench_report.mismatch_lines(bad):
+        click.echo(line)
+    bench_report.write_json(out, {"config": config, "machine": machine, "summary": rows,
+                                  "records": records, "mismatches": len(bad)})
+    bench_report.write_chart(chart, rows, records, title)
+    click.echo(f"wrote {out} and {chart}", err=True)
+    if bad:
+        click.echo(f"card-bench: {len(bad)} output(s) differ from vanilla", err=True)
+        return EXIT_MISMATCH
+    return 0
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,161 @@
+"""The decoding modes a benchmark compares, each behind one interface: ``run(prompt_ids, budget)``.
+
+    vanilla, sd, card   the engine in this process (engine.runner.InProcessRunner)
+    hf                  transformers' plain greedy ``model.generate`` (cross-check of vanilla)
+    hf-assisted         transformers' assisted generation with the same draft, greedy
+
+Every mode returns a ``GenerationStats`` (engine/stats.py) and the generated token ids, so one
+report covers all of them. Each mode sets the torch thread count it runs best with before it runs:
+modes that use one model at a time get every core; card splits the cores between the target (this
+thread) and the draft worker thread.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from engine.config import GenerationRequest, StopParams, TreeParams
+from engine.errors import InvalidArgument
+from engine.models import LoadedModel
+from engine.runner import InProcessRunner, RunnerConfig
+from engine.stats import GenerationStats
+
+ENGINE_MODES = ("vanilla", "sd", "card")
+HF_MODES = ("hf", "hf-assisted")
+MODES = ENGINE_MODES + HF_MODES
+NEEDS_DRAFT = ("sd", "card", "hf-assisted")
+
+
+@dataclass(frozen=True)
+class ModeOutput:
+    token_ids: list[int]
+    stats: GenerationStats
+
+
+class Mode(Protocol):
+    name: str
+    threads: dict[str, int]
+
+    def run(self, prompt_ids: Sequence[int], max_new_tokens: int) -> ModeOutput: ...
+
+    def close(self) -> None: ...
+
+
+class EngineMode:
+    """vanilla / sd / card through the in-process runner (one runner, reused for every prompt)."""
+
+    def __init__(self, name: str, target: LoadedModel, draft: LoadedModel | None, config: RunnerConfig,
+                 target_threads: int, draft_threads: int | None = None, ignore_eos: bool = False) -> None:
+        self.name = name
+        self.ignore_eos = ignore_eos
+        self.runner = InProcessRunner(target, draft, config)
+        self.target_threads = target_threads
+        self.threads = {"target": target_threads}
+        if draft_threads:
+            self.threads["draft"] = draft_threads
+
+    def run(self, prompt_ids: Sequence[int], max_new_tokens: int) -> ModeOutput:
+        torch.set_num_threads(self.target_threads)
+        request = GenerationRequest(tuple(prompt_ids), stop=StopParams(max_new_tokens=max_new_tokens,
+                                                                           ignore_eos=self.ignore_eos))
+        result = self.runner.generation(request).run()
+        return ModeOutput(result.token_ids, result.stats)
+
+    def close(self) -> None:
+        self.runner.close()
+
+
+class _ForwardCounter:
+    """Counts a model's forward calls (transformers' generate does not report them)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.calls = 0
+        self._handle = model.register_forward_hook(self._hook)
+
+    def _hook(self, *_: object) -> None:
+        self.calls += 1
+
+    def close(self) -> None:
+        self._handle.remove()
+
+
+class HFMode:
+    """transformers' own greedy decoding, plain or assisted by the draft."""
+
+    def __init__(self, name: str, target: LoadedModel, draft: LoadedModel | None, threads: int,
+                 ignore_eos: bool = False) -> None:
+        from transformers import GenerationConfig
+
+        if name == "hf-assisted" and draft is None:
+            raise InvalidArgument("mode hf-assisted needs a draft model")
+        self.name = name
+        self.target = target
+        self.assistant = draft.model if name == "hf-assisted" else None
+        self.threads = {"target": threads}
+        self._threads = threads
+        eos = sorted(target.eos_ids)
+        pad = getattr(target.tokenizer, "pad_token_id", None)
+        # a fresh config: a checkpoint's own generation defaults (sampling, repetition penalty)
+        # would make the comparison with the engine's greedy decoding meaningless
+        self.config = GenerationConfig(do_sample=False, eos_token_id=None if ignore_eos else eos,
+                                       pad_token_id=pad if pad is not None else (eos or [0])[0])
+
+    def run(self, prompt_ids: Sequence[int], max_new_tokens: int) -> ModeOutput:
+        torch.set_num_threads(self._threads)
+        model = self.target.model
+        ids = torch.tensor([list(prompt_ids)], dtype=torch.int64, device=model.device)
+        counter = _ForwardCounter(model)
+        draft_counter = _ForwardCounter(self.assistant) if self.assistant is not None else None
+        kwargs = {"assistant_model": self.assistant} if self.assistant is not None else {}
+        try:
+            t0 = time.perf_counter()
+            with torch.inference_mode():
+                out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=self.config,
+                                     max_new_tokens=max_new_tokens, **kwargs)
+            wall = time.perf_counter() - t0
+        finally:
+            counter.close()
+            if draft_counter is not None:
+                draft_counter.close()
+        tokens = out[0, ids.shape[1]:].tolist()
+        stats = GenerationStats(mode=self.name, prompt_tokens=len(prompt_ids), new_tokens=len(tokens),
+                                wall_s=wall, target_forwards=counter.calls,
+                                draft_forwards=draft_counter.calls if draft_counter else 0)
+        return ModeOutput(tokens, stats)
+
+    def close(self) -> None:
+        pass
+
+
+@dataclass(frozen=True)
+class ModeSettings:
+    tree: TreeParams
+    gamma: int
+    all_threads: int
+    target_threads: int
+    draft_threads: int
+    lockstep_depth: int = 0
+    ignore_eos: bool = False
+
+
+def build_mode(name: str, target: LoadedModel, draft: LoadedModel | None, s: ModeSettings) -> Mode:
+    if name in NEEDS_DRAFT and draft is None:
+        raise InvalidArgument(f"mode {name} needs a draft model")
+    if name == "vanilla":
+        return EngineMode(name, target, None, RunnerConfig(mode="vanilla"), s.all_threads,
+                          ignore_eos=s.ignore_eos)
+    if name == "sd":
+        return EngineMode(name, target, draft, RunnerConfig(mode="sd", gamma=s.gamma), s.all_threads,
+                          ignore_eos=s.ignore_eos)
+    if name == "card":
+        config = RunnerConfig(mode="card", tree=s.tree, target_threads=s.target_threads,
+                              draft_threads=s.draft_threads, lockstep_depth=s.lockstep_depth)
+        return EngineMode(name, target, draft, config, s.target_threads, s.draft_threads, s.ignore_eos)
+    if name in HF_MODES:
+        return HFMode(name, target, draft, s.all_threads, s.ignore_eos)
+    raise InvalidArgument(f"unknown mode {name!r}; choose from {', '.join(MODES)}")

@@ -1,0 +1,92 @@
+"""card-bench end to end on tiny checkpoints, and its exactness check on a wrong output."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from client import bench_report
+from client.bench import main
+from tests.tiny_models import SMOLLM2_DIR, save_tiny_checkpoint
+
+pytestmark = pytest.mark.skipif(not (SMOLLM2_DIR / "tokenizer.json").is_file(),
+                                reason="the shared SmolLM2 tokenizer is missing")
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    root = tmp_path_factory.mktemp("bench-models")
+    target = save_tiny_checkpoint(root / "target", seed=0)
+    draft = save_tiny_checkpoint(root / "draft", seed=0, perturb=0.02)
+    return target, draft
+
+
+def _jsonl(path, records):
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def test_bench_end_to_end(pair, tmp_path):
+    target, draft = pair
+    gsm = _jsonl(tmp_path / "g.jsonl", [{"question": "What is 2 + 3?", "answer": "5"},
+                                        {"question": "Name a colour.", "answer": "red"}])
+    mt = _jsonl(tmp_path / "m.jsonl", [{"turns": ["Say hi.", "again"]}, {"turns": ["Count to 3."]}])
+    out, chart = tmp_path / "r.json", tmp_path / "r.png"
+    result = CliRunner().invoke(main, [
+        "--target-model", str(target), "--draft-model", str(draft), "--draft-quantize", "none",
+        "--dataset", f"gsm8k={gsm}", "--dataset", f"mt_bench={mt}", "--n", "2", "--max-new-tokens", "8",
+        "--modes", "vanilla,sd,card,hf,hf-assisted", "--tree-width", "2", "--max-depth", "4",
+        "--ignore-eos", "--out", str(out), "--chart", str(chart), "--no-progress",
+    ])
+    assert result.exit_code == 0, result.output
+    payload = json.loads(out.read_text())
+    assert chart.is_file() and chart.read_bytes()[:4] == b"\x89PNG"
+    records = payload["records"]
+    assert len(records) == 2 * 2 * 5  # datasets x prompts x modes
+    assert all(r["matches_vanilla"] for r in records)
+    assert all(r["new_tokens"] == 8 for r in records)  # --ignore-eos: every mode uses the budget
+    # interleaved with a rotating order: the first mode differs between consecutive prompts
+    firsts = [next(r["mode"] for r in records if r["dataset"] == "gsm8k" and r["prompt_index"] == i)
+              for i in (0, 1)]
+    assert firsts[0] != firsts[1]
+    summary = {(row["dataset"], row["mode"]): row for row in payload["summary"]}
+    assert summary[("gsm8k", "vanilla")]["speedup_vs_vanilla"] == pytest.approx(1.0)
+    assert summary[("gsm8k", "card")]["mean_accepted_length"] >= 1.0
+    assert payload["machine"]["cpu_count"] >= 1 and payload["machine"]["threads"]["card"]["draft"] >= 1
+    assert "card" in result.output and "hf-assisted" in result.output
+
+
+def test_wrong_output_is_reported():
+    records = [
+        {"dataset": "d", "prompt_index": 0, "mode": "vanilla", "token_ids": [5, 6, 7]},
+        {"dataset": "d", "prompt_index": 0, "mode": "card", "token_ids": [5, 9, 7]},
+        {"dataset": "d", "prompt_index": 0, "mode": "sd", "token_ids": [5, 6]},
+        {"dataset": "d", "prompt_index": 0, "mode": "hf", "token_ids": [5, 6, 7]},
+    ]
+    bad = bench_report.check_exactness(records)
+    assert [r["mode"] for r in bad] == ["card", "sd"]
+    assert bad[0]["mismatch"] == {"position": 1, "expected": 6, "got": 9}
+    assert bad[1]["mismatch"] == {"position": 2, "expected": 7, "got": None}
+    lines = bench_report.mismatch_lines(bad)
+    assert "prompt 0 mode card: first differing position 1, vanilla token 6, card token 9" in lines[0]
+
+
+def test_mismatch_exits_non_zero(tmp_path, capsys):
+    """finish() (the tail of every card-bench run) returns a failing status on a wrong output."""
+    from client.bench import EXIT_MISMATCH, finish
+    from engine.stats import GenerationStats
+
+    def record(mode, tokens):
+        stats = GenerationStats(mode=mode, new_tokens=len(tokens), wall_s=0.5, target_forwards=len(tokens),
+                                accepted_lengths=[1] * len(tokens))
+        return {"dataset": "d", "prompt_index": 0, "mode": mode, "token_ids": tokens, **stats.to_dict()}
+
+    good = [record("vanilla", [5, 6, 7]), record("card", [5, 6, 7])]
+    args = ({}, {"cpu_count": 2}, tmp_path / "r.json", tmp_path / "r.png", "t")
+    assert finish([dict(r) for r in good], *args) == 0
+    assert finish([*good, record("sd", [5, 6, 8])], *args) == EXIT_MISMATCH
+    out = capsys.readouterr().out
+    assert "MISMATCH d prompt 0 mode sd: first differing position 2, vanilla token 7, sd token 8" in out
+    assert json.loads((tmp_path / "r.json").read_text())["mismatches"] == 1
