@@ -116,10 +116,11 @@ class Generation:
                 kept, text = tracker.feed([*accepted, token])
                 yield Chunk(tuple(kept), text)
         finally:
-            src = self.source.close()
+            # target-side stats first: a remote source sends them to the cache when it closes
             stats.wall_s = time.perf_counter() - t0
             stats.new_tokens = len(tracker.token_ids)
             stats.target_forwards = target.forwards
+            src = self.source.close()
             stats.draft_forwards = src.draft_forwards
             stats.draft_idle_s = src.draft_idle_s
             self.result = GenerationResult(
