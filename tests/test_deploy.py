@@ -1,0 +1,525 @@
+"""Consistency of deploy/: the Kubernetes manifests against the services' real CLIs, and the image.
+
+The manifests are rendered here the way kustomize renders them (resources, components, generated
+ConfigMaps, strategic-merge patches, image tags), then checked against the code they run: every
+container command is a console script from pyproject.toml, every CARD_* variable is one the
+service's click command reads (collected from the imported command objects, so a renamed option
+breaks this test), the ports the service will listen on (environment or click default) are the
+ports that probes, Services and scrape annotations point at, and every probe is a native gRPC
+health probe on the gRPC port. Where kubectl is installed, the Python rendering is compared with
+`kubectl kustomize` so the renderer itself cannot drift.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib
+import os
+import re
+import shutil
+import subprocess
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import click
+import pytest
+import yaml
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10: pytest itself depends on tomli there
+    import tomli as tomllib
+
+ROOT = Path(__file__).resolve().parents[1]
+DEPLOY = ROOT / "deploy"
+K8S = DEPLOY / "k8s"
+BASE = K8S / "base"
+OVERLAYS = {"cpu": K8S / "overlays" / "cpu", "gpu": K8S / "overlays" / "gpu"}
+CACHE_GPU = K8S / "components" / "cache-gpu"
+IMAGE = "card-serving"
+PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
+SCRIPTS: dict[str, str] = PYPROJECT["project"]["scripts"]
+SERVICE_SCRIPTS = ("card-cache", "card-target", "card-draft")
+# Read by the engine itself (engine/embedded.py), not by a click option; the image sets it.
+ENGINE_ENVVARS = frozenset({"CARD_MODELS_DIR"})
+KUSTOMIZATION_KEYS = frozenset(
+    {"apiVersion", "kind", "resources", "components", "configMapGenerator", "patches", "images"}
+)
+BIND_ALL = ("0.0.0.0", "::", "[::]")
+
+
+# ---- a small kustomize ----------------------------------------------------------------------
+@dataclass
+class Rendered:
+    objects: list[dict]
+    generated: dict[str, dict[str, str]] = field(default_factory=dict)  # ConfigMap name -> data
+
+    def of_kind(self, kind: str) -> list[dict]:
+        return [o for o in self.objects if o["kind"] == kind]
+
+    def get(self, kind: str, name: str) -> dict:
+        found = [o for o in self.of_kind(kind) if o["metadata"]["name"] == name]
+        assert len(found) == 1, f"expected exactly one {kind}/{name}, found {len(found)}"
+        return found[0]
+
+
+def load_yaml(path: Path) -> list[dict]:
+    return [doc for doc in yaml.safe_load_all(path.read_text()) if doc is not None]
+
+
+def strategic_merge(base: object, patch: object) -> object:
+    """Strategic merge as kustomize applies it to the fields used here: maps merge, ``null``
+    deletes, lists of named maps (containers, env, volumes) merge by name, other lists replace."""
+    if isinstance(base, dict) and isinstance(patch, dict):
+        out = dict(base)
+        for key, value in patch.items():
+            if value is None:
+                out.pop(key, None)
+            elif key in out:
+                out[key] = strategic_merge(out[key], value)
+            else:
+                out[key] = copy.deepcopy(value)
+        return out
+    if (isinstance(base, list) and isinstance(patch, list)
+            and all(isinstance(i, dict) and "name" in i for i in [*base, *patch])):
+        out = [copy.deepcopy(i) for i in base]
+        for item in patch:
+            idx = next((n for n, b in enumerate(out) if b["name"] == item["name"]), None)
+            if idx is None:
+                out.append(copy.deepcopy(item))
+            else:
+                out[idx] = strategic_merge(out[idx], item)
+        return out
+    return copy.deepcopy(patch)
+
+
+def _literals(gen: dict) -> dict[str, str]:
+    data = {}
+    for literal in gen.get("literals", []):
+        assert isinstance(literal, str), f"literal {literal!r} is not a string (quote it in YAML)"
+        key, sep, value = literal.partition("=")
+        assert sep, f"literal {literal!r} has no '='"
+        data[key] = value
+    return data
+
+
+def render(directory: Path, components: tuple[Path, ...] = ()) -> Rendered:
+    kust = yaml.safe_load((directory / "kustomization.yaml").read_text())
+    unknown = set(kust) - KUSTOMIZATION_KEYS
+    assert not unknown, f"{directory}: fields this test cannot render: {sorted(unknown)}"
+    out = Rendered(objects=[])
+    for ref in kust.get("resources", []):
+        path = (directory / ref).resolve()
+        if path.is_dir():
+            sub = render(path)
+            out.objects += sub.objects
+            out.generated.update(sub.generated)
+        else:
+            out.objects += load_yaml(path)
+    for comp in [*(directory / c for c in kust.get("components", [])), *components]:
+        _transform(out, comp.resolve(), yaml.safe_load((comp / "kustomization.yaml").read_text()))
+    _transform(out, directory, kust)
+    return out
+
+
+def _transform(out: Rendered, directory: Path, kust: dict) -> None:
+    for gen in kust.get("configMapGenerator", []):
+        behavior = gen.get("behavior", "create")
+        name, data = gen["name"], _literals(gen)
+        assert set(gen) <= {"name", "behavior", "literals"}, f"{directory}: unsupported generator {gen}"
+        if behavior == "create":
+            assert name not in out.generated, f"{directory}: ConfigMap {name} created twice"
+            out.generated[name] = data
+        else:
+            assert name in out.generated, f"{directory}: {behavior} of unknown ConfigMap {name}"
+            out.generated[name] = {**out.generated[name], **data} if behavior == "merge" else data
+    for patch in kust.get("patches", []):
+        assert set(patch) == {"path"}, f"{directory}: only file patches are rendered here: {patch}"
+        for doc in load_yaml(directory / patch["path"]):
+            target = out.get(doc["kind"], doc["metadata"]["name"])
+            out.objects[out.objects.index(target)] = strategic_merge(target, doc)
+    for image in kust.get("images", []):
+        for container in _all_containers(out.objects):
+            if container["image"].split(":")[0] == image["name"]:
+                container["image"] = f"{image.get('newName', image['name'])}:{image['newTag']}"
+    # generated ConfigMaps join the output last (kustomize lists them first; order is irrelevant)
+    out.objects = [o for o in out.objects if not o.get("_generated")]
+    out.objects += [
+        {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": n}, "data": d, "_generated": True}
+        for n, d in out.generated.items()
+    ]
+
+
+def _all_containers(objects: list[dict]) -> Iterator[dict]:
+    for obj in objects:
+        if obj["kind"] == "Deployment":
+            yield from obj["spec"]["template"]["spec"]["containers"]
+
+
+VARIANTS = {
+    "base": lambda: render(BASE),
+    "cpu": lambda: render(OVERLAYS["cpu"]),
+    "gpu": lambda: render(OVERLAYS["gpu"]),
+    "gpu+cache-gpu": lambda: render(OVERLAYS["gpu"], components=(CACHE_GPU,)),
+}
+
+
+@pytest.fixture(params=list(VARIANTS), scope="module")
+def variant(request: pytest.FixtureRequest) -> tuple[str, Rendered]:
+    return request.param, VARIANTS[request.param]()
+
+
+# ---- the services' real command-line interfaces ---------------------------------------------
+def command_for(script: str) -> click.Command:
+    """The click command behind a console script; an import error fails the test."""
+    module_name, _, attr = SCRIPTS[script].partition(":")
+    command = getattr(importlib.import_module(module_name), attr)
+    assert isinstance(command, click.Command), f"{SCRIPTS[script]} is not a click command"
+    return command
+
+
+def envvars_of(param: click.Parameter, command: click.Command) -> list[str]:
+    if param.envvar:
+        return [param.envvar] if isinstance(param.envvar, str) else list(param.envvar)
+    prefix = (command.context_settings or {}).get("auto_envvar_prefix")
+    if prefix and isinstance(param, click.Option) and param.allow_from_autoenv and param.name:
+        return [f"{prefix}_{param.name.upper()}"]
+    return []
+
+
+def accepted_envvars(command: click.Command) -> set[str]:
+    return {name for p in command.params for name in envvars_of(p, command)}
+
+
+def effective(command: click.Command, env: dict[str, str], param_name: str) -> str:
+    """What the service will use for ``param_name`` given this environment: env, else default."""
+    params = [p for p in command.params if p.name == param_name]
+    assert params, f"{command.name} has no option {param_name!r}"
+    param = params[0]
+    for name in envvars_of(param, command):
+        if name in env:
+            return env[name]
+    default = param.default() if callable(param.default) else param.default
+    return str(default)
+
+
+@dataclass
+class CardContainer:
+    deployment: dict
+    container: dict
+    script: str
+    env: dict[str, str]  # envFrom ConfigMaps, then explicit env (which wins, as in Kubernetes)
+
+    @property
+    def pod(self) -> dict:
+        return self.deployment["spec"]["template"]
+
+    def port(self, name: str) -> int:
+        ports = [p["containerPort"] for p in self.container.get("ports", []) if p.get("name") == name]
+        assert len(ports) == 1, f"{self.script}: needs exactly one container port named {name!r}"
+        return ports[0]
+
+
+def card_containers(rendered: Rendered) -> list[CardContainer]:
+    found = []
+    for dep in rendered.of_kind("Deployment"):
+        for container in dep["spec"]["template"]["spec"]["containers"]:
+            if container["image"].split(":")[0] != IMAGE:
+                continue
+            env: dict[str, str] = {}
+            for source in container.get("envFrom", []):
+                env.update(rendered.get("ConfigMap", source["configMapRef"]["name"])["data"])
+            for var in container.get("env", []):
+                # values from the downward API are known only at run time; mark them as set
+                env[var["name"]] = var.get("value", "<from " + ",".join(var.get("valueFrom", {})) + ">")
+            found.append(CardContainer(dep, container, container["command"][0], env))
+    return found
+
+
+# ---- static structure -----------------------------------------------------------------------
+def all_yaml() -> list[Path]:
+    return sorted(K8S.rglob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", all_yaml(), ids=lambda p: str(p.relative_to(K8S)))
+def test_every_yaml_file_parses_into_kubernetes_objects(path: Path) -> None:
+    docs = load_yaml(path)
+    assert docs, f"{path} is empty"
+    for doc in docs:
+        assert {"apiVersion", "kind"} <= set(doc), f"{path}: a document without apiVersion/kind"
+        if path.name != "kustomization.yaml":
+            assert doc["metadata"]["name"], f"{path}: unnamed object"
+            assert "namespace" not in doc["metadata"], f"{path}: manifests must be namespace-agnostic"
+
+
+def test_kustomizations_reference_existing_files_and_nothing_is_orphaned() -> None:
+    kustomizations = sorted(K8S.rglob("kustomization.yaml"))
+    assert {p.parent for p in kustomizations} >= {BASE, CACHE_GPU, *OVERLAYS.values()}
+    referenced: set[Path] = set()
+    for kfile in kustomizations:
+        kust = yaml.safe_load(kfile.read_text())
+        expected_kind = "Component" if kfile.parent == CACHE_GPU else "Kustomization"
+        assert kust["kind"] == expected_kind, kfile
+        for ref in [*kust.get("resources", []), *kust.get("components", []),
+                    *(p["path"] for p in kust.get("patches", []))]:
+            path = (kfile.parent / ref).resolve()
+            assert path.exists(), f"{kfile}: {ref} does not exist"
+            if path.is_dir():
+                assert (path / "kustomization.yaml").exists(), f"{kfile}: {ref} has no kustomization.yaml"
+            referenced.add(path)
+    orphans = [p for p in all_yaml() if p.name != "kustomization.yaml" and p.resolve() not in referenced]
+    assert not orphans, f"YAML files no kustomization uses: {orphans}"
+
+
+# ---- rendered manifests ---------------------------------------------------------------------
+def test_every_service_runs_once_and_each_command_is_an_entry_point(variant: tuple[str, Rendered]) -> None:
+    _, rendered = variant
+    containers = card_containers(rendered)
+    assert sorted(c.script for c in containers) == sorted(SERVICE_SCRIPTS)
+    for c in containers:
+        assert c.script in SCRIPTS, f"{c.script} is not a [project.scripts] entry point"
+        assert len(c.container["command"]) == 1, "flags go in args (or, preferably, the ConfigMap)"
+        command = command_for(c.script)
+        options = {opt for p in command.params for opt in getattr(p, "opts", [])}
+        for arg in c.container.get("args", []):
+            if arg.startswith("--"):
+                assert arg.split("=")[0] in options, f"{c.script} has no option {arg}"
+
+
+def test_every_card_variable_is_read_by_its_service(variant: tuple[str, Rendered]) -> None:
+    _, rendered = variant
+    for c in card_containers(rendered):
+        accepted = accepted_envvars(command_for(c.script)) | ENGINE_ENVVARS
+        unknown = sorted(k for k in c.env if k.startswith("CARD_") and k not in accepted)
+        assert not unknown, f"{c.script} does not read {unknown}; it reads {sorted(accepted)}"
+
+
+def test_probes_are_grpc_health_checks_on_the_port_the_service_listens_on(
+        variant: tuple[str, Rendered]) -> None:
+    _, rendered = variant
+    for c in card_containers(rendered):
+        grpc_port = c.port("grpc")
+        assert effective(command_for(c.script), c.env, "port") == str(grpc_port), (
+            f"{c.script} listens on another port than its container port 'grpc' ({grpc_port})")
+        for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
+            probe = c.container.get(kind)
+            assert probe, f"{c.script}: no {kind}"
+            handlers = {"grpc", "exec", "httpGet", "tcpSocket"} & set(probe)
+            assert handlers == {"grpc"}, f"{c.script} {kind}: must be a grpc probe, has {handlers}"
+            # Kubernetes' grpc probe takes a number only, so it is checked against the named port.
+            assert probe["grpc"] == {"port": grpc_port, "service": ""}, f"{c.script} {kind}"
+
+
+def test_metrics_port_matches_container_port_and_scrape_annotations(variant: tuple[str, Rendered]) -> None:
+    _, rendered = variant
+    for c in card_containers(rendered):
+        metrics = c.port("metrics")
+        assert effective(command_for(c.script), c.env, "metrics_port") == str(metrics), c.script
+        annotations = c.pod["metadata"].get("annotations", {})
+        assert annotations.get("prometheus.io/scrape") == "true", c.script
+        assert annotations.get("prometheus.io/port") == str(metrics), c.script
+        assert annotations.get("prometheus.io/path") == "/metrics", c.script
+
+
+def test_services_select_one_deployment_and_target_existing_ports(variant: tuple[str, Rendered]) -> None:
+    _, rendered = variant
+    for svc in rendered.of_kind("Service"):
+        selector = svc["spec"]["selector"]
+        matches = [d for d in rendered.of_kind("Deployment")
+                   if selector.items() <= d["spec"]["template"]["metadata"]["labels"].items()]
+        assert len(matches) == 1, f"Service {svc['metadata']['name']} selects {len(matches)} Deployments"
+        dep = matches[0]
+        assert dep["spec"]["selector"]["matchLabels"].items() <= dep["spec"]["template"]["metadata"][
+            "labels"].items()
+        ports = [p for c in dep["spec"]["template"]["spec"]["containers"] for p in c.get("ports", [])]
+        for sp in svc["spec"]["ports"]:
+            target = sp.get("targetPort", sp["port"])
+            assert any(target in (p.get("name"), p["containerPort"]) for p in ports), (
+                f"Service {svc['metadata']['name']} targets {target!r}, not a container port")
+
+
+def service_address(rendered: Rendered, host: str, port: int) -> dict:
+    """The in-namespace Service that ``host:port`` names (short or cluster-local DNS name)."""
+    name = host.split(".")[0]
+    svc = rendered.get("Service", name)
+    assert port in [p["port"] for p in svc["spec"]["ports"]], f"Service {name} has no port {port}"
+    return svc
+
+
+def test_addresses_point_at_services_that_reach_the_right_process(variant: tuple[str, Rendered]) -> None:
+    _, rendered = variant
+    by_script = {c.script: c for c in card_containers(rendered)}
+    cache = by_script["card-cache"]
+    cache_cmd = command_for("card-cache")
+    assert effective(cache_cmd, cache.env, "host") in BIND_ALL, "the cache must listen on all interfaces"
+    redis_url = urlsplit(effective(cache_cmd, cache.env, "redis_url"))
+    assert redis_url.scheme == "redis" and redis_url.hostname and redis_url.port
+    redis = service_address(rendered, redis_url.hostname, redis_url.port)
+    assert redis["spec"]["selector"]["app.kubernetes.io/name"] == "card-redis"
+    for script in ("card-target", "card-draft"):
+        addr = effective(command_for(script), by_script[script].env, "cache")
+        host, _, port = addr.rpartition(":")
+        svc = service_address(rendered, host, int(port))
+        assert svc["spec"]["selector"].items() <= cache.pod["metadata"]["labels"].items(), (
+            f"{script} dials Service {host}, which does not select the cache")
+        sp = next(p for p in svc["spec"]["ports"] if p["port"] == int(port))
+        assert sp["targetPort"] in ("grpc", cache.port("grpc")), f"{script} reaches the cache on another port"
+
+
+def test_resources_grace_periods_and_security(variant: tuple[str, Rendered]) -> None:
+    _, rendered = variant
+    for dep in rendered.of_kind("Deployment"):
+        spec = dep["spec"]["template"]["spec"]
+        name = dep["metadata"]["name"]
+        assert spec.get("terminationGracePeriodSeconds", 0) >= 10, f"{name}: grace period"
+        assert spec["securityContext"]["runAsNonRoot"] is True, name
+        for container in spec["containers"]:
+            res = container["resources"]
+            for section in ("requests", "limits"):
+                assert {"cpu", "memory"} <= set(res.get(section, {})), f"{name}: {section} cpu/memory"
+            gpu_req = res["requests"].get("nvidia.com/gpu")
+            assert gpu_req == res["limits"].get("nvidia.com/gpu"), f"{name}: GPU request != limit"
+            assert container["securityContext"]["allowPrivilegeEscalation"] is False, name
+            mounts = {m["name"] for m in container.get("volumeMounts", [])}
+            assert mounts <= {v["name"] for v in spec.get("volumes", [])}, f"{name}: unknown volume"
+    for c in card_containers(rendered):
+        mounts = {m["mountPath"] for m in c.container["volumeMounts"]}
+        assert {"/tmp", dockerfile_volume()} <= mounts, f"{c.script}: read-only root needs /tmp and /cache"
+
+
+def test_draft_workers_scale_and_swap_independently(variant: tuple[str, Rendered]) -> None:
+    _, rendered = variant
+    draft = next(c for c in card_containers(rendered) if c.script == "card-draft")
+    assert draft.deployment["spec"]["replicas"] == 2
+    explicit = {v["name"]: v for v in draft.container["env"]}
+    # `kubectl set env deploy/card-draft CARD_DRAFT_MODEL=...` edits this entry in place
+    assert explicit["CARD_DRAFT_MODEL"]["value"]
+    assert explicit["CARD_DRAFT_NAME"]["valueFrom"] == {"fieldRef": {"fieldPath": "metadata.name"}}
+    assert "CARD_DRAFT_MODEL" in accepted_envvars(command_for("card-draft"))
+    assert "CARD_TARGET_MODEL" in accepted_envvars(command_for("card-target"))
+    assert not any(s["spec"]["selector"].get("app.kubernetes.io/name") == "card-draft"
+                   for s in rendered.of_kind("Service")), "nothing dials a draft worker"
+
+
+def device_of(rendered: Rendered, script: str) -> str:
+    c = next(c for c in card_containers(rendered) if c.script == script)
+    return effective(command_for(script), c.env, "device")
+
+
+def gpus(rendered: Rendered, script: str) -> int:
+    c = next(c for c in card_containers(rendered) if c.script == script)
+    return int(c.container["resources"]["limits"].get("nvidia.com/gpu", 0))
+
+
+def test_cpu_overlay_runs_everything_on_cpu() -> None:
+    rendered = render(OVERLAYS["cpu"])
+    for script in ("card-cache", "card-target"):
+        assert device_of(rendered, script) == "cpu"
+        assert gpus(rendered, script) == 0
+    assert gpus(rendered, "card-draft") == 0
+    assert all(c.container["image"] == f"{IMAGE}:cpu" for c in card_containers(rendered))
+    assert "nvidia.com" not in yaml.safe_dump(rendered.objects)
+
+
+@pytest.mark.parametrize("with_cache_gpu", [False, True])
+def test_gpu_overlay_requests_gpus_and_selects_gpu_nodes(with_cache_gpu: bool) -> None:
+    rendered = render(OVERLAYS["gpu"], components=(CACHE_GPU,) if with_cache_gpu else ())
+    on_gpu = ("card-target", "card-draft", *(("card-cache",) if with_cache_gpu else ()))
+    for c in card_containers(rendered):
+        assert c.container["image"] == f"{IMAGE}:cuda"
+        pod = c.pod["spec"]
+        if c.script in on_gpu:
+            assert gpus(rendered, c.script) == 1, c.script
+            assert pod["nodeSelector"], c.script
+            assert any(t["key"] == "nvidia.com/gpu" for t in pod["tolerations"]), c.script
+            assert device_of(rendered, c.script) == "cuda", c.script
+        else:
+            assert gpus(rendered, c.script) == 0 and device_of(rendered, c.script) != "cuda", c.script
+    target = next(c for c in card_containers(rendered) if c.script == "card-target")
+    assert effective(command_for("card-target"), target.env, "dtype") == "bfloat16"
+    # the persistent model cache: a ReadWriteOnce claim, so the target must not surge a second pod
+    models = next(v for v in target.pod["spec"]["volumes"] if v["name"] == "models")
+    assert set(models) == {"name", "persistentVolumeClaim"}
+    rendered.get("PersistentVolumeClaim", models["persistentVolumeClaim"]["claimName"])
+    assert target.deployment["spec"]["strategy"] == {"type": "Recreate"}
+
+
+def _sort_named_lists(node: object) -> object:
+    """Lists merged by name (containers, env, volumes) compare as sets: kustomize moves patched
+    entries first, an order Kubernetes gives no meaning to here."""
+    if isinstance(node, dict):
+        return {k: _sort_named_lists(v) for k, v in node.items()}
+    if isinstance(node, list):
+        items = [_sort_named_lists(i) for i in node]
+        if items and all(isinstance(i, dict) and "name" in i for i in items):
+            items.sort(key=lambda i: i["name"])
+        return items
+    return node
+
+
+def _comparable(objects: list[dict]) -> list[dict]:
+    """Drop kustomize's ConfigMap hash suffixes and sort, to compare two renderings."""
+    text = yaml.safe_dump([{k: v for k, v in o.items() if k != "_generated"} for o in objects])
+    text = re.sub(r"(card-\w+-config)-[a-z0-9]{10}\b", r"\1", text)
+    docs = [_sort_named_lists(o) for o in yaml.safe_load(text)]
+    return sorted(docs, key=lambda o: (o["kind"], o["metadata"]["name"]))
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_python_rendering_matches_kubectl_kustomize(name: str, tmp_path: Path) -> None:
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        pytest.skip("kubectl is not installed: the rendering cross-check needs `kubectl kustomize`")
+    if name == "gpu+cache-gpu":  # an overlay of the gpu overlay, as an operator would write it
+        overlay = tmp_path
+        rel = lambda p: os.path.relpath(p, tmp_path)  # noqa: E731  (kustomize refuses absolute dirs)
+        (tmp_path / "kustomization.yaml").write_text(yaml.safe_dump(
+            {"resources": [rel(OVERLAYS["gpu"])], "components": [rel(CACHE_GPU)]}))
+    else:
+        overlay = OVERLAYS.get(name, BASE)
+    out = subprocess.run([kubectl, "kustomize", str(overlay)], capture_output=True, text=True,
+                         timeout=60, check=True).stdout
+    theirs = _comparable([d for d in yaml.safe_load_all(out) if d])
+    ours = _comparable(VARIANTS[name]().objects)
+    for obj in ours:  # kustomize writes generated ConfigMaps with no other fields
+        assert obj in theirs, f"{obj['kind']}/{obj['metadata']['name']} renders differently"
+    assert len(ours) == len(theirs)
+
+
+# ---- the image ------------------------------------------------------------------------------
+DOCKERFILE = (DEPLOY / "Dockerfile").read_text()
+
+
+def dockerfile_volume() -> str:
+    match = re.search(r'^VOLUME \["([^"]+)"\]', DOCKERFILE, re.M)
+    assert match, "the Dockerfile declares the model cache VOLUME"
+    return match.group(1)
+
+
+def test_image_has_no_entrypoint_runs_as_non_root_and_caches_models_on_the_volume() -> None:
+    assert not re.search(r"^ENTRYPOINT", DOCKERFILE, re.M), "each Deployment chooses its command"
+    user = re.findall(r"^USER (\S+)", DOCKERFILE, re.M)
+    assert user and user[-1].split(":")[0] not in ("0", "root")
+    volume = dockerfile_volume()
+    for var in ("HF_HOME", "CARD_MODELS_DIR"):
+        match = re.search(rf"\b{var}=(\S+)", DOCKERFILE)
+        assert match and match.group(1).startswith(volume + "/"), f"{var} must live on {volume}"
+    # the CPU flavour pins the torch the rest of the project is built and tested with
+    makefile_torch = re.search(r"^TORCH_VERSION \?= (\S+)", (ROOT / "Makefile").read_text(), re.M)
+    assert makefile_torch and f"ARG TORCH_VERSION={makefile_torch.group(1)}" in DOCKERFILE
+    assert re.search(r"^ARG TORCH_FLAVOUR=cpu$", DOCKERFILE, re.M)
+
+
+def test_dockerignore_keeps_everything_pip_install_needs() -> None:
+    ignore = DEPLOY / "Dockerfile.dockerignore"  # BuildKit reads <Dockerfile>.dockerignore
+    patterns = [ln.strip().rstrip("/") for ln in ignore.read_text().splitlines()
+                if ln.strip() and not ln.startswith("#")]
+    tool = PYPROJECT["tool"]["setuptools"]
+    needed = {"pyproject.toml", PYPROJECT["project"]["readme"]}
+    # the top folder of every package: `card` lives in protos/ (package-dir), the rest at the root
+    needed |= {tool["package-dir"].get(p.split(".")[0], p.split(".")[0]).split("/")[0]
+               for p in tool["packages"]}
+    kept_out = sorted(needed & set(patterns))
+    assert not kept_out, f"the image build needs {kept_out}"
