@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 import torch
 from card.v1 import cache_pb2, common_pb2
@@ -9,9 +11,11 @@ from card.v1 import cache_pb2, common_pb2
 from card_common.tensors import DTYPES, from_tensor_msg, ids_from_msg, ids_to_msg, to_tensor_msg
 from engine.config import SamplingParams
 from engine.errors import InvalidArgument
-from engine.sources import StepResult
 from engine.stats import GenerationStats
 from engine.tree import Advance, Chain, Correction, Layer, Outcome
+
+if TYPE_CHECKING:
+    from engine.sources import StepResult
 
 # ---- outcome ----------------------------------------------------------------------------------
 _OUTCOMES: dict[Outcome, int] = {
@@ -107,6 +111,9 @@ def chain_to_msg(chain: Chain, outcome: Outcome | None = None) -> cache_pb2.Step
 
 def step_result_from_msg(msg: cache_pb2.StepResponse) -> StepResult:
     """The chain and the verdict on the correction, as ``ChainSource.step`` returns them."""
+    # engine.sources pulls in the drafter and transformers; the cache service never needs them
+    from engine.sources import StepResult
+
     tokens = tuple(ids_from_msg(msg.chain_tokens))
     node_ids = tuple(ids_from_msg(msg.chain_node_ids))
     if len(tokens) != len(node_ids):

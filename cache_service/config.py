@@ -1,0 +1,81 @@
+"""The cache service's settings, built once from CLI flags / CARD_* environment variables."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.errors import InvalidArgument
+
+
+def resolve_device(device: str) -> str:
+    """``auto`` = cuda when present, else cpu; anything else must be a device torch knows."""
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        torch.device(device)
+    except RuntimeError as exc:
+        raise InvalidArgument(f"unknown device {device!r}: {exc}") from None
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise InvalidArgument(f"device {device} was asked for but CUDA is not available")
+    return device
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """host/port: where gRPC listens (port 0 = OS-chosen). 127.0.0.1 by default so a local run
+    is not exposed; containers and Kubernetes set CARD_CACHE_HOST=0.0.0.0.
+
+    redis_url: ``redis://...`` or ``memory://`` (in-process store, single machine only).
+    allow_memory_fallback: use the in-process store when Redis is unreachable at startup.
+    device: where the trees live (resolved, never ``auto``).
+    session_ttl_s: how long finished-session records stay in Redis.
+    heartbeat_interval_s: how often draft workers heartbeat; a worker expires after 3 missed.
+    health_check_interval_s: how often Redis is pinged (health follows it).
+    max_chain / b_extension: chain shape handed to the target (engine.tree.best_chain).
+    grpc_threads: server threads; every open draft stream holds one.
+    """
+
+    host: str = "127.0.0.1"
+    port: int = 50052
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    redis_prefix: str = "card:"
+    allow_memory_fallback: bool = False
+    device: str = "cpu"
+    metrics_port: int = 9092
+    session_ttl_s: int = 86400
+    heartbeat_interval_s: float = 2.0
+    health_check_interval_s: float = 2.0
+    max_chain: int = 8
+    b_extension: bool = True
+    grpc_threads: int = 64
+    log_level: str = "INFO"
+    json_logs: bool = False
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise InvalidArgument(f"port must be in [0, 65535], got {self.port}")
+        if not 0 <= self.metrics_port <= 65535:
+            raise InvalidArgument(f"metrics port must be in [0, 65535], got {self.metrics_port}")
+        if self.session_ttl_s < 1:
+            raise InvalidArgument(f"session TTL must be >= 1 s, got {self.session_ttl_s}")
+        if self.heartbeat_interval_s <= 0 or self.health_check_interval_s <= 0:
+            raise InvalidArgument("heartbeat and health-check intervals must be > 0")
+        if self.max_chain < 0:
+            raise InvalidArgument(f"max_chain must be >= 0, got {self.max_chain}")
+        if self.grpc_threads < 4:
+            raise InvalidArgument(f"grpc_threads must be >= 4, got {self.grpc_threads}")
+        if not self.redis_url.startswith(("redis://", "rediss://", "unix://", "memory://")):
+            raise InvalidArgument(
+                f"redis URL must start with redis://, rediss://, unix:// or memory://, got {self.redis_url!r}"
+            )
+
+    @property
+    def addr(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    @property
+    def worker_ttl_s(self) -> float:
+        """A draft worker that misses three heartbeats is gone."""
+        return 3 * self.heartbeat_interval_s

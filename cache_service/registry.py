@@ -1,0 +1,153 @@
+"""Live draft workers: who they are, what they can serve, and the queue of commands for each."""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from card.v1 import cache_pb2
+
+from engine.errors import FailedPrecondition, NotFound, ResourceExhausted
+
+
+@dataclass(eq=False)
+class Worker:
+    """One registration. ``sessions`` is guarded by the owning Registry's lock."""
+
+    worker_id: str
+    name: str
+    model: str
+    fingerprint: str
+    capacity: int  # most concurrent sessions; <= 0 = unlimited
+    tree_width: int = 0
+    max_depth: int = 0
+    registered_unix: float = field(default_factory=time.time)
+    last_heartbeat: float = field(default_factory=time.monotonic)
+    last_heartbeat_unix: float = field(default_factory=time.time)
+    active_reported: int = 0  # sessions the worker says it holds (last heartbeat)
+    sessions: set[str] = field(default_factory=set)
+    streaming: bool = False  # a Commands stream is open
+    closed: bool = False
+    commands: queue.Queue[cache_pb2.DraftCommand | None] = field(default_factory=queue.Queue)
+
+    def send(self, command: cache_pb2.DraftCommand) -> None:
+        if not self.closed:
+            self.commands.put(command)
+
+    def close(self) -> None:
+        """End the Commands stream (a None wakes and stops it)."""
+        self.closed = True
+        self.commands.put(None)
+
+    @property
+    def full(self) -> bool:
+        return self.capacity > 0 and len(self.sessions) >= self.capacity
+
+    @property
+    def load(self) -> float:
+        return len(self.sessions) / self.capacity if self.capacity > 0 else 0.0
+
+    def info(self) -> cache_pb2.DraftInfo:
+        return cache_pb2.DraftInfo(
+            name=self.name, model=self.model, tokenizer_fingerprint=self.fingerprint,
+            capacity=self.capacity, active_sessions=len(self.sessions),
+            last_heartbeat_unix=self.last_heartbeat_unix,
+        )
+
+
+class Registry:
+    """Workers by id and by name. Methods are thread-safe; ``lock`` is shared with the session
+    table so that assigning a session and counting a worker's load happen together."""
+
+    def __init__(self, lock: threading.RLock | None = None, max_workers: int = 1024) -> None:
+        self.lock = lock or threading.RLock()
+        self.max_workers = max_workers
+        self._by_id: dict[str, Worker] = {}
+        self._by_name: dict[str, Worker] = {}
+
+    def register(self, req: cache_pb2.RegisterDraftRequest) -> tuple[Worker, Worker | None]:
+        """Add a worker; returns it and the worker it replaced (same name), which is now removed."""
+        worker = Worker(
+            worker_id=uuid.uuid4().hex, name=req.name, model=req.model,
+            fingerprint=req.tokenizer_fingerprint, capacity=req.capacity,
+            tree_width=req.tree_width, max_depth=req.max_depth,
+        )
+        with self.lock:
+            old = self._by_name.get(req.name)
+            if old is None and len(self._by_id) >= self.max_workers:
+                raise ResourceExhausted(f"the registry is full ({self.max_workers} draft workers)")
+            if old is not None:
+                self._remove(old)
+            self._by_id[worker.worker_id] = worker
+            self._by_name[worker.name] = worker
+        return worker, old
+
+    def get(self, worker_id: str) -> Worker:
+        with self.lock:
+            worker = self._by_id.get(worker_id)
+        if worker is None:
+            raise NotFound(f"no draft worker with id {worker_id!r} is registered (register again)")
+        return worker
+
+    def _remove(self, worker: Worker) -> None:
+        self._by_id.pop(worker.worker_id, None)
+        if self._by_name.get(worker.name) is worker:
+            del self._by_name[worker.name]
+        worker.close()
+
+    def remove(self, worker: Worker) -> bool:
+        """Unregister ``worker``; False when it was already gone (replaced or expired)."""
+        with self.lock:
+            present = self._by_id.get(worker.worker_id) is worker
+            if present:
+                self._remove(worker)
+            return present
+
+    def heartbeat(self, worker_id: str, active_sessions: int) -> Worker:
+        worker = self.get(worker_id)
+        worker.last_heartbeat = time.monotonic()
+        worker.last_heartbeat_unix = time.time()
+        worker.active_reported = active_sessions
+        return worker
+
+    def expired(self, max_age_s: float) -> list[Worker]:
+        now = time.monotonic()
+        with self.lock:
+            return [w for w in self._by_id.values() if now - w.last_heartbeat > max_age_s]
+
+    def workers(self) -> list[Worker]:
+        with self.lock:
+            return sorted(self._by_id.values(), key=lambda w: w.name)
+
+    def pick(self, fingerprint: str, name: str = "", target_model: str = "the target") -> Worker | None:
+        """The worker for a new session: ``name`` if given, else the least-loaded matching one.
+
+        NotFound: ``name`` is not registered. FailedPrecondition: its tokenizer differs.
+        ResourceExhausted: the named worker is at capacity. None: no matching worker has room
+        (the session opens without speculation).
+        """
+        with self.lock:
+            if name:
+                worker = self._by_name.get(name)
+                if worker is None:
+                    known = ", ".join(sorted(self._by_name)) or "none"
+                    raise NotFound(f"draft {name!r} is not registered (registered drafts: {known})")
+                if worker.fingerprint != fingerprint:
+                    raise FailedPrecondition(
+                        f"draft {name!r} runs model {worker.model} with tokenizer {worker.fingerprint}, "
+                        f"but target model {target_model} has tokenizer {fingerprint}; a draft must "
+                        f"share the target's tokenizer"
+                    )
+                if worker.full:
+                    raise ResourceExhausted(
+                        f"draft {name!r} is at capacity ({worker.capacity} sessions); retry later or "
+                        f"leave the draft unnamed"
+                    )
+                return worker
+            candidates = [w for w in self._by_id.values() if w.fingerprint == fingerprint and not w.full]
+            if not candidates:
+                return None
+            return min(candidates, key=lambda w: (w.load, len(w.sessions), w.registered_unix))

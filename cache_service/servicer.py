@@ -1,0 +1,189 @@
+"""card.v1.CacheService over SessionTable and Registry: decode, call, encode. No tree logic here."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import queue
+import time
+from collections.abc import Iterator
+
+import grpc
+from card.v1 import cache_pb2, cache_pb2_grpc
+
+from cache_service import metrics
+from cache_service.config import CacheConfig
+from cache_service.monitor import Monitor
+from cache_service.registry import Registry, Worker
+from cache_service.sessions import SessionTable
+from cache_service.store import MetadataStore
+from card_common.convert import chain_to_msg, correction_from_msg, stats_from_msg
+from card_common.status import grpc_errors
+from card_common.tensors import ids_from_msg
+from engine.errors import FailedPrecondition, InvalidArgument, Unavailable
+
+log = logging.getLogger(__name__)
+
+
+class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
+    def __init__(self, config: CacheConfig, store: MetadataStore, registry: Registry,
+                 sessions: SessionTable, monitor: Monitor) -> None:
+        self.config = config
+        self.store = store
+        self.registry = registry
+        self.sessions = sessions
+        self.monitor = monitor
+
+    def _require_store(self) -> None:
+        if not self.monitor.store_up:
+            raise Unavailable(f"the metadata store {self.store.url} is unreachable; retry later")
+
+    # ---- target -------------------------------------------------------------------------------
+    @grpc_errors
+    def OpenSession(self, request: cache_pb2.OpenSessionRequest, context: grpc.ServicerContext
+                    ) -> cache_pb2.OpenSessionResponse:
+        self._require_store()
+        session = self.sessions.open(ids_from_msg(request.prompt_ids), request.tokenizer_fingerprint,
+                                     request.target_model, request.draft)
+        worker = session.worker
+        return cache_pb2.OpenSessionResponse(session_id=session.session_id,
+                                             draft=worker.name if worker else "")
+
+    @grpc_errors
+    def Step(self, request: cache_pb2.StepRequest, context: grpc.ServicerContext) -> cache_pb2.StepResponse:
+        chain, outcome = self.sessions.step(request.session_id, correction_from_msg(request))
+        return chain_to_msg(chain, outcome)
+
+    @grpc_errors
+    def CloseSession(self, request: cache_pb2.CloseSessionRequest, context: grpc.ServicerContext
+                     ) -> cache_pb2.CloseSessionResponse:
+        stats = stats_from_msg(request.stats) if request.HasField("stats") else None
+        forwards, idle = self.sessions.close(request.session_id, stats)
+        return cache_pb2.CloseSessionResponse(draft_forwards=forwards, draft_idle_s=idle)
+
+    # ---- draft workers ------------------------------------------------------------------------
+    @grpc_errors
+    def RegisterDraft(self, request: cache_pb2.RegisterDraftRequest, context: grpc.ServicerContext
+                      ) -> cache_pb2.RegisterDraftResponse:
+        if not request.name:
+            raise InvalidArgument("a draft worker needs a name")
+        if not request.tokenizer_fingerprint:
+            raise InvalidArgument(f"draft {request.name!r} sent no tokenizer fingerprint")
+        self._require_store()
+        worker, replaced = self.registry.register(request)
+        try:
+            self.store.put_draft(worker.name, self._draft_record(worker), self.config.worker_ttl_s)
+        except Unavailable:
+            self.registry.remove(worker)
+            raise
+        if replaced is not None:
+            log.info("draft %s re-registered; the old registration is replaced", worker.name,
+                     extra={"draft": worker.name})
+        self.sessions.worker_joined(worker, replaced)
+        metrics.DRAFTS.set(len(self.registry.workers()))
+        log.info("draft %s registered (model %s, capacity %d)", worker.name, worker.model, worker.capacity,
+                 extra={"draft": worker.name, "worker_id": worker.worker_id})
+        return cache_pb2.RegisterDraftResponse(worker_id=worker.worker_id,
+                                               heartbeat_interval_s=self.config.heartbeat_interval_s)
+
+    @staticmethod
+    def _draft_record(worker: Worker) -> dict[str, str | int | float]:
+        return {
+            "name": worker.name, "model": worker.model, "tokenizer_fingerprint": worker.fingerprint,
+            "capacity": worker.capacity, "worker_id": worker.worker_id,
+            "active_sessions": len(worker.sessions), "last_heartbeat_unix": worker.last_heartbeat_unix,
+            "registered_unix": worker.registered_unix,
+        }
+
+    @grpc_errors
+    def Commands(self, request: cache_pb2.CommandsRequest, context: grpc.ServicerContext
+                 ) -> Iterator[cache_pb2.DraftCommand]:
+        worker = self.registry.get(request.worker_id)
+        with self.registry.lock:
+            if worker.streaming:
+                raise FailedPrecondition(f"draft {worker.name} already has a command stream open")
+            worker.streaming = True
+        context.add_callback(lambda: worker.commands.put(None))  # wake the loop when the peer goes
+        try:
+            while context.is_active():
+                try:
+                    command = worker.commands.get(timeout=1.0)
+                except queue.Empty:
+                    continue
+                if command is None:
+                    if worker.closed or not context.is_active():
+                        break
+                    continue
+                yield command
+        finally:
+            worker.streaming = False
+            if self.registry.remove(worker):
+                log.warning("draft %s closed its command stream; unregistered", worker.name,
+                            extra={"draft": worker.name})
+                self._forget(worker)
+
+    def _forget(self, worker: Worker) -> None:
+        self.sessions.worker_left(worker)
+        metrics.DRAFTS.set(len(self.registry.workers()))
+        try:
+            self.store.delete_draft(worker.name)
+        except Unavailable as exc:  # the key expires by itself
+            log.warning("draft record of %s not deleted: %s", worker.name, exc)
+
+    @grpc_errors
+    def PublishLayers(self, request_iterator: Iterator[cache_pb2.LayerMessage],
+                      context: grpc.ServicerContext) -> cache_pb2.PublishLayersResponse:
+        received = 0
+        for msg in request_iterator:
+            self.sessions.apply_layer(msg)
+            received += 1
+        return cache_pb2.PublishLayersResponse(layers_received=received)
+
+    @grpc_errors
+    def Heartbeat(self, request: cache_pb2.HeartbeatRequest, context: grpc.ServicerContext
+                  ) -> cache_pb2.HeartbeatResponse:
+        worker = self.registry.heartbeat(request.worker_id, request.active_sessions)
+        try:
+            self.store.put_draft(worker.name, self._draft_record(worker), self.config.worker_ttl_s)
+        except Unavailable as exc:  # the in-process registry still routes; Redis catches up later
+            log.warning("heartbeat of %s not recorded: %s", worker.name, exc)
+        return cache_pb2.HeartbeatResponse()
+
+    # ---- operators ----------------------------------------------------------------------------
+    @grpc_errors
+    def Status(self, request: cache_pb2.StatusRequest, context: grpc.ServicerContext
+               ) -> cache_pb2.StatusResponse:
+        drafts = {w.name: w.info() for w in self.registry.workers()}
+        totals: dict[str, float] = {}
+        connected = self.store.ping()
+        if connected:
+            try:
+                totals = self.store.totals()
+                for rec in self.store.drafts():  # workers registered with other cache replicas
+                    name = rec.get("name", "")
+                    if name and name not in drafts:
+                        drafts[name] = cache_pb2.DraftInfo(
+                            name=name, model=rec.get("model", ""),
+                            tokenizer_fingerprint=rec.get("tokenizer_fingerprint", ""),
+                            capacity=int(rec.get("capacity", 0)),
+                            active_sessions=int(rec.get("active_sessions", 0)),
+                            last_heartbeat_unix=float(rec.get("last_heartbeat_unix", 0.0)),
+                        )
+            except Unavailable:
+                connected = False
+        return cache_pb2.StatusResponse(
+            drafts=[drafts[n] for n in sorted(drafts)],
+            sessions=[s.info() for s in sorted(self.sessions.sessions(), key=lambda s: s.opened_unix)],
+            totals=totals, cache_device=self.config.device, redis_connected=connected,
+        )
+
+    # ---- shutdown -----------------------------------------------------------------------------
+    def shutdown(self) -> None:
+        """End every session (stop commands to the drafts, final records) and every command stream."""
+        started = time.perf_counter()
+        self.sessions.close_all(status="shutdown")
+        for worker in self.registry.workers():
+            if self.registry.remove(worker):
+                with contextlib.suppress(Unavailable):  # the key expires by itself
+                    self.store.delete_draft(worker.name)
+        log.info("cache state released in %.3fs", time.perf_counter() - started)

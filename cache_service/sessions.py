@@ -1,0 +1,332 @@
+"""Per-session state and the assignment of sessions to draft workers.
+
+A session holds its TwoTierTree (on the configured device), the committed sequence (prompt +
+every accepted token and next token), the epoch (the tree's), and the worker serving it. Step is
+``tree.apply_correction`` + forward the Advance + ``tree.best_chain``: it never waits on a draft.
+
+Changing a session's worker (one left, one joined, one replaced) restarts its tree under the
+virtual root of the epoch and sends the new worker ``StartSession(committed, epoch)``. When the
+tree still holds nodes, the target may be verifying a chain made of them, so the restart waits
+for that chain's correction (the next Step) and happens right after it; otherwise it happens at
+once. Output never depends on any of this: the target verifies every token.
+
+Lock order: the table lock (shared with the Registry) before any session's lock; Redis is never
+called under either.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+from card.v1 import cache_pb2
+
+from cache_service import metrics
+from cache_service.config import CacheConfig
+from cache_service.registry import Registry, Worker
+from cache_service.store import MetadataStore
+from card_common.convert import advance_to_msg, layer_from_msg
+from card_common.tensors import ids_to_msg
+from engine.errors import CardError, InvalidArgument, NotFound, Unavailable
+from engine.stats import GenerationStats
+from engine.tree import Chain, Correction, Outcome, TwoTierTree
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class Session:
+    session_id: str
+    target_model: str
+    fingerprint: str
+    draft_name: str  # the draft the target asked for; "" = any matching worker
+    tree: TwoTierTree
+    committed: list[int]
+    prompt_tokens: int
+    opened_unix: float = field(default_factory=time.time)
+    worker: Worker | None = None
+    restart_pending: bool = False
+    closed: bool = False
+    outcomes: dict[Outcome, int] = field(default_factory=lambda: dict.fromkeys(Outcome, 0))
+    steps: int = 0
+    layers: int = 0
+    # draft counters: from workers that served earlier + the current worker's latest LayerMessage
+    draft_forwards_done: int = 0
+    draft_idle_done: float = 0.0
+    draft_forwards: int = 0
+    draft_idle_s: float = 0.0
+    flushed_epoch: int = -1
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    # serialises Redis writes of this session's record so a late flush cannot revive a closed one
+    record_lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @property
+    def epoch(self) -> int:
+        return self.tree.epoch
+
+    def draft_totals(self) -> tuple[int, float]:
+        return self.draft_forwards_done + self.draft_forwards, self.draft_idle_done + self.draft_idle_s
+
+    def info(self) -> cache_pb2.SessionInfo:
+        return cache_pb2.SessionInfo(
+            session_id=self.session_id, target_model=self.target_model,
+            draft=self.worker.name if self.worker else "", epoch=self.epoch,
+            committed_tokens=len(self.committed), tree_nodes=len(self.tree),
+        )
+
+
+def _start_command(session: Session) -> cache_pb2.DraftCommand:
+    return cache_pb2.DraftCommand(start=cache_pb2.StartSession(
+        session_id=session.session_id, committed_ids=ids_to_msg(session.committed), epoch=session.epoch,
+    ))
+
+
+class SessionTable:
+    def __init__(self, config: CacheConfig, store: MetadataStore, registry: Registry) -> None:
+        self.config = config
+        self.store = store
+        self.registry = registry
+        self.lock = registry.lock
+        self.device = torch.device(config.device)
+        self._sessions: dict[str, Session] = {}
+
+    # ---- lookup -------------------------------------------------------------------------------
+    def get(self, session_id: str) -> Session:
+        with self.lock:
+            session = self._sessions.get(session_id)
+        if session is None:
+            raise NotFound(f"session {session_id!r} is not open on this cache service")
+        return session
+
+    def sessions(self) -> list[Session]:
+        with self.lock:
+            return list(self._sessions.values())
+
+    def __len__(self) -> int:
+        return len(self._sessions)
+
+    # ---- worker assignment (table lock held) --------------------------------------------------
+    def _restart(self, session: Session) -> None:
+        """Empty tree under the virtual root of the current epoch; the worker starts over."""
+        session.tree.reset(session.epoch)
+        session.restart_pending = False
+        if session.worker is not None:
+            session.worker.send(_start_command(session))
+
+    def _attach(self, session: Session, worker: Worker) -> None:
+        worker.sessions.add(session.session_id)
+        with session.lock:
+            session.worker = worker
+            if len(session.tree) == 0 and not session.restart_pending:
+                self._restart(session)
+            else:
+                session.restart_pending = True
+        log.info("session %s served by draft %s", session.session_id, worker.name,
+                 extra={"session_id": session.session_id, "draft": worker.name})
+
+    def _detach(self, session: Session) -> None:
+        worker = session.worker
+        if worker is None:
+            return
+        worker.sessions.discard(session.session_id)
+        with session.lock:
+            forwards, idle = session.draft_forwards, session.draft_idle_s
+            session.draft_forwards_done += forwards
+            session.draft_idle_done += idle
+            session.draft_forwards, session.draft_idle_s = 0, 0.0
+            session.worker = None
+            if len(session.tree) == 0:
+                session.tree.reset(session.epoch)
+            else:
+                session.restart_pending = True
+
+    def _rebalance(self) -> None:
+        """Give every session without a worker one, where a matching worker has room."""
+        for session in self._sessions.values():
+            if session.worker is not None:
+                continue
+            try:
+                worker = self.registry.pick(session.fingerprint, session.draft_name, session.target_model)
+            except CardError:  # its named draft is gone, different or full: keep waiting
+                continue
+            if worker is not None:
+                self._attach(session, worker)
+
+    def worker_joined(self, worker: Worker, replaced: Worker | None) -> None:
+        with self.lock:
+            if replaced is not None:
+                self.worker_left(replaced)
+            self._rebalance()
+
+    def worker_left(self, worker: Worker) -> None:
+        """``worker`` is gone: its sessions continue without it (or with another worker)."""
+        with self.lock:
+            orphans = [self._sessions[sid] for sid in list(worker.sessions) if sid in self._sessions]
+            worker.sessions.clear()
+            for session in orphans:
+                self._detach(session)
+            self._rebalance()
+        if orphans:
+            log.warning("draft %s left; %d session(s) continue without it", worker.name, len(orphans),
+                        extra={"draft": worker.name})
+
+    # ---- target side --------------------------------------------------------------------------
+    def open(self, prompt_ids: Sequence[int], fingerprint: str, target_model: str,
+             draft: str = "") -> Session:
+        if not prompt_ids:
+            raise InvalidArgument("the prompt is empty")
+        if not fingerprint:
+            raise InvalidArgument("tokenizer_fingerprint is required to match a draft to the target")
+        session = Session(
+            session_id=uuid.uuid4().hex, target_model=target_model or "unknown", fingerprint=fingerprint,
+            draft_name=draft, tree=TwoTierTree(self.device), committed=list(prompt_ids),
+            prompt_tokens=len(prompt_ids),
+        )
+        with self.lock:
+            worker = self.registry.pick(fingerprint, draft, session.target_model)
+            self._sessions[session.session_id] = session
+            if worker is not None:
+                self._attach(session, worker)
+        try:
+            with session.record_lock:
+                self.store.put_session(session.session_id, {
+                    "status": "live", "target_model": session.target_model, "fingerprint": fingerprint,
+                    "draft_requested": draft, "draft": worker.name if worker else "",
+                    "prompt_tokens": len(prompt_ids), "committed_tokens": len(prompt_ids), "epoch": 0,
+                    "opened_unix": session.opened_unix, "updated_unix": session.opened_unix,
+                }, self.config.session_ttl_s)
+        except Unavailable:
+            self._remove(session.session_id)
+            raise
+        metrics.SESSIONS_OPEN.inc()
+        log.info("session %s opened (%d prompt tokens, draft %s)", session.session_id, len(prompt_ids),
+                 worker.name if worker else "none", extra={"session_id": session.session_id})
+        return session
+
+    def step(self, session_id: str, correction: Correction) -> tuple[Chain, Outcome]:
+        """Apply the target's correction and return the next chain; never waits for a draft."""
+        t0 = time.perf_counter()
+        session = self.get(session_id)
+        with session.lock:
+            if session.closed:
+                raise NotFound(f"session {session_id!r} is closed")
+            advance = session.tree.apply_correction(correction)  # Aborted on a stale epoch
+            session.committed.extend(correction.accepted_tokens)
+            session.committed.append(correction.next_token)
+            session.outcomes[advance.outcome] += 1
+            session.steps += 1
+            if session.restart_pending:
+                self._restart(session)
+            elif session.worker is not None:
+                session.worker.send(cache_pb2.DraftCommand(advance=advance_to_msg(session_id, advance)))
+            chain = session.tree.best_chain(self.config.max_chain, self.config.b_extension)
+        metrics.STEPS.inc()
+        metrics.OUTCOMES.labels(advance.outcome.value).inc()
+        metrics.STEP_LATENCY.observe(time.perf_counter() - t0)
+        return chain, advance.outcome
+
+    def close(self, session_id: str, stats: GenerationStats | None = None,
+              status: str = "finished") -> tuple[int, float]:
+        """End the session everywhere; returns the draft's (forwards, idle seconds)."""
+        session = self._remove(session_id)
+        forwards, idle = session.draft_totals()
+        cache_counts = {o.value: n for o, n in session.outcomes.items()}
+        record: dict[str, str | int | float] = {
+            "status": status, "closed_unix": time.time(), "epoch": session.epoch,
+            "committed_tokens": len(session.committed), "steps": session.steps, "layers": session.layers,
+            "draft_forwards": forwards, "draft_idle_s": idle,
+            **{f"cache_{k}s": v for k, v in cache_counts.items()},
+        }
+        totals: dict[str, float] = {
+            "sessions": 1, "hits": cache_counts["hit"], "secondary_hits": cache_counts["secondary_hit"],
+            "misses": cache_counts["miss"], "draft_forwards": forwards,
+        }
+        if stats is not None:
+            record.update(mode=stats.mode, new_tokens=stats.new_tokens,
+                          target_forwards=stats.target_forwards, wall_s=stats.wall_s,
+                          tokens_per_s=stats.tokens_per_s,
+                          mean_accepted_length=stats.mean_accepted_length,
+                          stats_json=json.dumps(stats.to_dict()))
+            totals.update(new_tokens=stats.new_tokens, target_forwards=stats.target_forwards)
+        try:
+            with session.record_lock:
+                self.store.finish_session(session_id, record, self.config.session_ttl_s)
+                self.store.incr(totals)
+        except Unavailable as exc:  # the generation is over either way; only the record is lost
+            log.warning("final record of session %s not written: %s", session_id, exc,
+                        extra={"session_id": session_id})
+        log.info("session %s closed (%s, %d steps, draft forwards %d)", session_id, status,
+                 session.steps, forwards, extra={"session_id": session_id})
+        return forwards, idle
+
+    def _remove(self, session_id: str) -> Session:
+        with self.lock:
+            session = self._sessions.pop(session_id, None)
+            if session is None:
+                raise NotFound(f"session {session_id!r} is not open on this cache service")
+            worker = session.worker
+            if worker is not None:
+                worker.sessions.discard(session_id)
+            with session.lock:
+                session.closed = True
+                session.worker = None
+                if worker is not None:
+                    worker.send(cache_pb2.DraftCommand(stop=cache_pb2.StopSession(session_id=session_id)))
+                session.tree.reset(session.epoch)  # free the tensors now, not when the last ref goes
+            if worker is not None:
+                self._rebalance()  # the freed slot may serve a waiting session
+        metrics.SESSIONS_OPEN.dec()
+        return session
+
+    def close_all(self, status: str) -> None:
+        for session in self.sessions():
+            with contextlib.suppress(NotFound):  # closed concurrently
+                self.close(session.session_id, status=status)
+
+    # ---- draft side ---------------------------------------------------------------------------
+    def apply_layer(self, msg: cache_pb2.LayerMessage) -> bool:
+        """Add a layer to its session's tree; False when it was dropped (session gone, sent by a
+        worker that no longer serves the session)."""
+        metrics.LAYERS.inc()
+        with self.lock:
+            session = self._sessions.get(msg.session_id)
+        if session is None:
+            return False
+        layer = layer_from_msg(msg)
+        with session.lock:
+            worker = session.worker
+            if session.closed or worker is None or worker.worker_id != msg.worker_id:
+                return False
+            if session.restart_pending:  # layers of the old tree; the restart is coming
+                return False
+            session.tree.apply_layer(layer)
+            session.layers += 1
+            session.draft_forwards = msg.draft_forwards
+            session.draft_idle_s = msg.draft_idle_s
+        return True
+
+    # ---- records ------------------------------------------------------------------------------
+    def flush_records(self) -> None:
+        """Write live sessions' progress to the store (background; off the Step path)."""
+        for session in self.sessions():
+            epoch = session.epoch
+            if epoch == session.flushed_epoch:
+                continue
+            with session.record_lock:
+                if session.closed:
+                    continue
+                worker = session.worker
+                self.store.put_session(session.session_id, {
+                    "epoch": epoch, "committed_tokens": len(session.committed),
+                    "tree_nodes": len(session.tree), "draft": worker.name if worker else "",
+                    "updated_unix": time.time(),
+                }, self.config.session_ttl_s)
+                session.flushed_epoch = epoch
+

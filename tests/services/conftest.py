@@ -1,0 +1,97 @@
+"""Fixtures for the service tests: real redis-server processes on free ports, fresh key prefixes."""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+import socket
+import subprocess
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import pytest
+import redis
+
+
+def free_port() -> int:
+    """A port the OS just handed out on 127.0.0.1 (for programs that need a concrete port)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class RedisServer:
+    port: int
+    process: subprocess.Popen
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def client(self) -> redis.Redis:
+        return redis.Redis.from_url(self.url, decode_responses=True)
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(10)
+
+
+def start_redis(port: int | None = None, timeout_s: float = 10.0) -> RedisServer:
+    """Start ``redis-server`` without persistence on ``port`` (a free one by default); wait for PING."""
+    binary = shutil.which("redis-server")
+    if binary is None:
+        pytest.fail("redis-server is not installed (apt-get install redis-server)")
+    port = port or free_port()
+    proc = subprocess.Popen(
+        [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    server = RedisServer(port, proc)
+    client = server.client()
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            if client.ping():
+                client.close()
+                return server
+        except redis.ConnectionError:
+            pass
+        if proc.poll() is not None or time.monotonic() > deadline:
+            server.stop()
+            pytest.fail(f"redis-server on port {port} did not start (exit code {proc.poll()})")
+        time.sleep(0.05)
+
+
+@contextlib.contextmanager
+def running_redis(port: int | None = None) -> Iterator[RedisServer]:
+    server = start_redis(port)
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def redis_server() -> Iterator[RedisServer]:
+    """One redis-server for the whole test session; tests keep apart by key prefix."""
+    with running_redis() as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def redis_url(redis_server: RedisServer) -> str:
+    return redis_server.url
+
+
+@pytest.fixture
+def redis_prefix() -> str:
+    """A key prefix no other test uses."""
+    return f"test-{uuid.uuid4().hex[:12]}:"
