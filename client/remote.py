@@ -1,0 +1,82 @@
+"""Generate through a running card-target, with the same result type as in-process generation.
+
+    result = generate_remote("localhost:50051", "Hello", sampling=SamplingParams(), stop=StopParams())
+
+Failures arrive as ``engine.errors`` classes (the one gRPC status table in card_common.status), so
+the CLI prints them the same way as local errors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import grpc
+from card.v1 import target_pb2, target_pb2_grpc
+
+from card_common.channels import channel
+from card_common.convert import sampling_to_msg, stats_from_msg
+from card_common.status import error_from_rpc
+from card_common.tensors import ids_from_msg, ids_to_msg
+from engine.config import SamplingParams, StopParams
+from engine.errors import InvalidArgument, Unavailable
+from engine.generate import GenerationResult
+
+START_HINT = ("start the services with `card-client up` "
+              "(or point --target / CARD_TARGET_ADDR at a running card-target)")
+
+
+def build_request(prompt: str | Sequence[int], *, chat: bool | None, sampling: SamplingParams,
+                  stop: StopParams, draft: str | None, mode: str) -> target_pb2.GenerateRequest:
+    request = target_pb2.GenerateRequest(
+        sampling=sampling_to_msg(sampling),
+        max_new_tokens=stop.max_new_tokens,
+        stop=list(stop.stop),
+        ignore_eos=stop.ignore_eos,
+        draft=draft or "",
+        mode=mode,
+        chat={None: target_pb2.CHAT_AUTO, True: target_pb2.CHAT_ON, False: target_pb2.CHAT_OFF}[chat],
+    )
+    if isinstance(prompt, str):
+        request.prompt = prompt
+    else:
+        request.prompt_ids.CopyFrom(ids_to_msg(list(prompt)))
+    return request
+
+
+def generate_remote(addr: str, prompt: str | Sequence[int], *, chat: bool | None = None,
+                    sampling: SamplingParams | None = None, stop: StopParams | None = None,
+                    draft: str | None = None, mode: str = "card", timeout_s: float = 600.0,
+                    on_text: Callable[[str], None] | None = None) -> GenerationResult:
+    """Stream one generation from the target at ``addr``; ``prompt`` is text or token ids.
+
+    ``on_text`` gets each piece of text as the target commits it. Raises ``engine.errors``
+    subclasses: Unavailable when the target cannot be reached (naming ``addr``) or misses the
+    ``timeout_s`` deadline, InvalidArgument / NotFound / FailedPrecondition as the target says.
+    """
+    if timeout_s <= 0:
+        raise InvalidArgument(f"timeout must be > 0 seconds, got {timeout_s}")
+    request = build_request(prompt, chat=chat, sampling=sampling or SamplingParams(),
+                            stop=stop or StopParams(), draft=draft, mode=mode)
+    received = False
+    try:
+        with channel(addr) as ch:
+            stream = target_pb2_grpc.TargetServiceStub(ch).Generate(request, timeout=timeout_s)
+            for message in stream:
+                received = True
+                if message.WhichOneof("kind") == "chunk":
+                    if on_text is not None and message.chunk.text:
+                        on_text(message.chunk.text)
+                    continue
+                final = message.final
+                return GenerationResult(final.text, ids_from_msg(final.token_ids), final.finish_reason,
+                                        stats_from_msg(final.stats))
+    except grpc.RpcError as err:
+        code = err.code() if isinstance(err, grpc.Call) else None
+        if code is grpc.StatusCode.UNAVAILABLE and not received:
+            details = err.details() if isinstance(err, grpc.Call) else str(err)
+            raise Unavailable(f"cannot reach card-target at {addr} ({details}); {START_HINT}") from None
+        if code is grpc.StatusCode.DEADLINE_EXCEEDED:
+            raise Unavailable(f"card-target at {addr} did not finish within the {timeout_s:g}s deadline "
+                              "(raise --timeout, or ask for fewer tokens)") from None
+        raise error_from_rpc(err, addr) from None
+    raise Unavailable(f"card-target at {addr} ended the stream without a final message")

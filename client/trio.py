@@ -1,0 +1,294 @@
+"""A local trio (redis, card-cache, card-draft, card-target) as subprocesses, for one machine.
+
+    with LocalTrio(target_model="default", draft_model="default", draft_quantize="int8") as trio:
+        generate_remote(trio.target_addr, "Hello")
+
+Every service is started through its console script, exactly as a user would, on an OS-chosen
+loopback port (read from its ``... listening on HOST:PORT`` line) unless a port is given; the
+trio waits until each one reports SERVING through grpc.health.v1. Redis: a private
+``redis-server`` on a free loopback port when the binary exists, else the cache's in-process
+store (``memory://``, with a warning). On exit: SIGTERM to everything (target and drafts first,
+so sessions end and workers unregister while the cache still runs), SIGKILL after a grace period.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+
+from card_common.channels import health_status
+from client.options import default_thread_split
+from engine.errors import Unavailable
+
+LISTENING = re.compile(r"^(card-\w+) listening on (\S+):(\d+)\s*$", re.MULTILINE)
+
+
+def free_port() -> int:
+    """A loopback port free right now (for programs that cannot bind port 0 themselves)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def console_script(name: str) -> str:
+    """The entry point installed beside this interpreter (the venv), else one on PATH."""
+    local = Path(sys.executable).parent / name
+    if local.is_file():
+        return str(local)
+    found = shutil.which(name)
+    if found is None:
+        raise Unavailable(f"{name} is not installed; run `pip install -e .` in the project (or `make setup`)")
+    return found
+
+
+@dataclass
+class ServiceProcess:
+    """One child process, its log file and (once announced) its gRPC address."""
+
+    name: str
+    proc: subprocess.Popen
+    log_path: Path
+    addr: str = ""
+    metrics_port: int = 0
+
+    def log_tail(self, lines: int = 15) -> str:
+        try:
+            text = self.log_path.read_text(errors="replace").splitlines()
+        except OSError:
+            return ""
+        return "\n".join(text[-lines:])
+
+    def _died(self) -> Unavailable:
+        return Unavailable(f"{self.name} exited with code {self.proc.returncode} while starting; "
+                           f"its log ({self.log_path}) ends with:\n{self.log_tail()}")
+
+    def wait_listening(self, timeout_s: float) -> str:
+        """The address from the ``listening on`` line (loopback when it bound every interface)."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                match = LISTENING.search(self.log_path.read_text(errors="replace"))
+            except OSError:
+                match = None
+            if match:
+                host = match.group(2)
+                if host in ("0.0.0.0", "[::]", "::", ""):
+                    host = "127.0.0.1"
+                self.addr = f"{host}:{match.group(3)}"
+                return self.addr
+            if self.proc.poll() is not None:
+                raise self._died()
+            time.sleep(0.05)
+        raise Unavailable(f"{self.name} did not announce its port within {timeout_s:g}s; "
+                          f"log: {self.log_path}")
+
+    def wait_serving(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        last = "no answer"
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise self._died()
+            try:
+                last = health_status(self.addr, timeout_s=1.0)
+                if last == "SERVING":
+                    return
+            except grpc.RpcError as err:
+                last = err.code().name if isinstance(err, grpc.Call) else str(err)
+            time.sleep(0.1)
+        raise Unavailable(f"{self.name} at {self.addr} is not SERVING after {timeout_s:g}s (last: {last}); "
+                          f"log: {self.log_path}")
+
+    def terminate(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+
+    def wait(self, timeout_s: float) -> int | None:
+        try:
+            return self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            return None
+
+
+@dataclass
+class LocalTrio:
+    """Parameters: models (spec, quantize), torch threads per process (None = split the cores),
+    log_dir (None = a temporary folder, removed after a clean exit), redis_url (None = start a
+    private redis-server, or memory:// when the binary is missing), fixed ports (0 = OS-chosen),
+    metrics (give each service a free metrics port, see ``metrics_ports``)."""
+
+    target_model: str = "default"
+    draft_model: str = "default"
+    draft_quantize: str = "none"
+    target_threads: int | None = None
+    draft_threads: int | None = None
+    log_dir: Path | None = None
+    redis_url: str | None = None
+    require_redis: bool = False
+    target_port: int = 0
+    cache_port: int = 0
+    draft_port: int = 0
+    draft_name: str | None = None
+    dtype: str = "auto"
+    device: str = "auto"
+    metrics: bool = False
+    start_timeout_s: float = 600.0
+    grace_s: float = 10.0
+    extra_args: dict[str, Sequence[str]] = field(default_factory=dict)  # per service: "cache", ...
+
+    def __post_init__(self) -> None:
+        t, d = default_thread_split()
+        self.target_threads = self.target_threads or t
+        self.draft_threads = self.draft_threads or d
+        self.processes: list[ServiceProcess] = []
+        self.drafts: list[ServiceProcess] = []
+        self.redis: subprocess.Popen | None = None
+        self.warnings: list[str] = []
+        self._own_log_dir = self.log_dir is None
+        self.target_addr = self.cache_addr = self.draft_addr = ""
+
+    # ---- context manager -------------------------------------------------------------------
+    def __enter__(self) -> LocalTrio:
+        try:
+            self.start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        self.stop(clean=exc_type is None)
+
+    @property
+    def metrics_ports(self) -> dict[str, int]:
+        return {p.name: p.metrics_port for p in self.processes if p.metrics_port}
+
+    # ---- start -----------------------------------------------------------------------------
+    def start(self) -> None:
+        if self.log_dir is None:
+            self.log_dir = Path(tempfile.mkdtemp(prefix="card-trio-"))
+        self.log_dir = Path(self.log_dir)
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        redis_url = self.redis_url or self._start_redis()
+        self.redis_url = redis_url
+        cache = self._spawn("card-cache", [
+            "--port", str(self.cache_port), "--redis-url", redis_url,
+            *self.extra_args.get("cache", ()),
+        ])
+        self.cache_addr = cache.wait_listening(self.start_timeout_s)
+        cache.wait_serving(self.start_timeout_s)
+        draft = self.start_draft(self.draft_model, self.draft_quantize, name=self.draft_name,
+                                 port=self.draft_port, wait=False)
+        target = self._spawn("card-target", [
+            "--model", self.target_model, "--cache", self.cache_addr, "--port", str(self.target_port),
+            "--threads", str(self.target_threads), "--dtype", self.dtype, "--device", self.device,
+            *self.extra_args.get("target", ()),
+        ])
+        # both load their models at once; wait for each
+        self.draft_addr = draft.wait_listening(self.start_timeout_s)
+        self.target_addr = target.wait_listening(self.start_timeout_s)
+        draft.wait_serving(self.start_timeout_s)
+        target.wait_serving(self.start_timeout_s)
+
+    def start_draft(self, model: str, quantize: str = "none", *, name: str | None = None,
+                    threads: int | None = None, port: int = 0, args: Sequence[str] = (),
+                    wait: bool = True) -> ServiceProcess:
+        """Start one more draft worker on this trio's cache (several may run at once)."""
+        cmd = ["--cache", self.cache_addr, "--model", model, "--quantize", quantize,
+               "--port", str(port), "--threads", str(threads or self.draft_threads),
+               "--dtype", self.dtype, "--device", self.device,
+               *self.extra_args.get("draft", ()), *args]
+        if name:
+            cmd += ["--name", name]
+        proc = self._spawn("card-draft", cmd, label=f"card-draft-{name or len(self.drafts)}")
+        self.drafts.append(proc)
+        if wait:
+            proc.wait_listening(self.start_timeout_s)
+            proc.wait_serving(self.start_timeout_s)
+        return proc
+
+    def _spawn(self, script: str, args: list[str], label: str | None = None) -> ServiceProcess:
+        label = label or script
+        assert self.log_dir is not None
+        log_path = self.log_dir / f"{label}.log"
+        metrics_port = free_port() if self.metrics else 0
+        cmd = [console_script(script), *args, "--metrics-port", str(metrics_port)]
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
+        with open(log_path, "wb") as log:
+            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                    env=env, start_new_session=True)
+        service = ServiceProcess(label, proc, log_path, metrics_port=metrics_port)
+        self.processes.append(service)
+        return service
+
+    def _start_redis(self) -> str:
+        binary = shutil.which("redis-server")
+        if binary is None:
+            if self.require_redis:
+                raise Unavailable("redis-server is not installed (apt-get install redis-server)")
+            warning = ("redis-server not found: the cache keeps its metadata in memory (memory://); "
+                       "install redis-server for the real store")
+            self.warnings.append(warning)
+            print(f"warning: {warning}", file=sys.stderr)
+            return "memory://"
+        assert self.log_dir is not None
+        port = free_port()
+        with open(self.log_dir / "redis.log", "wb") as log:
+            self.redis = subprocess.Popen(
+                [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+                 "--dir", str(self.log_dir)],
+                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+            )
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            if self.redis.poll() is not None:
+                raise Unavailable(f"redis-server exited with code {self.redis.returncode}; "
+                                  f"see {self.log_dir / 'redis.log'}")
+            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.5) as conn:
+                conn.sendall(b"PING\r\n")
+                if conn.recv(16).startswith(b"+PONG"):
+                    return f"redis://127.0.0.1:{port}/0"
+            time.sleep(0.05)
+        raise Unavailable(f"redis-server did not answer on port {port} within 20s")
+
+    # ---- stop ------------------------------------------------------------------------------
+    def stop(self, clean: bool = True) -> None:
+        """Stop everything: target and drafts first, then the cache, then redis."""
+        front = [p for p in self.processes if p.name != "card-cache"]
+        back = [p for p in self.processes if p.name == "card-cache"]
+        failed = False
+        for group in (front, back):
+            for p in group:
+                p.terminate()
+            for p in group:
+                if p.wait(self.grace_s) is None:
+                    p.kill()
+                    p.wait(5)
+                    failed = True
+        if self.redis is not None and self.redis.poll() is None:
+            self.redis.terminate()
+            try:
+                self.redis.wait(self.grace_s)
+            except subprocess.TimeoutExpired:
+                self.redis.kill()
+                self.redis.wait(5)
+        self.processes.clear()
+        self.drafts.clear()
+        if self._own_log_dir and clean and not failed and self.log_dir is not None:
+            shutil.rmtree(self.log_dir, ignore_errors=True)

@@ -1,0 +1,54 @@
+"""Configuration of a draft worker, built once from flags and CARD_DRAFT_* variables."""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from engine.config import TreeParams
+from engine.errors import InvalidArgument
+from engine.models import ModelConfig
+
+
+def default_worker_name(model_spec: str, quantize: str = "none") -> str:
+    """``<model>-<host>-<pid>``: unique per process, readable in ``card-client drafts``."""
+    base = Path(model_spec.rstrip("/")).name or model_spec
+    base = re.sub(r"\.gguf$", "", base)
+    if quantize != "none":
+        base = f"{base}-{quantize}"
+    host = socket.gethostname().split(".")[0]
+    name = f"{base}-{host}-{os.getpid()}"
+    return re.sub(r"[^A-Za-z0-9._-]+", "-", name).strip("-").lower()
+
+
+@dataclass(frozen=True)
+class DraftConfig:
+    cache_addr: str
+    model: ModelConfig
+    name: str
+    tree: TreeParams = field(default_factory=TreeParams)
+    capacity: int = 8
+    threads: int | None = None
+    host: str = "127.0.0.1"
+    port: int = 50053
+    metrics_port: int = 9093
+    log_level: str = "INFO"
+    json_logs: bool = False
+    # reconnect backoff after the cache goes away (seconds, doubling up to the max)
+    retry_initial_s: float = 0.5
+    retry_max_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        if not self.cache_addr:
+            raise InvalidArgument("the cache address is required (--cache HOST:PORT or CARD_CACHE_ADDR)")
+        if not self.name:
+            raise InvalidArgument("the worker name must not be empty")
+        if self.capacity < 1:
+            raise InvalidArgument(f"capacity must be >= 1, got {self.capacity}")
+        if self.threads is not None and self.threads < 1:
+            raise InvalidArgument(f"threads must be >= 1, got {self.threads}")
+        if not 0 <= self.port <= 65535 or not 0 <= self.metrics_port <= 65535:
+            raise InvalidArgument("ports must be in [0, 65535]")

@@ -1,0 +1,235 @@
+"""The draft worker's link to the cache service: register, take commands, publish layers.
+
+One connection at a time:
+
+    RegisterDraft -> worker_id, heartbeat interval
+    Commands      (server stream)  start / advance / stop  ->  DraftWorker
+    PublishLayers (client stream)  every layer the DraftWorker grows, any session
+    Heartbeat     every half interval, with the number of live sessions
+
+When the cache goes away (a stream breaks, a heartbeat is refused) the worker is useless to any
+session it holds, so it drops them all, reports NOT_SERVING and registers again with backoff;
+the cache hands its sessions' targets empty chains meanwhile, which never changes their output.
+The long-lived streams carry no deadline on purpose: they live as long as the registration, and
+channel keepalives (card_common.channels) detect a dead peer.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Callable, Iterator
+
+import grpc
+from card.v1 import cache_pb2, cache_pb2_grpc
+
+from card_common.channels import channel
+from card_common.convert import advance_from_msg, layer_to_msg
+from card_common.status import error_from_rpc
+from card_common.tensors import ids_from_msg
+from draft_service import metrics
+from draft_service.config import DraftConfig
+from engine.errors import CardError
+from engine.models import LoadedModel
+from engine.tree import Layer
+from engine.worker import DraftWorker
+
+log = logging.getLogger(__name__)
+
+RPC_TIMEOUT_S = 5.0
+
+
+class _Connection:
+    """State of one registration: its streams end together."""
+
+    def __init__(self, worker_id: str, interval_s: float) -> None:
+        self.worker_id = worker_id
+        self.interval_s = interval_s
+        self.layers: queue.Queue[cache_pb2.LayerMessage] = queue.Queue()
+        self.closed = threading.Event()
+        self.commands: grpc.Call | None = None
+
+    def requests(self) -> Iterator[cache_pb2.LayerMessage]:
+        """The PublishLayers request stream; ends when the connection closes."""
+        while not self.closed.is_set():
+            try:
+                yield self.layers.get(timeout=0.2)
+            except queue.Empty:
+                continue
+
+    def close(self) -> None:
+        self.closed.set()
+        if self.commands is not None:
+            self.commands.cancel()
+
+
+class CacheLink:
+    """Keeps ``worker`` registered with the cache at ``config.cache_addr`` until ``close()``."""
+
+    def __init__(self, config: DraftConfig, model: LoadedModel,
+                 on_serving: Callable[[bool], None] = lambda serving: None) -> None:
+        self.config = config
+        self.model = model
+        self.on_serving = on_serving
+        self.worker = DraftWorker(model.model, config.tree, self._publish, threads=config.threads,
+                                  name=config.name)
+        self._sessions: set[str] = set()
+        self._lock = threading.Lock()
+        self._conn: _Connection | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        metrics.ACTIVE_SESSIONS.set_function(lambda: self.worker.active_sessions)
+        metrics.KV_SLOTS.set_function(self.worker.kv_slots_held)
+
+    # ---- lifecycle ---------------------------------------------------------------------------
+    def start(self) -> None:
+        self.worker.start()
+        self._thread = threading.Thread(target=self._run, name="cache-link", daemon=True)
+        self._thread.start()
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Stop every session, end the streams (which unregisters the worker), stop the worker."""
+        self._stop.set()
+        self._drop_sessions("shutting down")
+        with self._lock:
+            conn = self._conn
+        if conn is not None:
+            conn.close()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+        self.worker.close()
+
+    @property
+    def sessions(self) -> int:
+        with self._lock:
+            return len(self._sessions)
+
+    # ---- the connection loop -----------------------------------------------------------------
+    def _run(self) -> None:
+        backoff = self.config.retry_initial_s
+        while not self._stop.is_set():
+            registered = False
+            try:
+                registered = self._serve_once()
+            except grpc.RpcError as err:
+                log.warning("cache at %s: %s", self.config.cache_addr,
+                            error_from_rpc(err, self.config.cache_addr))
+            except CardError as exc:
+                log.warning("cache at %s sent a bad command: %s", self.config.cache_addr, exc)
+            self.on_serving(False)
+            metrics.REGISTERED.set(0)
+            self._drop_sessions("lost the cache")
+            if self._stop.is_set():
+                break
+            if registered:
+                metrics.DISCONNECTS.inc()
+                backoff = self.config.retry_initial_s
+            log.info("registering again in %.1fs", backoff)
+            self._stop.wait(backoff)
+            backoff = min(backoff * 2, self.config.retry_max_s)
+
+    def _serve_once(self) -> bool:
+        """Register and serve commands until the cache goes away; True once registered."""
+        cfg = self.config
+        with channel(cfg.cache_addr) as ch:
+            stub = cache_pb2_grpc.CacheServiceStub(ch)
+            reply = stub.RegisterDraft(
+                cache_pb2.RegisterDraftRequest(
+                    name=cfg.name, model=cfg.model.label, tokenizer_fingerprint=self.model.fingerprint,
+                    capacity=cfg.capacity, tree_width=cfg.tree.width, max_depth=cfg.tree.max_depth,
+                ),
+                timeout=RPC_TIMEOUT_S,
+            )
+            conn = _Connection(reply.worker_id, reply.heartbeat_interval_s or 5.0)
+            publish = stub.PublishLayers.future(conn.requests())
+            conn.commands = stub.Commands(cache_pb2.CommandsRequest(worker_id=conn.worker_id))
+            with self._lock:
+                self._conn = conn
+            if self._stop.is_set():  # close() ran while we registered
+                conn.close()
+            heartbeat = threading.Thread(target=self._heartbeat, args=(stub, conn), name="heartbeat",
+                                         daemon=True)
+            heartbeat.start()
+            metrics.REGISTRATIONS.inc()
+            metrics.REGISTERED.set(1)
+            log.info("registered with the cache at %s as %s (worker %s, heartbeat every %.1fs)",
+                     cfg.cache_addr, cfg.name, conn.worker_id, conn.interval_s)
+            self.on_serving(True)
+            try:
+                for command in conn.commands:
+                    self._dispatch(command)
+                log.warning("the cache at %s ended the command stream", cfg.cache_addr)
+            except grpc.RpcError as err:
+                if not conn.closed.is_set():
+                    raise
+                log.info("command stream closed (%s)", err.code().name if isinstance(err, grpc.Call) else err)
+            finally:
+                conn.close()
+                with self._lock:
+                    self._conn = None
+                heartbeat.join(RPC_TIMEOUT_S)
+                try:
+                    publish.result(timeout=RPC_TIMEOUT_S)
+                except grpc.RpcError as err:
+                    log.debug("layer stream ended: %s", err)
+                except grpc.FutureTimeoutError:
+                    publish.cancel()
+        return True
+
+    def _heartbeat(self, stub: cache_pb2_grpc.CacheServiceStub, conn: _Connection) -> None:
+        # "at least every interval": beat at half of it so one slow beat does not expire us
+        period = max(0.1, conn.interval_s / 2)
+        while not conn.closed.wait(period):
+            try:
+                stub.Heartbeat(cache_pb2.HeartbeatRequest(worker_id=conn.worker_id,
+                                                          active_sessions=self.worker.active_sessions),
+                               timeout=max(1.0, conn.interval_s))
+            except grpc.RpcError as err:
+                code = err.code() if isinstance(err, grpc.Call) else None
+                log.warning("heartbeat refused: %s", error_from_rpc(err, self.config.cache_addr))
+                if code in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.UNAVAILABLE):
+                    conn.close()  # the cache forgot us or is gone: register again
+                    return
+
+    # ---- commands (link thread) --------------------------------------------------------------
+    def _dispatch(self, command: cache_pb2.DraftCommand) -> None:
+        kind = command.WhichOneof("command")
+        metrics.COMMANDS.labels(kind=kind or "none").inc()
+        if kind == "start":
+            msg = command.start
+            with self._lock:
+                self._sessions.add(msg.session_id)
+            self.worker.start_session(msg.session_id, ids_from_msg(msg.committed_ids), msg.epoch)
+            log.debug("session %s started", msg.session_id, extra={"session_id": msg.session_id})
+        elif kind == "advance":
+            msg = command.advance
+            self.worker.advance(msg.session_id, advance_from_msg(msg))
+        elif kind == "stop":
+            sid = command.stop.session_id
+            with self._lock:
+                self._sessions.discard(sid)
+            self.worker.stop_session(sid)
+            log.debug("session %s stopped", sid, extra={"session_id": sid})
+        else:
+            log.warning("ignoring an empty command from the cache")
+
+    def _drop_sessions(self, why: str) -> None:
+        with self._lock:
+            dropped, self._sessions = self._sessions, set()
+        for sid in dropped:
+            self.worker.stop_session(sid)
+        if dropped:
+            log.warning("dropped %d session(s): %s", len(dropped), why)
+
+    # ---- layers (worker thread) --------------------------------------------------------------
+    def _publish(self, session_id: str, layer: Layer) -> None:
+        with self._lock:
+            conn = self._conn if session_id in self._sessions else None
+        if conn is None or conn.closed.is_set():
+            metrics.LAYERS_DROPPED.inc()
+            return
+        stats = self.worker.session_stats(session_id)
+        conn.layers.put(layer_to_msg(session_id, layer, conn.worker_id,
+                                     stats.forwards if stats else 0, stats.idle_s if stats else 0.0))
+        metrics.LAYERS.inc()

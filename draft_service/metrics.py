@@ -1,0 +1,15 @@
+"""Prometheus metrics of a draft worker (served on --metrics-port)."""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge
+
+REGISTERED = Gauge("card_draft_registered", "1 while registered with the cache service, else 0")
+ACTIVE_SESSIONS = Gauge("card_draft_active_sessions", "Sessions the worker is drafting for")
+KV_SLOTS = Gauge("card_draft_kv_slots", "KV cache slots held by all sessions (0 when none is live)")
+COMMANDS = Counter("card_draft_commands_total", "Commands received from the cache", ["kind"])
+LAYERS = Counter("card_draft_layers_published_total", "Layers published to the cache")
+LAYERS_DROPPED = Counter("card_draft_layers_dropped_total",
+                         "Layers not sent because their session had ended or the cache was away")
+REGISTRATIONS = Counter("card_draft_registrations_total", "Successful registrations with the cache")
+DISCONNECTS = Counter("card_draft_disconnects_total", "Times the link to the cache was lost")

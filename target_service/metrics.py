@@ -1,0 +1,20 @@
+"""Prometheus metrics of the target service (served on --metrics-port)."""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge, Histogram
+
+GENERATIONS = Counter("card_target_generations_total", "Finished generations",
+                      ["mode", "finish_reason"])
+REFUSED = Counter("card_target_refused_total", "Generate calls refused", ["code"])
+TOKENS = Counter("card_target_tokens_total", "Generated tokens")
+ACTIVE = Gauge("card_target_active_generations", "Generations running now")
+WAITING = Gauge("card_target_waiting_generations", "Generations waiting for a free slot")
+STEP_RTT = Histogram("card_target_step_rtt_seconds", "Step round trip to the cache service",
+                     buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5))
+STEP_FAILURES = Counter("card_target_step_failures_total", "Step calls that failed", ["code"])
+RESYNCS = Counter("card_target_session_resyncs_total", "Sessions re-opened after a failed Step")
+DEGRADED = Counter("card_target_degraded_generations_total",
+                   "Card generations decoded without a draft because no session could be opened")
+TOKENS_PER_S = Histogram("card_target_tokens_per_second", "Throughput of each generation",
+                         buckets=(1, 2, 5, 10, 20, 50, 100, 200, 500, 1000))

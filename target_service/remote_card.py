@@ -1,0 +1,184 @@
+"""CARD through the cache service: the target loop's chain source over gRPC.
+
+    open   OpenSession(prompt)        -> session id, assigned draft worker (maybe none yet)
+    step   Step(correction), deadline -> next chain (possibly empty) and the verdict
+    close  CloseSession(final stats)  -> draft-side stats
+
+The chain only decides how fast the target goes, never what it emits: the target verifies every
+token. So every failure here degrades to plain decoding instead of failing the request:
+
+- OpenSession fails (cache down, timeout, anything but NOT_FOUND / FAILED_PRECONDITION, which are
+  the user's to see): this request decodes alone.
+- Step fails (timeout, cache restarted, stale epoch): that step gets an empty chain; the next step
+  re-opens a session at the committed text so far (retrying with backoff while the cache is down).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+
+import grpc
+from card.v1 import cache_pb2, cache_pb2_grpc
+
+from card_common.convert import correction_to_msg, stats_to_msg, step_result_from_msg
+from card_common.status import error_from_rpc
+from card_common.tensors import ids_to_msg
+from engine.errors import CardError
+from engine.sources import SourceStats, StepResult
+from engine.stats import GenerationStats
+from engine.tree import Chain, Correction
+from target_service import metrics
+
+log = logging.getLogger(__name__)
+
+# refused to the user as they are: the request named a draft that cannot serve it
+_USER_ERRORS = (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION)
+
+
+def _code(err: grpc.RpcError) -> grpc.StatusCode | None:
+    return err.code() if isinstance(err, grpc.Call) else None
+
+
+class RemoteCard:
+    """A ``ChainSource`` backed by the cache service.
+
+    ``stats`` (set by the caller to the Generation's stats) receives one Step round trip per step
+    in ``step_rtt_ms`` and is sent with CloseSession.
+    """
+
+    def __init__(self, stub: cache_pb2_grpc.CacheServiceStub, *, cache_addr: str, target_model: str,
+                 fingerprint: str, draft: str = "", step_timeout_s: float = 1.0,
+                 open_timeout_s: float = 5.0, retry_initial_s: float = 0.5,
+                 retry_max_s: float = 5.0) -> None:
+        self.stub = stub
+        self.cache_addr = cache_addr
+        self.target_model = target_model
+        self.fingerprint = fingerprint
+        self.draft = draft
+        self.step_timeout_s = step_timeout_s
+        self.open_timeout_s = open_timeout_s
+        self.retry_initial_s = retry_initial_s
+        self.retry_max_s = retry_max_s
+        self.stats: GenerationStats | None = None
+        self.session_id = ""
+        self.draft_name = ""  # the worker that served the (last) session
+        self.epoch = 0
+        self.committed: list[int] = []
+        self.resyncs = 0
+        self._degraded = False  # the first open failed: plain decoding for this request
+        self._retry_at = 0.0
+        self._retry_s = retry_initial_s
+        self._draft_forwards = 0  # from sessions closed before the last one
+        self._draft_idle_s = 0.0
+
+    # ---- ChainSource -------------------------------------------------------------------------
+    def open(self, prompt_ids: Sequence[int]) -> None:
+        self.committed = list(prompt_ids)
+        try:
+            self._open_session(self.committed)
+        except grpc.RpcError as err:
+            if _code(err) in _USER_ERRORS:
+                raise error_from_rpc(err, self.cache_addr) from None
+            self._degraded = True
+            metrics.DEGRADED.inc()
+            log.warning("cannot open a session at the cache %s, decoding without a draft: %s",
+                        self.cache_addr, error_from_rpc(err, self.cache_addr))
+
+    def step(self, correction: Correction) -> StepResult:
+        base = self.committed + list(correction.accepted_tokens)  # committed before next_token
+        self.committed = [*base, correction.next_token]
+        if self._degraded:
+            return self._plain()
+        if not self.session_id:
+            if time.monotonic() < self._retry_at or not self._reopen(base):
+                return self._plain()
+            # the new session's committed text ends before next_token, at epoch 0
+            correction = Correction(0, (), (), correction.next_token)
+        else:
+            correction = Correction(self.epoch, correction.accepted_tokens,
+                                    correction.accepted_node_ids, correction.next_token)
+        t0 = time.perf_counter()
+        try:
+            reply = self.stub.Step(correction_to_msg(self.session_id, correction),
+                                   timeout=self.step_timeout_s)
+            result = step_result_from_msg(reply)
+        except grpc.RpcError as err:
+            self._record_rtt(t0)
+            metrics.STEP_FAILURES.labels(code=(_code(err) or grpc.StatusCode.UNKNOWN).name).inc()
+            log.warning("Step failed for session %s, plain decoding until it is re-opened: %s",
+                        self.session_id, error_from_rpc(err, self.cache_addr),
+                        extra={"session_id": self.session_id})
+            self._abandon(close=_code(err) is not grpc.StatusCode.NOT_FOUND)
+            return self._plain()
+        except CardError as exc:  # a malformed reply: a bug on the other side, not the user's
+            log.error("bad Step reply for session %s: %s", self.session_id, exc)
+            self._abandon(close=True)
+            return self._plain()
+        self._record_rtt(t0)
+        self.epoch = result.chain.epoch
+        return result
+
+    def close(self) -> SourceStats:
+        if self.session_id:
+            self._close_session(with_stats=True)
+        return SourceStats(draft_forwards=self._draft_forwards, draft_idle_s=self._draft_idle_s)
+
+    # ---- sessions ----------------------------------------------------------------------------
+    def _open_session(self, committed: list[int]) -> None:
+        reply = self.stub.OpenSession(
+            cache_pb2.OpenSessionRequest(prompt_ids=ids_to_msg(committed),
+                                         tokenizer_fingerprint=self.fingerprint,
+                                         target_model=self.target_model, draft=self.draft),
+            timeout=self.open_timeout_s,
+        )
+        self.session_id = reply.session_id
+        self.draft_name = reply.draft or self.draft_name
+        self.epoch = 0
+        self._retry_s = self.retry_initial_s
+        log.debug("session %s opened (draft %s)", self.session_id, reply.draft or "none",
+                  extra={"session_id": self.session_id})
+
+    def _reopen(self, committed: list[int]) -> bool:
+        try:
+            self._open_session(committed)
+        except grpc.RpcError as err:
+            self._retry_at = time.monotonic() + self._retry_s
+            self._retry_s = min(self._retry_s * 2, self.retry_max_s)
+            log.warning("re-opening a session at the cache %s failed (next try in %.1fs): %s",
+                        self.cache_addr, self._retry_s, error_from_rpc(err, self.cache_addr))
+            return False
+        self.resyncs += 1
+        metrics.RESYNCS.inc()
+        return True
+
+    def _abandon(self, close: bool) -> None:
+        if close:
+            self._close_session(with_stats=False)
+        self.session_id = ""
+        self._retry_at = 0.0  # re-open at the next step
+
+    def _close_session(self, with_stats: bool) -> None:
+        request = cache_pb2.CloseSessionRequest(session_id=self.session_id)
+        if with_stats and self.stats is not None:
+            request.stats.CopyFrom(stats_to_msg(self.stats))
+        try:
+            reply = self.stub.CloseSession(request, timeout=self.open_timeout_s)
+            self._draft_forwards += reply.draft_forwards
+            self._draft_idle_s += reply.draft_idle_s
+        except grpc.RpcError as err:
+            log.warning("CloseSession failed for session %s: %s", self.session_id,
+                        error_from_rpc(err, self.cache_addr), extra={"session_id": self.session_id})
+        self.session_id = ""
+
+    # ---- helpers -----------------------------------------------------------------------------
+    def _plain(self) -> StepResult:
+        self.epoch += 1  # any value the generation echoes back works: a fresh session restarts at 0
+        return StepResult(Chain(epoch=self.epoch))
+
+    def _record_rtt(self, t0: float) -> None:
+        ms = (time.perf_counter() - t0) * 1000.0
+        metrics.STEP_RTT.observe(ms / 1000.0)
+        if self.stats is not None:
+            self.stats.step_rtt_ms.append(ms)

@@ -1,0 +1,148 @@
+"""``card-target``: the user-facing service; runs the target model and streams exact output.
+
+    card-target [--model SPEC] [--cache HOST:PORT] [--port 50051]
+
+Health: SERVING as soon as the model is loaded. A configured cache that is unreachable does not
+make the target NOT_SERVING: the target still answers every request exactly, by plain decoding,
+and speculates again as soon as the cache answers (each request tries to open a session). Taking
+the target out of rotation while the cache restarts would turn a slowdown into an outage.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+import click
+import grpc
+import torch
+from card.v1 import cache_pb2_grpc, target_pb2_grpc
+
+from card_common.channels import channel, wait_serving
+from card_common.serving import (
+    add_health,
+    make_server,
+    serve_until_signal,
+    set_serving,
+    setup_logging,
+    start_metrics_server,
+)
+from engine.errors import CardError, Unavailable
+from engine.models import ModelConfig, load_model
+from target_service.config import TargetConfig
+from target_service.servicer import TargetServicer
+
+log = logging.getLogger("target_service")
+
+SERVICE_NAME = "card.v1.TargetService"
+GRACE_S = 10.0  # running generations get this long to finish on SIGTERM
+
+
+def create_server(addr: str, max_workers: int = 16) -> tuple[grpc.Server, int]:
+    """A gRPC server bound to ``addr`` ("host:port", port 0 = OS-chosen); not started."""
+    server = make_server(max_workers=max_workers)
+    try:
+        port = server.add_insecure_port(addr)
+    except RuntimeError as exc:  # grpc raises this when the port is taken
+        raise Unavailable(f"cannot bind {addr}: {exc} (is the port in use?)") from None
+    if port == 0:
+        raise Unavailable(f"cannot bind {addr} (is the port in use?)")
+    return server, port
+
+
+def serve(config: TargetConfig) -> None:
+    # queued Generate calls wait in a server thread for a slot; health and Info need threads too
+    server, port = create_server(f"{config.host}:{config.port}", max_workers=2 * config.max_concurrency + 8)
+    health = add_health(server)
+    cache_channel = None
+    stub = None
+    if config.cache_addr:
+        cache_channel = channel(config.cache_addr)
+        stub = cache_pb2_grpc.CacheServiceStub(cache_channel)
+    servicer = TargetServicer(config, stub)
+    target_pb2_grpc.add_TargetServiceServicer_to_server(servicer, server)
+    server.start()
+    print(f"card-target listening on {config.host}:{port}", flush=True)
+    start_metrics_server(config.metrics_port)
+    if config.threads:
+        torch.set_num_threads(config.threads)
+    log.info("loading target model %s", config.model.label)
+    model = load_model(config.model)
+    log.info("loaded %s (tokenizer %s, context window %d)", model.name, model.fingerprint,
+             model.context_window)
+    if config.cache_addr:
+        try:
+            wait_serving(config.cache_addr, timeout_s=5.0)
+        except Unavailable as exc:
+            log.warning("%s; serving plain decoding until it answers", exc)
+    else:
+        log.warning("no cache service configured (--cache / CARD_CACHE_ADDR): plain decoding only")
+    servicer.ready(model)
+    set_serving(health, True, [SERVICE_NAME])
+    log.info("serving %s", model.name)
+
+    def shutdown() -> None:
+        # running generations finish (and close their cache sessions) before the channel goes
+        server.stop(GRACE_S).wait()
+        if cache_channel is not None:
+            cache_channel.close()
+
+    serve_until_signal(server, shutdown, grace_s=GRACE_S, health_servicer=health)
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--model", default="default", envvar="CARD_TARGET_MODEL", show_default=True,
+              help="Hugging Face id, local folder, .gguf file, or 'default' (embedded SmolLM2-135M).")
+@click.option("--cache", "cache_addr", default=None, envvar="CARD_CACHE_ADDR",
+              help="Cache service HOST:PORT (unset: plain decoding only).")
+@click.option("--dtype", default="auto", envvar="CARD_TARGET_DTYPE", show_default=True)
+@click.option("--device", default="auto", envvar="CARD_TARGET_DEVICE", show_default=True)
+@click.option("--threads", default=None, envvar="CARD_TARGET_THREADS", type=int,
+              help="torch threads (default: torch's choice).")
+@click.option("--max-concurrency", default=4, envvar="CARD_TARGET_MAX_CONCURRENCY", show_default=True,
+              type=int, help="Generations run at once; more wait for a slot.")
+@click.option("--default-max-new-tokens", default=128, envvar="CARD_TARGET_DEFAULT_MAX_NEW_TOKENS",
+              show_default=True, type=int)
+@click.option("--step-timeout-ms", default=1000, envvar="CARD_TARGET_STEP_TIMEOUT_MS", show_default=True,
+              type=int, help="Deadline of each Step call to the cache.")
+@click.option("--host", default="127.0.0.1", envvar="CARD_TARGET_HOST", show_default=True,
+              help="Interface to listen on (0.0.0.0 in containers).")
+@click.option("--port", default=50051, envvar="CARD_TARGET_PORT", show_default=True, type=int,
+              help="gRPC port (0 = OS-chosen).")
+@click.option("--metrics-port", default=9091, envvar="CARD_TARGET_METRICS_PORT", show_default=True,
+              type=int, help="Prometheus port (0 = disabled).")
+@click.option("--log-level", default="INFO", envvar="CARD_LOG_LEVEL", show_default=True,
+              type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False))
+@click.option("--json-logs", is_flag=True, envvar="CARD_JSON_LOGS", help="One JSON object per log line.")
+def main(model: str, cache_addr: str | None, dtype: str, device: str, threads: int | None,
+         max_concurrency: int, default_max_new_tokens: int, step_timeout_ms: int, host: str, port: int,
+         metrics_port: int, log_level: str, json_logs: bool) -> None:
+    """Run the CARD target service."""
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    setup_logging(log_level, json_logs)
+    try:
+        config = TargetConfig(
+            model=ModelConfig(model, dtype, device),
+            cache_addr=cache_addr or None,
+            host=host,
+            port=port,
+            threads=threads,
+            max_concurrency=max_concurrency,
+            default_max_new_tokens=default_max_new_tokens,
+            step_timeout_ms=step_timeout_ms,
+            metrics_port=metrics_port,
+            log_level=log_level,
+            json_logs=json_logs,
+        )
+        serve(config)
+    except CardError as exc:
+        click.echo(f"card-target: {exc.code}: {exc}", err=True)
+        sys.exit(2)
+    except OSError as exc:
+        click.echo(f"card-target: {exc}", err=True)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,172 @@
+"""TargetService: validate, tokenize, run the engine's generation loop, stream chunks.
+
+Each Generate call runs ``engine.generate.Generation`` in its own gRPC thread with its own KV
+cache; at most ``max_concurrency`` run at once (torch ops release the GIL), the rest wait for a
+slot until their deadline. The chain source is ``RemoteCard`` (mode card, cache configured) or
+``NoDraft`` (mode vanilla, or no cache): the output is the target's own either way.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Iterator
+
+import grpc
+from card.v1 import cache_pb2_grpc, target_pb2, target_pb2_grpc
+
+from card_common.convert import sampling_from_msg, stats_to_msg
+from card_common.status import grpc_errors, status_code
+from card_common.tensors import ids_from_msg, ids_to_msg
+from engine.config import GenerationRequest, SamplingParams, StopParams
+from engine.errors import InvalidArgument, NotFound, ResourceExhausted, Unavailable
+from engine.generate import Generation, check_prompt
+from engine.models import LoadedModel
+from engine.sources import ChainSource, NoDraft
+from target_service import metrics
+from target_service.config import TargetConfig
+from target_service.remote_card import RemoteCard
+
+log = logging.getLogger(__name__)
+
+MODES = ("card", "vanilla")
+_CHAT = {target_pb2.CHAT_AUTO: None, target_pb2.CHAT_ON: True, target_pb2.CHAT_OFF: False}
+
+
+class TargetServicer(target_pb2_grpc.TargetServiceServicer):
+    """Registered before the model loads (calls get UNAVAILABLE until ``ready``)."""
+
+    def __init__(self, config: TargetConfig, cache: cache_pb2_grpc.CacheServiceStub | None) -> None:
+        self.config = config
+        self.cache = cache
+        self._model: LoadedModel | None = None
+        self.vocab_size = 0
+        self._slots = threading.Semaphore(config.max_concurrency)
+
+    def ready(self, model: LoadedModel) -> None:
+        self.vocab_size = int(getattr(model.model.config, "vocab_size", 0) or 0)
+        self._model = model
+
+    @property
+    def model(self) -> LoadedModel:
+        if self._model is None:
+            raise Unavailable("the target model is still loading; retry in a moment")
+        return self._model
+
+    # ---- RPCs --------------------------------------------------------------------------------
+    @grpc_errors
+    def Info(self, request: target_pb2.InfoRequest, context: grpc.ServicerContext) -> target_pb2.TargetInfo:
+        return target_pb2.TargetInfo(model=self.model.name, tokenizer_fingerprint=self.model.fingerprint,
+                                     context_window=self.model.context_window,
+                                     has_chat_template=self.model.has_chat_template)
+
+    @grpc_errors
+    def Generate(self, request: target_pb2.GenerateRequest,
+                 context: grpc.ServicerContext) -> Iterator[target_pb2.GenerateResponse]:
+        try:
+            gen_request, mode = self._parse(request)
+        except (InvalidArgument, Unavailable) as exc:
+            metrics.REFUSED.labels(code=status_code(exc).name).inc()
+            raise
+        with self._slot(context):
+            source = self._source(mode, request.draft)
+            gen = Generation(self.model.model, gen_request, source, eos_ids=self.model.eos_ids,
+                             decode=self.model.decode, context_window=self.model.context_window,
+                             mode=mode, model_name=self.model.name)
+            if isinstance(source, RemoteCard):
+                source.stats = gen.stats
+            chunks = iter(gen)
+            try:
+                for chunk in chunks:
+                    if not context.is_active():
+                        log.info("client went away; generation stopped")
+                        return
+                    yield target_pb2.GenerateResponse(
+                        chunk=target_pb2.Chunk(token_ids=chunk.token_ids, text=chunk.text))
+            finally:
+                chunks.close()  # ends the cache session even when the client cancelled
+            result = gen.result
+            assert result is not None
+            stats = result.stats
+            metrics.GENERATIONS.labels(mode=mode, finish_reason=result.finish_reason).inc()
+            metrics.TOKENS.inc(stats.new_tokens)
+            metrics.TOKENS_PER_S.observe(stats.tokens_per_s)
+            log.info("generation done: %s", stats.summary())
+            yield target_pb2.GenerateResponse(final=target_pb2.Final(
+                finish_reason=result.finish_reason, text=result.text,
+                token_ids=ids_to_msg(result.token_ids), stats=stats_to_msg(stats),
+                draft=source.draft_name if isinstance(source, RemoteCard) else "",
+            ))
+
+    # ---- helpers -----------------------------------------------------------------------------
+    def _parse(self, request: target_pb2.GenerateRequest) -> tuple[GenerationRequest, str]:
+        mode = request.mode or "card"
+        if mode not in MODES:
+            raise InvalidArgument(f"mode must be one of {', '.join(MODES)}, got {mode!r} "
+                                  "(sd runs in-process only: card-client generate --inprocess --mode sd)")
+        if request.chat not in _CHAT:
+            raise InvalidArgument(f"unknown chat mode {request.chat}")
+        chat = _CHAT[request.chat]
+        which = request.WhichOneof("input")
+        if which == "prompt":
+            prompt_ids = self.model.encode_prompt(request.prompt, chat)
+        elif which == "messages":
+            messages = [{"role": m.role, "content": m.content} for m in request.messages.messages]
+            if not messages:
+                raise InvalidArgument("the conversation has no messages")
+            prompt_ids = self.model.encode_prompt(messages, True if chat is None else chat)
+        elif which == "prompt_ids":
+            prompt_ids = ids_from_msg(request.prompt_ids)
+            bad = [t for t in prompt_ids if t < 0 or (self.vocab_size and t >= self.vocab_size)]
+            if bad:
+                raise InvalidArgument(f"prompt_ids holds {len(bad)} id(s) outside the vocabulary "
+                                      f"[0, {self.vocab_size}), e.g. {bad[0]}")
+        else:
+            raise InvalidArgument("the request has no prompt: set prompt, messages or prompt_ids")
+        check_prompt(prompt_ids, self.model.context_window, self.model.name)
+        sampling = sampling_from_msg(request.sampling) if request.HasField("sampling") else SamplingParams()
+        stop = StopParams(request.max_new_tokens or self.config.default_max_new_tokens,
+                          tuple(request.stop), request.ignore_eos)
+        return GenerationRequest(tuple(prompt_ids), sampling, stop), mode
+
+    def _source(self, mode: str, draft: str) -> ChainSource:
+        if mode == "vanilla":
+            return NoDraft()
+        if self.cache is None:
+            if draft:
+                raise NotFound(f"draft {draft!r} is not available: this target runs without a cache "
+                               "service (start it with --cache HOST:PORT)")
+            return NoDraft()
+        return RemoteCard(self.cache, cache_addr=self.config.cache_addr or "", target_model=self.model.name,
+                          fingerprint=self.model.fingerprint, draft=draft,
+                          step_timeout_s=self.config.step_timeout_ms / 1000.0)
+
+    @contextlib.contextmanager
+    def _slot(self, context: grpc.ServicerContext) -> Iterator[None]:
+        remaining = context.time_remaining()
+        metrics.WAITING.inc()
+        t0 = time.monotonic()
+        try:
+            got = self._slots.acquire(timeout=remaining if remaining is not None else None)
+        finally:
+            metrics.WAITING.dec()
+        if not got:
+            metrics.REFUSED.labels(code="RESOURCE_EXHAUSTED").inc()
+            raise ResourceExhausted(
+                f"all {self.config.max_concurrency} generation slots stayed busy for "
+                f"{time.monotonic() - t0:.1f}s (the request's deadline); retry later or raise "
+                "--max-concurrency")
+        metrics.ACTIVE.inc()
+        try:
+            yield
+        finally:
+            metrics.ACTIVE.dec()
+            self._slots.release()
+
+
+def chat_mode(chat: bool | None) -> int:
+    """The wire value of a ``chat`` choice (None = apply the template when there is one)."""
+    return {None: target_pb2.CHAT_AUTO, True: target_pb2.CHAT_ON, False: target_pb2.CHAT_OFF}[chat]
+
