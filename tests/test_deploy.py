@@ -193,10 +193,11 @@ def accepted_envvars(command: click.Command) -> set[str]:
     return {name for p in command.params for name in envvars_of(p, command)}
 
 
-def effective(command: click.Command, env: dict[str, str], param_name: str) -> str:
-    """What the service will use for ``param_name`` given this environment: env, else default."""
-    params = [p for p in command.params if p.name == param_name]
-    assert params, f"{command.name} has no option {param_name!r}"
+def effective(command: click.Command, env: dict[str, str], flag: str) -> str:
+    """What the service will use for option ``flag`` (the CLI contract names flags, not Python
+    parameter names) given this environment: the variable when set, else the click default."""
+    params = [p for p in command.params if flag in getattr(p, "opts", ())]
+    assert params, f"{command.name} has no option {flag}"
     param = params[0]
     for name in envvars_of(param, command):
         if name in env:
@@ -301,7 +302,7 @@ def test_probes_are_grpc_health_checks_on_the_port_the_service_listens_on(
     _, rendered = variant
     for c in card_containers(rendered):
         grpc_port = c.port("grpc")
-        assert effective(command_for(c.script), c.env, "port") == str(grpc_port), (
+        assert effective(command_for(c.script), c.env, "--port") == str(grpc_port), (
             f"{c.script} listens on another port than its container port 'grpc' ({grpc_port})")
         for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
             probe = c.container.get(kind)
@@ -316,7 +317,7 @@ def test_metrics_port_matches_container_port_and_scrape_annotations(variant: tup
     _, rendered = variant
     for c in card_containers(rendered):
         metrics = c.port("metrics")
-        assert effective(command_for(c.script), c.env, "metrics_port") == str(metrics), c.script
+        assert effective(command_for(c.script), c.env, "--metrics-port") == str(metrics), c.script
         annotations = c.pod["metadata"].get("annotations", {})
         assert annotations.get("prometheus.io/scrape") == "true", c.script
         assert annotations.get("prometheus.io/port") == str(metrics), c.script
@@ -353,13 +354,16 @@ def test_addresses_point_at_services_that_reach_the_right_process(variant: tuple
     by_script = {c.script: c for c in card_containers(rendered)}
     cache = by_script["card-cache"]
     cache_cmd = command_for("card-cache")
-    assert effective(cache_cmd, cache.env, "host") in BIND_ALL, "the cache must listen on all interfaces"
-    redis_url = urlsplit(effective(cache_cmd, cache.env, "redis_url"))
+    assert effective(cache_cmd, cache.env, "--host") in BIND_ALL, "the cache must listen on all interfaces"
+    redis_url = urlsplit(effective(cache_cmd, cache.env, "--redis-url"))
     assert redis_url.scheme == "redis" and redis_url.hostname and redis_url.port
     redis = service_address(rendered, redis_url.hostname, redis_url.port)
     assert redis["spec"]["selector"]["app.kubernetes.io/name"] == "card-redis"
     for script in ("card-target", "card-draft"):
-        addr = effective(command_for(script), by_script[script].env, "cache")
+        # the kubelet probes the pod IP, so every gRPC server must listen beyond loopback
+        host = effective(command_for(script), by_script[script].env, "--host")
+        assert host in BIND_ALL, f"{script} listens on {host} only"
+        addr = effective(command_for(script), by_script[script].env, "--cache")
         host, _, port = addr.rpartition(":")
         svc = service_address(rendered, host, int(port))
         assert svc["spec"]["selector"].items() <= cache.pod["metadata"]["labels"].items(), (
@@ -405,7 +409,7 @@ def test_draft_workers_scale_and_swap_independently(variant: tuple[str, Rendered
 
 def device_of(rendered: Rendered, script: str) -> str:
     c = next(c for c in card_containers(rendered) if c.script == script)
-    return effective(command_for(script), c.env, "device")
+    return effective(command_for(script), c.env, "--device")
 
 
 def gpus(rendered: Rendered, script: str) -> int:
@@ -438,7 +442,7 @@ def test_gpu_overlay_requests_gpus_and_selects_gpu_nodes(with_cache_gpu: bool) -
         else:
             assert gpus(rendered, c.script) == 0 and device_of(rendered, c.script) != "cuda", c.script
     target = next(c for c in card_containers(rendered) if c.script == "card-target")
-    assert effective(command_for("card-target"), target.env, "dtype") == "bfloat16"
+    assert effective(command_for("card-target"), target.env, "--dtype") == "bfloat16"
     # the persistent model cache: a ReadWriteOnce claim, so the target must not surge a second pod
     models = next(v for v in target.pod["spec"]["volumes"] if v["name"] == "models")
     assert set(models) == {"name", "persistentVolumeClaim"}
