@@ -55,3 +55,18 @@ def save_tiny_checkpoint(path: Path, kind: str = "llama", seed: int = 0, perturb
         if (SMOLLM2_DIR / name).is_file():
             shutil.copy(SMOLLM2_DIR / name, path / name)
     return path
+
+
+def save_foreign_tokenizer_checkpoint(path: Path, seed: int = 0) -> Path:
+    """A tiny checkpoint whose tokenizer gives different ids (one extra added token), so its
+    fingerprint differs from SmolLM2's: a draft that must be refused."""
+    import json
+
+    save_tiny_checkpoint(path, seed=seed)
+    spec = json.loads((path / "tokenizer.json").read_text())
+    spec["added_tokens"].append({
+        "id": SMOLLM2_VOCAB - 1, "content": "<|foreign|>", "single_word": False, "lstrip": False,
+        "rstrip": False, "normalized": False, "special": True,
+    })
+    (path / "tokenizer.json").write_text(json.dumps(spec))
+    return path

@@ -1,0 +1,101 @@
+"""card-client as a user runs it: the entry point in a subprocess, in-process mode, tiny models."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.tiny_models import save_foreign_tokenizer_checkpoint, save_tiny_checkpoint
+
+CLIENT = str(Path(sys.executable).parent / "card-client")
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("cli-models")
+    return {
+        "target": save_tiny_checkpoint(root / "target", seed=0),
+        "draft": save_tiny_checkpoint(root / "draft", seed=0, perturb=0.02),
+        "foreign": save_foreign_tokenizer_checkpoint(root / "foreign", seed=0),
+    }
+
+
+def run_cli(*args: str, timeout: float = 180) -> subprocess.CompletedProcess:
+    env = dict(os.environ, CARD_TARGET_ADDR="")
+    return subprocess.run([CLIENT, *args], capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def generate_json(models: dict[str, Path], mode: str, *extra: str) -> dict:
+    proc = run_cli("generate", "Tell me about the sea.", "--inprocess", "--json", "--mode", mode,
+                   "--target-model", str(models["target"]), "--draft-model", str(models["draft"]),
+                   "--max-new-tokens", "24", "--ignore-eos", *extra)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout)
+
+
+@pytest.mark.parametrize("sampling", [(), ("--temperature", "0.9", "--top-p", "0.9", "--seed", "11")])
+def test_card_and_sd_equal_vanilla_through_the_cli(models, sampling):
+    vanilla = generate_json(models, "vanilla", *sampling)
+    assert len(vanilla["token_ids"]) == 24
+    for mode in ("card", "sd"):
+        out = generate_json(models, mode, *sampling)
+        assert out["token_ids"] == vanilla["token_ids"], mode
+        assert out["text"] == vanilla["text"]
+        assert out["stats"]["mode"] == mode
+        assert out["stats"]["new_tokens"] == 24
+        assert out["stats"]["draft_forwards"] > 0
+
+
+def test_streams_text_then_stats_line(models):
+    proc = run_cli("generate", "Hello", "--inprocess", "--target-model", str(models["target"]),
+                   "--draft-model", str(models["draft"]), "--max-new-tokens", "8", "--ignore-eos")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip(), "no text streamed"
+    assert "8 tokens in" in proc.stderr and "mean accepted length" in proc.stderr
+
+
+def _assert_one_line_error(proc: subprocess.CompletedProcess, code: str, *words: str) -> None:
+    assert proc.returncode == 2, (proc.returncode, proc.stderr)
+    assert "Traceback" not in proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, proc.stderr
+    assert code in errors[0]
+    for word in words:
+        assert word in errors[0], errors[0]
+
+
+def test_empty_prompt(models):
+    proc = run_cli("generate", "", "--inprocess", "--target-model", str(models["target"]))
+    _assert_one_line_error(proc, "INVALID_ARGUMENT", "empty")
+
+
+def test_prompt_longer_than_context(models):
+    proc = run_cli("generate", "word " * 600, "--inprocess", "--no-chat",
+                   "--target-model", str(models["target"]), "--mode", "vanilla")
+    _assert_one_line_error(proc, "INVALID_ARGUMENT", "context window", "512")
+
+
+def test_draft_with_another_tokenizer(models):
+    proc = run_cli("generate", "hi", "--inprocess", "--target-model", str(models["target"]),
+                   "--draft-model", str(models["foreign"]))
+    _assert_one_line_error(proc, "FAILED_PRECONDITION", str(models["target"]), str(models["foreign"]))
+
+
+def test_unknown_model_path(tmp_path):
+    proc = run_cli("generate", "hi", "--inprocess", "--target-model", str(tmp_path / "missing.gguf"))
+    _assert_one_line_error(proc, "NOT_FOUND", "missing.gguf")
+
+
+@pytest.mark.parametrize("flags, word", [
+    (("--temperature", "-0.5"), "temperature"),
+    (("--top-p", "1.5"), "top_p"),
+    (("--tree-width", "0"), "width"),
+])
+def test_bad_sampling_and_shape_values(models, flags, word):
+    proc = run_cli("generate", "hi", "--inprocess", "--target-model", str(models["target"]), *flags)
+    _assert_one_line_error(proc, "INVALID_ARGUMENT", word)
