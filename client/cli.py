@@ -10,11 +10,10 @@ from collections.abc import Callable
 
 import click
 
+from client.options import DEFAULT_DRAFT, GenerateOptions
 from engine.config import SamplingParams, StopParams, TreeParams
 from engine.errors import CardError
 from engine.models import DEFAULT_MODEL, QUANTIZE, ModelConfig
-
-from client.options import DEFAULT_DRAFT, GenerateOptions
 
 EXIT_USER_ERROR = 2
 
@@ -65,7 +64,7 @@ def cli(log_level: str) -> None:
               help="Hugging Face id, local folder, .gguf file, or 'default' (embedded SmolLM2-135M).")
 @click.option("--draft-model", default=DEFAULT_DRAFT.spec, envvar="CARD_DRAFT_MODEL", show_default=True)
 @click.option("--draft-quantize", type=click.Choice(QUANTIZE), default=None,
-              help=f"Quantize the draft (default: {DEFAULT_DRAFT.quantize} for the default draft, else none).")
+              help=f"Quantize the draft (default draft: {DEFAULT_DRAFT.quantize}; others: none).")
 @click.option("--dtype", default="auto", show_default=True, help="auto, float32, bfloat16, float16.")
 @click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda, cuda:N.")
 @click.option("--max-new-tokens", default=128, show_default=True, type=int)

@@ -7,12 +7,11 @@ from collections.abc import Callable
 
 import click
 
+from client.options import GenerateOptions
 from engine.config import GenerationRequest
 from engine.generate import GenerationResult
 from engine.models import load_model
 from engine.runner import InProcessRunner, check_compatible
-
-from client.options import GenerateOptions
 
 
 def generate_inprocess(opts: GenerateOptions, on_text: Callable[[str], None] | None) -> GenerationResult:

@@ -143,8 +143,6 @@ def _locate(spec: str) -> tuple[str, str | None]:
 
 
 def load_tokenizer(spec: str) -> object:
-    from transformers import AutoTokenizer
-
     where, gguf = _locate(spec)
     return _tokenizer(where, gguf)
 
@@ -152,7 +150,9 @@ def load_tokenizer(spec: str) -> object:
 def _tokenizer(where: str, gguf: str | None) -> object:
     from transformers import AutoTokenizer
 
-    if gguf and not (Path(where) / "tokenizer.json").is_file() and not (Path(where) / "tokenizer_config.json").is_file():
+    names = ("tokenizer.json", "tokenizer_config.json")
+    has_tokenizer_files = any((Path(where) / name).is_file() for name in names)
+    if gguf and not has_tokenizer_files:
         tok = AutoTokenizer.from_pretrained(where, gguf_file=gguf)
         if not getattr(tok, "chat_template", None):
             from engine.embedded import gguf_chat_template

@@ -17,8 +17,8 @@ from engine.config import GenerationRequest, TreeParams
 from engine.errors import FailedPrecondition, InvalidArgument
 from engine.generate import Generation
 from engine.models import LoadedModel
-from engine.tree import Layer
 from engine.sources import ChainSource, LocalCard, NoDraft, SyncDraft
+from engine.tree import Layer
 from engine.worker import DraftWorker
 
 MODES = ("vanilla", "sd", "card")
