@@ -1,0 +1,143 @@
+"""A hand-driven draft worker and target for the cache-service tests: real gRPC clients, no model."""
+
+from __future__ import annotations
+
+import math
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+
+import grpc
+import torch
+from card.v1 import cache_pb2, cache_pb2_grpc
+
+from card_common.channels import channel
+from card_common.convert import correction_to_msg, layer_to_msg, stats_to_msg, step_result_from_msg
+from card_common.tensors import ids_to_msg
+from engine.sources import StepResult
+from engine.stats import GenerationStats
+from engine.tree import Correction, Layer
+
+FP_A = "fp-aaaa"
+FP_B = "fp-bbbb"
+TIMEOUT = 10.0
+
+
+def layer(parents: Sequence[int], ids: Sequence[int], tokens: Sequence[int], probs: Sequence[float],
+          b: Sequence[tuple[int, int, float]] = (), epoch: int = 0) -> Layer:
+    """A layer from plain lists; ``b`` holds (parent id, token, prob) secondary entries."""
+    return Layer(
+        parent_ids=torch.tensor(list(parents), dtype=torch.int64),
+        node_ids=torch.tensor(list(ids), dtype=torch.int64),
+        tokens=torch.tensor(list(tokens), dtype=torch.int64),
+        local_logp=torch.tensor([math.log(p) for p in probs], dtype=torch.float32),
+        b_parent_ids=torch.tensor([p for p, _, _ in b], dtype=torch.int64),
+        b_tokens=torch.tensor([t for _, t, _ in b], dtype=torch.int64),
+        b_logp=torch.tensor([math.log(q) for _, _, q in b], dtype=torch.float32),
+        epoch=epoch,
+    )
+
+
+def wait_for(predicate: Callable[[], bool], timeout_s: float = TIMEOUT, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
+        time.sleep(0.02)
+
+
+class HandDraft:
+    """A draft worker driven by the test: registers, reads its command stream, publishes layers."""
+
+    def __init__(self, addr: str, name: str, fingerprint: str = FP_A, model: str = "draft-model",
+                 capacity: int = 4) -> None:
+        self.channel = channel(addr)
+        self.stub = cache_pb2_grpc.CacheServiceStub(self.channel)
+        self.name = name
+        resp = self.stub.RegisterDraft(cache_pb2.RegisterDraftRequest(
+            name=name, model=model, tokenizer_fingerprint=fingerprint, capacity=capacity,
+            tree_width=2, max_depth=4), timeout=TIMEOUT)
+        self.worker_id = resp.worker_id
+        self.heartbeat_interval_s = resp.heartbeat_interval_s
+        self.commands: queue.Queue[cache_pb2.DraftCommand | None] = queue.Queue()
+        self.stream = self.stub.Commands(cache_pb2.CommandsRequest(worker_id=self.worker_id))
+        self.stream_error: grpc.RpcError | None = None
+        self.stream_ended = threading.Event()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        try:
+            for command in self.stream:
+                self.commands.put(command)
+        except grpc.RpcError as err:
+            self.stream_error = err
+        finally:
+            self.stream_ended.set()
+            self.commands.put(None)
+
+    def next_command(self, timeout_s: float = TIMEOUT) -> cache_pb2.DraftCommand:
+        command = self.commands.get(timeout=timeout_s)
+        assert command is not None, "the command stream ended"
+        return command
+
+    def no_command(self, wait_s: float = 0.3) -> bool:
+        try:
+            command = self.commands.get(timeout=wait_s)
+        except queue.Empty:
+            return True
+        raise AssertionError(f"unexpected command {command}")
+
+    def publish(self, session_id: str, lay: Layer, draft_forwards: int = 0, draft_idle_s: float = 0.0,
+                worker_id: str | None = None) -> int:
+        """Publish one layer on its own client stream; returns once the cache has applied it."""
+        msg = layer_to_msg(session_id, lay, worker_id or self.worker_id, draft_forwards, draft_idle_s)
+        return self.stub.PublishLayers(iter([msg]), timeout=TIMEOUT).layers_received
+
+    def heartbeat(self, active: int = 0) -> None:
+        self.stub.Heartbeat(cache_pb2.HeartbeatRequest(worker_id=self.worker_id, active_sessions=active),
+                            timeout=TIMEOUT)
+
+    def leave(self) -> None:
+        """Close the command stream the way a stopped worker does."""
+        self.stream.cancel()
+        self.stream_ended.wait(TIMEOUT)
+
+    def close(self) -> None:
+        self.stream.cancel()
+        self.stream_ended.wait(TIMEOUT)
+        self.channel.close()
+
+
+class HandTarget:
+    """The target side: OpenSession / Step / CloseSession with hand-made corrections."""
+
+    def __init__(self, addr: str) -> None:
+        self.channel = channel(addr)
+        self.stub = cache_pb2_grpc.CacheServiceStub(self.channel)
+
+    def open(self, prompt: Sequence[int], fingerprint: str = FP_A, draft: str = "",
+             target_model: str = "target-model") -> cache_pb2.OpenSessionResponse:
+        return self.stub.OpenSession(cache_pb2.OpenSessionRequest(
+            prompt_ids=ids_to_msg(prompt), tokenizer_fingerprint=fingerprint, target_model=target_model,
+            draft=draft), timeout=TIMEOUT)
+
+    def step(self, session_id: str, epoch: int, next_token: int, accepted: Sequence[int] = (),
+             accepted_ids: Sequence[int] = ()) -> StepResult:
+        correction = Correction(epoch, tuple(accepted), tuple(accepted_ids), next_token)
+        msg = correction_to_msg(session_id, correction)
+        return step_result_from_msg(self.stub.Step(msg, timeout=TIMEOUT))
+
+    def close_session(self, session_id: str, stats: GenerationStats | None = None
+                      ) -> cache_pb2.CloseSessionResponse:
+        req = cache_pb2.CloseSessionRequest(session_id=session_id)
+        if stats is not None:
+            req.stats.CopyFrom(stats_to_msg(stats))
+        return self.stub.CloseSession(req, timeout=TIMEOUT)
+
+    def status(self) -> cache_pb2.StatusResponse:
+        return self.stub.Status(cache_pb2.StatusRequest(), timeout=TIMEOUT)
+
+    def close(self) -> None:
+        self.channel.close()

@@ -1,0 +1,433 @@
+"""The cache service against a real redis-server, driven by real gRPC clients (no model needed)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import replace
+
+import grpc
+import pytest
+import redis
+from grpc_health.v1 import health_pb2
+
+from cache_service.config import CacheConfig
+from cache_service.server import SERVICE_NAME, CacheServer, create_server
+from card_common.channels import health_status, wait_serving
+from card_common.convert import advance_from_msg
+from card_common.tensors import ids_from_msg
+from engine.stats import GenerationStats
+from engine.tree import NO_NODE, Outcome, virtual_root_id
+from tests.services.cache_helpers import FP_A, FP_B, TIMEOUT, HandDraft, HandTarget, layer, wait_for
+from tests.services.conftest import RedisServer, running_redis
+
+PROMPT = [1, 2, 3]
+
+
+def make_config(redis_url: str, prefix: str, **kw: object) -> CacheConfig:
+    base = CacheConfig(host="127.0.0.1", port=0, redis_url=redis_url, redis_prefix=prefix, metrics_port=0,
+                       heartbeat_interval_s=30.0, health_check_interval_s=0.1, session_ttl_s=600)
+    return replace(base, **kw)
+
+
+class Cache:
+    def __init__(self, server: CacheServer, port: int) -> None:
+        self.server = server
+        self.addr = f"127.0.0.1:{port}"
+        self.drafts: list[HandDraft] = []
+        self.target = HandTarget(self.addr)
+
+    def draft(self, name: str, **kw: object) -> HandDraft:
+        d = HandDraft(self.addr, name, **kw)  # type: ignore[arg-type]
+        self.drafts.append(d)
+        return d
+
+    def close(self) -> None:
+        for d in self.drafts:
+            d.close()
+        self.target.close()
+        self.server.stop(1.0).wait()
+
+
+def start_cache(config: CacheConfig) -> Cache:
+    server, port = create_server(config.addr, config)
+    server.start()
+    cache = Cache(server, port)
+    wait_serving(cache.addr, TIMEOUT)
+    return cache
+
+
+@pytest.fixture
+def cache(redis_url: str, redis_prefix: str) -> Iterator[Cache]:
+    c = start_cache(make_config(redis_url, redis_prefix))
+    yield c
+    c.close()
+
+
+def rkeys(url: str, pattern: str) -> list[str]:
+    with redis.Redis.from_url(url, decode_responses=True) as r:
+        return sorted(r.scan_iter(pattern))
+
+
+def expect_advance(draft: HandDraft, sid: str):
+    cmd = draft.next_command()
+    assert cmd.WhichOneof("command") == "advance", cmd
+    assert cmd.advance.session_id == sid
+    return advance_from_msg(cmd.advance)
+
+
+def rpc_error(fn, *args, **kw) -> grpc.RpcError:
+    with pytest.raises(grpc.RpcError) as info:
+        fn(*args, **kw)
+    return info.value
+
+
+# ---- the tree through the wire ---------------------------------------------------------------
+def test_chains_outcomes_and_advances(cache: Cache) -> None:
+    draft = cache.draft("d0")
+    opened = cache.target.open(PROMPT)
+    sid = opened.session_id
+    assert opened.draft == "d0"
+    start = draft.next_command()
+    assert start.WhichOneof("command") == "start"
+    assert start.start.session_id == sid and start.start.epoch == 0
+    assert ids_from_msg(start.start.committed_ids) == PROMPT
+
+    root = virtual_root_id(0)
+    assert draft.publish(sid, layer([root, root], [0, 1], [10, 11], [0.6, 0.3],
+                                    b=[(root, 10, 0.6), (root, 11, 0.3), (root, 12, 0.1)])) == 1
+    draft.publish(sid, layer([0, 0], [2, 3], [20, 21], [0.7, 0.2],
+                             b=[(0, 20, 0.7), (0, 21, 0.2), (0, 22, 0.1)]))
+
+    # next token 10 is node 0: a hit; the subtree below node 0 survives and the chain descends it
+    r = cache.target.step(sid, 0, 10)
+    assert r.outcome is Outcome.HIT and r.chain.epoch == 1
+    assert r.chain.tokens == (20,) and r.chain.node_ids == (2,)
+    adv = expect_advance(draft, sid)
+    assert (adv.epoch, adv.next_token, adv.outcome, adv.hit_node_id) == (1, 10, Outcome.HIT, 0)
+
+    draft.publish(sid, layer([2], [4], [30], [0.9], b=[(2, 30, 0.9), (2, 31, 0.05)]))
+    # accepted node 2, next token 31 is only a tier-B child of node 2: secondary hit, fresh tree
+    r = cache.target.step(sid, 1, 31, accepted=[20], accepted_ids=[2])
+    assert r.outcome is Outcome.SECONDARY_HIT and r.chain.tokens == () and r.chain.epoch == 2
+    adv = expect_advance(draft, sid)
+    assert adv.outcome is Outcome.SECONDARY_HIT and adv.hit_node_id is None
+    assert adv.accepted_tokens == (20,) and adv.accepted_node_ids == (2,) and adv.epoch == 2
+
+    r = cache.target.step(sid, 2, 50)
+    assert r.outcome is Outcome.MISS and r.chain.epoch == 3
+    assert expect_advance(draft, sid).outcome is Outcome.MISS
+
+    # a tier-B extension below the last chain node, then acceptance of that B token
+    root3 = virtual_root_id(3)
+    draft.publish(sid, layer([root3], [10], [60], [0.8], b=[(root3, 60, 0.8)]))
+    draft.publish(sid, layer([], [], [], [], b=[(10, 70, 0.5), (10, 71, 0.4)]))
+    r = cache.target.step(sid, 3, 60)
+    assert r.outcome is Outcome.HIT and r.chain.tokens == (70,) and r.chain.node_ids == (NO_NODE,)
+    expect_advance(draft, sid)
+    r = cache.target.step(sid, 4, 80, accepted=[70], accepted_ids=[NO_NODE])
+    assert r.outcome is Outcome.MISS and r.chain.tokens == ()
+    expect_advance(draft, sid)
+
+    info = {s.session_id: s for s in cache.target.status().sessions}[sid]
+    assert info.epoch == 5 and info.draft == "d0"
+    assert info.committed_tokens == len([*PROMPT, 10, 20, 31, 50, 60, 70, 80])
+
+
+def test_layers_for_pruned_parents_are_dropped(cache: Cache) -> None:
+    draft = cache.draft("d0")
+    sid = cache.target.open(PROMPT).session_id
+    draft.next_command()
+    root = virtual_root_id(0)
+    draft.publish(sid, layer([root, root], [0, 1], [10, 11], [0.6, 0.4]))
+    cache.target.step(sid, 0, 11)  # hit on node 1: node 0 is pruned
+    draft.publish(sid, layer([0, 1], [2, 3], [20, 21], [0.9, 0.5]))  # built before the correction
+    r = cache.target.step(sid, 1, 21)
+    assert r.outcome is Outcome.HIT  # node 3 (under the kept node 1) survived, node 2 did not
+    assert {s.session_id: s for s in cache.target.status().sessions}[sid].tree_nodes == 0
+
+
+# ---- errors ----------------------------------------------------------------------------------
+def test_error_codes(cache: Cache) -> None:
+    cache.draft("d-b", fingerprint=FP_B, model="other-draft-model")
+    err = rpc_error(cache.target.step, "no-such-session", 0, 5)
+    assert err.code() is grpc.StatusCode.NOT_FOUND and "no-such-session" in err.details()
+
+    err = rpc_error(cache.target.open, PROMPT, draft="nobody")
+    assert err.code() is grpc.StatusCode.NOT_FOUND and "nobody" in err.details()
+
+    err = rpc_error(cache.target.open, PROMPT, fingerprint=FP_A, draft="d-b", target_model="big-target")
+    assert err.code() is grpc.StatusCode.FAILED_PRECONDITION
+    assert "other-draft-model" in err.details() and "big-target" in err.details()
+
+    err = rpc_error(cache.target.open, [])
+    assert err.code() is grpc.StatusCode.INVALID_ARGUMENT
+
+    sid = cache.target.open(PROMPT).session_id  # no draft with FP_A: opens without speculation
+    assert cache.target.step(sid, 0, 7).chain.tokens == ()
+    err = rpc_error(cache.target.step, sid, 0, 7)  # epoch 0 again: stale
+    assert err.code() is grpc.StatusCode.ABORTED and "stale epoch" in err.details()
+    err = rpc_error(cache.target.step, sid, 1, 7, accepted=[5], accepted_ids=[99])
+    assert err.code() is grpc.StatusCode.INVALID_ARGUMENT
+
+    err = rpc_error(cache.target.close_session, "no-such-session")
+    assert err.code() is grpc.StatusCode.NOT_FOUND
+
+
+# ---- worker lifecycle ------------------------------------------------------------------------
+def test_worker_leaving_and_joining_mid_session(cache: Cache, redis_url: str) -> None:
+    d1 = cache.draft("d1")
+    sid = cache.target.open(PROMPT).session_id
+    d1.next_command()
+    root = virtual_root_id(0)
+    d1.publish(sid, layer([root], [0], [10], [0.9]))
+    d1.publish(sid, layer([0], [1], [20], [0.9]))
+    r = cache.target.step(sid, 0, 9)  # miss
+    assert r.chain.tokens == ()
+    root1 = virtual_root_id(1)
+    d1.publish(sid, layer([root1], [2], [30], [0.9]))
+    d1.publish(sid, layer([2], [3], [40], [0.9]))
+    r = cache.target.step(sid, 1, 8)  # miss again, at epoch 2
+    root2 = virtual_root_id(2)
+    d1.publish(sid, layer([root2], [4], [50], [0.9]))
+    r = cache.target.step(sid, 2, 7)
+    d1.publish(sid, layer([virtual_root_id(3)], [5], [60], [0.9]))
+    d1.publish(sid, layer([5], [6], [61], [0.9]))
+    # the target holds a chain made of the leaving worker's nodes when the worker goes
+    r = cache.target.step(sid, 3, 60)
+    assert r.chain.tokens == (61,)
+    old_worker = d1.worker_id
+    d1.leave()
+    wait_for(lambda: not cache.target.status().drafts, what="the worker to be unregistered")
+
+    # the in-flight chain is still judged against the old tree; from then on chains are empty
+    r = cache.target.step(sid, 4, 70, accepted=[61], accepted_ids=[6])
+    assert r.outcome is Outcome.MISS and r.chain.tokens == ()
+    assert d1.publish(sid, layer([virtual_root_id(5)], [7], [80], [0.9]), worker_id=old_worker) == 1
+    r = cache.target.step(sid, 5, 71)
+    assert r.chain.tokens == ()  # the departed worker's late layer was dropped
+    info = {s.session_id: s for s in cache.target.status().sessions}[sid]
+    assert info.draft == "" and info.tree_nodes == 0
+
+    # a new worker with the same tokenizer picks the session up where it is
+    d2 = cache.draft("d2")
+    start = d2.next_command()
+    assert start.WhichOneof("command") == "start" and start.start.session_id == sid
+    assert start.start.epoch == 6
+    committed = [*PROMPT, 9, 8, 7, 60, 61, 70, 71]
+    assert ids_from_msg(start.start.committed_ids) == committed
+    d2.publish(sid, layer([virtual_root_id(6)], [0], [90], [0.9]))
+    r = cache.target.step(sid, 6, 72)
+    assert r.outcome is Outcome.MISS
+    d2.publish(sid, layer([virtual_root_id(7)], [1], [91], [0.9]))
+    r = cache.target.step(sid, 7, 73)
+    assert expect_advance(d2, sid).epoch == 7
+    d2.publish(sid, layer([virtual_root_id(8)], [2], [92], [0.9]))
+    d2.publish(sid, layer([2], [3], [93], [0.9]))
+    r = cache.target.step(sid, 8, 92)
+    assert r.outcome is Outcome.HIT and r.chain.tokens == (93,)
+    assert {s.session_id: s for s in cache.target.status().sessions}[sid].draft == "d2"
+    assert rkeys(redis_url, f"{cache.server.config.redis_prefix}draft:*") == [
+        f"{cache.server.config.redis_prefix}draft:d2"
+    ]
+
+
+def test_named_draft_waits_for_its_worker_and_replacement(cache: Cache) -> None:
+    d1 = cache.draft("named")
+    sid = cache.target.open(PROMPT, draft="named").session_id
+    d1.next_command()
+    other = cache.draft("other")  # same tokenizer, but the session asked for "named"
+    d2 = cache.draft("named")  # re-registering the name replaces d1
+    d1.stream_ended.wait(TIMEOUT)
+    assert d1.stream_ended.is_set() and d1.stream_error is None  # the stream ended cleanly
+    start = d2.next_command()
+    assert start.WhichOneof("command") == "start" and start.start.session_id == sid
+    assert other.no_command()
+    names = sorted(d.name for d in cache.target.status().drafts)
+    assert names == ["named", "other"]
+
+
+def test_least_loaded_worker_and_capacity(cache: Cache) -> None:
+    a = cache.draft("a", capacity=1)
+    sid1 = cache.target.open(PROMPT).session_id
+    a.next_command()
+    b = cache.draft("b", capacity=2)
+    opened = [cache.target.open(PROMPT) for _ in range(2)]
+    assert [o.draft for o in opened] == ["b", "b"]  # a is full
+    overflow = cache.target.open(PROMPT)
+    assert overflow.draft == ""  # every worker is full: no speculation
+    err = rpc_error(cache.target.open, PROMPT, draft="a")
+    assert err.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
+    cache.target.close_session(sid1)  # frees a's slot: the waiting session moves there
+    assert a.next_command().WhichOneof("command") == "stop"
+    start = a.next_command()
+    assert start.WhichOneof("command") == "start" and start.start.session_id == overflow.session_id
+    assert b.next_command().start.session_id == opened[0].session_id
+
+
+def test_missed_heartbeats_unregister(redis_url: str, redis_prefix: str) -> None:
+    c = start_cache(make_config(redis_url, redis_prefix, heartbeat_interval_s=0.2))
+    try:
+        d = c.draft("beats")
+        quiet = c.draft("quiet")
+        deadline = time.monotonic() + 1.5
+        while time.monotonic() < deadline:
+            d.heartbeat()
+            time.sleep(0.1)
+        assert quiet.stream_ended.wait(TIMEOUT)  # no heartbeat for 3 intervals: dropped
+        assert [x.name for x in c.target.status().drafts] == ["beats"]
+        assert rkeys(redis_url, f"{redis_prefix}draft:*") == [f"{redis_prefix}draft:beats"]
+        err = rpc_error(quiet.heartbeat)
+        assert err.code() is grpc.StatusCode.NOT_FOUND
+    finally:
+        c.close()
+
+
+# ---- records ---------------------------------------------------------------------------------
+def test_close_session_leaves_no_state(cache: Cache, redis_url: str, redis_prefix: str) -> None:
+    draft = cache.draft("d0")
+    sids = [cache.target.open(PROMPT).session_id for _ in range(3)]
+    for _ in sids:
+        draft.next_command()
+    assert len(rkeys(redis_url, f"{redis_prefix}session:*")) == 3
+    sid = sids[0]
+    root = virtual_root_id(0)
+    draft.publish(sid, layer([root], [0], [10], [0.9]), draft_forwards=3, draft_idle_s=0.5)
+    draft.publish(sid, layer([0], [1], [11], [0.9]), draft_forwards=5, draft_idle_s=0.25)
+    cache.target.step(sid, 0, 10)
+    expect_advance(draft, sid)
+    stats = GenerationStats(mode="card", prompt_tokens=3, new_tokens=4, target_forwards=2, hits=1)
+    resp = cache.target.close_session(sid, stats)
+    assert (resp.draft_forwards, resp.draft_idle_s) == (5, 0.25)
+    stop = draft.next_command()
+    assert stop.WhichOneof("command") == "stop" and stop.stop.session_id == sid
+    for other in sids[1:]:
+        cache.target.close_session(other)
+
+    assert rkeys(redis_url, f"{redis_prefix}session:*") == []
+    assert len(cache.server.sessions) == 0 and cache.target.status().sessions == []
+    with redis.Redis.from_url(redis_url, decode_responses=True) as r:
+        record = r.hgetall(f"{redis_prefix}finished:{sid}")
+        ttl = r.ttl(f"{redis_prefix}finished:{sid}")
+    assert 0 < ttl <= 600
+    assert record["status"] == "finished" and record["new_tokens"] == "4" and record["cache_hits"] == "1"
+    assert record["draft_forwards"] == "5" and record["target_model"] == "target-model"
+    totals = cache.target.status().totals
+    assert totals["sessions"] == 3 and totals["hits"] == 1 and totals["new_tokens"] == 4
+
+
+def test_status(cache: Cache) -> None:
+    cache.draft("d0", model="smol-draft", capacity=3)
+    sid = cache.target.open(PROMPT, target_model="smol-target").session_id
+    st = cache.target.status()
+    assert st.redis_connected and st.cache_device == "cpu"
+    (d,) = st.drafts
+    assert (d.name, d.model, d.tokenizer_fingerprint, d.capacity, d.active_sessions) == (
+        "d0", "smol-draft", FP_A, 3, 1)
+    (s,) = st.sessions
+    assert (s.session_id, s.target_model, s.draft, s.epoch, s.committed_tokens) == (
+        sid, "smol-target", "d0", 0, 3)
+
+
+def test_live_records_are_flushed(cache: Cache, redis_url: str, redis_prefix: str) -> None:
+    sid = cache.target.open(PROMPT).session_id
+    cache.target.step(sid, 0, 4)
+    cache.target.step(sid, 1, 5)
+    key = f"{redis_prefix}session:{sid}"
+
+    def flushed() -> bool:
+        with redis.Redis.from_url(redis_url, decode_responses=True) as r:
+            return r.hget(key, "epoch") == "2"
+
+    wait_for(flushed, what="the live record to reach epoch 2")
+    with redis.Redis.from_url(redis_url, decode_responses=True) as r:
+        assert r.hget(key, "committed_tokens") == "5" and r.ttl(key) > 0
+
+
+# ---- health follows Redis --------------------------------------------------------------------
+def test_health_follows_redis(redis_prefix: str) -> None:
+    with running_redis() as own:
+        c = start_cache(make_config(own.url, redis_prefix))
+        try:
+            assert health_status(c.addr) == "SERVING"
+            assert health_status(c.addr, SERVICE_NAME) == "SERVING"
+            port = own.port
+            own.stop()
+            wait_for(lambda: health_status(c.addr) == "NOT_SERVING", what="NOT_SERVING")
+            assert health_status(c.addr, SERVICE_NAME) == "NOT_SERVING"
+            assert not c.target.status().redis_connected
+            err = rpc_error(c.target.open, PROMPT)
+            assert err.code() is grpc.StatusCode.UNAVAILABLE and "unreachable" in err.details()
+            again: RedisServer
+            with running_redis(port) as again:
+                assert again.port == port
+                wait_for(lambda: health_status(c.addr) == "SERVING", what="SERVING again")
+                assert c.target.open(PROMPT).session_id
+        finally:
+            c.close()
+
+
+# ---- the entry point as a user runs it -------------------------------------------------------
+def _card_cache(*args: str) -> subprocess.Popen:
+    exe = os.path.join(os.path.dirname(sys.executable), "card-cache")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CARD_")}
+    return subprocess.Popen([exe, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+
+
+def test_card_cache_process(redis_url: str, redis_prefix: str) -> None:
+    proc = _card_cache("--port", "0", "--redis-url", redis_url, "--redis-prefix", redis_prefix,
+                       "--metrics-port", "0", "--device", "cpu")
+    try:
+        line = proc.stdout.readline().strip()
+        assert line.startswith("card-cache listening on 127.0.0.1:"), line
+        addr = line.rsplit(" ", 1)[1]
+        wait_serving(addr, TIMEOUT)
+        target = HandTarget(addr)
+        sid = target.open(PROMPT).session_id
+        target.close()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+        # the session still open at shutdown was ended cleanly
+        assert rkeys(redis_url, f"{redis_prefix}session:*") == []
+        with redis.Redis.from_url(redis_url, decode_responses=True) as r:
+            assert r.hget(f"{redis_prefix}finished:{sid}", "status") == "shutdown"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(10)
+        proc.stdout.close()
+        proc.stderr.close()
+
+
+def test_card_cache_without_redis() -> None:
+    from tests.services.conftest import free_port
+
+    url = f"redis://127.0.0.1:{free_port()}/0"  # nothing listens there
+    proc = _card_cache("--port", "0", "--redis-url", url, "--metrics-port", "0")
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode != 0 and out == ""
+    assert url in err and "--allow-memory-fallback" in err and "Traceback" not in err
+
+    proc = _card_cache("--port", "0", "--redis-url", url, "--metrics-port", "0", "--allow-memory-fallback")
+    try:
+        line = proc.stdout.readline().strip()
+        addr = line.rsplit(" ", 1)[1]
+        wait_serving(addr, TIMEOUT)
+        with grpc.insecure_channel(addr) as ch:
+            from grpc_health.v1 import health_pb2_grpc
+
+            resp = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=TIMEOUT)
+            assert resp.status == health_pb2.HealthCheckResponse.SERVING
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+        assert "falling back to the in-process metadata store" in proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(10)
+        proc.stdout.close()
+        proc.stderr.close()

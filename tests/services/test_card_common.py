@@ -1,0 +1,179 @@
+"""card_common: the tensor codec, engine<->proto conversion, the error table on real calls."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import ClassVar
+
+import grpc
+import pytest
+import torch
+from card.v1 import cache_pb2, cache_pb2_grpc, common_pb2
+
+from card_common.channels import channel, wait_serving
+from card_common.convert import (
+    advance_from_msg,
+    advance_to_msg,
+    chain_to_msg,
+    correction_from_msg,
+    correction_to_msg,
+    layer_from_msg,
+    layer_to_msg,
+    sampling_from_msg,
+    sampling_to_msg,
+    stats_from_msg,
+    stats_to_msg,
+    step_result_from_msg,
+)
+from card_common.serving import add_health, make_server, set_serving
+from card_common.status import STATUS_CODES, error_from_rpc, grpc_errors, status_code
+from card_common.tensors import from_tensor_msg, ids_from_msg, ids_to_msg, to_tensor_msg
+from engine import errors
+from engine.config import SamplingParams
+from engine.stats import GenerationStats
+from engine.tree import Advance, Chain, Correction, Layer, Outcome
+
+
+@pytest.mark.parametrize("dtype", ["int64", "int32", "float32", "float16", "bfloat16"])
+def test_tensor_round_trip(dtype: str) -> None:
+    x = (torch.arange(24, dtype=torch.float32).reshape(2, 3, 4) - 7.5).to(getattr(torch, dtype))
+    msg = to_tensor_msg(x, dtype)
+    assert list(msg.shape) == [2, 3, 4] and len(msg.data) == x.numel() * x.element_size()
+    assert torch.equal(from_tensor_msg(msg), x)
+    empty = from_tensor_msg(to_tensor_msg([], dtype))
+    assert empty.shape == (0,) and empty.dtype == getattr(torch, dtype)
+
+
+def test_tensor_wire_format_is_little_endian() -> None:
+    assert to_tensor_msg([1, 256], "int32").data == b"\x01\x00\x00\x00\x00\x01\x00\x00"
+    assert ids_to_msg([1, -1]).data == (1).to_bytes(8, "little") + (-1).to_bytes(8, "little", signed=True)
+
+
+def test_tensor_validation() -> None:
+    with pytest.raises(errors.InvalidArgument, match="needs 24 bytes, got 16"):
+        from_tensor_msg(common_pb2.Tensor(dtype="int64", shape=[3], data=b"\0" * 16))
+    with pytest.raises(errors.InvalidArgument, match="unsupported tensor dtype"):
+        from_tensor_msg(common_pb2.Tensor(dtype="complex64", shape=[0]))
+    with pytest.raises(errors.InvalidArgument, match="1-D"):
+        ids_from_msg(to_tensor_msg(torch.zeros(2, 2, dtype=torch.int64), "int64"))
+    with pytest.raises(errors.InvalidArgument, match="int64 or int32"):
+        ids_from_msg(to_tensor_msg([1.0], "float32"))
+    with pytest.raises(errors.InvalidArgument, match="needs 16 bytes"):
+        ids_from_msg(common_pb2.Tensor(dtype="int64", shape=[2], data=b"\0" * 8))
+    assert ids_from_msg(common_pb2.Tensor()) == []
+    assert ids_from_msg(to_tensor_msg([5, -7], "int32")) == [5, -7]
+
+
+def test_engine_values_round_trip() -> None:
+    lay = Layer(torch.tensor([-2, -2]), torch.tensor([0, 1]), torch.tensor([5, 6]),
+                torch.tensor([-0.25, -1.5]), torch.tensor([-2]), torch.tensor([7]), torch.tensor([-3.0]), 4)
+    back = layer_from_msg(layer_to_msg("s", lay, "w", 3, 0.5))
+    for name in ("parent_ids", "node_ids", "tokens", "local_logp", "b_parent_ids", "b_tokens", "b_logp"):
+        assert torch.equal(getattr(back, name), getattr(lay, name)), name
+    assert back.epoch == 4
+
+    bad = layer_to_msg("s", lay)
+    bad.tokens.CopyFrom(ids_to_msg([5]))
+    with pytest.raises(errors.InvalidArgument, match="must agree"):
+        layer_from_msg(bad)
+
+    corr = Correction(3, (4, 5), (0, -1), 9)
+    msg = correction_to_msg("s", corr)
+    assert msg.session_id == "s" and correction_from_msg(msg) == corr
+
+    for hit in (7, None):
+        adv = Advance(2, (4,), (1,), 8, Outcome.HIT if hit is not None else Outcome.MISS, hit)
+        assert advance_from_msg(advance_to_msg("s", adv)) == adv
+    assert advance_to_msg("s", Advance(2, (), (), 8, Outcome.MISS)).hit_node_id == -1
+
+    chain = Chain((1, 2), (5, -1), 6)
+    result = step_result_from_msg(chain_to_msg(chain, Outcome.SECONDARY_HIT))
+    assert result.chain == chain and result.outcome is Outcome.SECONDARY_HIT
+    assert step_result_from_msg(chain_to_msg(Chain(epoch=1))).outcome is None
+
+    params = SamplingParams(temperature=0.7, top_k=40, top_p=0.9, seed=2**40)
+    assert sampling_from_msg(sampling_to_msg(params)) == params  # float32 on the wire, exact back
+    assert sampling_from_msg(common_pb2.SamplingParams()) == SamplingParams()
+    with pytest.raises(errors.InvalidArgument, match="temperature"):
+        sampling_from_msg(common_pb2.SamplingParams(temperature=-1.0))
+
+    stats = GenerationStats(mode="card", prompt_tokens=3, new_tokens=9, wall_s=1.5, target_forwards=4,
+                            hits=2, misses=1, step_rtt_ms=[0.5, 0.25], accepted_lengths=[1, 3, 5])
+    assert stats_from_msg(stats_to_msg(stats)) == stats
+
+
+def test_status_table() -> None:
+    assert status_code(errors.NotFound("x")) is grpc.StatusCode.NOT_FOUND
+    assert status_code(ValueError("x")) is grpc.StatusCode.INTERNAL
+    assert status_code(errors.CardError("x")) is grpc.StatusCode.INTERNAL
+    assert len(set(STATUS_CODES.values())) == len(STATUS_CODES) == 6
+    for cls, code in STATUS_CODES.items():
+        assert cls.code == code.name  # the engine's own names agree with the table
+
+
+class _Raising(cache_pb2_grpc.CacheServiceServicer):
+    """Raises whatever the request's session id names, from a unary and a streaming method."""
+
+    ERRORS: ClassVar[dict[str, Exception]] = {
+        "not_found": errors.NotFound("session x is not open"), "bug": ZeroDivisionError("oops"),
+        "aborted": errors.Aborted("stale epoch 3"), "exhausted": errors.ResourceExhausted("full"),
+    }
+
+    @grpc_errors
+    def CloseSession(self, request, context):
+        raise self.ERRORS[request.session_id]
+
+    @grpc_errors
+    def Commands(self, request, context):
+        yield cache_pb2.DraftCommand(stop=cache_pb2.StopSession(session_id="first"))
+        raise self.ERRORS[request.worker_id]
+
+
+@pytest.fixture
+def raising_server() -> Iterator[str]:
+    server = make_server(4)
+    cache_pb2_grpc.add_CacheServiceServicer_to_server(_Raising(), server)
+    health = add_health(server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    set_serving(health, True, ["card.v1.CacheService"])
+    yield f"127.0.0.1:{port}"
+    server.stop(0).wait()
+
+
+@pytest.mark.parametrize(("key", "code", "cls"), [
+    ("not_found", grpc.StatusCode.NOT_FOUND, errors.NotFound),
+    ("aborted", grpc.StatusCode.ABORTED, errors.Aborted),
+    ("exhausted", grpc.StatusCode.RESOURCE_EXHAUSTED, errors.ResourceExhausted),
+    ("bug", grpc.StatusCode.INTERNAL, errors.CardError),
+])
+def test_grpc_errors_on_real_calls(raising_server: str, key: str, code: grpc.StatusCode, cls: type) -> None:
+    wait_serving(raising_server, 10, "card.v1.CacheService")
+    with channel(raising_server) as ch:
+        stub = cache_pb2_grpc.CacheServiceStub(ch)
+        with pytest.raises(grpc.RpcError) as unary:
+            stub.CloseSession(cache_pb2.CloseSessionRequest(session_id=key), timeout=10)
+        stream = stub.Commands(cache_pb2.CommandsRequest(worker_id=key), timeout=10)
+        assert next(stream).stop.session_id == "first"
+        with pytest.raises(grpc.RpcError) as streamed:
+            next(stream)
+    for err in (unary.value, streamed.value):
+        assert err.code() is code
+        back = error_from_rpc(err, raising_server)
+        assert type(back) is cls
+        if key == "bug":
+            assert "ZeroDivisionError" in err.details()
+        else:
+            assert str(back) == str(_Raising.ERRORS[key])
+
+
+def test_unreachable_peer_is_unavailable() -> None:
+    from tests.services.conftest import free_port
+
+    addr = f"127.0.0.1:{free_port()}"
+    with channel(addr) as ch, pytest.raises(grpc.RpcError) as info:
+        cache_pb2_grpc.CacheServiceStub(ch).Status(cache_pb2.StatusRequest(), timeout=2)
+    back = error_from_rpc(info.value, addr)
+    assert isinstance(back, errors.Unavailable) and addr in str(back)
+    with pytest.raises(errors.Unavailable, match=addr):
+        wait_serving(addr, 0.5)
