@@ -99,3 +99,26 @@ def test_unknown_model_path(tmp_path):
 def test_bad_sampling_and_shape_values(models, flags, word):
     proc = run_cli("generate", "hi", "--inprocess", "--target-model", str(models["target"]), *flags)
     _assert_one_line_error(proc, "INVALID_ARGUMENT", word)
+
+
+def test_unreachable_target_is_one_line():
+    import socket
+
+    with socket.socket() as s:  # a loopback port with nothing listening
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = run_cli("generate", "hi", "--target", f"127.0.0.1:{port}", timeout=120)
+    _assert_one_line_error(proc, "UNAVAILABLE", f"127.0.0.1:{port}")
+
+
+def test_generate_without_services_starts_a_local_trio(models):
+    """The README's main job: no target configured, so generate brings up a trio for itself."""
+    vanilla = generate_json(models, "vanilla")
+    proc = run_cli("generate", "Tell me about the sea.", "--json", "--target-model", str(models["target"]),
+                   "--draft-model", str(models["draft"]), "--max-new-tokens", "24", "--ignore-eos",
+                   timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    assert "starting a local trio" in proc.stderr
+    out = json.loads(proc.stdout)
+    assert out["token_ids"] == vanilla["token_ids"]
+    assert out["stats"]["mode"] == "card"
