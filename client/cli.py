@@ -10,6 +10,7 @@ from collections.abc import Callable
 
 import click
 
+from client import ops
 from client.options import DEFAULT_DRAFT, GenerateOptions
 from engine.config import SamplingParams, StopParams, TreeParams
 from engine.errors import CardError
@@ -128,20 +129,8 @@ def _echo_text(text: str) -> None:
     sys.stdout.flush()
 
 
-def _register_service_commands() -> None:
-    """Operator commands (up, status, drafts) live with the services client."""
-    try:
-        from client import ops
-    except ImportError as exc:  # the services client is an optional part of the install
-        logging.getLogger(__name__).debug("operator commands unavailable: %s", exc)
-        return
-    for name in ("up", "status", "drafts"):
-        command = getattr(ops, name, None)
-        if isinstance(command, click.Command):
-            cli.add_command(command, name)
-
-
-_register_service_commands()
+for _command in (ops.up, ops.status, ops.drafts):  # operator commands live with the services client
+    cli.add_command(_command)
 
 
 def main() -> None:
