@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Iterator
 from dataclasses import replace
 
@@ -23,7 +25,7 @@ from card_common.tensors import ids_from_msg
 from engine.stats import GenerationStats
 from engine.tree import NO_NODE, Outcome, virtual_root_id
 from tests.services.cache_helpers import FP_A, FP_B, TIMEOUT, HandDraft, HandTarget, layer, wait_for
-from tests.services.conftest import RedisServer, running_redis
+from tests.services.conftest import RedisServer, free_port, running_redis
 
 PROMPT = [1, 2, 3]
 
@@ -379,8 +381,9 @@ def _card_cache(*args: str) -> subprocess.Popen:
 
 
 def test_card_cache_process(redis_url: str, redis_prefix: str) -> None:
+    metrics_port = free_port()
     proc = _card_cache("--port", "0", "--redis-url", redis_url, "--redis-prefix", redis_prefix,
-                       "--metrics-port", "0", "--device", "cpu")
+                       "--metrics-port", str(metrics_port), "--device", "cpu", "--json-logs")
     try:
         line = proc.stdout.readline().strip()
         assert line.startswith("card-cache listening on 127.0.0.1:"), line
@@ -388,9 +391,18 @@ def test_card_cache_process(redis_url: str, redis_prefix: str) -> None:
         wait_serving(addr, TIMEOUT)
         target = HandTarget(addr)
         sid = target.open(PROMPT).session_id
+        target.step(sid, 0, 5)
         target.close()
+        with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=TIMEOUT) as resp:
+            exposition = resp.read().decode()
+        assert "card_cache_steps_total 1.0" in exposition
+        assert 'card_cache_outcomes_total{outcome="miss"} 1.0' in exposition
+        assert "card_cache_sessions_open 1.0" in exposition
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) == 0
+        logs = [json.loads(x) for x in proc.stderr.read().splitlines() if x.strip()]
+        assert logs and all({"ts", "level", "logger", "msg"} <= set(entry) for entry in logs)
+        assert any(entry.get("session_id") == sid for entry in logs)
         # the session still open at shutdown was ended cleanly
         assert rkeys(redis_url, f"{redis_prefix}session:*") == []
         with redis.Redis.from_url(redis_url, decode_responses=True) as r:
@@ -404,8 +416,6 @@ def test_card_cache_process(redis_url: str, redis_prefix: str) -> None:
 
 
 def test_card_cache_without_redis() -> None:
-    from tests.services.conftest import free_port
-
     url = f"redis://127.0.0.1:{free_port()}/0"  # nothing listens there
     proc = _card_cache("--port", "0", "--redis-url", url, "--metrics-port", "0")
     out, err = proc.communicate(timeout=60)

@@ -177,3 +177,17 @@ def test_unreachable_peer_is_unavailable() -> None:
     assert isinstance(back, errors.Unavailable) and addr in str(back)
     with pytest.raises(errors.Unavailable, match=addr):
         wait_serving(addr, 0.5)
+
+
+def test_log_formatters() -> None:
+    import json
+    import logging
+
+    from card_common.serving import JsonFormatter, TextFormatter
+
+    record = logging.LogRecord("card.x", logging.WARNING, __file__, 1, "session %s ended", ("s1",), None)
+    record.session_id = "s1"
+    entry = json.loads(JsonFormatter().format(record))
+    assert entry["level"] == "WARNING" and entry["logger"] == "card.x" and entry["msg"] == "session s1 ended"
+    assert entry["session_id"] == "s1" and entry["ts"].endswith("+00:00")
+    assert TextFormatter().format(record).endswith("card.x: session s1 ended session_id=s1")

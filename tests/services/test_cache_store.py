@@ -1,0 +1,77 @@
+"""RedisStore (real redis-server) and MemoryStore keep the same records the same way."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import pytest
+import redis
+
+from cache_service.store import MemoryStore, MetadataStore, RedisStore, open_store
+from engine.errors import Unavailable
+from tests.services.conftest import free_port
+
+
+@pytest.fixture(params=["redis", "memory"])
+def store(request: pytest.FixtureRequest, redis_url: str, redis_prefix: str) -> Iterator[MetadataStore]:
+    s: MetadataStore = (
+        RedisStore(redis_url, redis_prefix) if request.param == "redis" else MemoryStore(redis_prefix)
+    )
+    yield s
+    s.close()
+
+
+def test_session_records(store: MetadataStore) -> None:
+    store.put_session("s1", {"status": "live", "epoch": 0, "target_model": "t"}, ttl_s=60)
+    store.put_session("s2", {"status": "live"}, ttl_s=60)
+    store.put_session("s1", {"epoch": 4}, ttl_s=60)  # a flush updates fields, keeps the rest
+    assert store.session("s1") == {"status": "live", "epoch": "4", "target_model": "t"}
+    assert store.live_session_ids() == ["s1", "s2"]
+    store.finish_session("s1", {"status": "finished", "new_tokens": 9}, ttl_s=60)
+    assert store.session("s1") == {} and store.live_session_ids() == ["s2"]
+    assert store.finished_session("s1") == {"status": "finished", "epoch": "4", "target_model": "t",
+                                            "new_tokens": "9"}
+
+
+def test_records_expire(store: MetadataStore) -> None:
+    store.put_draft("d", {"name": "d", "model": "m"}, ttl_s=0.3)
+    store.finish_session("s", {"status": "finished"}, ttl_s=0.3)
+    assert [d["name"] for d in store.drafts()] == ["d"]
+    time.sleep(0.6)
+    assert store.drafts() == [] and store.finished_session("s") == {}
+
+
+def test_drafts_and_totals(store: MetadataStore) -> None:
+    store.put_draft("b", {"name": "b"}, ttl_s=60)
+    store.put_draft("a", {"name": "a", "capacity": 2}, ttl_s=60)
+    assert [d["name"] for d in store.drafts()] == ["a", "b"]
+    store.delete_draft("b")
+    assert [d["name"] for d in store.drafts()] == ["a"]
+    store.incr({"sessions": 1, "hits": 2.5})
+    store.incr({"sessions": 1})
+    assert store.totals() == {"sessions": 2.0, "hits": 2.5}
+
+
+def test_keys_stay_under_the_prefix(redis_url: str, redis_prefix: str) -> None:
+    s = RedisStore(redis_url, redis_prefix)
+    s.put_session("x", {"a": 1}, 60)
+    s.put_draft("d", {"name": "d"}, 60)
+    s.incr({"n": 1})
+    with redis.Redis.from_url(redis_url, decode_responses=True) as r:
+        keys = sorted(r.scan_iter(f"{redis_prefix}*"))
+        assert keys == [f"{redis_prefix}draft:d", f"{redis_prefix}session:x", f"{redis_prefix}totals"]
+        assert 0 < r.ttl(f"{redis_prefix}session:x") <= 60
+    s.close()
+
+
+def test_unreachable_redis() -> None:
+    url = f"redis://127.0.0.1:{free_port()}/0"
+    with pytest.raises(Unavailable, match="--allow-memory-fallback"):
+        open_store(url, "p:")
+    assert isinstance(open_store(url, "p:", allow_memory_fallback=True), MemoryStore)
+    assert isinstance(open_store("memory://", "p:"), MemoryStore)
+    s = RedisStore(url, "p:")
+    assert not s.ping()
+    with pytest.raises(Unavailable, match=url):
+        s.put_session("x", {"a": 1}, 60)
