@@ -9,6 +9,7 @@ the CLI prints them the same way as local errors.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import grpc
 from card.v1 import target_pb2, target_pb2_grpc
@@ -23,6 +24,16 @@ from engine.generate import GenerationResult
 
 START_HINT = ("start the services with `card-client up` "
               "(or point --target / CARD_TARGET_ADDR at a running card-target)")
+
+
+@dataclass
+class RemoteGenerationResult(GenerationResult):
+    """A GenerationResult plus the draft worker that served the session ("" if none did)."""
+
+    draft: str = ""
+
+    def to_dict(self) -> dict:
+        return {**super().to_dict(), "draft": self.draft}
 
 
 def build_request(prompt: str | Sequence[int], *, chat: bool | None, sampling: SamplingParams,
@@ -46,7 +57,7 @@ def build_request(prompt: str | Sequence[int], *, chat: bool | None, sampling: S
 def generate_remote(addr: str, prompt: str | Sequence[int], *, chat: bool | None = None,
                     sampling: SamplingParams | None = None, stop: StopParams | None = None,
                     draft: str | None = None, mode: str = "card", timeout_s: float = 600.0,
-                    on_text: Callable[[str], None] | None = None) -> GenerationResult:
+                    on_text: Callable[[str], None] | None = None) -> RemoteGenerationResult:
     """Stream one generation from the target at ``addr``; ``prompt`` is text or token ids.
 
     ``on_text`` gets each piece of text as the target commits it. Raises ``engine.errors``
@@ -68,8 +79,8 @@ def generate_remote(addr: str, prompt: str | Sequence[int], *, chat: bool | None
                         on_text(message.chunk.text)
                     continue
                 final = message.final
-                return GenerationResult(final.text, ids_from_msg(final.token_ids), final.finish_reason,
-                                        stats_from_msg(final.stats))
+                return RemoteGenerationResult(final.text, ids_from_msg(final.token_ids),
+                                              final.finish_reason, stats_from_msg(final.stats), final.draft)
     except grpc.RpcError as err:
         code = err.code() if isinstance(err, grpc.Call) else None
         if code is grpc.StatusCode.UNAVAILABLE and not received:

@@ -1,0 +1,229 @@
+"""Operator commands of ``card-client``: ``up`` (a local trio), ``status``, ``drafts``.
+
+Addresses come from flags or CARD_TARGET_ADDR / CARD_CACHE_ADDR / CARD_DRAFT_ADDR (defaults:
+the standard local ports). Failures print one line and exit non-zero, never a traceback.
+"""
+
+from __future__ import annotations
+
+import functools
+import signal
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import click
+import grpc
+from card.v1 import cache_pb2, cache_pb2_grpc, target_pb2, target_pb2_grpc
+
+from card_common.channels import channel, health_status
+from card_common.status import error_from_rpc
+from client.trio import LocalTrio
+from engine.errors import CardError
+from engine.models import DEFAULT_MODEL, QUANTIZE
+
+DEFAULT_TARGET_ADDR = "localhost:50051"
+DEFAULT_CACHE_ADDR = "localhost:50052"
+DEFAULT_DRAFT_ADDR = "localhost:50053"
+RPC_TIMEOUT_S = 3.0
+EXIT_ERROR = 2
+EXIT_NOT_SERVING = 1
+
+
+def _one_line_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except CardError as exc:
+            click.echo(f"error: {exc.code}: {exc}", err=True)
+            sys.exit(EXIT_ERROR)
+        except grpc.RpcError as err:
+            exc = error_from_rpc(err)
+            click.echo(f"error: {exc.code}: {exc}", err=True)
+            sys.exit(EXIT_ERROR)
+        except KeyboardInterrupt:
+            click.echo("\ninterrupted", err=True)
+            sys.exit(130)
+
+    return wrapper
+
+
+def _table(rows: Sequence[Sequence[str]], header: Sequence[str]) -> str:
+    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
+    lines = ["  ".join(str(c).ljust(w) for c, w in zip(row, widths, strict=True)).rstrip()
+             for row in [header, *rows]]
+    return "\n".join(lines)
+
+
+# ---- up ---------------------------------------------------------------------------------------
+@click.command()
+@click.option("--target-model", default=DEFAULT_MODEL, envvar="CARD_TARGET_MODEL", show_default=True,
+              help="Hugging Face id, local folder, .gguf file, or 'default' (embedded SmolLM2-135M).")
+@click.option("--draft-model", default=DEFAULT_MODEL, envvar="CARD_DRAFT_MODEL", show_default=True)
+@click.option("--draft-quantize", type=click.Choice(QUANTIZE), default=None, envvar="CARD_DRAFT_QUANTIZE",
+              help="Default: int8 for the default draft, else none.")
+@click.option("--draft-name", default=None, help="Name of the draft worker (default: derived).")
+@click.option("--target-port", default=50051, show_default=True, type=int, help="0 = OS-chosen.")
+@click.option("--cache-port", default=50052, show_default=True, type=int, help="0 = OS-chosen.")
+@click.option("--draft-port", default=50053, show_default=True, type=int, help="0 = OS-chosen.")
+@click.option("--target-threads", type=int, default=None, help="torch threads of the target.")
+@click.option("--draft-threads", type=int, default=None, help="torch threads of the draft.")
+@click.option("--redis-url", default=None, envvar="CARD_REDIS_URL",
+              help="Use this Redis (default: start a private redis-server, or memory:// without one).")
+@click.option("--log-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Where the services write their logs (default: a new temporary folder).")
+@click.option("--dtype", default="auto", show_default=True)
+@click.option("--device", default="auto", show_default=True)
+@_one_line_errors
+def up(target_model: str, draft_model: str, draft_quantize: str | None, draft_name: str | None,
+       target_port: int, cache_port: int, draft_port: int, target_threads: int | None,
+       draft_threads: int | None, redis_url: str | None, log_dir: Path | None, dtype: str,
+       device: str) -> None:
+    """Start redis, card-cache, card-draft and card-target here; Ctrl-C stops them all."""
+    if draft_quantize is None:
+        draft_quantize = "int8" if draft_model == DEFAULT_MODEL else "none"
+    log_dir = log_dir or Path(tempfile.mkdtemp(prefix="card-up-"))
+    click.echo(f"starting the trio (logs in {log_dir}) ...", err=True)
+    trio = LocalTrio(target_model=target_model, draft_model=draft_model, draft_quantize=draft_quantize,
+                     draft_name=draft_name, target_port=target_port, cache_port=cache_port,
+                     draft_port=draft_port, target_threads=target_threads, draft_threads=draft_threads,
+                     redis_url=redis_url, log_dir=log_dir, dtype=dtype, device=device)
+    with trio:  # Ctrl-C while starting: KeyboardInterrupt stops whatever started
+        click.echo(f"target  {trio.target_addr}  ({target_model})")
+        click.echo(f"cache   {trio.cache_addr}  (redis {trio.redis_url})")
+        click.echo(f"draft   {trio.draft_addr}  ({draft_model}, quantize {draft_quantize})")
+        click.echo(f"export CARD_TARGET_ADDR={trio.target_addr} CARD_CACHE_ADDR={trio.cache_addr} "
+                   f"CARD_DRAFT_ADDR={trio.draft_addr}")
+        click.echo("serving; Ctrl-C stops everything", err=True)
+        sys.stdout.flush()
+        stop = threading.Event()
+        previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            died = _watch(trio, stop)
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+        click.echo("stopping ...", err=True)
+    if died:
+        raise click.ClickException(died)
+    click.echo("stopped", err=True)
+
+
+def _watch(trio: LocalTrio, stop: threading.Event) -> str:
+    """Wait for Ctrl-C; returns why the trio cannot go on if a service died first."""
+    while not stop.wait(0.5):
+        for p in trio.processes:
+            code = p.proc.poll()
+            if code is None:
+                continue
+            if p in trio.drafts:  # the target keeps serving (plain decoding) without a draft
+                click.echo(f"warning: {p.name} exited with code {code}; see {p.log_path}", err=True)
+                trio.processes.remove(p)
+                trio.drafts.remove(p)
+                break
+            return f"{p.name} exited with code {code}; its log ({p.log_path}) ends with:\n{p.log_tail()}"
+    return ""
+
+
+# ---- status -----------------------------------------------------------------------------------
+def _health(addr: str) -> str:
+    try:
+        return health_status(addr, timeout_s=RPC_TIMEOUT_S)
+    except grpc.RpcError as err:
+        code = err.code() if isinstance(err, grpc.Call) else None
+        return "unreachable" if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED) \
+            else f"error {code.name if code else err}"
+
+
+def _target_info(addr: str) -> str:
+    try:
+        with channel(addr) as ch:
+            info = target_pb2_grpc.TargetServiceStub(ch).Info(target_pb2.InfoRequest(), timeout=RPC_TIMEOUT_S)
+    except grpc.RpcError as err:
+        return str(error_from_rpc(err, addr))
+    return (f"model {info.model}, tokenizer {info.tokenizer_fingerprint}, "
+            f"context {info.context_window}")
+
+
+def cache_status(addr: str) -> cache_pb2.StatusResponse:
+    """The cache's Status (registered drafts, live sessions, totals); CardError when it fails."""
+    try:
+        with channel(addr) as ch:
+            stub = cache_pb2_grpc.CacheServiceStub(ch)
+            return stub.Status(cache_pb2.StatusRequest(), timeout=RPC_TIMEOUT_S)
+    except grpc.RpcError as err:
+        raise error_from_rpc(err, addr) from None
+
+
+def _totals_line(totals: dict[str, float]) -> str:
+    if not totals:
+        return "no finished sessions yet"
+    corrections = sum(totals.get(k, 0.0) for k in ("hits", "secondary_hits", "misses"))
+    parts = [f"{k} {v:g}" for k, v in sorted(totals.items())]
+    if corrections:
+        parts.append(f"hit rate {totals.get('hits', 0.0) / corrections:.0%}")
+    if totals.get("target_forwards"):
+        parts.append(f"mean accepted length {totals.get('new_tokens', 0.0) / totals['target_forwards']:.2f}")
+    return ", ".join(parts)
+
+
+@click.command()
+@click.option("--target", "target_addr", envvar="CARD_TARGET_ADDR", default=DEFAULT_TARGET_ADDR,
+              show_default=True)
+@click.option("--cache", "cache_addr", envvar="CARD_CACHE_ADDR", default=DEFAULT_CACHE_ADDR,
+              show_default=True)
+@click.option("--draft", "draft_addr", envvar="CARD_DRAFT_ADDR", default=DEFAULT_DRAFT_ADDR,
+              show_default=True, help="Health address of one draft worker.")
+@_one_line_errors
+def status(target_addr: str, cache_addr: str, draft_addr: str) -> None:
+    """Health of each service, registered drafts, live sessions and totals from the cache."""
+    rows = []
+    health = {name: _health(addr) for name, addr in
+              (("target", target_addr), ("cache", cache_addr), ("draft", draft_addr))}
+    target_detail = _target_info(target_addr) if health["target"] != "unreachable" else ""
+    cache_detail = ""
+    reply: cache_pb2.StatusResponse | None = None
+    if health["cache"] != "unreachable":
+        try:
+            reply = cache_status(cache_addr)
+            cache_detail = (f"device {reply.cache_device}, redis "
+                            f"{'connected' if reply.redis_connected else 'NOT connected'}, "
+                            f"{len(reply.drafts)} draft(s), {len(reply.sessions)} live session(s)")
+        except CardError as exc:
+            cache_detail = str(exc)
+    rows.append(("target", target_addr, health["target"], target_detail))
+    rows.append(("cache", cache_addr, health["cache"], cache_detail))
+    rows.append(("draft", draft_addr, health["draft"], ""))
+    click.echo(_table(rows, ("service", "address", "health", "detail")))
+    if reply is not None:
+        click.echo("")
+        click.echo(_drafts_table(reply))
+        click.echo("")
+        click.echo(f"totals: {_totals_line(dict(reply.totals))}")
+    if any(h != "SERVING" for h in health.values()):
+        sys.exit(EXIT_NOT_SERVING)
+
+
+# ---- drafts -----------------------------------------------------------------------------------
+def _drafts_table(reply: cache_pb2.StatusResponse) -> str:
+    if not reply.drafts:
+        return "no draft workers registered"
+    now = time.time()
+    rows = [(d.name, d.model, d.tokenizer_fingerprint, f"{d.active_sessions}/{d.capacity}",
+             f"{max(0.0, now - d.last_heartbeat_unix):.1f}s ago" if d.last_heartbeat_unix else "-")
+            for d in reply.drafts]
+    return _table(rows, ("draft", "model", "tokenizer", "sessions", "heartbeat"))
+
+
+@click.command()
+@click.option("--cache", "cache_addr", envvar="CARD_CACHE_ADDR", default=DEFAULT_CACHE_ADDR,
+              show_default=True)
+@_one_line_errors
+def drafts(cache_addr: str) -> None:
+    """Draft workers registered with the cache service."""
+    click.echo(_drafts_table(cache_status(cache_addr)))

@@ -1,0 +1,60 @@
+"""Helpers of the end-to-end tests: a reference (in-process vanilla) and metric scraping."""
+
+from __future__ import annotations
+
+import re
+import time
+import urllib.request
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+
+import torch
+
+from engine.config import GenerationRequest, SamplingParams, StopParams
+from engine.generate import GenerationResult
+from engine.models import LoadedModel
+from engine.runner import InProcessRunner, RunnerConfig
+
+Reference = Callable[[str | Sequence[int], SamplingParams, StopParams], GenerationResult]
+
+
+@contextmanager
+def torch_threads(n: int) -> Iterator[None]:
+    """Run the reference with the target process's thread count (same reduction order)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def vanilla_reference(model: LoadedModel) -> Reference:
+    """In-process plain decoding of the target model: what every trio output must equal."""
+    runner = InProcessRunner(model, None, RunnerConfig(mode="vanilla"))
+
+    def run(prompt: str | Sequence[int], sampling: SamplingParams, stop: StopParams) -> GenerationResult:
+        ids = model.encode_prompt(prompt) if isinstance(prompt, str) else list(prompt)
+        return runner.generation(GenerationRequest(tuple(ids), sampling, stop)).run()
+
+    return run
+
+
+def scrape(port: int) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as reply:
+        return reply.read().decode()
+
+
+def metric(text: str, name: str) -> float:
+    """The value of an unlabelled sample ``name`` in a Prometheus text page."""
+    match = re.search(rf"^{re.escape(name)} (\S+)$", text, re.MULTILINE)
+    assert match, f"metric {name} not found"
+    return float(match.group(1))
+
+
+def wait_until(check: Callable[[], bool], timeout_s: float = 15.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s:g}s waiting for {what}")
+        time.sleep(0.1)

@@ -1,0 +1,286 @@
+"""End to end through the entry points, as a user starts them: redis-server, card-cache,
+card-draft (several) and card-target as subprocesses on OS-chosen loopback ports, tiny float64
+checkpoints that share the real SmolLM2 tokenizer. One trio for the whole module.
+
+Drafts: "same" (the target's own checkpoint: speculation must hit), "pert" (the target perturbed
+by 0.02) and "foreign" (a tokenizer with one extra token: must be refused).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import grpc
+import pytest
+from card.v1 import cache_pb2, cache_pb2_grpc, common_pb2, target_pb2, target_pb2_grpc
+
+from client.remote import generate_remote
+from client.trio import LocalTrio, console_script, free_port
+from engine.config import SamplingParams, StopParams
+from engine.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
+from engine.models import ModelConfig, load_model
+from tests.services.e2e_support import metric, scrape, torch_threads, vanilla_reference, wait_until
+from tests.tiny_models import save_foreign_tokenizer_checkpoint, save_tiny_checkpoint
+
+pytestmark = pytest.mark.timeout(300)
+
+PROMPTS = ("Write a haiku about the sea.", "What is two plus two?", "Name three colours.",
+           "Tell me a story about a fox.")
+GREEDY = SamplingParams()
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("e2e-models")
+    return {
+        "target": save_tiny_checkpoint(root / "target", seed=0),
+        "pert": save_tiny_checkpoint(root / "pert", seed=0, perturb=0.02),
+        "foreign": save_foreign_tokenizer_checkpoint(root / "foreign", seed=0),
+    }
+
+
+@pytest.fixture(scope="module")
+def prefix() -> str:
+    return f"e2e-{uuid.uuid4().hex[:8]}:"
+
+
+@pytest.fixture(scope="module")
+def trio(checkpoints, redis_server, prefix, tmp_path_factory):
+    trio = LocalTrio(target_model=str(checkpoints["target"]), draft_model=str(checkpoints["target"]),
+                     draft_name="same", target_threads=1, draft_threads=1, dtype="float64",
+                     log_dir=tmp_path_factory.mktemp("e2e-logs"), redis_url=redis_server.url,
+                     metrics=True, start_timeout_s=240,
+                     extra_args={"cache": ["--redis-prefix", prefix]})
+    with trio:
+        extra = [trio.start_draft(str(checkpoints[name]), name=name, wait=False)
+                 for name in ("pert", "foreign")]
+        for proc in extra:
+            proc.wait_listening(240)
+            proc.wait_serving(240)
+        yield trio
+
+
+@pytest.fixture(scope="module")
+def reference(checkpoints):
+    model = load_model(ModelConfig(str(checkpoints["target"]), dtype="float64"))
+    run = vanilla_reference(model)
+
+    def one_thread(*args):
+        with torch_threads(1):
+            return run(*args)
+
+    return one_thread
+
+
+# ---- (1) exactness -------------------------------------------------------------------------
+@pytest.mark.parametrize("mode", ["card", "vanilla"])
+def test_greedy_output_equals_in_process_vanilla(trio, reference, mode):
+    stop = StopParams(48, ignore_eos=True)
+    for prompt in PROMPTS[:2]:
+        remote = generate_remote(trio.target_addr, prompt, sampling=GREEDY, stop=stop, mode=mode,
+                                 draft="same" if mode == "card" else None, timeout_s=60)
+        ref = reference(prompt, GREEDY, stop)
+        assert remote.token_ids == ref.token_ids
+        assert remote.text == ref.text
+        assert remote.finish_reason == "length"
+        assert remote.stats.new_tokens == 48 and remote.stats.mode == mode
+        if mode == "card":
+            assert remote.draft == "same"
+            assert len(remote.stats.step_rtt_ms) == remote.stats.target_forwards - 1  # one per step
+        else:
+            assert remote.stats.step_rtt_ms == [] and remote.draft == ""
+
+
+def test_seeded_sampling_equals_seeded_vanilla(trio, reference):
+    stop = StopParams(40, ignore_eos=True)
+    outputs = []
+    for seed in (7, 8):
+        sampling = SamplingParams(temperature=0.9, top_k=50, top_p=0.95, seed=seed)
+        remote = generate_remote(trio.target_addr, PROMPTS[2], sampling=sampling, stop=stop, timeout_s=60)
+        assert remote.token_ids == reference(PROMPTS[2], sampling, stop).token_ids
+        outputs.append(remote.token_ids)
+    assert outputs[0] != outputs[1]  # the seed matters, so equality above means something
+
+
+# ---- (2) concurrency -----------------------------------------------------------------------
+def test_four_concurrent_generations_are_each_exact(trio, reference):
+    base = reference(PROMPTS[3], GREEDY, StopParams(40, ignore_eos=True)).text
+    stop_string = base[len(base) // 2: len(base) // 2 + 3].strip() or base[-2:]
+    jobs = [
+        (PROMPTS[0], GREEDY, StopParams(40, ignore_eos=True), None),
+        (PROMPTS[1], SamplingParams(temperature=1.0, seed=1), StopParams(36, ignore_eos=True), "same"),
+        (PROMPTS[2], SamplingParams(temperature=0.7, top_k=20, seed=3), StopParams(32, ignore_eos=True),
+         "pert"),
+        (PROMPTS[3], GREEDY, StopParams(40, stop=(stop_string,), ignore_eos=True), None),
+    ]
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        futures = [pool.submit(generate_remote, trio.target_addr, p, sampling=s, stop=st, draft=d,
+                               timeout_s=120) for p, s, st, d in jobs]
+        results = [f.result() for f in futures]
+    for (prompt, sampling, stop, _), remote in zip(jobs, results, strict=True):
+        ref = reference(prompt, sampling, stop)
+        assert remote.token_ids == ref.token_ids
+        assert remote.text == ref.text and remote.finish_reason == ref.finish_reason
+    assert results[3].finish_reason == "stop"
+
+
+# ---- (4) several drafts, routed by name ----------------------------------------------------
+def test_requests_are_routed_by_draft_name(trio, reference):
+    stop = StopParams(24, ignore_eos=True)
+    ref = reference(PROMPTS[0], GREEDY, stop)
+    for name in ("same", "pert", "same"):
+        remote = generate_remote(trio.target_addr, PROMPTS[0], sampling=GREEDY, stop=stop, draft=name,
+                                 timeout_s=60)
+        assert remote.draft == name
+        assert remote.token_ids == ref.token_ids
+    # unnamed: any worker whose tokenizer matches, never the foreign one
+    for _ in range(3):
+        remote = generate_remote(trio.target_addr, PROMPTS[0], sampling=GREEDY, stop=stop, timeout_s=60)
+        assert remote.draft in ("same", "pert")
+        assert remote.token_ids == ref.token_ids
+    with grpc.insecure_channel(trio.cache_addr) as ch:
+        status = cache_pb2_grpc.CacheServiceStub(ch).Status(cache_pb2.StatusRequest(), timeout=5)
+    assert {d.name for d in status.drafts} == {"same", "pert", "foreign"}
+
+
+# ---- (5) refusals --------------------------------------------------------------------------
+def test_mismatched_tokenizer_is_refused_naming_both_models(trio, checkpoints):
+    with pytest.raises(FailedPrecondition) as err:
+        generate_remote(trio.target_addr, PROMPTS[0], draft="foreign", stop=StopParams(4), timeout_s=30)
+    message = str(err.value)
+    assert str(checkpoints["foreign"]) in message and str(checkpoints["target"]) in message
+
+
+def test_unknown_draft_is_not_found(trio):
+    with pytest.raises(NotFound, match="no-such-draft"):
+        generate_remote(trio.target_addr, PROMPTS[0], draft="no-such-draft", stop=StopParams(4), timeout_s=30)
+
+
+def test_bad_inputs_are_invalid_argument(trio):
+    with pytest.raises(InvalidArgument, match="empty"):
+        generate_remote(trio.target_addr, "", stop=StopParams(4), timeout_s=30)
+    with pytest.raises(InvalidArgument, match="context window"):
+        generate_remote(trio.target_addr, [100] * 600, stop=StopParams(4), timeout_s=30)
+    with pytest.raises(InvalidArgument, match="context window"):
+        generate_remote(trio.target_addr, "word " * 700, stop=StopParams(4), timeout_s=30)
+    with pytest.raises(InvalidArgument, match="mode"):
+        generate_remote(trio.target_addr, PROMPTS[0], mode="sd", stop=StopParams(4), timeout_s=30)
+
+
+@pytest.mark.parametrize(("sampling", "word"), [
+    (common_pb2.SamplingParams(temperature=-1.0), "temperature"),
+    (common_pb2.SamplingParams(temperature=float("nan")), "temperature"),
+    (common_pb2.SamplingParams(top_p=1.5), "top_p"),
+    (common_pb2.SamplingParams(top_k=-3), "top_k"),
+])
+def test_bad_sampling_values_are_invalid_argument_on_the_wire(trio, sampling, word):
+    # the client library validates too; send raw requests to check the server's own validation
+    request = target_pb2.GenerateRequest(prompt=PROMPTS[0], sampling=sampling, max_new_tokens=4)
+    with grpc.insecure_channel(trio.target_addr) as ch, pytest.raises(grpc.RpcError) as err:
+        list(target_pb2_grpc.TargetServiceStub(ch).Generate(request, timeout=30))
+    assert err.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+    assert word in err.value.details()
+
+
+def test_unreachable_target_names_the_address_and_the_fix():
+    addr = f"127.0.0.1:{free_port()}"
+    with pytest.raises(Unavailable) as err:
+        generate_remote(addr, "hello", stop=StopParams(4), timeout_s=10)
+    assert addr in str(err.value) and "card-client up" in str(err.value)
+
+
+@pytest.mark.parametrize("args", [
+    ["drafts", "--cache", "{addr}"],
+    ["status", "--target", "{addr}", "--cache", "{addr}", "--draft", "{addr}"],
+    ["generate", "--target", "{addr}", "hello"],
+])
+def test_cli_against_a_dead_address_prints_one_line(args):
+    addr = f"127.0.0.1:{free_port()}"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CARD_")}
+    proc = subprocess.run([console_script("card-client"), *(a.format(addr=addr) for a in args)],
+                          capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode != 0
+    assert "Traceback" not in proc.stderr
+    if args[0] == "status":  # a table that says so, exit 1
+        assert proc.stdout.count("unreachable") == 3
+    else:
+        lines = proc.stderr.strip().splitlines()
+        assert len(lines) == 1 and "UNAVAILABLE" in lines[0] and addr in lines[0], proc.stderr
+        if args[0] == "generate":
+            assert "card-client up" in lines[0]
+
+
+# ---- (3) a draft worker dies mid-generation ------------------------------------------------
+def test_killing_the_draft_mid_generation_changes_nothing(trio, reference, checkpoints):
+    victim = next(p for p in trio.drafts if p.name == "card-draft-same")
+    stop = StopParams(400, ignore_eos=True)
+    chunks: list[str] = []
+
+    def on_text(text: str) -> None:
+        chunks.append(text)
+        if len(chunks) == 10:
+            victim.proc.send_signal(signal.SIGKILL)
+            victim.proc.wait(10)
+
+    remote = generate_remote(trio.target_addr, PROMPTS[3], sampling=GREEDY, stop=stop, draft="same",
+                             on_text=on_text, timeout_s=120)
+    assert victim.proc.returncode == -signal.SIGKILL
+    assert len(chunks) > 10  # the kill landed mid-generation
+    assert remote.token_ids == reference(PROMPTS[3], GREEDY, stop).token_ids
+    assert remote.finish_reason == "length" and remote.stats.new_tokens == 400
+
+    # a new worker under the same name: the next request speculates again
+    trio.start_draft(str(checkpoints["target"]), name="same")
+    stop = StopParams(64, ignore_eos=True)
+    remote = generate_remote(trio.target_addr, PROMPTS[1], sampling=GREEDY, stop=stop, draft="same",
+                             timeout_s=60)
+    assert remote.draft == "same"
+    assert remote.token_ids == reference(PROMPTS[1], GREEDY, stop).token_ids
+    assert remote.stats.hits > 0, remote.stats.summary()
+    assert remote.stats.target_forwards < remote.stats.new_tokens  # some steps accepted drafted tokens
+
+
+# ---- (6) no state outlives its session -----------------------------------------------------
+def test_no_session_state_leaks(trio, redis_server, prefix):
+    # a cancelled request must clean up too: stop reading mid-stream
+    request = target_pb2.GenerateRequest(prompt=PROMPTS[0], max_new_tokens=300, ignore_eos=True)
+    with grpc.insecure_channel(trio.target_addr) as ch:
+        stream = target_pb2_grpc.TargetServiceStub(ch).Generate(request, timeout=60)
+        next(stream)
+        stream.cancel()
+
+    def cache_is_empty() -> bool:
+        with grpc.insecure_channel(trio.cache_addr) as ch:
+            status = cache_pb2_grpc.CacheServiceStub(ch).Status(cache_pb2.StatusRequest(), timeout=5)
+        return not status.sessions and all(d.active_sessions == 0 for d in status.drafts)
+
+    wait_until(cache_is_empty, what="the cache to hold no sessions")
+    assert metric(scrape(trio.metrics_ports["card-cache"]), "card_cache_sessions_open") == 0
+    live_drafts = [p for p in trio.drafts if p.proc.poll() is None]
+    assert len(live_drafts) == 3
+    for draft in live_drafts:
+        def idle(draft=draft) -> bool:
+            page = scrape(draft.metrics_port)
+            return (metric(page, "card_draft_kv_slots") == 0
+                    and metric(page, "card_draft_active_sessions") == 0)
+        wait_until(idle, what=f"{draft.name} to hold no KV")
+    client = redis_server.client()
+    assert list(client.scan_iter(f"{prefix}session:*")) == []
+    finished = list(client.scan_iter(f"{prefix}finished:*"))
+    assert len(finished) >= 10
+    assert all(client.ttl(k) > 0 for k in finished)  # finished records expire
+
+
+def test_trio_stops_cleanly(trio):
+    # runs last: SIGTERM to every service; each drains and exits 0 (the SIGKILLed worker aside)
+    live = [p for p in trio.processes if p.proc.poll() is None]
+    assert {p.name for p in live} >= {"card-cache", "card-target", "card-draft-pert", "card-draft-foreign"}
+    logs = [p.log_path for p in trio.processes if p.name != "card-cache"]
+    trio.stop()
+    assert [p.proc.returncode for p in live] == [0] * len(live), [(p.name, p.proc.returncode) for p in live]
+    assert not any("Traceback" in path.read_text() for path in logs)  # target and drafts
