@@ -30,7 +30,7 @@ from card_common.serving import (
     setup_logging,
     start_metrics_server,
 )
-from engine.errors import CardError
+from engine.errors import CardError, InvalidArgument
 
 log = logging.getLogger(__name__)
 
@@ -92,14 +92,18 @@ def create_server(addr: str, config: CacheConfig, store: MetadataStore | None = 
     if store is None:
         store = open_store(config.redis_url, config.redis_prefix, config.allow_memory_fallback)
     server = CacheServer(config, store, config.grpc_threads)
-    port = server.add_insecure_port(addr)
-    if port == 0:
-        server.store.close()
-        raise CardError(f"could not bind {addr}")
+    try:
+        port = server.add_insecure_port(addr)
+    except RuntimeError as exc:  # grpc raises when the address is taken or invalid
+        store.close()
+        raise InvalidArgument(
+            f"cannot listen on {addr} ({exc}); is another card-cache running there?"
+        ) from None
     return server, port
 
 
-@click.command(context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
+@click.command(context_settings={"help_option_names": ["-h", "--help"], "show_default": True,
+                                 "show_envvar": True})
 @click.option("--host", envvar="CARD_CACHE_HOST", default="127.0.0.1",
               help="Interface to listen on; 0.0.0.0 in containers / Kubernetes.")
 @click.option("--port", envvar="CARD_CACHE_PORT", type=int, default=50052, help="gRPC port; 0 = OS-chosen.")
@@ -140,9 +144,9 @@ def main(host: str, port: int, redis_url: str, redis_prefix: str, allow_memory_f
             b_extension=b_extension, grpc_threads=grpc_threads, log_level=log_level, json_logs=json_logs,
         )
         server, bound = create_server(config.addr, config)
+        start_metrics_server(config.metrics_port)
     except CardError as exc:
         raise click.ClickException(str(exc)) from None
-    start_metrics_server(config.metrics_port)
     server.start()
     log.info("cache service on %s:%d (device %s, store %s)", host, bound, config.device, server.store.url)
     print(f"card-cache listening on {host}:{bound}", flush=True)

@@ -15,6 +15,8 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from engine.errors import InvalidArgument
+
 log = logging.getLogger(__name__)
 
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
@@ -29,6 +31,9 @@ SERVER_OPTIONS: tuple[tuple[str, Any], ...] = (
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
     ("grpc.http2.max_pings_without_data", 0),
+    # gRPC enables SO_REUSEPORT by default: a second server on a taken port would silently share
+    # it; a port conflict must fail at startup instead
+    ("grpc.so_reuseport", 0),
 )
 
 
@@ -55,12 +60,21 @@ def set_serving(servicer: health.HealthServicer, serving: bool, services: Sequen
 
 # ---- metrics --------------------------------------------------------------------------------
 def start_metrics_server(port: int, addr: str = "0.0.0.0") -> int:
-    """Serve Prometheus metrics over HTTP on ``port`` (0 = disabled); returns the port or 0."""
+    """Serve Prometheus metrics over HTTP on ``port`` (0 = disabled); returns the port or 0.
+
+    InvalidArgument when the port cannot be bound (e.g. a second local instance on the default).
+    """
     if port == 0:
         return 0
     from prometheus_client import start_http_server
 
-    start_http_server(port, addr=addr)
+    try:
+        start_http_server(port, addr=addr)
+    except OSError as exc:
+        raise InvalidArgument(
+            f"cannot serve metrics on {addr}:{port} ({exc.strerror or exc}); choose another metrics "
+            f"port or 0 to disable metrics"
+        ) from None
     log.info("metrics on http://%s:%d/metrics", addr, port)
     return port
 

@@ -441,3 +441,11 @@ def test_card_cache_without_redis() -> None:
         proc.wait(10)
         proc.stdout.close()
         proc.stderr.close()
+
+
+def test_port_conflict_fails_at_startup(cache: Cache) -> None:
+    from engine.errors import InvalidArgument
+
+    config = cache.server.config
+    with pytest.raises(InvalidArgument, match="cannot listen on"):
+        create_server(cache.addr, config)
