@@ -9,6 +9,7 @@ Every flag has a CARD_* environment variable (see ``card-cache --help``). It pri
 
 from __future__ import annotations
 
+import functools
 import logging
 import sys
 import threading
@@ -33,6 +34,8 @@ from card_common.serving import (
 from engine.errors import CardError, InvalidArgument
 
 log = logging.getLogger(__name__)
+
+option = functools.partial(click.option, show_envvar=True)
 
 SERVICE_NAME = cache_pb2.DESCRIPTOR.services_by_name["CacheService"].full_name
 
@@ -102,34 +105,33 @@ def create_server(addr: str, config: CacheConfig, store: MetadataStore | None = 
     return server, port
 
 
-@click.command(context_settings={"help_option_names": ["-h", "--help"], "show_default": True,
-                                 "show_envvar": True})
-@click.option("--host", envvar="CARD_CACHE_HOST", default="127.0.0.1",
+@click.command(context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
+@option("--host", envvar="CARD_CACHE_HOST", default="127.0.0.1",
               help="Interface to listen on; 0.0.0.0 in containers / Kubernetes.")
-@click.option("--port", envvar="CARD_CACHE_PORT", type=int, default=50052, help="gRPC port; 0 = OS-chosen.")
-@click.option("--redis-url", envvar="CARD_REDIS_URL", default="redis://127.0.0.1:6379/0",
+@option("--port", envvar="CARD_CACHE_PORT", type=int, default=50052, help="gRPC port; 0 = OS-chosen.")
+@option("--redis-url", envvar="CARD_REDIS_URL", default="redis://127.0.0.1:6379/0",
               help="Metadata store; memory:// = in-process (single machine, logs a warning).")
-@click.option("--redis-prefix", envvar="CARD_REDIS_PREFIX", default="card:",
+@option("--redis-prefix", envvar="CARD_REDIS_PREFIX", default="card:",
               help="Prefix of every Redis key.")
-@click.option("--allow-memory-fallback", envvar="CARD_ALLOW_MEMORY_FALLBACK", is_flag=True,
+@option("--allow-memory-fallback", envvar="CARD_ALLOW_MEMORY_FALLBACK", is_flag=True,
               help="Use the in-process store when Redis is unreachable at startup.")
-@click.option("--device", envvar="CARD_CACHE_DEVICE", default="auto",
+@option("--device", envvar="CARD_CACHE_DEVICE", default="auto",
               help="Where the trees live: auto (cuda if available), cpu, cuda, cuda:N.")
-@click.option("--metrics-port", envvar="CARD_METRICS_PORT", type=int, default=9092,
+@option("--metrics-port", envvar="CARD_METRICS_PORT", type=int, default=9092,
               help="Prometheus /metrics port; 0 disables.")
-@click.option("--session-ttl-s", envvar="CARD_SESSION_TTL_S", type=int, default=86400,
+@option("--session-ttl-s", envvar="CARD_SESSION_TTL_S", type=int, default=86400,
               help="How long finished-session records stay in Redis.")
-@click.option("--heartbeat-interval-s", envvar="CARD_HEARTBEAT_INTERVAL_S", type=float, default=2.0,
+@option("--heartbeat-interval-s", envvar="CARD_HEARTBEAT_INTERVAL_S", type=float, default=2.0,
               help="Draft heartbeat period; a worker expires after 3 missed.")
-@click.option("--max-chain", envvar="CARD_MAX_CHAIN", type=int, default=8,
+@option("--max-chain", envvar="CARD_MAX_CHAIN", type=int, default=8,
               help="Most drafted tokens per chain handed to the target.")
-@click.option("--b-extension/--no-b-extension", envvar="CARD_B_EXTENSION", default=True,
+@option("--b-extension/--no-b-extension", envvar="CARD_B_EXTENSION", default=True,
               help="Extend each chain by the best secondary-tier token.")
-@click.option("--grpc-threads", envvar="CARD_GRPC_THREADS", type=int, default=64,
+@option("--grpc-threads", envvar="CARD_GRPC_THREADS", type=int, default=64,
               help="Server threads; every open draft stream holds one.")
-@click.option("--log-level", envvar="CARD_LOG_LEVEL", default="INFO",
+@option("--log-level", envvar="CARD_LOG_LEVEL", default="INFO",
               type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False))
-@click.option("--json-logs", envvar="CARD_JSON_LOGS", is_flag=True, help="One JSON object per log line.")
+@option("--json-logs", envvar="CARD_JSON_LOGS", is_flag=True, help="One JSON object per log line.")
 def main(host: str, port: int, redis_url: str, redis_prefix: str, allow_memory_fallback: bool, device: str,
          metrics_port: int, session_ttl_s: int, heartbeat_interval_s: float, max_chain: int,
          b_extension: bool, grpc_threads: int, log_level: str, json_logs: bool) -> None:
