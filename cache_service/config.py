@@ -31,6 +31,8 @@ class CacheConfig:
     allow_memory_fallback: use the in-process store when Redis is unreachable at startup.
     device: where the trees live (resolved, never ``auto``).
     session_ttl_s: how long finished-session records stay in Redis.
+    session_idle_timeout_s: a session with no Step for this long is closed as abandoned (its
+        target died without closing it); 0 disables.
     heartbeat_interval_s: how often draft workers heartbeat; a worker expires after 3 missed.
     health_check_interval_s: how often Redis is pinged (health follows it).
     max_chain / b_extension: chain shape handed to the target (engine.tree.best_chain).
@@ -45,6 +47,7 @@ class CacheConfig:
     device: str = "cpu"
     metrics_port: int = 9092
     session_ttl_s: int = 86400
+    session_idle_timeout_s: float = 600.0
     heartbeat_interval_s: float = 2.0
     health_check_interval_s: float = 2.0
     max_chain: int = 8
@@ -60,6 +63,8 @@ class CacheConfig:
             raise InvalidArgument(f"metrics port must be in [0, 65535], got {self.metrics_port}")
         if self.session_ttl_s < 1:
             raise InvalidArgument(f"session TTL must be >= 1 s, got {self.session_ttl_s}")
+        if self.session_idle_timeout_s < 0:
+            raise InvalidArgument(f"session idle timeout must be >= 0, got {self.session_idle_timeout_s}")
         if self.heartbeat_interval_s <= 0 or self.health_check_interval_s <= 0:
             raise InvalidArgument("heartbeat and health-check intervals must be > 0")
         if self.max_chain < 0:

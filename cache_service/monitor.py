@@ -18,8 +18,8 @@ log = logging.getLogger(__name__)
 
 class Monitor:
     """Every ``health_check_interval_s`` (and at least every heartbeat interval): ping the store
-    and report it through ``on_health``, drop draft workers that missed three heartbeats, flush
-    live-session progress to the store."""
+    and report it through ``on_health``, drop draft workers that missed three heartbeats, close
+    sessions idle past ``session_idle_timeout_s``, flush live-session records to the store."""
 
     def __init__(self, config: CacheConfig, store: MetadataStore, registry: Registry,
                  sessions: SessionTable, on_health: Callable[[bool], None]) -> None:
@@ -58,6 +58,7 @@ class Monitor:
                 log.info("metadata store %s is reachable again", self.store.url)
             else:
                 log.error("metadata store %s is unreachable; reporting NOT_SERVING", self.store.url)
+        came_back = up and not self.store_up
         self.store_up = up
         metrics.REDIS_UP.set(1 if up else 0)
         self.on_health(up)
@@ -67,8 +68,11 @@ class Monitor:
                             extra={"draft": worker.name})
                 self.sessions.worker_left(worker)
         metrics.DRAFTS.set(len(self.registry.workers()))
+        if self.config.session_idle_timeout_s > 0:
+            self.sessions.close_idle(self.config.session_idle_timeout_s)
         if up:
             try:
-                self.sessions.flush_records()
+                # a restarted Redis has lost every record: rewrite them all
+                self.sessions.flush_records(everything=came_back)
             except Unavailable as exc:
                 log.warning("live-session records not flushed: %s", exc)

@@ -121,6 +121,8 @@ def create_server(addr: str, config: CacheConfig, store: MetadataStore | None = 
               help="Prometheus /metrics port; 0 disables.")
 @option("--session-ttl-s", envvar="CARD_SESSION_TTL_S", type=int, default=86400,
               help="How long finished-session records stay in Redis.")
+@option("--session-idle-timeout-s", envvar="CARD_SESSION_IDLE_TIMEOUT_S", type=float, default=600.0,
+        help="Close a session with no Step for this long (its target died); 0 = never.")
 @option("--heartbeat-interval-s", envvar="CARD_HEARTBEAT_INTERVAL_S", type=float, default=2.0,
               help="Draft heartbeat period; a worker expires after 3 missed.")
 @option("--max-chain", envvar="CARD_MAX_CHAIN", type=int, default=8,
@@ -133,15 +135,16 @@ def create_server(addr: str, config: CacheConfig, store: MetadataStore | None = 
               type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False))
 @option("--json-logs", envvar="CARD_JSON_LOGS", is_flag=True, help="One JSON object per log line.")
 def main(host: str, port: int, redis_url: str, redis_prefix: str, allow_memory_fallback: bool, device: str,
-         metrics_port: int, session_ttl_s: int, heartbeat_interval_s: float, max_chain: int,
-         b_extension: bool, grpc_threads: int, log_level: str, json_logs: bool) -> None:
+         metrics_port: int, session_ttl_s: int, session_idle_timeout_s: float, heartbeat_interval_s: float,
+         max_chain: int, b_extension: bool, grpc_threads: int, log_level: str, json_logs: bool) -> None:
     """Serve the CARD cache: the authority on every session's candidate tree."""
     setup_logging(log_level, json_logs)
     try:
         config = CacheConfig(
             host=host, port=port, redis_url=redis_url, redis_prefix=redis_prefix,
             allow_memory_fallback=allow_memory_fallback, device=resolve_device(device),
-            metrics_port=metrics_port, session_ttl_s=session_ttl_s, heartbeat_interval_s=heartbeat_interval_s,
+            metrics_port=metrics_port, session_ttl_s=session_ttl_s,
+            session_idle_timeout_s=session_idle_timeout_s, heartbeat_interval_s=heartbeat_interval_s,
             health_check_interval_s=min(2.0, heartbeat_interval_s), max_chain=max_chain,
             b_extension=b_extension, grpc_threads=grpc_threads, log_level=log_level, json_logs=json_logs,
         )

@@ -51,6 +51,7 @@ class Session:
     committed: list[int]
     prompt_tokens: int
     opened_unix: float = field(default_factory=time.time)
+    last_active: float = field(default_factory=time.monotonic)  # open or last Step
     worker: Worker | None = None
     restart_pending: bool = False
     closed: bool = False
@@ -70,6 +71,16 @@ class Session:
     @property
     def epoch(self) -> int:
         return self.tree.epoch
+
+    def record(self) -> dict[str, str | int | float]:
+        """The live-session record as Redis holds it."""
+        return {
+            "status": "live", "target_model": self.target_model, "fingerprint": self.fingerprint,
+            "draft_requested": self.draft_name, "draft": self.worker.name if self.worker else "",
+            "prompt_tokens": self.prompt_tokens, "committed_tokens": len(self.committed),
+            "epoch": self.epoch, "tree_nodes": len(self.tree), "opened_unix": self.opened_unix,
+            "updated_unix": time.time(),
+        }
 
     def draft_totals(self) -> tuple[int, float]:
         return self.draft_forwards_done + self.draft_forwards, self.draft_idle_done + self.draft_idle_s
@@ -196,12 +207,8 @@ class SessionTable:
                 self._attach(session, worker)
         try:
             with session.record_lock:
-                self.store.put_session(session.session_id, {
-                    "status": "live", "target_model": session.target_model, "fingerprint": fingerprint,
-                    "draft_requested": draft, "draft": worker.name if worker else "",
-                    "prompt_tokens": len(prompt_ids), "committed_tokens": len(prompt_ids), "epoch": 0,
-                    "opened_unix": session.opened_unix, "updated_unix": session.opened_unix,
-                }, self.config.session_ttl_s)
+                self.store.put_session(session.session_id, session.record(), self.config.session_ttl_s)
+                session.flushed_epoch = 0
         except Unavailable:
             self._remove(session.session_id)
             raise
@@ -222,6 +229,7 @@ class SessionTable:
             session.committed.append(correction.next_token)
             session.outcomes[advance.outcome] += 1
             session.steps += 1
+            session.last_active = time.monotonic()
             if session.restart_pending:
                 self._restart(session)
             elif session.worker is not None:
@@ -313,20 +321,27 @@ class SessionTable:
         return True
 
     # ---- records ------------------------------------------------------------------------------
-    def flush_records(self) -> None:
-        """Write live sessions' progress to the store (background; off the Step path)."""
+    def flush_records(self, everything: bool = False) -> None:
+        """Write live sessions' records to the store (background; off the Step path): those that
+        moved since the last flush, or all of them (``everything``, after Redis came back empty)."""
         for session in self.sessions():
             epoch = session.epoch
-            if epoch == session.flushed_epoch:
+            if epoch == session.flushed_epoch and not everything:
                 continue
             with session.record_lock:
                 if session.closed:
                     continue
-                worker = session.worker
-                self.store.put_session(session.session_id, {
-                    "epoch": epoch, "committed_tokens": len(session.committed),
-                    "tree_nodes": len(session.tree), "draft": worker.name if worker else "",
-                    "updated_unix": time.time(),
-                }, self.config.session_ttl_s)
+                self.store.put_session(session.session_id, session.record(), self.config.session_ttl_s)
                 session.flushed_epoch = epoch
+
+    def close_idle(self, idle_s: float) -> list[str]:
+        """Close sessions with no Step for ``idle_s`` (their target died without closing them)."""
+        now = time.monotonic()
+        idle = [s.session_id for s in self.sessions() if now - s.last_active > idle_s]
+        for session_id in idle:
+            with contextlib.suppress(NotFound):  # closed concurrently
+                self.close(session_id, status="abandoned")
+                log.warning("session %s had no step for %.0fs; closed as abandoned", session_id, idle_s,
+                            extra={"session_id": session_id})
+        return idle
 

@@ -350,11 +350,42 @@ def test_live_records_are_flushed(cache: Cache, redis_url: str, redis_prefix: st
         assert r.hget(key, "committed_tokens") == "5" and r.ttl(key) > 0
 
 
+def test_abandoned_sessions_are_closed(redis_url: str, redis_prefix: str) -> None:
+    c = start_cache(make_config(redis_url, redis_prefix, session_idle_timeout_s=0.5))
+    try:
+        draft = c.draft("d0")
+        stepping = c.target.open(PROMPT).session_id
+        abandoned = c.target.open(PROMPT).session_id
+        assert {draft.next_command().start.session_id for _ in range(2)} == {stepping, abandoned}
+        deadline = time.monotonic() + 1.5
+        epoch = 0
+        while time.monotonic() < deadline:  # one target keeps stepping, the other died
+            epoch = c.target.step(stepping, epoch, 5).chain.epoch
+            time.sleep(0.1)
+        assert [s.session_id for s in c.target.status().sessions] == [stepping]
+        commands: list = []
+
+        def all_delivered() -> bool:
+            while not draft.commands.empty():
+                commands.append(draft.next_command())
+            kinds = [x.WhichOneof("command") for x in commands]
+            return kinds.count("advance") == epoch and "stop" in kinds
+
+        wait_for(all_delivered, what="every advance and the stop")
+        assert [x.stop.session_id for x in commands if x.WhichOneof("command") == "stop"] == [abandoned]
+        with redis.Redis.from_url(redis_url, decode_responses=True) as r:
+            assert r.hget(f"{redis_prefix}finished:{abandoned}", "status") == "abandoned"
+            assert not r.exists(f"{redis_prefix}session:{abandoned}")
+    finally:
+        c.close()
+
+
 # ---- health follows Redis --------------------------------------------------------------------
 def test_health_follows_redis(redis_prefix: str) -> None:
     with running_redis() as own:
         c = start_cache(make_config(own.url, redis_prefix))
         try:
+            live = c.target.open(PROMPT, target_model="kept-target").session_id
             assert health_status(c.addr) == "SERVING"
             assert health_status(c.addr, SERVICE_NAME) == "SERVING"
             port = own.port
@@ -369,6 +400,11 @@ def test_health_follows_redis(redis_prefix: str) -> None:
                 assert again.port == port
                 wait_for(lambda: health_status(c.addr) == "SERVING", what="SERVING again")
                 assert c.target.open(PROMPT).session_id
+                # the restarted Redis lost every record; the live session's is written again
+                key = f"{redis_prefix}session:{live}"
+                wait_for(lambda: again.client().hget(key, "target_model") == "kept-target",
+                         what="the live record to be rewritten")
+                assert again.client().hget(key, "status") == "live"
         finally:
             c.close()
 
