@@ -9,7 +9,8 @@ A model spec is one of:
     - ``default``: the embedded SmolLM2-135M-Instruct (engine.embedded fetches it once).
 
 Options: dtype (auto, float32, bfloat16, float16, float64), device (auto, cpu, cuda, cuda:N), and
-quantize (``none`` or ``int8``: dynamic int8 Linear layers, CPU only).
+quantize (``none`` or ``int8``: dynamic int8 Linear layers, CPU only), and layers (keep only the
+first N decoder layers: a self-speculative draft, engine.draft_variants; 0 keeps all).
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ class ModelConfig:
     dtype: str = "auto"
     device: str = "auto"
     quantize: str = "none"
+    layers: int = 0
 
     def __post_init__(self) -> None:
         if not self.spec:
@@ -53,12 +55,17 @@ class ModelConfig:
             raise InvalidArgument(f"dtype must be auto or one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.quantize not in QUANTIZE:
             raise InvalidArgument(f"quantize must be one of {', '.join(QUANTIZE)}, got {self.quantize!r}")
+        if self.layers < 0:
+            raise InvalidArgument(f"layers must be >= 0 (0 keeps all), got {self.layers}")
         if self.device != "auto" and not (self.device == "cpu" or self.device.startswith("cuda")):
             raise InvalidArgument(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
 
     @property
     def label(self) -> str:
-        return self.spec if self.quantize == "none" else f"{self.spec} ({self.quantize})"
+        options = [f"{self.layers} layers"] if self.layers else []
+        if self.quantize != "none":
+            options.append(self.quantize)
+        return f"{self.spec} ({', '.join(options)})" if options else self.spec
 
 
 @dataclass
@@ -183,6 +190,10 @@ def load_model(config: ModelConfig) -> LoadedModel:
             "(give a local folder, a .gguf file, a Hugging Face id in the local cache, or 'default')"
         ) from exc
     model = model.to(device).eval()
+    if config.layers:
+        from engine.draft_variants import truncate_layers
+
+        model = truncate_layers(model, config.layers)
     if config.quantize == "int8":
         if device.type != "cpu":
             raise InvalidArgument("quantize=int8 runs on the CPU only")

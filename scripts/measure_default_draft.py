@@ -1,0 +1,199 @@
+"""Measure training-free draft candidates for the default target (SmolLM2-135M-Instruct, fp32, CPU).
+
+    python scripts/measure_default_draft.py agreement --out agreement.json
+    python scripts/measure_default_draft.py e2e --drafts L10,int8,L10+int8 --out e2e.json
+
+A candidate is ``int8`` (dynamic int8 copy), ``L<N>`` (first N decoder layers + final norm + head)
+or ``L<N>+int8``. ``agreement`` reports greedy agreement with the target along the target's own
+greedy continuation and single-thread forward times for 1 and 4 (a tree layer) tokens over a
+~200-token KV cache; ``e2e`` runs the in-process engine (card with 1+1 threads vs vanilla with 2).
+Candidates are interleaved round by round (A B A B) and medians reported, because the CPU is shared.
+Results are written to docs/default-draft.md by hand.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from engine import kv as kvops
+from engine.config import GenerationRequest, StopParams
+from engine.draft_variants import truncate_layers
+from engine.models import ModelConfig, load_model
+from engine.runner import InProcessRunner, RunnerConfig
+
+DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+
+
+def prompts(n: int) -> list[str]:
+    """Half MT-Bench first turns (spread over categories), half GSM8K questions."""
+    mt = [json.loads(line)["turns"][0] for line in (DATA / "mt_bench" / "question.jsonl").open()]
+    gsm = [json.loads(line)["question"] for line in (DATA / "gsm8k" / "test.jsonl").open()]
+    n_mt = (n + 1) // 2
+    return mt[:: max(1, len(mt) // n_mt)][:n_mt] + gsm[: n - n_mt]
+
+
+def make_draft(target: torch.nn.Module, name: str) -> torch.nn.Module:
+    model = copy.deepcopy(target)
+    for part in name.split("+"):
+        if part.startswith("L"):
+            truncate_layers(model, int(part[1:]))
+        elif part == "int8":
+            model = torch.ao.quantization.quantize_dynamic(model, {torch.nn.Linear}, dtype=torch.qint8)
+        elif part != "fp32":
+            raise SystemExit(f"unknown candidate part {part!r}")
+    return model.eval()
+
+
+@torch.inference_mode()
+def greedy(model: torch.nn.Module, ids: list[int], n: int) -> list[int]:
+    cache = kvops.new_cache()
+    logits = kvops.forward(model, cache, torch.tensor(ids), torch.arange(len(ids)))
+    out: list[int] = []
+    for _ in range(n):
+        token = int(logits[-1].argmax())
+        out.append(token)
+        pos = len(ids) + len(out) - 1
+        logits = kvops.forward(model, cache, torch.tensor([token]), torch.tensor([pos]))
+    return out
+
+
+@torch.inference_mode()
+def agreement(model: torch.nn.Module, prompt: list[int], cont: list[int]) -> tuple[int, int]:
+    """(positions where the draft's argmax equals the target's token, positions)."""
+    full = torch.tensor(prompt + cont)
+    logits = model(input_ids=full[None, :-1]).logits[0]
+    pred = logits[len(prompt) - 1 :].argmax(-1)
+    return int((pred == full[len(prompt) :]).sum()), len(cont)
+
+
+@torch.inference_mode()
+def forward_ms(model: torch.nn.Module, prefix: list[int], q: int, reps: int) -> float:
+    """Median ms of one forward of ``q`` sibling tokens (tree-layer mask) over a ``prefix`` KV cache."""
+    cache = kvops.new_cache()
+    n = len(prefix)
+    kvops.forward(model, cache, torch.tensor(prefix), torch.arange(n))
+    tokens = torch.tensor(prefix[-q:])
+    positions = torch.full((q,), n)
+    mask = kvops.tree_mask(n, torch.eye(q, dtype=torch.bool), torch.float32, model.device) if q > 1 else None
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        kvops.forward(model, cache, tokens, positions, mask)
+        times.append(time.perf_counter() - t0)
+        kvops.kv_crop(cache, n)
+    return 1000 * statistics.median(times)
+
+
+def run_agreement(args: argparse.Namespace) -> dict:
+    target = load_model(ModelConfig(spec=args.target))
+    names = args.drafts.split(",")
+    drafts = {name: make_draft(target.model, name) for name in names}
+    torch.set_num_threads(2)
+    texts = prompts(args.prompts)
+    pairs = []
+    for text in texts:
+        ids = target.encode_prompt(text)
+        pairs.append((ids, greedy(target.model, ids, args.tokens)))
+    agree = {name: [0, 0] for name in names}
+    for ids, cont in pairs:
+        for name, model in drafts.items():
+            a, n = agreement(model, ids, cont)
+            agree[name][0] += a
+            agree[name][1] += n
+    torch.set_num_threads(1)
+    prefix = (pairs[0][0] + pairs[0][1] + pairs[1][0])[: args.kv]
+    timing: dict[str, dict[int, list[float]]] = {name: {1: [], 4: []} for name in ["target", *names]}
+    models = {"target": target.model, **drafts}
+    for _ in range(args.rounds):  # interleaved: every candidate once per round
+        for name, model in models.items():
+            for q in (1, 4):
+                timing[name][q].append(forward_ms(model, prefix, q, args.reps))
+    result = {}
+    for name in ["target", *names]:
+        t1 = statistics.median(timing[name][1])
+        t4 = statistics.median(timing[name][4])
+        row = {"ms_1": round(t1, 2), "ms_4": round(t4, 2),
+               "ms_1_rounds": [round(t, 2) for t in timing[name][1]],
+               "ms_4_rounds": [round(t, 2) for t in timing[name][4]]}
+        if name != "target":
+            row["agreement"] = round(agree[name][0] / agree[name][1], 4)
+        result[name] = row
+        print(f"{name:>12}: agreement {row.get('agreement', 1.0):.3f}  1-token {t1:6.2f} ms  "
+              f"4-token {t4:6.2f} ms", flush=True)
+    return {"prompts": len(texts), "tokens": args.tokens, "kv": len(prefix), "rounds": args.rounds,
+            "reps": args.reps, "candidates": result}
+
+
+def run_e2e(args: argparse.Namespace) -> dict:
+    target = load_model(ModelConfig(spec=args.target))
+    names = args.drafts.split(",")
+    drafts = {name: dataclasses.replace(target, model=make_draft(target.model, name), name=name)
+              for name in names}
+    configs = {"vanilla": (None, RunnerConfig(mode="vanilla", target_threads=2))}
+    for name, draft in drafts.items():
+        configs[name] = (draft, RunnerConfig(mode="card", target_threads=1, draft_threads=1))
+    texts = prompts(args.prompts)
+    stop = StopParams(max_new_tokens=args.tokens, ignore_eos=True)
+    rows: dict[str, list[dict]] = {name: [] for name in configs}
+    reference: dict[int, tuple[int, ...]] = {}
+    for rnd in range(args.rounds):
+        for i, text in enumerate(texts):
+            ids = tuple(target.encode_prompt(text))
+            for name, (draft, cfg) in configs.items():  # interleaved per prompt
+                runner = InProcessRunner(target, draft, cfg)
+                try:
+                    gen = runner.generation(GenerationRequest(ids, stop=stop))
+                    for _ in gen:
+                        pass
+                    res = gen.result
+                finally:
+                    runner.close()
+                tokens = tuple(res.token_ids)
+                if reference.setdefault(i, tokens) != tokens:
+                    raise SystemExit(f"{name} output differs from vanilla on prompt {i}: exactness broken")
+                s = res.stats
+                rows[name].append({"round": rnd, "prompt": i, "tok_s": s.tokens_per_s,
+                                   "accepted": s.mean_accepted_length, "hit_rate": s.hit_rate,
+                                   "secondary_hit_rate": s.secondary_hit_rate})
+                print(f"round {rnd} prompt {i} {name:>10}: {s.tokens_per_s:6.2f} tok/s  "
+                      f"accepted {s.mean_accepted_length:.2f}  hit {s.hit_rate:.2f}", flush=True)
+    vanilla = statistics.median(r["tok_s"] for r in rows["vanilla"])
+    summary = {}
+    for name, rs in rows.items():
+        med = {key: statistics.median(r[key] for r in rs)
+               for key in ("tok_s", "accepted", "hit_rate", "secondary_hit_rate")}
+        summary[name] = {**{key: round(v, 3) for key, v in med.items()},
+                         "speedup": round(med["tok_s"] / vanilla, 3)}
+        print(f"{name:>10}: {summary[name]}", flush=True)
+    return {"prompts": len(texts), "tokens": args.tokens, "rounds": args.rounds, "summary": summary,
+            "runs": rows}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("what", choices=("agreement", "e2e"))
+    parser.add_argument("--target", default="default")
+    parser.add_argument("--drafts", default="int8,L6,L10,L15,L20,L10+int8,L15+int8")
+    parser.add_argument("--prompts", type=int, default=10)
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--kv", type=int, default=200)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--reps", type=int, default=15)
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    result = run_agreement(args) if args.what == "agreement" else run_e2e(args)
+    if args.out:
+        args.out.write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
