@@ -1,0 +1,296 @@
+"""Shared helpers for the engine tests: tiny models by name, plain reference forwards, runs.
+
+Reference computations here deliberately avoid the engine's own KV code (``engine.kv``): a plain
+forward is ``model(input_ids)`` over a fresh ``DynamicCache``, causal, so a bug in the engine's
+tree masks, positions or KV surgery cannot hide in the reference.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+from transformers import DynamicCache
+
+from engine.config import GenerationRequest, SamplingParams, StopParams, TreeParams
+from engine.generate import Chunk, Generation, GenerationResult
+from engine.sources import ChainSource, LocalCard, NoDraft, SyncDraft
+from engine.tree import TwoTierTree
+from engine.worker import DraftWorker
+from tests.tiny_models import sharpened, tiny_model
+
+VOCAB = 97
+KINDS = ("llama", "qwen2")
+DRAFTS = ("self", "unrelated", "perturbed")
+
+
+def letters(ids: Sequence[int]) -> str:
+    """One letter per token: a decode function that makes stop-string positions obvious."""
+    return "".join(chr(97 + i % 26) for i in ids)
+
+
+@functools.cache
+def target_model(kind: str, sharp: bool = False) -> torch.nn.Module:
+    model = tiny_model(kind, seed=0, vocab=VOCAB)
+    return sharpened(model) if sharp else model
+
+
+@functools.cache
+def draft_model(kind: str, draft: str, sharp: bool = False) -> torch.nn.Module:
+    """``self``: the target object itself; ``unrelated``: another seed; ``perturbed``: noise 0.02."""
+    if draft == "self":
+        return target_model(kind, sharp)
+    if draft == "unrelated":
+        model = tiny_model(kind, seed=1, vocab=VOCAB)
+    elif draft == "perturbed":
+        model = tiny_model(kind, seed=0, vocab=VOCAB, perturb=0.02)
+    else:
+        raise ValueError(draft)
+    return sharpened(model) if sharp else model
+
+
+def prompt_cases(n: int, seed: int, max_prompt: int = 30, max_new: int = 60) -> list[tuple[list[int], int]]:
+    """``n`` (prompt, max_new_tokens) pairs: prompt lengths 1..max_prompt, budgets 1..max_new."""
+    gen = torch.Generator().manual_seed(seed)
+    cases = []
+    for _ in range(n):
+        length = int(torch.randint(1, max_prompt + 1, (1,), generator=gen))
+        budget = int(torch.randint(1, max_new + 1, (1,), generator=gen))
+        cases.append((torch.randint(0, VOCAB, (length,), generator=gen).tolist(), budget))
+    return cases
+
+
+# ---- reference forwards --------------------------------------------------------------------------
+@torch.inference_mode()
+def plain_forward(model: torch.nn.Module, tokens: Sequence[int]) -> tuple[torch.Tensor, DynamicCache]:
+    """Causal forward over ``tokens`` from scratch: (logits [T, V], the filled cache)."""
+    cache = DynamicCache()
+    out = model(input_ids=torch.tensor([list(tokens)]), past_key_values=cache, use_cache=True)
+    return out.logits[0], cache
+
+
+def path_tokens(tree: TwoTierTree, node_id: int) -> list[int]:
+    """Tokens from the root (exclusive) down to ``node_id`` (inclusive)."""
+    tokens: list[int] = []
+    cur = node_id
+    while cur != tree.root_id:
+        (row,) = torch.nonzero(tree.ids == cur).flatten().tolist()
+        tokens.append(int(tree.tokens[row]))
+        cur = int(tree.parents[row])
+    return tokens[::-1]
+
+
+def path_nodes(tree: TwoTierTree, node_id: int) -> list[int]:
+    """Node ids from the root (exclusive) down to ``node_id`` (inclusive)."""
+    nodes: list[int] = []
+    cur = node_id
+    while cur != tree.root_id:
+        nodes.append(cur)
+        (row,) = torch.nonzero(tree.ids == cur).flatten().tolist()
+        cur = int(tree.parents[row])
+    return nodes[::-1]
+
+
+def same_tree(a: TwoTierTree, b: TwoTierTree) -> None:
+    """Assert two trees hold the same nodes (ids, parents, tokens, depths, scores), B and root."""
+    assert a.epoch == b.epoch and a.root_id == b.root_id
+    assert a.ids.tolist() == b.ids.tolist()
+    assert a.parents.tolist() == b.parents.tolist()
+    assert a.tokens.tolist() == b.tokens.tolist()
+    assert a.depth.tolist() == b.depth.tolist()
+    torch.testing.assert_close(a.path_logp, b.path_logp)
+    a_b = sorted(zip(a.b_parents.tolist(), a.b_tokens.tolist(), a.b_logp.tolist(), strict=True))
+    b_b = sorted(zip(b.b_parents.tolist(), b.b_tokens.tolist(), b.b_logp.tolist(), strict=True))
+    assert a_b == b_b
+
+
+# ---- runs ----------------------------------------------------------------------------------------
+@dataclass
+class Run:
+    result: GenerationResult
+    chunks: list[Chunk]
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.result.token_ids
+
+
+def generate(model: torch.nn.Module, source: ChainSource, prompt: Sequence[int], *,
+             max_new_tokens: int, sampling: SamplingParams | None = None,
+             stop: Sequence[str] = (), eos_ids: frozenset[int] = frozenset(), ignore_eos: bool = True,
+             decode: Callable[[list[int]], str] = letters, context_window: int = 512) -> Run:
+    request = GenerationRequest(
+        tuple(prompt),
+        sampling or SamplingParams(),
+        StopParams(max_new_tokens=max_new_tokens, stop=tuple(stop), ignore_eos=ignore_eos),
+    )
+    gen = Generation(model, request, source, eos_ids=eos_ids, decode=decode,
+                     context_window=context_window, mode="test")
+    chunks = list(gen)
+    assert gen.result is not None
+    # what was streamed is exactly the result, whatever the mode
+    assert [t for c in chunks for t in c.token_ids] == gen.result.token_ids
+    assert "".join(c.text for c in chunks) == gen.result.text
+    return Run(gen.result, chunks)
+
+
+def wait_until(predicate: Callable[[], bool], timeout_s: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.005)
+    return True
+
+
+@contextlib.contextmanager
+def card_source(draft: torch.nn.Module, params: TreeParams, lockstep_depth: int = 0) -> Iterator[LocalCard]:
+    """A LocalCard wired to its own running DraftWorker; on exit the worker must hold nothing."""
+    card = LocalCard(None, params, lockstep_depth=lockstep_depth)
+    worker = DraftWorker(draft, params, card.publish, name="test")
+    card.worker = worker
+    worker.start()
+    try:
+        yield card
+        assert wait_until(lambda: worker.active_sessions == 0), "draft sessions leaked"
+        assert worker.kv_slots_held() == 0
+    finally:
+        worker.close()
+
+
+def source_for(mode: str, draft: torch.nn.Module | None = None, *, gamma: int = 4) -> ChainSource:
+    if mode == "vanilla":
+        return NoDraft()
+    if mode == "sd":
+        assert draft is not None
+        return SyncDraft(draft, gamma)
+    raise ValueError(mode)
+
+
+# ---- a drafter driven by hand, with the cache's view beside it ------------------------------------
+class DraftSession:
+    """A Drafter, the TwoTierTree the cache would hold (``mirror``), and the committed sequence.
+
+    Layers go to the mirror as the drafter makes them (or later: ``grow(deliver=False)`` keeps a
+    layer in flight until ``deliver()``); corrections are classified by the mirror, as the cache
+    service does, and its Advance goes to the drafter.
+    """
+
+    def __init__(self, model: torch.nn.Module, params: TreeParams, prompt: Sequence[int],
+                 seed: int = 0) -> None:
+        from engine.drafter import Drafter
+
+        self.model = model
+        self.drafter = Drafter(model, params)
+        self.mirror = TwoTierTree()
+        self.committed = list(prompt)
+        self.in_flight: list = []
+        self.rng = torch.Generator().manual_seed(seed)
+        self.drafter.start(self.committed, 0)
+
+    # growing
+    def grow(self, deliver: bool = True):
+        layer = self.drafter.step()
+        if layer is not None:
+            self.in_flight.append(layer)  # a stream: layers reach the cache in order
+            if deliver:
+                self.deliver()
+        return layer
+
+    def deliver(self) -> None:
+        for layer in self.in_flight:
+            self.mirror.apply_layer(layer)
+        self.in_flight = []
+
+    # correcting
+    def correct(self, accepted_nodes: Sequence[int], next_token: int):
+        from engine.tree import Correction
+
+        tree = self.mirror
+        rows = [int(torch.nonzero(tree.ids == n).flatten()[0]) for n in accepted_nodes]
+        tokens = tuple(int(tree.tokens[r]) for r in rows)
+        advance = tree.apply_correction(Correction(tree.epoch, tokens, tuple(accepted_nodes), next_token))
+        self.drafter.advance(advance)
+        self.committed += [*tokens, next_token]
+        return advance
+
+    def random_node(self, min_depth: int = 1) -> int | None:
+        ids = self.mirror.ids[self.mirror.depth >= min_depth]
+        if not ids.numel():
+            return None
+        return int(ids[int(torch.randint(ids.numel(), (1,), generator=self.rng))])
+
+    def hit(self, node_id: int):
+        """Correction whose next token is ``node_id``'s token, below its accepted ancestors."""
+        path = path_nodes(self.mirror, node_id)
+        (row,) = torch.nonzero(self.mirror.ids == node_id).flatten().tolist()
+        return self.correct(path[:-1], int(self.mirror.tokens[row]))
+
+    def children_tokens(self, anchor: int) -> tuple[set[int], set[int]]:
+        tree = self.mirror
+        c = set(tree.tokens[tree.parents == anchor].tolist())
+        b = set(tree.b_tokens[tree.b_parents == anchor].tolist())
+        return c, b
+
+    def miss(self, anchor: int | None = None):
+        """Accept the path to ``anchor`` (root when None), then a token that is no child of it."""
+        anchor = self.mirror.root_id if anchor is None else anchor
+        path = [] if anchor == self.mirror.root_id else path_nodes(self.mirror, anchor)
+        c, b = self.children_tokens(anchor)
+        token = next(t for t in range(VOCAB) if t not in c | b)
+        return self.correct(path, token)
+
+    def secondary(self) -> object | None:
+        """Accept a path to a node with B-only children and take one of them; None if none."""
+        tree = self.mirror
+        for anchor in [tree.root_id, *tree.ids.tolist()]:
+            c, b = self.children_tokens(anchor)
+            if b - c:
+                path = [] if anchor == tree.root_id else path_nodes(tree, anchor)
+                return self.correct(path, min(b - c))
+        return None
+
+    # checking
+    def expanded_ids(self) -> set[int]:
+        return set(self.drafter.tree.ids[self.drafter.kv_slot >= 0].tolist())
+
+    def check_last_logits(self) -> int:
+        """Each node of the latest forward got the logits of a plain forward over committed + its
+        path; returns how many nodes were checked."""
+        assert self.drafter.last_logits is not None
+        node_ids, logits = self.drafter.last_logits
+        tree = self.drafter.tree
+        for nid, row in zip(node_ids.tolist(), logits, strict=True):
+            path = [] if nid == tree.root_id else path_tokens(tree, nid)
+            ref, _ = plain_forward(self.model, self.committed + path)
+            torch.testing.assert_close(row, ref[-1], rtol=0, atol=1e-9,
+                                       msg=lambda m, nid=nid: f"node {nid}: {m}")
+        return node_ids.numel()
+
+    def check_kv(self) -> None:
+        """The drafter's KV cache holds exactly committed (forwarded part) + its expanded nodes,
+        each slot equal to a fresh causal forward over committed + that node's path."""
+        d = self.drafter
+        n = d.n_committed
+        assert self.committed[:n] + d.pending == self.committed
+        slots = d.kv_slot[d.kv_slot >= 0]
+        assert sorted(slots.tolist()) == list(range(slots.numel()))
+        assert d.kv_length() == n + slots.numel()
+        if n == 0:
+            return
+        _, ref = plain_forward(self.model, self.committed[:n])
+        for got, want in zip(d.cache.layers, ref.layers, strict=True):
+            torch.testing.assert_close(got.keys[..., :n, :], want.keys, rtol=0, atol=1e-9)
+            torch.testing.assert_close(got.values[..., :n, :], want.values, rtol=0, atol=1e-9)
+        tree = d.tree
+        for row in torch.nonzero(d.kv_slot >= 0).flatten().tolist():
+            slot = n + int(d.kv_slot[row])
+            _, ref = plain_forward(self.model, self.committed[:n] + path_tokens(tree, int(tree.ids[row])))
+            for got, want in zip(d.cache.layers, ref.layers, strict=True):
+                torch.testing.assert_close(got.keys[..., slot, :], want.keys[..., -1, :], rtol=0, atol=1e-9)
+                torch.testing.assert_close(got.values[..., slot, :], want.values[..., -1, :],
+                                           rtol=0, atol=1e-9)
