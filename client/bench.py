@@ -12,6 +12,7 @@ any difference is printed and makes the command exit with status 1.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import time
@@ -21,7 +22,8 @@ import click
 import torch
 
 from client import bench_data, bench_report
-from client.bench_modes import MODES, NEEDS_DRAFT, Mode, ModeSettings, build_mode
+from client.bench_modes import MODES, NEEDS_DRAFT, SERVICE_MODES, Mode, ModeSettings, ServiceMode, build_mode
+from client.trio import LocalTrio
 from engine.config import TreeParams
 from engine.errors import CardError, InvalidArgument
 from engine.models import DTYPES, LoadedModel, ModelConfig, load_model
@@ -47,6 +49,21 @@ def randomized(draft: LoadedModel, seed: int) -> LoadedModel:
         model = torch.ao.quantization.quantize_dynamic(model, {torch.nn.Linear}, dtype=torch.qint8)
     return LoadedModel(f"random-init {draft.name} (seed {seed})", model, draft.tokenizer,
                        draft.fingerprint, draft.eos_ids, draft.context_window)
+
+
+def _trio(target_model: str, draft_model: str, dtype: str, draft_quantize: str, tree: TreeParams,
+          settings: ModeSettings) -> LocalTrio:
+    """The services, configured like the in-process card mode (tree shape, chain policy, threads)."""
+    return LocalTrio(
+        target_model=target_model, draft_model=draft_model, draft_quantize=draft_quantize, dtype=dtype,
+        target_threads=settings.target_threads, draft_threads=settings.draft_threads,
+        extra_args={
+            "draft": ["--tree-width", str(tree.width), "--branch", str(tree.branch),
+                      "--max-depth", str(tree.max_depth)],
+            "cache": ["--max-chain", str(tree.max_chain),
+                      "--b-extension" if tree.b_extension else "--no-b-extension"],
+        },
+    )
 
 
 def run_bench(target: LoadedModel, draft: LoadedModel | None, modes: list[Mode],
@@ -123,6 +140,9 @@ def _parse_modes(value: str) -> list[str]:
               help="JSON results (default bench-results/bench-<time>.json)")
 @click.option("--chart", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="PNG chart (default: the JSON path with .png)")
+@click.option("--services", is_flag=True,
+              help="also run svc-vanilla and svc-card through a local trio (redis, card-cache, card-draft, "
+                   "card-target subprocesses loading the same models)")
 @click.option("--no-progress", is_flag=True, help="no progress bar")
 def main(**opts: object) -> None:
     """Compare decoding modes on the same prompts, on this machine, in one run."""
@@ -139,7 +159,7 @@ def bench(*, target_model: str, draft_model: str, target_dtype: str, draft_dtype
           max_new_tokens: int, tree_width: int | None, branch: int | None, max_depth: int | None,
           max_chain: int | None, b_extension: bool | None, gamma: int, lockstep_depth: int, ignore_eos: bool,
           threads: int | None, target_threads: int | None, draft_threads: int | None, warmup_tokens: int,
-          out: Path | None, chart: Path | None, no_progress: bool) -> int:
+          out: Path | None, chart: Path | None, services: bool, no_progress: bool) -> int:
     mode_names = _parse_modes(modes)
     cores = os.cpu_count() or 1
     split = default_split(cores)
@@ -167,13 +187,20 @@ def bench(*, target_model: str, draft_model: str, target_dtype: str, draft_dtype
     click.echo(f"loaded target {target.name} and draft {draft.name if draft else '-'} "
                f"in {time.perf_counter() - t0:.1f}s", err=True)
 
-    built = [build_mode(m, target, draft, settings) for m in mode_names]
-    try:
+    with contextlib.ExitStack() as stack:
+        built = [build_mode(m, target, draft, settings) for m in mode_names]
+        for m in built:
+            stack.callback(m.close)
+        if services:
+            if draft_random_init is not None:
+                raise InvalidArgument("--services loads the draft from its spec; drop --draft-random-init")
+            trio = stack.enter_context(_trio(target_model, draft_model, target_dtype, draft_quantize, tree,
+                                             settings))
+            threads = {"target": settings.target_threads, "draft": settings.draft_threads}
+            built += [ServiceMode(m, trio.target_addr, threads, ignore_eos) for m in SERVICE_MODES]
+            mode_names += list(SERVICE_MODES)
         records = run_bench(target, draft, built, loaded, max_new_tokens, warmup_tokens,
                             progress=not no_progress)
-    finally:
-        for m in built:
-            m.close()
 
     stamp = time.strftime("%Y%m%d-%H%M%S")
     out = out or Path("bench-results") / f"bench-{stamp}.json"

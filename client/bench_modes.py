@@ -3,6 +3,8 @@
     vanilla, sd, card   the engine in this process (engine.runner.InProcessRunner)
     hf                  transformers' plain greedy ``model.generate`` (cross-check of vanilla)
     hf-assisted         transformers' assisted generation with the same draft, greedy
+    svc-vanilla, svc-card   the same through the real services (a LocalTrio: redis, card-cache,
+                        card-draft, card-target as subprocesses) with ``--services``
 
 Every mode returns a ``GenerationStats`` (engine/stats.py) and the generated token ids, so one
 report covers all of them. Each mode sets the torch thread count it runs best with before it runs:
@@ -12,6 +14,7 @@ thread) and the draft worker thread.
 
 from __future__ import annotations
 
+import copy
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -28,6 +31,7 @@ from engine.stats import GenerationStats
 ENGINE_MODES = ("vanilla", "sd", "card")
 HF_MODES = ("hf", "hf-assisted")
 MODES = ENGINE_MODES + HF_MODES
+SERVICE_MODES = ("svc-vanilla", "svc-card")
 NEEDS_DRAFT = ("sd", "card", "hf-assisted")
 
 
@@ -107,6 +111,8 @@ class HFMode:
 
     def run(self, prompt_ids: Sequence[int], max_new_tokens: int) -> ModeOutput:
         torch.set_num_threads(self._threads)
+        config = copy.copy(self.config)
+        config.max_new_tokens = max_new_tokens
         model = self.target.model
         ids = torch.tensor([list(prompt_ids)], dtype=torch.int64, device=model.device)
         counter = _ForwardCounter(model)
@@ -115,8 +121,8 @@ class HFMode:
         try:
             t0 = time.perf_counter()
             with torch.inference_mode():
-                out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=self.config,
-                                     max_new_tokens=max_new_tokens, **kwargs)
+                out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config,
+                                     **kwargs)
             wall = time.perf_counter() - t0
         finally:
             counter.close()
@@ -127,6 +133,36 @@ class HFMode:
                                 wall_s=wall, target_forwards=counter.calls,
                                 draft_forwards=draft_counter.calls if draft_counter else 0)
         return ModeOutput(tokens, stats)
+
+    def close(self) -> None:
+        pass
+
+
+class ServiceMode:
+    """A generation through card-target (which steps card-cache, fed by card-draft) over gRPC.
+
+    Wall time is measured here, around the whole call (the network included); the target's own
+    stats (Step round trips, idle times, accepted lengths) come back in the final message.
+    """
+
+    def __init__(self, name: str, target_addr: str, threads: dict[str, int],
+                 ignore_eos: bool = False) -> None:
+        self.name = name
+        self.addr = target_addr
+        self.remote_mode = name.removeprefix("svc-")
+        self.threads = threads
+        self.ignore_eos = ignore_eos
+
+    def run(self, prompt_ids: Sequence[int], max_new_tokens: int) -> ModeOutput:
+        from client.remote import generate_remote
+
+        stop = StopParams(max_new_tokens=max_new_tokens, ignore_eos=self.ignore_eos)
+        t0 = time.perf_counter()
+        result = generate_remote(self.addr, list(prompt_ids), stop=stop, mode=self.remote_mode)
+        stats = result.stats
+        stats.wall_s = time.perf_counter() - t0
+        stats.mode = self.name
+        return ModeOutput(result.token_ids, stats)
 
     def close(self) -> None:
         pass

@@ -58,6 +58,24 @@ def test_bench_end_to_end(pair, tmp_path):
     assert "card" in result.output and "hf-assisted" in result.output
 
 
+def test_bench_through_services(pair, tmp_path):
+    """--services: the same prompts through a real local trio (redis, cache, draft, target)."""
+    target, draft = pair
+    data = _jsonl(tmp_path / "g.jsonl", [{"question": "What is 2 + 3?"}])
+    out = tmp_path / "r.json"
+    result = CliRunner().invoke(main, [
+        "--target-model", str(target), "--draft-model", str(draft), "--draft-quantize", "none",
+        "--dataset", f"gsm8k={data}", "--n", "1", "--max-new-tokens", "6", "--modes", "vanilla",
+        "--services", "--ignore-eos", "--out", str(out), "--no-progress", "--warmup-tokens", "2",
+    ])
+    assert result.exit_code == 0, result.output
+    records = {r["mode"]: r for r in json.loads(out.read_text())["records"]}
+    assert set(records) == {"vanilla", "svc-vanilla", "svc-card"}
+    assert records["svc-card"]["token_ids"] == records["vanilla"]["token_ids"]
+    assert records["svc-card"]["matches_vanilla"] and records["svc-vanilla"]["matches_vanilla"]
+    assert records["svc-card"]["step_rtt_ms"], "the target reports its Step round trips"
+
+
 def test_wrong_output_is_reported():
     records = [
         {"dataset": "d", "prompt_index": 0, "mode": "vanilla", "token_ids": [5, 6, 7]},

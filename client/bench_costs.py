@@ -1,0 +1,109 @@
+"""Forward costs that decide the tree shape on a machine: ``python -m client.bench_costs``.
+
+Measures, with the engine's own forwards (engine/kv.py) on a real prompt's KV cache:
+    target  one verification of ``[next_token, *chain]`` for chain lengths 0..N, per thread count
+    draft   one tree layer of K nodes (tree-attention mask) for K in the given widths
+Each number is the minimum and median over repetitions (minimum: the machine may be shared).
+The ratio cost(L tokens) / cost(1 token) is what CARD's chain must beat: a chain of L drafted
+tokens pays off only if its expected accepted length exceeds that ratio.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from pathlib import Path
+
+import click
+import torch
+
+from engine import kv as kvops
+from engine.models import ModelConfig, load_model
+
+
+def _time(fn, reps: int) -> tuple[float, float]:
+    fn()  # warm-up (oneDNN / MKL pick their kernels per shape)
+    ts = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t)
+    return min(ts) * 1e3, statistics.median(ts) * 1e3
+
+
+def verify_costs(model: torch.nn.Module, prompt: list[int], lengths: range, threads: int,
+                 reps: int) -> dict[int, tuple[float, float]]:
+    torch.set_num_threads(threads)
+    cache = kvops.new_cache()
+    kvops.forward(model, cache, torch.tensor(prompt), torch.arange(len(prompt)))
+    n = len(prompt)
+    out = {}
+    for length in lengths:
+        tokens = torch.tensor(prompt[-(length + 1):])
+
+        def once(tokens=tokens):
+            kvops.forward(model, cache, tokens, torch.arange(n, n + tokens.numel()))
+            kvops.kv_crop(cache, n)
+
+        out[length] = _time(once, reps)
+    return out
+
+
+def layer_costs(model: torch.nn.Module, prompt: list[int], widths: tuple[int, ...], threads: int,
+                reps: int) -> dict[int, tuple[float, float]]:
+    torch.set_num_threads(threads)
+    cache = kvops.new_cache()
+    kvops.forward(model, cache, torch.tensor(prompt), torch.arange(len(prompt)))
+    n = len(prompt)
+    dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
+    out = {}
+    for k in widths:
+        tokens = torch.tensor(prompt[-k:])
+        mask = kvops.tree_mask(n, torch.eye(k, dtype=torch.bool), dtype, model.device)
+
+        def once(tokens=tokens, mask=mask):
+            kvops.forward(model, cache, tokens, torch.full((tokens.numel(),), n), mask)
+            kvops.kv_crop(cache, n)
+
+        out[k] = _time(once, reps)
+    return out
+
+
+@click.command()
+@click.option("--target-model", required=True)
+@click.option("--draft-model", default=None)
+@click.option("--draft-quantize", type=click.Choice(["none", "int8"]), default="none")
+@click.option("--max-chain", default=6, show_default=True)
+@click.option("--widths", default="1,2,4", show_default=True)
+@click.option("--threads", default="1,2", show_default=True)
+@click.option("--reps", default=5, show_default=True)
+@click.option("--out", type=click.Path(dir_okay=False, path_type=Path), default=None)
+def main(target_model: str, draft_model: str | None, draft_quantize: str, max_chain: int, widths: str,
+         threads: str, reps: int, out: Path | None) -> None:
+    """Print target verify and draft layer costs (ms, min / median)."""
+    thread_counts = [int(t) for t in threads.split(",")]
+    target = load_model(ModelConfig(spec=target_model))
+    prompt = target.encode_prompt("Natalia sold clips to 48 of her friends in April, and then she sold half "
+                                  "as many clips in May. How many clips did Natalia sell altogether?")
+    result: dict = {"target": {}, "draft": {}}
+    for t in thread_counts:
+        costs = verify_costs(target.model, prompt, range(max_chain + 1), t, reps)
+        base = costs[0][0]
+        result["target"][t] = costs
+        for length, (lo, med) in costs.items():
+            click.echo(f"target threads={t} chain={length}: {lo:8.1f} ms min {med:8.1f} ms median "
+                       f"({lo / base:.2f}x one token)")
+    if draft_model:
+        draft = load_model(ModelConfig(spec=draft_model, quantize=draft_quantize))
+        for t in thread_counts:
+            costs = layer_costs(draft.model, prompt, tuple(int(k) for k in widths.split(",")), t, reps)
+            result["draft"][t] = costs
+            for k, (lo, med) in costs.items():
+                click.echo(f"draft threads={t} K={k}: {lo:8.1f} ms min {med:8.1f} ms median")
+    if out:
+        out.write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
