@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import re
 import shutil
 import signal
@@ -36,8 +37,29 @@ from engine.errors import Unavailable
 LISTENING = re.compile(r"^(card-\w+) listening on (\S+):(\d+)\s*$", re.MULTILINE)
 
 
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999  # the Linux default
+
+
 def free_port() -> int:
-    """A loopback port free right now (for programs that cannot bind port 0 themselves)."""
+    """A loopback port free right now, for programs that cannot bind port 0 themselves.
+
+    Taken from below the ephemeral range when there is room: the services started beside it bind
+    port 0, and the OS hands those out from the ephemeral range, so the two never collide.
+    """
+    low, _ = _ephemeral_range()
+    if low > 11000:
+        for port in random.sample(range(10000, low), 64):
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+                try:
+                    s.bind(("127.0.0.1", port))
+                except OSError:
+                    continue
+                return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -187,12 +209,7 @@ class LocalTrio:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         redis_url = self.redis_url or self._start_redis()
         self.redis_url = redis_url
-        cache = self._spawn("card-cache", [
-            "--port", str(self.cache_port), "--redis-url", redis_url,
-            *self.extra_args.get("cache", ()),
-        ])
-        self.cache_addr = cache.wait_listening(self.start_timeout_s)
-        cache.wait_serving(self.start_timeout_s)
+        self._start_cache(self.cache_port)
         draft = self.start_draft(self.draft_model, self.draft_quantize, name=self.draft_name,
                                  port=self.draft_port, wait=False)
         target = self._spawn("card-target", [
@@ -205,6 +222,24 @@ class LocalTrio:
         self.target_addr = target.wait_listening(self.start_timeout_s)
         draft.wait_serving(self.start_timeout_s)
         target.wait_serving(self.start_timeout_s)
+
+    def _start_cache(self, port: int) -> ServiceProcess:
+        assert self.redis_url is not None
+        cache = self._spawn("card-cache", ["--port", str(port), "--redis-url", self.redis_url,
+                                           *self.extra_args.get("cache", ())])
+        self.cache_addr = cache.wait_listening(self.start_timeout_s)
+        cache.wait_serving(self.start_timeout_s)
+        return cache
+
+    def restart_cache(self) -> ServiceProcess:
+        """Replace the cache with a fresh process on the same port (drafts and target reconnect)."""
+        for old in [p for p in self.processes if p.name == "card-cache"]:
+            old.terminate()
+            if old.wait(self.grace_s) is None:
+                old.kill()
+                old.wait(5)
+            self.processes.remove(old)
+        return self._start_cache(int(self.cache_addr.rsplit(":", 1)[1]))
 
     def start_draft(self, model: str, quantize: str = "none", *, name: str | None = None,
                     threads: int | None = None, port: int = 0, args: Sequence[str] = (),
@@ -227,6 +262,10 @@ class LocalTrio:
         label = label or script
         assert self.log_dir is not None
         log_path = self.log_dir / f"{label}.log"
+        n = 1
+        while log_path.exists():  # a restarted service keeps its predecessor's log
+            n += 1
+            log_path = self.log_dir / f"{label}-{n}.log"
         metrics_port = free_port() if self.metrics else 0
         cmd = [console_script(script), *args, "--metrics-port", str(metrics_port)]
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}

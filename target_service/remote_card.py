@@ -9,8 +9,9 @@ token. So every failure here degrades to plain decoding instead of failing the r
 
 - OpenSession fails (cache down, timeout, anything but NOT_FOUND / FAILED_PRECONDITION, which are
   the user's to see): this request decodes alone.
-- Step fails (timeout, cache restarted, stale epoch): that step gets an empty chain; the next step
-  re-opens a session at the committed text so far (retrying with backoff while the cache is down).
+- Step fails (timeout, cache restarted, stale epoch): that step gets an empty chain; a step after a
+  short pause re-opens a session at the committed text so far (retrying with backoff while the
+  cache is down).
 """
 
 from __future__ import annotations
@@ -126,12 +127,12 @@ class RemoteCard:
         return SourceStats(draft_forwards=self._draft_forwards, draft_idle_s=self._draft_idle_s)
 
     # ---- sessions ----------------------------------------------------------------------------
-    def _open_session(self, committed: list[int]) -> None:
+    def _open_session(self, committed: list[int], timeout_s: float | None = None) -> None:
         reply = self.stub.OpenSession(
             cache_pb2.OpenSessionRequest(prompt_ids=ids_to_msg(committed),
                                          tokenizer_fingerprint=self.fingerprint,
                                          target_model=self.target_model, draft=self.draft),
-            timeout=self.open_timeout_s,
+            timeout=timeout_s or self.open_timeout_s,
         )
         self.session_id = reply.session_id
         self.draft_name = reply.draft or self.draft_name
@@ -142,7 +143,8 @@ class RemoteCard:
 
     def _reopen(self, committed: list[int]) -> bool:
         try:
-            self._open_session(committed)
+            # mid-generation every second counts: never stall the target longer than one Step may
+            self._open_session(committed, timeout_s=min(self.step_timeout_s, self.open_timeout_s))
         except grpc.RpcError as err:
             self._retry_at = time.monotonic() + self._retry_s
             self._retry_s = min(self._retry_s * 2, self.retry_max_s)
@@ -157,7 +159,10 @@ class RemoteCard:
         if close:
             self._close_session(with_stats=False)
         self.session_id = ""
-        self._retry_at = 0.0  # re-open at the next step
+        # not at once: a failed Step often means the cache is restarting, and a session opened on
+        # a cache that is shutting down would be lost with it
+        self._retry_at = time.monotonic() + self.retry_initial_s
+        self._retry_s = self.retry_initial_s
 
     def _close_session(self, with_stats: bool) -> None:
         request = cache_pb2.CloseSessionRequest(session_id=self.session_id)
