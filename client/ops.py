@@ -18,8 +18,8 @@ from typing import Any
 
 import click
 import grpc
-from card.v1 import cache_pb2, cache_pb2_grpc, target_pb2, target_pb2_grpc
 
+from card.v1 import cache_pb2, cache_pb2_grpc, target_pb2, target_pb2_grpc
 from card_common.channels import channel, health_status
 from card_common.status import error_from_rpc
 from client.trio import LocalTrio

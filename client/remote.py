@@ -12,8 +12,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import grpc
-from card.v1 import target_pb2, target_pb2_grpc
 
+from card.v1 import target_pb2, target_pb2_grpc
 from card_common.channels import channel
 from card_common.convert import sampling_to_msg, stats_from_msg
 from card_common.status import error_from_rpc

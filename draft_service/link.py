@@ -22,8 +22,8 @@ import threading
 from collections.abc import Callable, Iterator
 
 import grpc
-from card.v1 import cache_pb2, cache_pb2_grpc
 
+from card.v1 import cache_pb2, cache_pb2_grpc
 from card_common.channels import channel
 from card_common.convert import advance_from_msg, layer_to_msg
 from card_common.status import error_from_rpc

@@ -21,8 +21,8 @@ import time
 from collections.abc import Sequence
 
 import grpc
-from card.v1 import cache_pb2, cache_pb2_grpc
 
+from card.v1 import cache_pb2, cache_pb2_grpc
 from card_common.convert import correction_to_msg, stats_to_msg, step_result_from_msg
 from card_common.status import error_from_rpc
 from card_common.tensors import ids_to_msg

@@ -17,8 +17,8 @@ import sys
 import click
 import grpc
 import torch
-from card.v1 import cache_pb2_grpc, target_pb2_grpc
 
+from card.v1 import cache_pb2_grpc, target_pb2_grpc
 from card_common.channels import channel, wait_serving
 from card_common.serving import (
     add_health,

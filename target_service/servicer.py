@@ -15,8 +15,8 @@ import time
 from collections.abc import Iterator
 
 import grpc
-from card.v1 import cache_pb2_grpc, target_pb2, target_pb2_grpc
 
+from card.v1 import cache_pb2_grpc, target_pb2, target_pb2_grpc
 from card_common.convert import sampling_from_msg, stats_to_msg
 from card_common.status import grpc_errors, status_code
 from card_common.tensors import ids_from_msg, ids_to_msg
