@@ -1,0 +1,101 @@
+"""A real model: SmolLM2-135M-Instruct (Q4_1 GGUF from ../shared/models, dequantized to float32).
+
+card and sd equal vanilla token for token on chat prompts, with the same model as draft, both
+dynamically quantized to int8 (a different, cheaper draft) and unquantized.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.config import GenerationRequest, StopParams, TreeParams
+from engine.models import LoadedModel, ModelConfig, load_model
+from engine.runner import InProcessRunner, RunnerConfig
+from tests.engine.support import wait_until
+from tests.tiny_models import SMOLLM2_DIR
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(not SMOLLM2_DIR.is_dir(), reason=f"{SMOLLM2_DIR} is not there"),
+]
+
+PROMPTS = ["Write a haiku about the sea.", "Explain in simple words how a bicycle works."]
+NEW_TOKENS = 32
+
+
+@pytest.fixture(scope="module")
+def target() -> LoadedModel:
+    return load_model(ModelConfig(spec=str(SMOLLM2_DIR), device="cpu"))
+
+
+@pytest.fixture(scope="module")
+def int8_draft() -> LoadedModel:
+    return load_model(ModelConfig(spec=str(SMOLLM2_DIR), device="cpu", quantize="int8"))
+
+
+@pytest.fixture(scope="module")
+def vanilla(target: LoadedModel) -> dict[str, list[int]]:
+    runner = InProcessRunner(target, None, RunnerConfig(mode="vanilla"))
+    out = {}
+    for prompt in PROMPTS:
+        result = runner.generation(request(target, prompt)).run()
+        assert result.finish_reason == "length" and len(result.token_ids) == NEW_TOKENS
+        out[prompt] = result.token_ids
+    return out
+
+
+def request(target: LoadedModel, prompt: str) -> GenerationRequest:
+    return GenerationRequest(tuple(target.encode_prompt(prompt)), stop=StopParams(max_new_tokens=NEW_TOKENS))
+
+
+def test_model_loads_with_its_tokenizer_and_chat_template(target: LoadedModel,
+                                                          int8_draft: LoadedModel) -> None:
+    assert target.has_chat_template and target.eos_ids and target.context_window == 8192
+    assert int8_draft.fingerprint == target.fingerprint
+    ids = target.encode_prompt(PROMPTS[0])
+    assert target.decode(ids).count("user") >= 1 and ids[-1] != ids[0]
+    assert any(isinstance(m, torch.ao.nn.quantized.dynamic.Linear) for m in int8_draft.model.modules())
+
+
+def test_greedy_margins_are_not_ties(target: LoadedModel, vanilla: dict[str, list[int]]) -> None:
+    """float32 logits of a token differ slightly between a one-token and a multi-token forward;
+    exactness below is only meaningful if no step is a near tie. Guard the prompts."""
+    for prompt, tokens in vanilla.items():
+        ids = target.encode_prompt(prompt) + tokens
+        with torch.inference_mode():
+            logits = target.model(input_ids=torch.tensor([ids])).logits[0, -NEW_TOKENS - 1 : -1]
+        top2 = torch.topk(logits.float(), 2, dim=-1).values
+        assert torch.equal(torch.argmax(logits, -1), torch.tensor(tokens))
+        assert float((top2[:, 0] - top2[:, 1]).min()) > 1e-3, prompt
+
+
+@pytest.mark.parametrize("draft_kind", ["int8", "same"])
+@pytest.mark.parametrize("mode", ["card", "sd"])
+def test_card_and_sd_equal_vanilla(target: LoadedModel, int8_draft: LoadedModel,
+                                   vanilla: dict[str, list[int]], mode: str, draft_kind: str) -> None:
+    draft = int8_draft if draft_kind == "int8" else target
+    # a same-size draft cannot outrun the target asynchronously; lockstep makes its tree count
+    lockstep = 3 if (mode, draft_kind) == ("card", "same") else 0
+    config = RunnerConfig(mode=mode, tree=TreeParams(width=4), gamma=4, lockstep_depth=lockstep)
+    runner = InProcessRunner(target, draft, config)
+    try:
+        forwards = hits = 0
+        for prompt in PROMPTS:
+            result = runner.generation(request(target, prompt)).run()
+            assert result.token_ids == vanilla[prompt], f"{mode} with {draft.name}: {prompt!r}"
+            assert result.text == target.decode(vanilla[prompt])
+            forwards += result.stats.target_forwards
+            hits += result.stats.hits
+        print(f"{mode} draft={draft.name}: {len(PROMPTS) * NEW_TOKENS} tokens in {forwards} target "
+              f"forwards, {hits} hits")
+        if mode == "sd" or lockstep:  # (async card's acceptance depends on timing)
+            assert forwards < len(PROMPTS) * NEW_TOKENS, "no drafted token was ever accepted"
+        if lockstep:
+            assert hits > 0
+        if mode == "card":
+            assert runner.worker is not None
+            assert wait_until(lambda: runner.worker.active_sessions == 0)
+            assert runner.worker.kv_slots_held() == 0
+    finally:
+        runner.close()

@@ -1,0 +1,155 @@
+"""DraftWorker: many sessions, one thread; no state leaks (DESIGN.md §5) after finished, abandoned,
+concurrent or failed sessions; the in-process runner on top of it."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.config import GenerationRequest, StopParams, TreeParams
+from engine.generate import Generation
+from engine.models import ModelConfig, load_model
+from engine.runner import InProcessRunner, RunnerConfig
+from engine.sources import LocalCard, NoDraft
+from engine.tree import Advance, Layer, Outcome
+from engine.worker import DraftWorker
+from tests.engine.support import draft_model, generate, prompt_cases, target_model, wait_until
+from tests.tiny_models import save_tiny_checkpoint
+
+PARAMS = TreeParams(width=2, max_depth=4, max_chain=3)
+
+
+class Hub:
+    """Routes a worker's layers to the LocalCard that owns the session (what the runner does)."""
+
+    def __init__(self) -> None:
+        self.cards: list[LocalCard] = []
+
+    def publish(self, session_id: str, layer: Layer) -> None:
+        for card in list(self.cards):
+            card.publish(session_id, layer)
+
+    def card(self, worker: DraftWorker, lockstep: int = 2) -> LocalCard:
+        card = LocalCard(worker, PARAMS, lockstep_depth=lockstep)
+        self.cards.append(card)
+        return card
+
+
+@pytest.fixture
+def hub_worker():
+    hub = Hub()
+    worker = DraftWorker(draft_model("llama", "perturbed"), PARAMS, hub.publish, name="t")
+    worker.start()
+    yield hub, worker
+    worker.close()
+
+
+def idle(worker: DraftWorker) -> bool:
+    return wait_until(lambda: worker.active_sessions == 0) and worker.kv_slots_held() == 0
+
+
+def test_sequential_sessions_leave_nothing_behind(hub_worker) -> None:
+    hub, worker = hub_worker
+    card = hub.card(worker)
+    target = target_model("llama")
+    for prompt, budget in prompt_cases(6, seed=31, max_new=25):
+        want = generate(target, NoDraft(), prompt, max_new_tokens=budget).tokens
+        assert generate(target, card, prompt, max_new_tokens=budget).tokens == want
+        assert idle(worker), "a finished session still holds draft state"
+
+
+def test_live_session_holds_kv_until_it_stops(hub_worker) -> None:
+    hub, worker = hub_worker
+    layers: list[Layer] = []
+    hub.cards.append(type("Spy", (), {"publish": lambda self, sid, layer: layers.append(layer)})())
+    worker.start_session("s1", [1, 2, 3, 4], 0)
+    assert wait_until(lambda: len(layers) >= PARAMS.max_depth)
+    assert worker.active_sessions == 1 and worker.kv_slots_held() > 4
+    stats = worker.session_stats("s1")
+    assert stats is not None and stats.forwards >= PARAMS.max_depth
+    worker.stop_session("s1")
+    assert idle(worker)
+    assert worker.session_stats("s1") is None
+
+
+def test_abandoned_generation_is_cleaned_up(hub_worker) -> None:
+    hub, worker = hub_worker
+    card = hub.card(worker)
+    request = GenerationRequest((5, 6, 7), stop=StopParams(50, ignore_eos=True))
+    gen = Generation(target_model("llama"), request, card, eos_ids=frozenset(), decode=str,
+                     context_window=512, mode="card")
+    it = iter(gen)
+    next(it)
+    next(it)
+    it.close()  # the caller went away mid-generation
+    assert gen.result is not None and gen.result.finish_reason == "aborted"
+    assert idle(worker)
+
+
+def test_concurrent_sessions_on_one_worker(hub_worker) -> None:
+    hub, worker = hub_worker
+    target = target_model("llama")
+    cases = prompt_cases(4, seed=41, max_new=30)
+    want = [generate(target, NoDraft(), p, max_new_tokens=n).tokens for p, n in cases]
+    got: list[list[int] | None] = [None] * len(cases)
+    errors: list[BaseException] = []
+
+    def one(i: int) -> None:
+        try:
+            card = hub.card(worker, lockstep=0)
+            got[i] = generate(target, card, cases[i][0], max_new_tokens=cases[i][1]).tokens
+        except BaseException as exc:  # reported below, in the test thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(cases))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors, errors
+    assert got == want
+    assert idle(worker)
+
+
+def test_a_failing_session_is_dropped_and_the_worker_keeps_serving(hub_worker) -> None:
+    hub, worker = hub_worker
+    worker.start_session("bad", [1, 2, 3], 0)
+    worker.advance("bad", Advance(5, (), (), 4, Outcome.MISS))  # skips epochs: Aborted
+    worker.advance("nobody", Advance(1, (), (), 4, Outcome.MISS))  # unknown sessions are ignored
+    worker.stop_session("nobody")
+    assert idle(worker)
+    card = hub.card(worker)
+    prompt, budget = [9, 8, 7], 12
+    want = generate(target_model("llama"), NoDraft(), prompt, max_new_tokens=budget).tokens
+    assert generate(target_model("llama"), card, prompt, max_new_tokens=budget).tokens == want
+    assert idle(worker)
+
+
+# ---- the in-process runner -----------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def tiny_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp("ckpt")
+    return (save_tiny_checkpoint(root / "target", seed=0, dtype=torch.float64),
+            save_tiny_checkpoint(root / "draft", seed=0, perturb=0.02, dtype=torch.float64))
+
+
+def test_runner_card_and_sd_equal_vanilla_and_leak_nothing(tiny_checkpoints) -> None:
+    target_dir, draft_dir = tiny_checkpoints
+    target = load_model(ModelConfig(spec=str(target_dir), dtype="float64", device="cpu"))
+    draft = load_model(ModelConfig(spec=str(draft_dir), dtype="float64", device="cpu"))
+    prompts = [target.encode_prompt(p, chat=c) for p, c in [("Hello there", True), ("a", False)]]
+    requests = [GenerationRequest(tuple(p), stop=StopParams(max_new_tokens=12, ignore_eos=True))
+                for p in prompts]
+    vanilla = InProcessRunner(target, None, RunnerConfig(mode="vanilla"))
+    want = [vanilla.generation(r).run().token_ids for r in requests]
+    for mode in ("card", "sd"):
+        runner = InProcessRunner(target, draft, RunnerConfig(mode=mode, tree=PARAMS, lockstep_depth=2))
+        try:
+            assert [runner.generation(r).run().token_ids for r in requests] == want
+            if mode == "card":  # the runner's one worker served every session and kept nothing
+                assert runner.worker is not None and idle(runner.worker)
+        finally:
+            runner.close()
