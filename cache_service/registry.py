@@ -9,7 +9,6 @@ import uuid
 from dataclasses import dataclass, field
 
 from card.v1 import cache_pb2
-
 from engine.errors import FailedPrecondition, NotFound, ResourceExhausted
 
 

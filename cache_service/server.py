@@ -15,7 +15,6 @@ import sys
 import threading
 
 import click
-from card.v1 import cache_pb2, cache_pb2_grpc
 
 from cache_service.config import CacheConfig, resolve_device
 from cache_service.monitor import Monitor
@@ -23,6 +22,7 @@ from cache_service.registry import Registry
 from cache_service.servicer import CacheServicer
 from cache_service.sessions import SessionTable
 from cache_service.store import MetadataStore, open_store
+from card.v1 import cache_pb2, cache_pb2_grpc
 from card_common.serving import (
     add_health,
     make_server,

@@ -9,7 +9,6 @@ import time
 from collections.abc import Iterator
 
 import grpc
-from card.v1 import cache_pb2, cache_pb2_grpc
 
 from cache_service import metrics
 from cache_service.config import CacheConfig
@@ -17,6 +16,7 @@ from cache_service.monitor import Monitor
 from cache_service.registry import Registry, Worker
 from cache_service.sessions import SessionTable
 from cache_service.store import MetadataStore
+from card.v1 import cache_pb2, cache_pb2_grpc
 from card_common.convert import chain_to_msg, correction_from_msg, stats_from_msg
 from card_common.status import grpc_errors
 from card_common.tensors import ids_from_msg
@@ -134,9 +134,13 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
     def PublishLayers(self, request_iterator: Iterator[cache_pb2.LayerMessage],
                       context: grpc.ServicerContext) -> cache_pb2.PublishLayersResponse:
         received = 0
-        for msg in request_iterator:
-            self.sessions.apply_layer(msg)
-            received += 1
+        try:
+            for msg in request_iterator:
+                self.sessions.apply_layer(msg)
+                received += 1
+        except grpc.RpcError:  # the worker went away mid-stream: a peer leaving, not a bug
+            log.info("layer stream ended by its draft worker after %d layers (peer %s)", received,
+                     context.peer())
         return cache_pb2.PublishLayersResponse(layers_received=received)
 
     @grpc_errors

@@ -26,12 +26,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
-from card.v1 import cache_pb2
 
 from cache_service import metrics
 from cache_service.config import CacheConfig
 from cache_service.registry import Registry, Worker
 from cache_service.store import MetadataStore
+from card.v1 import cache_pb2
 from card_common.convert import advance_to_msg, layer_from_msg
 from card_common.tensors import ids_to_msg
 from engine.errors import CardError, InvalidArgument, NotFound, Unavailable
@@ -107,6 +107,7 @@ class SessionTable:
         self.lock = registry.lock
         self.device = torch.device(config.device)
         self._sessions: dict[str, Session] = {}
+        self.closing = False  # set by close_all at shutdown: no new sessions
 
     # ---- lookup -------------------------------------------------------------------------------
     def get(self, session_id: str) -> Session:
@@ -191,6 +192,8 @@ class SessionTable:
     # ---- target side --------------------------------------------------------------------------
     def open(self, prompt_ids: Sequence[int], fingerprint: str, target_model: str,
              draft: str = "") -> Session:
+        if self.closing:
+            raise Unavailable("the cache service is shutting down; retry against another replica")
         if not prompt_ids:
             raise InvalidArgument("the prompt is empty")
         if not fingerprint:
@@ -294,6 +297,8 @@ class SessionTable:
         return session
 
     def close_all(self, status: str) -> None:
+        """End every session and refuse new ones from now on (shutdown)."""
+        self.closing = True
         for session in self.sessions():
             with contextlib.suppress(NotFound):  # closed concurrently
                 self.close(session.session_id, status=status)

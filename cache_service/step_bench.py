@@ -17,10 +17,10 @@ from collections.abc import Callable
 import click
 import grpc
 import torch
-from card.v1 import cache_pb2, cache_pb2_grpc
 
 from cache_service.config import CacheConfig
 from cache_service.server import create_server
+from card.v1 import cache_pb2, cache_pb2_grpc
 from card_common.channels import channel, wait_serving
 from card_common.convert import correction_to_msg, layer_to_msg, step_result_from_msg
 from card_common.tensors import ids_to_msg

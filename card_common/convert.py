@@ -6,8 +6,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
-from card.v1 import cache_pb2, common_pb2
 
+from card.v1 import cache_pb2, common_pb2
 from card_common.tensors import DTYPES, from_tensor_msg, ids_from_msg, ids_to_msg, to_tensor_msg
 from engine.config import SamplingParams
 from engine.errors import InvalidArgument

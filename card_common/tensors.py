@@ -8,8 +8,8 @@ from array import array
 from collections.abc import Sequence
 
 import torch
-from card.v1 import common_pb2
 
+from card.v1 import common_pb2
 from engine.errors import InvalidArgument
 
 DTYPES: dict[str, torch.dtype] = {
