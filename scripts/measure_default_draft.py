@@ -6,7 +6,8 @@
 A candidate is ``int8`` (dynamic int8 copy), ``L<N>`` (first N decoder layers + final norm + head)
 or ``L<N>+int8``. ``agreement`` reports greedy agreement with the target along the target's own
 greedy continuation and single-thread forward times for 1 and 4 (a tree layer) tokens over a
-~200-token KV cache; ``e2e`` runs the in-process engine (card with 1+1 threads vs vanilla with 2).
+~200-token KV cache; ``e2e`` runs the in-process engine (card with 1+1 threads vs vanilla with 2,
+and vanilla with 1 thread as a control).
 Candidates are interleaved round by round (A B A B) and medians reported, because the CPU is shared.
 Results are written to docs/default-draft.md by hand.
 """
@@ -137,7 +138,9 @@ def run_e2e(args: argparse.Namespace) -> dict:
     names = args.drafts.split(",")
     drafts = {name: dataclasses.replace(target, model=make_draft(target.model, name), name=name)
               for name in names}
-    configs = {"vanilla": (None, RunnerConfig(mode="vanilla", target_threads=2))}
+    # vanilla on 1 thread is the control that separates the draft's gain from the thread split's
+    configs = {"vanilla": (None, RunnerConfig(mode="vanilla", target_threads=2)),
+               "vanilla-1t": (None, RunnerConfig(mode="vanilla", target_threads=1))}
     for name, draft in drafts.items():
         configs[name] = (draft, RunnerConfig(mode="card", target_threads=1, draft_threads=1))
     texts = prompts(args.prompts)
