@@ -76,13 +76,16 @@ def test_card_equals_vanilla(kind: str, draft: str, width: int, lockstep: int) -
             new, forwards = new + stats.new_tokens, forwards + stats.target_forwards
             if lockstep and draft == "self" and width == 1:
                 # the tree is always deeper than the 2-token chain and its only C child is the
-                # target's own token: every chain is accepted in full and every correction after
-                # the first (empty tree) is a hit
+                # target's own token: every chain is accepted in full and every correction is a
+                # hit, but maybe the first (a miss unless the root layer beat the target's prefill)
                 assert stats.target_forwards == full_chain_forwards(budget, 2)
-                assert stats.misses == min(1, budget - 1) and stats.secondary_hits == 0
+                assert stats.misses <= 1 and stats.secondary_hits == 0
+                assert stats.hits + stats.misses == stats.target_forwards - 1
     print(f"{kind} {draft} K={width} lockstep={lockstep}: {new} tokens in {forwards} target forwards, "
           f"hits {hits} secondary {secondary} misses {misses}")
-    if lockstep and draft in ("self", "perturbed") and (draft == "self" or width >= 4):
+    # hits need the draft to agree with the target: always for self, often enough for the
+    # perturbed copy in a wide tree (the tree's shape depends on timing, so not in every run)
+    if lockstep and (draft == "self" or (draft == "perturbed" and width == 8)):
         assert hits > 0, "the tree path (hits and re-roots) was not exercised"
     if lockstep and draft == "self":
         assert forwards < new
