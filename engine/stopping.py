@@ -66,12 +66,12 @@ class OutputTracker:
         return delta
 
     def _holdback(self) -> int:
-        if self.text.endswith("\ufffd"):
-            return len(self.text) - len(self.text.rstrip("\ufffd"))
+        # an incomplete UTF-8 sequence is undecided, and so is a stop-string prefix before it
+        stable = self.text.rstrip("\ufffd")
         longest = 0
         for s in self.stop.stop:
-            for n in range(min(len(s) - 1, len(self.text)), 0, -1):
-                if self.text.endswith(s[:n]):
+            for n in range(min(len(s) - 1, len(stable)), 0, -1):
+                if stable.endswith(s[:n]):
                     longest = max(longest, n)
                     break
-        return longest
+        return len(self.text) - len(stable) + longest

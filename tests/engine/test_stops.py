@@ -12,8 +12,9 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from engine.config import TreeParams
+from engine.config import StopParams, TreeParams
 from engine.sources import NoDraft, SyncDraft
+from engine.stopping import OutputTracker
 from tests.engine.support import Run, card_source, generate, letters, target_model
 
 MODES = ("vanilla", "sd", "card")
@@ -154,3 +155,42 @@ def test_max_new_tokens_cuts_at_exactly_the_budget(run, reference, budget: int) 
 def test_context_window_ends_the_generation(run, reference, window: int) -> None:
     out = run(context_window=window)
     assert out.tokens == reference[: window - len(PROMPT)] and out.result.finish_reason == "length"
+
+
+# ---- streaming with a real byte-level tokenizer --------------------------------------------------
+@pytest.fixture(scope="module")
+def smollm2_decode() -> Callable[[list[int]], str]:
+    from transformers import AutoTokenizer
+
+    from tests.tiny_models import SMOLLM2_DIR
+
+    tokenizer = AutoTokenizer.from_pretrained(SMOLLM2_DIR)
+    decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
+    decode.encode = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]  # type: ignore[attr-defined]
+    return decode
+
+
+@pytest.mark.parametrize("burst", [1, 4])
+def test_stream_never_passes_a_stop_string_next_to_split_characters(smollm2_decode, burst: int) -> None:
+    """Emoji and CJK characters span several byte-level tokens; a partial one decodes to U+FFFD.
+    For every stop string of 1-4 characters in the text, the stream ends exactly before its first
+    occurrence, holds back undecided text, and never shows a replacement character."""
+    ids = smollm2_decode.encode("Héllo wörld 🎉🐍 naïve café — 東京 end. ✓✓ ok")
+    full = smollm2_decode(ids)
+    assert any(smollm2_decode(ids[:i]).endswith("\ufffd") for i in range(len(ids))), "no split character"
+    for start in range(len(full)):
+        for length in range(1, 5):
+            stop = full[start : start + length]
+            if len(stop) < length or not stop.strip():
+                continue
+            params = StopParams(max_new_tokens=1000, stop=(stop,))
+            tracker = OutputTracker(params, frozenset(), smollm2_decode)
+            streamed = ""
+            for i in range(0, len(ids), burst):
+                _, delta = tracker.feed(ids[i : i + burst])
+                assert "\ufffd" not in delta
+                streamed += delta
+                if tracker.done:
+                    break
+            assert tracker.finish_reason == "stop"
+            assert streamed == tracker.text == full[: full.find(stop)], f"stop {stop!r}"

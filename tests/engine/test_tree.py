@@ -205,13 +205,23 @@ def test_stale_epoch_after_a_correction() -> None:
 
 
 @pytest.mark.parametrize(
-    ("tokens", "ids"),
-    [((22,), (4,)), ((11,), (0,)), ((10, 20), (0,)), ((30, 20), (NO_NODE, 2)), ((10,), (77,))],
-    ids=["not-below-root", "wrong-token", "length-mismatch", "b-token-inside", "unknown-node"],
+    ("tokens", "ids"), [((10, 20), (0,)), ((30, 20), (NO_NODE, 2))], ids=["length-mismatch", "b-token-inside"]
 )
-def test_accepted_path_must_be_a_path_from_the_root(tokens: tuple, ids: tuple) -> None:
+def test_malformed_accepted_path_is_invalid(tokens: tuple, ids: tuple) -> None:
     with pytest.raises(InvalidArgument):
         built().apply_correction(Correction(0, tokens, ids, 5))
+
+
+@pytest.mark.parametrize(
+    ("tokens", "ids"), [((22,), (4,)), ((11,), (0,)), ((10,), (77,)), ((10, 22), (0, 4))],
+    ids=["not-below-root", "wrong-token", "unknown-node", "broken-path"],
+)
+def test_accepted_path_not_in_the_tree_is_a_miss(tokens: tuple, ids: tuple) -> None:
+    """E.g. after the tree was restarted for another draft worker: the tree decides speed only."""
+    tree = built()
+    advance = tree.apply_correction(Correction(0, tokens, ids, 31))
+    assert advance.outcome is Outcome.MISS and advance.hit_node_id is None
+    assert len(tree) == 0 and tree.root_id == virtual_root_id(1)
 
 
 # ---- late layers ---------------------------------------------------------------------------------
