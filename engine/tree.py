@@ -109,6 +109,17 @@ class Advance:
     hit_node_id: int | None = None
 
 
+@dataclass(frozen=True)
+class _HostView:
+    ids: list[int]
+    parents: list[int]
+    tokens: list[int]
+    path: list[float]
+    b_parents: list[int]
+    b_tokens: list[int]
+    b_logp: list[float]
+
+
 @dataclass
 class TreeSizes:
     nodes: int
@@ -143,6 +154,7 @@ class TwoTierTree:
         self.b_parents = empty_i  # [M]
         self.b_tokens = empty_i  # [M]
         self.b_logp = empty_f  # [M] local logp of the secondary child
+        self._view: _HostView | None = None
 
     def sizes(self) -> TreeSizes:
         depth = int(self.depth.max().item()) if self.ids.numel() else 0
@@ -191,6 +203,7 @@ class TwoTierTree:
             order = torch.argsort(self.ids)  # late layers may interleave ids; keep them ascending
             if not bool((order == torch.arange(order.numel(), device=self.device)).all()):
                 self._take(order)
+        self._view = None
         b_parents = layer.b_parent_ids.to(self.device)
         if b_parents.numel():
             _, b_present = self.rows_of(b_parents)
@@ -202,6 +215,7 @@ class TwoTierTree:
         return keep
 
     def _take(self, rows: torch.Tensor) -> None:
+        self._view = None
         self.ids = self.ids[rows]
         self.parents = self.parents[rows]
         self.tokens = self.tokens[rows]
@@ -210,26 +224,43 @@ class TwoTierTree:
         self.path_logp = self.path_logp[rows]
 
     # ---- target side -------------------------------------------------------------------------
+    def _host(self) -> _HostView:
+        """Host lists of the columns, rebuilt only after the tree changed.
+
+        Queries walk a few dozen nodes; on such sizes a Python pass over host lists costs ~6 us
+        where the equivalent chain of torch ops costs ~110 us (launch overhead per op, a device
+        sync per ``.item()``). The tensors stay the storage and take the bulk updates.
+        """
+        if self._view is None:
+            self._view = _HostView(
+                ids=self.ids.tolist(), parents=self.parents.tolist(), tokens=self.tokens.tolist(),
+                path=self.path_logp.tolist(), b_parents=self.b_parents.tolist(),
+                b_tokens=self.b_tokens.tolist(), b_logp=self.b_logp.tolist(),
+            )
+        return self._view
+
     def best_chain(self, max_len: int, b_extension: bool = True) -> Chain:
         """Greedy descent by path score through C from the root, then one tier-B token."""
+        view = self._host()
+        best: dict[int, int] = {}  # parent id -> row of its best child (ties: earliest row)
+        for i, parent in enumerate(view.parents):
+            b = best.get(parent)
+            if b is None or view.path[i] > view.path[b]:
+                best[parent] = i
         tokens: list[int] = []
         node_ids: list[int] = []
         cur = self.root_id
-        neg_inf = torch.tensor(float("-inf"), device=self.device)
-        while len(tokens) < max_len:
-            children = self.parents == cur
-            if not bool(children.any()):
-                break
-            j = int(torch.argmax(torch.where(children, self.path_logp, neg_inf)).item())
-            cur = int(self.ids[j].item())
-            tokens.append(int(self.tokens[j].item()))
-            node_ids.append(cur)
-        if b_extension and len(tokens) < max_len and self.b_parents.numel():
+        while len(tokens) < max_len and cur in best:
+            r = best[cur]
+            tokens.append(view.tokens[r])
+            node_ids.append(view.ids[r])
+            cur = view.ids[r]
+        if b_extension and len(tokens) < max_len:
             # cur has no C children here, so none of its B children was promoted into C
-            secondary = self.b_parents == cur
-            if bool(secondary.any()):
-                j = int(torch.argmax(torch.where(secondary, self.b_logp, neg_inf)).item())
-                tokens.append(int(self.b_tokens[j].item()))
+            j = max((i for i, p in enumerate(view.b_parents) if p == cur),
+                    key=view.b_logp.__getitem__, default=None)
+            if j is not None:
+                tokens.append(view.b_tokens[j])
                 node_ids.append(NO_NODE)
         return Chain(tuple(tokens), tuple(node_ids), self.epoch)
 
@@ -239,27 +270,26 @@ class TwoTierTree:
             raise Aborted(f"stale epoch {correction.epoch}: the session is at epoch {self.epoch}")
         if len(correction.accepted_tokens) != len(correction.accepted_node_ids):
             raise InvalidArgument("accepted_tokens and accepted_node_ids differ in length")
-        anchor: int | None = self.root_id
-        for i, nid in enumerate(correction.accepted_node_ids):
-            if nid == NO_NODE:
-                if i != len(correction.accepted_node_ids) - 1:
-                    raise InvalidArgument("a tier-B token can only end the accepted path")
-                anchor = None
-                continue
-            row, present = self.rows_of(_i64([nid], self.device))
-            r = int(row.item()) - 1
-            if not bool(present.item()) or r < 0 or int(self.parents[r].item()) != anchor:
-                raise InvalidArgument(f"accepted node {nid} is not on a path from the root")
-            if int(self.tokens[r].item()) != correction.accepted_tokens[i]:
-                raise InvalidArgument(f"accepted node {nid} does not hold the accepted token")
-            anchor = nid
-        if anchor is None:
+        accepted = list(correction.accepted_node_ids)
+        if NO_NODE in accepted[:-1]:
+            raise InvalidArgument("a tier-B token can only end the accepted path")
+        if accepted and accepted[-1] == NO_NODE:
             return Outcome.MISS, None
+        view = self._host()
+        row = {nid: i for i, nid in enumerate(view.ids)}
+        anchor = self.root_id
+        for nid, token in zip(accepted, correction.accepted_tokens, strict=True):
+            r = row.get(nid)
+            if r is None or view.parents[r] != anchor:
+                raise InvalidArgument(f"accepted node {nid} is not on a path from the root")
+            if view.tokens[r] != token:
+                raise InvalidArgument(f"accepted node {nid} does not hold the accepted token {token}")
+            anchor = nid
         nxt = correction.next_token
-        hit = (self.parents == anchor) & (self.tokens == nxt)
-        if bool(hit.any()):
-            return Outcome.HIT, int(self.ids[hit][0].item())
-        if bool(((self.b_parents == anchor) & (self.b_tokens == nxt)).any()):
+        for i, parent in enumerate(view.parents):
+            if parent == anchor and view.tokens[i] == nxt:
+                return Outcome.HIT, view.ids[i]
+        if any(p == anchor and t == nxt for p, t in zip(view.b_parents, view.b_tokens, strict=True)):
             return Outcome.SECONDARY_HIT, None
         return Outcome.MISS, None
 
@@ -283,29 +313,27 @@ class TwoTierTree:
             self.reset(advance.epoch)
             return torch.empty(0, dtype=torch.int64, device=self.device)
         hit = advance.hit_node_id
-        row, present = self.rows_of(_i64([hit], self.device))
-        if not bool(present.item()) or int(row.item()) == 0:
+        view = self._host()
+        if hit not in view.ids:
             raise InvalidArgument(f"hit node {hit} is not in the tree")
-        r = int(row.item()) - 1
+        r = view.ids.index(hit)
         hit_depth, hit_path = self.depth[r].clone(), self.path_logp[r].clone()
-        keep = torch.zeros_like(self.ids, dtype=torch.bool)
-        frontier = _i64([hit], self.device)
-        max_depth = int(self.depth.max().item())
-        for d in range(int(hit_depth.item()) + 1, max_depth + 1):
-            level = (self.depth == d) & torch.isin(self.parents, frontier)
-            if not bool(level.any()):
-                break
-            keep |= level
-            frontier = self.ids[level]
-        rows = torch.nonzero(keep).flatten()
+        # rows are in creation order, so one pass sees every parent before its children
+        kept_ids, kept_rows = {hit}, []
+        for i, (nid, parent) in enumerate(zip(view.ids, view.parents, strict=True)):
+            if parent in kept_ids:
+                kept_ids.add(nid)
+                kept_rows.append(i)
+        rows = _i64(kept_rows, self.device)
         self._take(rows)
         self.depth = self.depth - hit_depth
         self.path_logp = self.path_logp - hit_path
-        kept_ids = torch.cat([_i64([hit], self.device), self.ids])
-        b_keep = torch.isin(self.b_parents, kept_ids)
+        survivors = torch.cat([_i64([hit], self.device), self.ids])
+        b_keep = torch.isin(self.b_parents, survivors)
         self.b_parents = self.b_parents[b_keep]
         self.b_tokens = self.b_tokens[b_keep]
         self.b_logp = self.b_logp[b_keep]
+        self._view = None
         self.root_id = hit
         self.epoch = advance.epoch
         return rows

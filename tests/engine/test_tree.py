@@ -216,12 +216,15 @@ def test_malformed_accepted_path_is_invalid(tokens: tuple, ids: tuple) -> None:
     ("tokens", "ids"), [((22,), (4,)), ((11,), (0,)), ((10,), (77,)), ((10, 22), (0, 4))],
     ids=["not-below-root", "wrong-token", "unknown-node", "broken-path"],
 )
-def test_accepted_path_not_in_the_tree_is_a_miss(tokens: tuple, ids: tuple) -> None:
-    """E.g. after the tree was restarted for another draft worker: the tree decides speed only."""
+def test_accepted_path_not_in_the_tree_is_invalid(tokens: tuple, ids: tuple) -> None:
+    """Chains only ever name nodes of the current tree (a worker change empties the tree before
+    the chain is chosen), so an accepted path that is not one is a caller's bug: refused, and the
+    tree is left as it was."""
     tree = built()
-    advance = tree.apply_correction(Correction(0, tokens, ids, 31))
-    assert advance.outcome is Outcome.MISS and advance.hit_node_id is None
-    assert len(tree) == 0 and tree.root_id == virtual_root_id(1)
+    before = (tree.ids.tolist(), tree.epoch, tree.root_id)
+    with pytest.raises(InvalidArgument, match="accepted node"):
+        tree.apply_correction(Correction(0, tokens, ids, 31))
+    assert (tree.ids.tolist(), tree.epoch, tree.root_id) == before
 
 
 # ---- late layers ---------------------------------------------------------------------------------
