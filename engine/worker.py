@@ -138,13 +138,21 @@ class DraftWorker:
                 return
 
     def _safe_apply(self, cmd: tuple) -> None:
+        sid = cmd[1] if len(cmd) > 1 else "?"
         try:
             self._apply(cmd)
         except CardError as exc:
-            sid = cmd[1] if len(cmd) > 1 else "?"
             log.warning("draft session %s dropped: %s", sid, exc)
-            with self._stats_lock:
-                self._sessions.pop(sid, None)
+            self._drop(sid)
+        except Exception:  # one broken session must not take the worker (and every session) down
+            log.exception("draft session %s failed applying %s; dropping it", sid, cmd[0])
+            self._drop(sid)
+
+    def _drop(self, session_id: str) -> None:
+        with self._stats_lock:
+            s = self._sessions.pop(session_id, None)
+        if s is not None:
+            s.drafter.release()
 
     def _run(self) -> None:
         if self.threads:
@@ -158,7 +166,7 @@ class DraftWorker:
                     layer = s.drafter.step()
                 except Exception:  # a broken session must not take the worker down with it
                     log.exception("draft session %s failed; dropping it", sid)
-                    self._sessions.pop(sid, None)
+                    self._drop(sid)
                     continue
                 if layer is None:
                     if s.idle_since is None:

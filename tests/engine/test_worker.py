@@ -153,3 +153,38 @@ def test_runner_card_and_sd_equal_vanilla_and_leak_nothing(tiny_checkpoints) -> 
                 assert runner.worker is not None and idle(runner.worker)
         finally:
             runner.close()
+
+
+def test_a_session_that_breaks_is_dropped_and_the_worker_keeps_serving() -> None:
+    """An exception inside one session's drafter (not a CardError) drops that session only."""
+    import time
+
+    import torch
+
+    from engine.config import TreeParams
+    from engine.tree import Advance, Outcome
+    from engine.worker import DraftWorker
+    from tests.tiny_models import tiny_model
+
+    layers: list[str] = []
+    worker = DraftWorker(tiny_model("llama", seed=0), TreeParams(width=2, max_depth=2),
+                         lambda sid, layer: layers.append(sid))
+    worker.start()
+    try:
+        worker.start_session("good", [1, 2, 3])
+        worker.start_session("bad", [1, 2, 3])
+        # a malformed advance (a node id that is no number): a TypeError inside the drafter,
+        # not a CardError
+        worker.advance("bad", Advance(1, (5,), ("x",), 5, Outcome.MISS))
+        deadline = time.monotonic() + 30
+        while worker.active_sessions != 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert worker.active_sessions == 1
+        assert worker.session_stats("good") is not None and worker.session_stats("bad") is None
+        n = len(layers)
+        worker.advance("good", Advance(1, (), (), int(torch.tensor(7)), Outcome.MISS))
+        while len(layers) == n and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(layers) > n, "the worker stopped serving the healthy session"
+    finally:
+        worker.close()
