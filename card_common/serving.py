@@ -15,7 +15,7 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from engine.errors import InvalidArgument
+from engine.errors import InvalidArgument, Unavailable
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +40,17 @@ SERVER_OPTIONS: tuple[tuple[str, Any], ...] = (
 def make_server(max_workers: int = 32) -> grpc.Server:
     """A thread-pool gRPC server with the shared options. Each open stream holds one thread."""
     return grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=list(SERVER_OPTIONS))
+
+
+def bind(server: grpc.Server, addr: str) -> int:
+    """Listen on ``addr`` ("host:port", port 0 = OS-chosen); the bound port, or Unavailable."""
+    try:
+        port = server.add_insecure_port(addr)
+    except RuntimeError as exc:  # grpc raises this when the address is taken or invalid
+        raise Unavailable(f"cannot bind {addr}: {exc} (is the port in use?)") from None
+    if port == 0:
+        raise Unavailable(f"cannot bind {addr} (is the port in use?)")
+    return port
 
 
 # ---- health ---------------------------------------------------------------------------------

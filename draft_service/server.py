@@ -19,6 +19,7 @@ import torch
 
 from card_common.serving import (
     add_health,
+    bind,
     make_server,
     serve_until_signal,
     set_serving,
@@ -28,7 +29,7 @@ from card_common.serving import (
 from draft_service.config import DraftConfig, default_worker_name
 from draft_service.link import CacheLink
 from engine.config import TreeParams
-from engine.errors import CardError, Unavailable
+from engine.errors import CardError
 from engine.models import QUANTIZE, ModelConfig, load_model
 
 log = logging.getLogger("draft_service")
@@ -37,13 +38,7 @@ log = logging.getLogger("draft_service")
 def create_server(addr: str) -> tuple[grpc.Server, int]:
     """A health-only gRPC server bound to ``addr`` ("host:port", port 0 = OS-chosen)."""
     server = make_server(max_workers=4)
-    try:
-        port = server.add_insecure_port(addr)
-    except RuntimeError as exc:  # grpc raises this when the port is taken
-        raise Unavailable(f"cannot bind {addr}: {exc} (is the port in use?)") from None
-    if port == 0:
-        raise Unavailable(f"cannot bind {addr} (is the port in use?)")
-    return server, port
+    return server, bind(server, addr)
 
 
 def serve(config: DraftConfig) -> None:

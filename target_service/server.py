@@ -22,6 +22,7 @@ from card.v1 import cache_pb2_grpc, target_pb2_grpc
 from card_common.channels import channel, wait_serving
 from card_common.serving import (
     add_health,
+    bind,
     make_server,
     serve_until_signal,
     set_serving,
@@ -42,13 +43,7 @@ GRACE_S = 10.0  # running generations get this long to finish on SIGTERM
 def create_server(addr: str, max_workers: int = 16) -> tuple[grpc.Server, int]:
     """A gRPC server bound to ``addr`` ("host:port", port 0 = OS-chosen); not started."""
     server = make_server(max_workers=max_workers)
-    try:
-        port = server.add_insecure_port(addr)
-    except RuntimeError as exc:  # grpc raises this when the port is taken
-        raise Unavailable(f"cannot bind {addr}: {exc} (is the port in use?)") from None
-    if port == 0:
-        raise Unavailable(f"cannot bind {addr} (is the port in use?)")
-    return server, port
+    return server, bind(server, addr)
 
 
 def serve(config: TargetConfig) -> None:
