@@ -87,7 +87,8 @@ def run_bench(target: LoadedModel, draft: LoadedModel | None, modes: list[Mode],
                     bar.set_postfix_str(f"{ds.name} #{i} {mode.name}")
                     out = mode.run(prompt_ids, max_new_tokens)
                     record = {"dataset": ds.name, "prompt_index": i, "mode": mode.name,
-                              "token_ids": out.token_ids, **out.stats.to_dict()}
+                              "finish_reason": out.finish_reason, "token_ids": out.token_ids,
+                              **out.stats.to_dict()}
                     record["mode"] = mode.name
                     records.append(record)
                     bar.update(1)

@@ -39,6 +39,7 @@ NEEDS_DRAFT = ("sd", "card", "hf-assisted")
 class ModeOutput:
     token_ids: list[int]
     stats: GenerationStats
+    finish_reason: str = ""
 
 
 class Mode(Protocol):
@@ -68,7 +69,7 @@ class EngineMode:
         request = GenerationRequest(tuple(prompt_ids), stop=StopParams(max_new_tokens=max_new_tokens,
                                                                            ignore_eos=self.ignore_eos))
         result = self.runner.generation(request).run()
-        return ModeOutput(result.token_ids, result.stats)
+        return ModeOutput(result.token_ids, result.stats, result.finish_reason)
 
     def close(self) -> None:
         self.runner.close()
@@ -132,7 +133,8 @@ class HFMode:
         stats = GenerationStats(mode=self.name, prompt_tokens=len(prompt_ids), new_tokens=len(tokens),
                                 wall_s=wall, target_forwards=counter.calls,
                                 draft_forwards=draft_counter.calls if draft_counter else 0)
-        return ModeOutput(tokens, stats)
+        finish = "eos" if tokens and tokens[-1] in (self.config.eos_token_id or ()) else "length"
+        return ModeOutput(tokens, stats, finish)
 
     def close(self) -> None:
         pass
@@ -162,7 +164,7 @@ class ServiceMode:
         stats = result.stats
         stats.wall_s = time.perf_counter() - t0
         stats.mode = self.name
-        return ModeOutput(result.token_ids, stats)
+        return ModeOutput(result.token_ids, stats, result.finish_reason)
 
     def close(self) -> None:
         pass

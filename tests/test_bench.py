@@ -46,7 +46,8 @@ def test_bench_end_to_end(pair, tmp_path):
     records = payload["records"]
     assert len(records) == 2 * 2 * 5  # datasets x prompts x modes
     assert all(r["matches_vanilla"] for r in records)
-    assert all(r["new_tokens"] == 8 for r in records)  # --ignore-eos: every mode uses the budget
+    # --ignore-eos: every mode uses the whole budget
+    assert all(r["new_tokens"] == 8 and r["finish_reason"] == "length" for r in records)
     # interleaved with a rotating order: the first mode differs between consecutive prompts
     firsts = [next(r["mode"] for r in records if r["dataset"] == "gsm8k" and r["prompt_index"] == i)
               for i in (0, 1)]
