@@ -15,6 +15,7 @@ import sys
 import threading
 
 import click
+import torch
 
 from cache_service.config import CacheConfig, resolve_device
 from cache_service.monitor import Monitor
@@ -31,6 +32,7 @@ from card_common.serving import (
     setup_logging,
     start_metrics_server,
 )
+from engine.config import default_tree_params
 from engine.errors import CardError, InvalidArgument
 
 log = logging.getLogger(__name__)
@@ -125,8 +127,8 @@ def create_server(addr: str, config: CacheConfig, store: MetadataStore | None = 
         help="Close a session with no Step for this long (its target died); 0 = never.")
 @option("--heartbeat-interval-s", envvar="CARD_HEARTBEAT_INTERVAL_S", type=float, default=2.0,
               help="Draft heartbeat period; a worker expires after 3 missed.")
-@option("--max-chain", envvar="CARD_MAX_CHAIN", type=int, default=8,
-              help="Most drafted tokens per chain handed to the target.")
+@option("--max-chain", envvar="CARD_MAX_CHAIN", type=int, default=None,
+        help="Most drafted tokens per chain handed to the target (default: 6 on CPU, 8 on GPU).")
 @option("--b-extension/--no-b-extension", envvar="CARD_B_EXTENSION", default=True,
               help="Extend each chain by the best secondary-tier token.")
 @option("--grpc-threads", envvar="CARD_GRPC_THREADS", type=int, default=64,
@@ -136,13 +138,17 @@ def create_server(addr: str, config: CacheConfig, store: MetadataStore | None = 
 @option("--json-logs", envvar="CARD_JSON_LOGS", is_flag=True, help="One JSON object per log line.")
 def main(host: str, port: int, redis_url: str, redis_prefix: str, allow_memory_fallback: bool, device: str,
          metrics_port: int, session_ttl_s: int, session_idle_timeout_s: float, heartbeat_interval_s: float,
-         max_chain: int, b_extension: bool, grpc_threads: int, log_level: str, json_logs: bool) -> None:
+         max_chain: int | None, b_extension: bool, grpc_threads: int, log_level: str,
+         json_logs: bool) -> None:
     """Serve the CARD cache: the authority on every session's candidate tree."""
     setup_logging(log_level, json_logs)
     try:
+        device = resolve_device(device)
+        if max_chain is None:  # the cache sits with the target: its hardware says how long to verify
+            max_chain = default_tree_params(torch.device(device).type).max_chain
         config = CacheConfig(
             host=host, port=port, redis_url=redis_url, redis_prefix=redis_prefix,
-            allow_memory_fallback=allow_memory_fallback, device=resolve_device(device),
+            allow_memory_fallback=allow_memory_fallback, device=device,
             metrics_port=metrics_port, session_ttl_s=session_ttl_s,
             session_idle_timeout_s=session_idle_timeout_s, heartbeat_interval_s=heartbeat_interval_s,
             health_check_interval_s=min(2.0, heartbeat_interval_s), max_chain=max_chain,

@@ -12,9 +12,9 @@ import click
 
 from client import ops
 from client.options import DEFAULT_DRAFT, GenerateOptions
-from engine.config import SamplingParams, StopParams, TreeParams
+from engine.config import SamplingParams, StopParams, TreeParams, default_tree_params
 from engine.errors import CardError
-from engine.models import DEFAULT_MODEL, QUANTIZE, ModelConfig
+from engine.models import DEFAULT_MODEL, QUANTIZE, ModelConfig, resolve_device
 
 EXIT_USER_ERROR = 2
 
@@ -75,10 +75,13 @@ def cli(log_level: str) -> None:
 @click.option("--seed", default=0, show_default=True, type=int)
 @click.option("--stop", "stop", multiple=True, help="Stop before this string (repeatable).")
 @click.option("--ignore-eos", is_flag=True, help="Keep generating past EOS.")
-@click.option("--tree-width", "-K", default=TreeParams.width, show_default=True, type=int,
-              help="K: primary nodes per draft layer.")
-@click.option("--max-depth", default=TreeParams.max_depth, show_default=True, type=int)
-@click.option("--max-chain", default=TreeParams.max_chain, show_default=True, type=int)
+@click.option("--tree-width", "-K", default=None, type=int,
+              help="K: primary nodes per draft layer (default: 1 on CPU, 4 on GPU).")
+@click.option("--branch", default=None, type=int,
+              help="k: secondary children per expanded node (default: 4 on CPU, K on GPU).")
+@click.option("--max-depth", default=None, type=int, help="Draft layers below the root (default 8).")
+@click.option("--max-chain", default=None, type=int,
+              help="Most drafted tokens verified per target forward (default: 6 on CPU, 8 on GPU).")
 @click.option("--gamma", default=4, show_default=True, type=int, help="Chain length of --mode sd.")
 @click.option("--chat/--no-chat", default=None, help="Apply the chat template (default: when there is one).")
 @click.option("--target-threads", type=int, default=None, help="torch threads of the target.")
@@ -88,7 +91,8 @@ def cli(log_level: str) -> None:
 def generate(prompt: str, inprocess: bool, target_addr: str | None, draft_name: str | None, mode: str,
              target_model: str, draft_model: str, draft_quantize: str | None, dtype: str, device: str,
              max_new_tokens: int, temperature: float, top_k: int, top_p: float, seed: int,
-             stop: tuple[str, ...], ignore_eos: bool, tree_width: int, max_depth: int, max_chain: int,
+             stop: tuple[str, ...], ignore_eos: bool, tree_width: int | None, branch: int | None,
+             max_depth: int | None, max_chain: int | None,
              gamma: int, chat: bool | None, target_threads: int | None, draft_threads: int | None,
              as_json: bool) -> None:
     """Generate text for PROMPT, streaming it as the target commits it; a stats line follows."""
@@ -101,7 +105,7 @@ def generate(prompt: str, inprocess: bool, target_addr: str | None, draft_name: 
         draft=ModelConfig(draft_model, dtype, device, draft_quantize),
         sampling=SamplingParams(temperature, top_k, top_p, seed),
         stop=StopParams(max_new_tokens, tuple(stop), ignore_eos),
-        tree=TreeParams(width=tree_width, max_depth=max_depth, max_chain=max_chain),
+        tree=tree_params(device, tree_width, branch, max_depth, max_chain),
         gamma=gamma,
         chat=chat,
         target_threads=target_threads,
@@ -122,6 +126,18 @@ def generate(prompt: str, inprocess: bool, target_addr: str | None, draft_name: 
     else:
         click.echo("")
         click.echo(result.stats.summary(), err=True)
+
+
+def tree_params(device: str, width: int | None, branch: int | None, max_depth: int | None,
+                max_chain: int | None) -> TreeParams:
+    """Flags over the hardware default (engine.config.default_tree_params)."""
+    base = default_tree_params(resolve_device(device).type)
+    return TreeParams(
+        width=base.width if width is None else width,
+        branch=base.branch if branch is None else branch,
+        max_depth=base.max_depth if max_depth is None else max_depth,
+        max_chain=base.max_chain if max_chain is None else max_chain,
+    )
 
 
 def _echo_text(text: str) -> None:

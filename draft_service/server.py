@@ -28,9 +28,9 @@ from card_common.serving import (
 )
 from draft_service.config import DraftConfig, default_worker_name
 from draft_service.link import CacheLink
-from engine.config import TreeParams
+from engine.config import TreeParams, default_tree_params
 from engine.errors import CardError
-from engine.models import QUANTIZE, ModelConfig, load_model
+from engine.models import QUANTIZE, ModelConfig, load_model, resolve_device
 
 log = logging.getLogger("draft_service")
 
@@ -57,6 +57,14 @@ def serve(config: DraftConfig) -> None:
     serve_until_signal(server, link.close, grace_s=2.0, health_servicer=health)
 
 
+def _tree(device: str, width: int | None, branch: int | None, max_depth: int | None) -> TreeParams:
+    """Flags over the hardware default (engine.config.default_tree_params)."""
+    base = default_tree_params(resolve_device(device).type)
+    depth = base.max_depth if max_depth is None else max_depth
+    return TreeParams(width=base.width if width is None else width,
+                      branch=base.branch if branch is None else branch, max_depth=depth, max_chain=depth)
+
+
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--cache", "cache_addr", envvar="CARD_CACHE_ADDR", required=True,
               help="Address of the cache service, HOST:PORT.")
@@ -70,12 +78,12 @@ def serve(config: DraftConfig) -> None:
               help="Worker name targets select it by (default: <model>-<host>-<pid>).")
 @click.option("--capacity", default=8, envvar="CARD_DRAFT_CAPACITY", show_default=True, type=int,
               help="Most concurrent sessions.")
-@click.option("--tree-width", "-K", default=TreeParams.width, envvar="CARD_DRAFT_TREE_WIDTH",
-              show_default=True, type=int, help="K: primary nodes per layer.")
-@click.option("--branch", default=TreeParams.branch, envvar="CARD_DRAFT_BRANCH", show_default=True,
-              type=int, help="k: secondary children kept per expanded node (0 = K).")
-@click.option("--max-depth", default=TreeParams.max_depth, envvar="CARD_DRAFT_MAX_DEPTH",
-              show_default=True, type=int, help="Layers grown below the root before idling.")
+@click.option("--tree-width", "-K", default=None, envvar="CARD_DRAFT_TREE_WIDTH", type=int,
+              help="K: primary nodes per layer (default: 1 on CPU, 4 on GPU).")
+@click.option("--branch", default=None, envvar="CARD_DRAFT_BRANCH", type=int,
+              help="k: secondary children kept per expanded node (default: 4 on CPU, K on GPU).")
+@click.option("--max-depth", default=None, envvar="CARD_DRAFT_MAX_DEPTH", type=int,
+              help="Layers grown below the root before idling (default 8).")
 @click.option("--threads", default=None, envvar="CARD_DRAFT_THREADS", type=int,
               help="torch threads (default: torch's choice).")
 @click.option("--host", default="127.0.0.1", envvar="CARD_DRAFT_HOST", show_default=True,
@@ -88,7 +96,8 @@ def serve(config: DraftConfig) -> None:
               type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False))
 @click.option("--json-logs", is_flag=True, envvar="CARD_JSON_LOGS", help="One JSON object per log line.")
 def main(cache_addr: str, model: str, quantize: str, dtype: str, device: str, name: str | None,
-         capacity: int, tree_width: int, branch: int, max_depth: int, threads: int | None, host: str,
+         capacity: int, tree_width: int | None, branch: int | None, max_depth: int | None,
+         threads: int | None, host: str,
          port: int, metrics_port: int, log_level: str, json_logs: bool) -> None:
     """Run a CARD draft worker for the cache service at --cache."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -98,7 +107,7 @@ def main(cache_addr: str, model: str, quantize: str, dtype: str, device: str, na
             cache_addr=cache_addr,
             model=ModelConfig(model, dtype, device, quantize),
             name=name or default_worker_name(model, quantize),
-            tree=TreeParams(width=tree_width, branch=branch, max_depth=max_depth, max_chain=max_depth),
+            tree=_tree(device, tree_width, branch, max_depth),
             capacity=capacity,
             threads=threads,
             host=host,

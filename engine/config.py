@@ -92,3 +92,17 @@ class GenerationRequest:
     prompt_ids: tuple[int, ...]
     sampling: SamplingParams = field(default_factory=SamplingParams)
     stop: StopParams = field(default_factory=StopParams)
+
+
+# Layer shape by hardware, measured on the Qwen2.5-Coder 0.5B -> 1.5B pair (docs/performance.md).
+# On CPU a layer of K nodes costs nearly K/2 single-token forwards (batched matmuls lose the
+# matrix-vector path) and K-1 of every K drafted nodes fall off the chain a hit keeps: a one-wide
+# primary tier with 4 secondary children per node gave 1.84x vanilla against 1.25x for K=4.
+# GPUs forward K nodes for about the price of one, so the wider tree pays there.
+CPU_TREE = TreeParams(width=1, branch=4, max_depth=8, max_chain=6)
+GPU_TREE = TreeParams()
+
+
+def default_tree_params(device_type: str) -> TreeParams:
+    """The tree shape for a model running on ``device_type`` ("cpu", "cuda", ...)."""
+    return CPU_TREE if device_type == "cpu" else GPU_TREE
