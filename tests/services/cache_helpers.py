@@ -10,8 +10,8 @@ from collections.abc import Callable, Sequence
 
 import grpc
 import torch
-from card.v1 import cache_pb2, cache_pb2_grpc
 
+from card.v1 import cache_pb2, cache_pb2_grpc
 from card_common.channels import channel
 from card_common.convert import correction_to_msg, layer_to_msg, stats_to_msg, step_result_from_msg
 from card_common.tensors import ids_to_msg

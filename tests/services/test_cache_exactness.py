@@ -11,8 +11,8 @@ from collections.abc import Iterator, Sequence
 import grpc
 import pytest
 import torch
-from card.v1 import cache_pb2, cache_pb2_grpc
 
+from card.v1 import cache_pb2, cache_pb2_grpc
 from card_common.channels import channel
 from card_common.convert import advance_from_msg, layer_to_msg
 from card_common.tensors import ids_from_msg

@@ -8,8 +8,8 @@ from typing import ClassVar
 import grpc
 import pytest
 import torch
-from card.v1 import cache_pb2, cache_pb2_grpc, common_pb2
 
+from card.v1 import cache_pb2, cache_pb2_grpc, common_pb2
 from card_common.channels import channel, wait_serving
 from card_common.convert import (
     advance_from_msg,
