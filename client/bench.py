@@ -24,7 +24,7 @@ import torch
 from client import bench_data, bench_report
 from client.bench_modes import MODES, NEEDS_DRAFT, SERVICE_MODES, Mode, ModeSettings, ServiceMode, build_mode
 from client.trio import LocalTrio
-from engine.config import TreeParams
+from engine.config import TreeParams, default_tree_params
 from engine.errors import CardError, InvalidArgument
 from engine.models import DTYPES, LoadedModel, ModelConfig, load_model
 
@@ -36,22 +36,6 @@ def default_split(cores: int) -> tuple[int, int]:
     """(target, draft) threads for card: the draft gets about a third of the cores, at least one."""
     draft = max(1, cores // 3)
     return max(1, cores - draft), draft
-
-
-def default_tree() -> TreeParams:
-    """The card tree shape card-bench uses unless flags say otherwise.
-
-    On CPU a layer of K nodes costs nearly K/2 single-token forwards (batched matmuls are far
-    less efficient than the matrix-vector path there), and K-1 of every K drafted nodes fall off
-    the chain that a hit keeps: a one-node-wide primary tier with 4 secondary children per node
-    measured 1.84x vanilla against 1.25x for K=4 on the Qwen pair (docs/performance.md). GPUs
-    forward K nodes for about the price of one, so the engine's wider default stays there.
-    """
-    import torch
-
-    if torch.cuda.is_available():
-        return TreeParams()
-    return TreeParams(width=1, branch=4, max_depth=8, max_chain=6)
 
 
 def randomized(draft: LoadedModel, seed: int) -> LoadedModel:
@@ -139,7 +123,7 @@ def _parse_modes(value: str) -> list[str]:
               help="first N prompts of each dataset")
 @click.option("--max-new-tokens", type=click.IntRange(min=1), default=128, show_default=True)
 @click.option("--tree-width", type=click.IntRange(1, 64), default=None,
-              help="K (card); default 1 on CPU, the engine's default on GPU (see default_tree)")
+              help="K (card); default 1 on CPU, 4 on GPU (engine.config.default_tree_params)")
 @click.option("--branch", type=click.IntRange(0, 64), default=None, help="k, secondary children per node")
 @click.option("--max-depth", type=click.IntRange(min=1), default=None, help="tree depth cap (card)")
 @click.option("--max-chain", type=click.IntRange(min=0), default=None, help="verify length cap (card)")
@@ -181,7 +165,7 @@ def bench(*, target_model: str, draft_model: str, target_dtype: str, draft_dtype
     mode_names = _parse_modes(modes)
     cores = os.cpu_count() or 1
     split = default_split(cores)
-    tree_defaults = default_tree()
+    tree_defaults = default_tree_params("cuda" if torch.cuda.is_available() else "cpu")
     tree = TreeParams(
         width=tree_width or tree_defaults.width,
         branch=tree_defaults.branch if branch is None else branch,
