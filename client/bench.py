@@ -23,6 +23,7 @@ import torch
 
 from client import bench_data, bench_report
 from client.bench_modes import MODES, NEEDS_DRAFT, SERVICE_MODES, Mode, ModeSettings, ServiceMode, build_mode
+from client.options import default_thread_split
 from client.trio import LocalTrio
 from engine.config import TreeParams, default_tree_params
 from engine.errors import CardError, InvalidArgument
@@ -30,12 +31,6 @@ from engine.models import DTYPES, LoadedModel, ModelConfig, load_model
 
 EXIT_MISMATCH = 1
 EXIT_USAGE = 2
-
-
-def default_split(cores: int) -> tuple[int, int]:
-    """(target, draft) threads for card: the draft gets about a third of the cores, at least one."""
-    draft = max(1, cores // 3)
-    return max(1, cores - draft), draft
 
 
 def randomized(draft: LoadedModel, seed: int) -> LoadedModel:
@@ -164,7 +159,7 @@ def bench(*, target_model: str, draft_model: str, target_dtype: str, draft_dtype
           out: Path | None, chart: Path | None, services: bool, no_progress: bool) -> int:
     mode_names = _parse_modes(modes)
     cores = os.cpu_count() or 1
-    split = default_split(cores)
+    split = default_thread_split(cores)
     tree_defaults = default_tree_params("cuda" if torch.cuda.is_available() else "cpu")
     tree = TreeParams(
         width=tree_width or tree_defaults.width,
