@@ -252,14 +252,22 @@ def test_killing_the_draft_mid_generation_changes_nothing(trio, reference, check
     assert remote.token_ids == reference(PROMPTS[3], GREEDY, stop).token_ids
     assert remote.finish_reason == "length" and remote.stats.new_tokens == 400
 
-    # a new worker under the same name: the next request speculates again
+    # a new worker under the same name: the next requests speculate again. The draft here costs
+    # as much as the target, so whether it gets ahead enough to hit is a race on any one request;
+    # the worker must serve every request and hit on at least one of a few.
     trio.start_draft(str(checkpoints["target"]), name="same")
-    stop = StopParams(64, ignore_eos=True)
-    remote = generate_remote(trio.target_addr, PROMPTS[1], sampling=GREEDY, stop=stop, draft="same",
-                             timeout_s=60)
-    assert remote.draft == "same"
-    assert remote.token_ids == reference(PROMPTS[1], GREEDY, stop).token_ids
-    assert remote.stats.hits > 0, remote.stats.summary()
+    stop = StopParams(128, ignore_eos=True)
+    summaries = []
+    for prompt in PROMPTS[:4]:
+        remote = generate_remote(trio.target_addr, prompt, sampling=GREEDY, stop=stop, draft="same",
+                                 timeout_s=60)
+        assert remote.draft == "same"
+        assert remote.token_ids == reference(prompt, GREEDY, stop).token_ids
+        assert remote.stats.draft_forwards > 0, remote.stats.summary()
+        summaries.append(remote.stats.summary())
+        if remote.stats.hits > 0:
+            break
+    assert remote.stats.hits > 0, summaries
 
 
 def test_cache_restart_mid_generation_changes_nothing(trio, reference):
