@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 
 import click
 import grpc
@@ -20,6 +19,7 @@ import torch
 from card_common.serving import (
     add_health,
     bind,
+    exit_on_startup_error,
     make_server,
     serve_until_signal,
     set_serving,
@@ -29,7 +29,6 @@ from card_common.serving import (
 from draft_service.config import DraftConfig, default_worker_name
 from draft_service.link import CacheLink
 from engine.config import TreeParams, default_tree_params
-from engine.errors import CardError
 from engine.models import QUANTIZE, ModelConfig, load_model, resolve_device
 
 log = logging.getLogger("draft_service")
@@ -102,7 +101,7 @@ def main(cache_addr: str, model: str, quantize: str, dtype: str, device: str, na
     """Run a CARD draft worker for the cache service at --cache."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     setup_logging(log_level, json_logs)
-    try:
+    with exit_on_startup_error("card-draft"):
         config = DraftConfig(
             cache_addr=cache_addr,
             model=ModelConfig(model, dtype, device, quantize),
@@ -117,12 +116,6 @@ def main(cache_addr: str, model: str, quantize: str, dtype: str, device: str, na
             json_logs=json_logs,
         )
         serve(config)
-    except CardError as exc:
-        click.echo(f"card-draft: {exc.code}: {exc}", err=True)
-        sys.exit(2)
-    except OSError as exc:  # e.g. the metrics port is taken
-        click.echo(f"card-draft: {exc}", err=True)
-        sys.exit(2)
 
 
 if __name__ == "__main__":

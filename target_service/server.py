@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 
 import click
 import grpc
@@ -23,13 +22,14 @@ from card_common.channels import channel, wait_serving
 from card_common.serving import (
     add_health,
     bind,
+    exit_on_startup_error,
     make_server,
     serve_until_signal,
     set_serving,
     setup_logging,
     start_metrics_server,
 )
-from engine.errors import CardError, Unavailable
+from engine.errors import Unavailable
 from engine.models import ModelConfig, load_model
 from target_service.config import TargetConfig
 from target_service.servicer import TargetServicer
@@ -116,7 +116,7 @@ def main(model: str, cache_addr: str | None, dtype: str, device: str, threads: i
     """Run the CARD target service."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     setup_logging(log_level, json_logs)
-    try:
+    with exit_on_startup_error("card-target"):
         config = TargetConfig(
             model=ModelConfig(model, dtype, device),
             cache_addr=cache_addr or None,
@@ -131,12 +131,6 @@ def main(model: str, cache_addr: str | None, dtype: str, device: str, threads: i
             json_logs=json_logs,
         )
         serve(config)
-    except CardError as exc:
-        click.echo(f"card-target: {exc.code}: {exc}", err=True)
-        sys.exit(2)
-    except OSError as exc:
-        click.echo(f"card-target: {exc}", err=True)
-        sys.exit(2)
 
 
 if __name__ == "__main__":
