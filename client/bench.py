@@ -26,6 +26,7 @@ from client.bench_modes import MODES, NEEDS_DRAFT, SERVICE_MODES, Mode, ModeSett
 from client.options import default_thread_split
 from client.trio import LocalTrio
 from engine.config import TreeParams, default_tree_params
+from engine.cpu_linear import PackedLinear, pack_linears
 from engine.errors import CardError, InvalidArgument
 from engine.models import DTYPES, LoadedModel, ModelConfig, load_model
 
@@ -42,6 +43,8 @@ def randomized(draft: LoadedModel, seed: int) -> LoadedModel:
     model = AutoModelForCausalLM.from_config(draft.model.config, dtype=dtype).eval()
     if any(type(m).__module__.startswith("torch.ao.nn.quantized") for m in draft.model.modules()):
         model = torch.ao.quantization.quantize_dynamic(model, {torch.nn.Linear}, dtype=torch.qint8)
+    elif any(isinstance(m, PackedLinear) for m in draft.model.modules()):
+        pack_linears(model)
     return LoadedModel(f"random-init {draft.name} (seed {seed})", model, draft.tokenizer,
                        draft.fingerprint, draft.eos_ids, draft.context_window)
 
@@ -108,6 +111,8 @@ def _parse_modes(value: str) -> list[str]:
 @click.option("--draft-dtype", type=click.Choice(["auto", *DTYPES]), default="auto", show_default=True)
 @click.option("--draft-quantize", type=click.Choice(["none", "int8"]), default="int8", show_default=True,
               help="dynamic int8 Linear layers for the draft (CPU)")
+@click.option("--prepack/--no-prepack", default=True, show_default=True,
+              help="oneDNN-prepacked Linear weights for fp32 models on the CPU (engine.cpu_linear)")
 @click.option("--draft-random-init", type=int, default=None, metavar="SEED",
               help="replace the draft's weights by random ones (seeded): the useless-draft worst case")
 @click.option("--modes", default="vanilla,sd,card,hf,hf-assisted", show_default=True,
@@ -152,6 +157,7 @@ def main(**opts: object) -> None:
 
 
 def bench(*, target_model: str, draft_model: str, target_dtype: str, draft_dtype: str, draft_quantize: str,
+          prepack: bool,
           draft_random_init: int | None, modes: str, datasets: tuple[str, ...], n_prompts: int,
           max_new_tokens: int, tree_width: int | None, branch: int | None, max_depth: int | None,
           max_chain: int | None, b_extension: bool | None, gamma: int, lockstep_depth: int, ignore_eos: bool,
@@ -175,10 +181,11 @@ def bench(*, target_model: str, draft_model: str, target_dtype: str, draft_dtype
     loaded = [bench_data.load(spec, n_prompts) for spec in datasets]
 
     t0 = time.perf_counter()
-    target = load_model(ModelConfig(spec=target_model, dtype=target_dtype))
+    target = load_model(ModelConfig(spec=target_model, dtype=target_dtype, prepack=prepack))
     draft = None
     if any(m in NEEDS_DRAFT for m in mode_names):
-        draft = load_model(ModelConfig(spec=draft_model, dtype=draft_dtype, quantize=draft_quantize))
+        draft = load_model(ModelConfig(spec=draft_model, dtype=draft_dtype, quantize=draft_quantize,
+                                       prepack=prepack))
         if draft_random_init is not None:
             draft = randomized(draft, draft_random_init)
     click.echo(f"loaded target {target.name} and draft {draft.name if draft else '-'} "
@@ -191,6 +198,8 @@ def bench(*, target_model: str, draft_model: str, target_dtype: str, draft_dtype
         if services:
             if draft_random_init is not None:
                 raise InvalidArgument("--services loads the draft from its spec; drop --draft-random-init")
+            if not prepack:
+                raise InvalidArgument("the services always prepack CPU weights; drop --no-prepack")
             trio = stack.enter_context(_trio(target_model, draft_model, target_dtype, draft_quantize, tree,
                                              settings))
             threads = {"target": settings.target_threads, "draft": settings.draft_threads}
@@ -204,7 +213,7 @@ def bench(*, target_model: str, draft_model: str, target_dtype: str, draft_dtype
     config = {
         "target_model": target.name, "draft_model": draft.name if draft else None,
         "target_dtype": target_dtype, "draft_dtype": draft_dtype, "draft_quantize": draft_quantize,
-        "draft_random_init": draft_random_init, "modes": mode_names,
+        "draft_random_init": draft_random_init, "prepack": prepack, "modes": mode_names,
         "datasets": {d.name: str(d.path) for d in loaded}, "n": n_prompts,
         "max_new_tokens": max_new_tokens, "ignore_eos": ignore_eos, "tree": vars(tree) | {"k": tree.k},
         "gamma": gamma, "lockstep_depth": lockstep_depth, "warmup_tokens": warmup_tokens, "greedy": True,

@@ -74,16 +74,18 @@ def layer_costs(model: torch.nn.Module, prompt: list[int], widths: tuple[int, ..
 @click.option("--target-model", required=True)
 @click.option("--draft-model", default=None)
 @click.option("--draft-quantize", type=click.Choice(["none", "int8"]), default="none")
+@click.option("--prepack/--no-prepack", default=True, show_default=True)
 @click.option("--max-chain", default=6, show_default=True)
 @click.option("--widths", default="1,2,4", show_default=True)
 @click.option("--threads", default="1,2", show_default=True)
 @click.option("--reps", default=5, show_default=True)
 @click.option("--out", type=click.Path(dir_okay=False, path_type=Path), default=None)
-def main(target_model: str, draft_model: str | None, draft_quantize: str, max_chain: int, widths: str,
+def main(target_model: str, draft_model: str | None, draft_quantize: str, prepack: bool, max_chain: int,
+         widths: str,
          threads: str, reps: int, out: Path | None) -> None:
     """Print target verify and draft layer costs (ms, min / median)."""
     thread_counts = [int(t) for t in threads.split(",")]
-    target = load_model(ModelConfig(spec=target_model))
+    target = load_model(ModelConfig(spec=target_model, prepack=prepack))
     prompt = target.encode_prompt("Natalia sold clips to 48 of her friends in April, and then she sold half "
                                   "as many clips in May. How many clips did Natalia sell altogether?")
     result: dict = {"target": {}, "draft": {}}
@@ -95,7 +97,7 @@ def main(target_model: str, draft_model: str | None, draft_quantize: str, max_ch
             click.echo(f"target threads={t} chain={length}: {lo:8.1f} ms min {med:8.1f} ms median "
                        f"({lo / base:.2f}x one token)")
     if draft_model:
-        draft = load_model(ModelConfig(spec=draft_model, quantize=draft_quantize))
+        draft = load_model(ModelConfig(spec=draft_model, quantize=draft_quantize, prepack=prepack))
         for t in thread_counts:
             costs = layer_costs(draft.model, prompt, tuple(int(k) for k in widths.split(",")), t, reps)
             result["draft"][t] = costs
