@@ -7,6 +7,7 @@ import logging
 import os
 import sys
 from collections.abc import Callable
+from pathlib import Path
 
 import click
 
@@ -14,7 +15,7 @@ from client import ops
 from client.options import DEFAULT_DRAFT, GenerateOptions
 from engine.config import SamplingParams, StopParams, TreeParams, default_tree_params
 from engine.errors import CardError
-from engine.models import DEFAULT_MODEL, QUANTIZE, ModelConfig, resolve_device
+from engine.models import DEFAULT_MODEL, DTYPES, QUANTIZE, ModelConfig, export_checkpoint, resolve_device
 
 EXIT_USER_ERROR = 2
 
@@ -126,6 +127,17 @@ def generate(prompt: str, inprocess: bool, target_addr: str | None, draft_name: 
     else:
         click.echo("")
         click.echo(result.stats.summary(), err=True)
+
+
+@cli.command()
+@click.argument("spec")
+@click.argument("dest", type=click.Path(file_okay=False, path_type=Path))
+@click.option("--dtype", type=click.Choice(list(DTYPES)), default="float32", show_default=True)
+@guarded
+def export(spec: str, dest: Path, dtype: str) -> None:
+    """Save SPEC (a .gguf file, a folder, an HF id) as a checkpoint folder DEST that loads fast."""
+    loaded = export_checkpoint(spec, dest, dtype)
+    click.echo(f"wrote {dest} ({loaded.name}, {dtype}); use it as a model spec")
 
 
 def tree_params(device: str, width: int | None, branch: int | None, max_depth: int | None,

@@ -216,6 +216,27 @@ def load_model(config: ModelConfig) -> LoadedModel:
     )
 
 
+def export_checkpoint(spec: str, dest: Path, dtype: str = "float32") -> LoadedModel:
+    """Save a model spec (typically a .gguf file) as a transformers checkpoint folder.
+
+    GGUF files are dequantized on every load (minutes for a 1.5B model); the exported folder holds
+    the same dequantized weights as safetensors plus the tokenizer (chat template included) and
+    loads in seconds. Models exported this way get a tokenizer fingerprint of their own, so export
+    a draft and its target alike.
+    """
+    if dest.exists() and any(dest.iterdir()):
+        raise InvalidArgument(f"{dest} exists and is not empty")
+    loaded = load_model(ModelConfig(spec=spec, dtype=dtype, device="cpu", prepack=False))
+    model = loaded.model
+    # a dequantized GGUF model still carries its quantizer, which refuses to serialize
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.save_pretrained(dest)
+    loaded.tokenizer.save_pretrained(dest)
+    return loaded
+
+
 def eos_ids_of(model: torch.nn.Module, tokenizer: object) -> frozenset[int]:
     """Every EOS id the model declares (generation config and tokenizer)."""
     ids: set[int] = set()

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.tiny_models import save_foreign_tokenizer_checkpoint, save_tiny_checkpoint
+from tests.tiny_models import SMOLLM2_DIR, save_foreign_tokenizer_checkpoint, save_tiny_checkpoint
 
 CLIENT = str(Path(sys.executable).parent / "card-client")
 
@@ -122,3 +122,22 @@ def test_generate_without_services_starts_a_local_trio(models):
     out = json.loads(proc.stdout)
     assert out["token_ids"] == vanilla["token_ids"]
     assert out["stats"]["mode"] == "card"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not SMOLLM2_DIR.is_dir(), reason=f"{SMOLLM2_DIR} is not there")
+def test_export_turns_a_gguf_into_a_checkpoint_with_the_same_outputs(tmp_path):
+    gguf = next(SMOLLM2_DIR.glob("*.gguf"))
+    dest = tmp_path / "smollm2"
+    proc = run_cli("export", str(gguf), str(dest))
+    assert proc.returncode == 0, proc.stderr
+    assert (dest / "config.json").is_file() and list(dest.glob("*.safetensors"))
+    outputs = []
+    for spec in (gguf, dest):
+        proc = run_cli("generate", "Name three colours.", "--inprocess", "--json", "--mode", "vanilla",
+                       "--target-model", str(spec), "--max-new-tokens", "12", "--ignore-eos")
+        assert proc.returncode == 0, proc.stderr
+        outputs.append(json.loads(proc.stdout)["token_ids"])
+    assert outputs[0] == outputs[1]
+    again = run_cli("export", str(gguf), str(dest))  # never overwrites
+    assert again.returncode == 2 and "not empty" in again.stderr
