@@ -98,10 +98,11 @@ class GenerationRequest:
 # On CPU a layer of K nodes costs nearly K/2 single-token forwards (batched matmuls lose the
 # matrix-vector path) and K-1 of every K drafted nodes fall off the chain a hit keeps: a one-wide
 # primary tier with 4 secondary children per node gave 1.84x vanilla against 1.25x for K=4.
-# Depth 16 keeps the draft growing while the target verifies (at depth 8 it idled ~half the
-# time, the tree already full below a root the verification was about to move).
+# Depth 8, not deeper: an int8 draft fills it in the first third of a verification and then
+# idles, and in-process the target borrows its core meanwhile (engine.core_lending); depth 16
+# kept the draft busy and the target on half the cores (1.25x vs 1.41x, GSM8K 3x64).
 # GPUs forward K nodes for about the price of one, so the wider tree pays there.
-CPU_TREE = TreeParams(width=1, branch=4, max_depth=16, max_chain=6)
+CPU_TREE = TreeParams(width=1, branch=4, max_depth=8, max_chain=6)
 GPU_TREE = TreeParams()
 
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.config import GenerationRequest, TreeParams
+from engine.core_lending import CoreLender
 from engine.errors import FailedPrecondition, InvalidArgument
 from engine.generate import Generation
 from engine.models import LoadedModel
@@ -27,7 +28,8 @@ MODES = ("vanilla", "sd", "card")
 @dataclass(frozen=True)
 class RunnerConfig:
     """mode; tree shape (card); gamma (sd chain length); torch threads per model (None = all);
-    cache_device for card's tree; lockstep_depth (card, see LocalCard)."""
+    cache_device for card's tree; lockstep_depth (card, see LocalCard); lend_cores (card on the
+    CPU: the target borrows the draft's threads while the draft idles, engine.core_lending)."""
 
     mode: str = "card"
     tree: TreeParams = field(default_factory=TreeParams)
@@ -36,6 +38,7 @@ class RunnerConfig:
     draft_threads: int | None = None
     cache_device: str = "cpu"
     lockstep_depth: int = 0
+    lend_cores: bool = True
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -74,14 +77,21 @@ class InProcessRunner:
         assert self.draft is not None
         if cfg.mode == "sd":
             return SyncDraft(self.draft.model, cfg.gamma)
-        source = LocalCard(None, cfg.tree, cfg.cache_device, cfg.lockstep_depth)
         if self.worker is None:
             self.worker = DraftWorker(self.draft.model, cfg.tree, self._publish,
                                       threads=cfg.draft_threads, name=self.draft.name)
             self.worker.start()
-        source.worker = self.worker
+        source = LocalCard(self.worker, cfg.tree, cfg.cache_device, cfg.lockstep_depth, lender=self._lender())
         self._cards.add(source)
         return source
+
+    def _lender(self) -> CoreLender | None:
+        cfg = self.config
+        on_cpu = all(next(m.model.parameters()).device.type == "cpu" for m in (self.target, self.draft))
+        if not (cfg.lend_cores and cfg.draft_threads and on_cpu):
+            return None
+        own = cfg.target_threads or torch.get_num_threads()
+        return CoreLender(self.target.model, own, cfg.draft_threads, self.worker.idle)
 
     def _publish(self, session_id: str, layer: Layer) -> None:
         for card in list(self._cards):

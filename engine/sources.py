@@ -21,6 +21,7 @@ from typing import Protocol
 import torch
 
 from engine.config import TreeParams
+from engine.core_lending import CoreLender
 from engine.drafter import Drafter
 from engine.tree import Advance, Chain, Correction, Layer, Outcome, TwoTierTree
 from engine.worker import DraftWorker
@@ -94,8 +95,10 @@ class LocalCard:
     """
 
     def __init__(self, worker: DraftWorker | None, params: TreeParams, device: str = "cpu",
-                 lockstep_depth: int = 0, lockstep_timeout_s: float = 60.0) -> None:
+                 lockstep_depth: int = 0, lockstep_timeout_s: float = 60.0,
+                 lender: CoreLender | None = None) -> None:
         self.worker = worker
+        self.lender = lender
         self.params = params
         self.tree = TwoTierTree(torch.device(device))
         self.lock = threading.Condition()
@@ -115,6 +118,8 @@ class LocalCard:
         with self.lock:
             self.tree.reset(0)
         self.worker.start_session(self.session_id, prompt_ids, 0)
+        if self.lender is not None:
+            self.lender.attach()
 
     def step(self, correction: Correction) -> StepResult:
         with self.lock:
@@ -128,6 +133,8 @@ class LocalCard:
         return StepResult(chain, advance.outcome)
 
     def close(self) -> SourceStats:
+        if self.lender is not None:
+            self.lender.detach()
         stats = self.worker.session_stats(self.session_id)
         self.worker.stop_session(self.session_id)
         with self.lock:

@@ -5,6 +5,10 @@ advance, stop), then gives each session with work one ``Drafter.step()`` in turn
 interleaving), handing each new layer to ``publish``. It sleeps only when no session has anything
 to grow (all trees at max depth), until the next command arrives. Drafters are touched by the
 worker thread alone; other threads talk to it through the command queue.
+
+``idle`` is set while the worker sleeps with no command pending and cleared by the thread that
+queues a command, before the worker can wake: a target thread that sees it set may borrow the
+worker's cores until its own next command (engine.core_lending).
 """
 
 from __future__ import annotations
@@ -55,16 +59,23 @@ class DraftWorker:
         self._stats_lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._running = False
+        self.idle = threading.Event()
+        self._idle_lock = threading.Lock()  # makes "queue empty -> idle" atomic with "queue a command"
 
     # ---- commands (any thread) ---------------------------------------------------------------
     def start_session(self, session_id: str, committed: Sequence[int], epoch: int = 0) -> None:
-        self._commands.put(("start", session_id, list(committed), epoch))
+        self._put(("start", session_id, list(committed), epoch))
 
     def advance(self, session_id: str, advance: Advance) -> None:
-        self._commands.put(("advance", session_id, advance))
+        self._put(("advance", session_id, advance))
 
     def stop_session(self, session_id: str) -> None:
-        self._commands.put(("stop", session_id))
+        self._put(("stop", session_id))
+
+    def _put(self, cmd: tuple) -> None:
+        with self._idle_lock:
+            self.idle.clear()
+            self._commands.put(cmd)
 
     def session_stats(self, session_id: str) -> DraftSessionStats | None:
         """A snapshot of a live session's stats, the idle period under way included."""
@@ -93,7 +104,7 @@ class DraftWorker:
 
     def close(self, timeout: float = 10.0) -> None:
         self._running = False
-        self._commands.put(("wake",))
+        self._put(("wake",))
         if self._thread is not None:
             self._thread.join(timeout)
             self._thread = None
@@ -181,4 +192,7 @@ class DraftWorker:
                 if sid not in self._sessions:
                     continue
             if not progressed:
+                with self._idle_lock:
+                    if self._commands.empty():
+                        self.idle.set()
                 self._drain(block=True)
