@@ -127,6 +127,8 @@ def _parse_modes(value: str) -> list[str]:
 @click.option("--branch", type=click.IntRange(0, 64), default=None, help="k, secondary children per node")
 @click.option("--max-depth", type=click.IntRange(min=1), default=None, help="tree depth cap (card)")
 @click.option("--max-chain", type=click.IntRange(min=0), default=None, help="verify length cap (card)")
+@click.option("--min-chain", type=click.IntRange(min=0), default=None,
+              help="card in-process: wait (at most 0.25 s) for a chain this long while the draft grows it")
 @click.option("--b-extension/--no-b-extension", default=None, help="extend chains from tier B (card)")
 @click.option("--gamma", type=click.IntRange(min=1), default=4, show_default=True, help="sd chain length")
 @click.option("--lockstep-depth", type=click.IntRange(min=0), default=0, show_default=True,
@@ -160,7 +162,8 @@ def bench(*, target_model: str, draft_model: str, target_dtype: str, draft_dtype
           prepack: bool,
           draft_random_init: int | None, modes: str, datasets: tuple[str, ...], n_prompts: int,
           max_new_tokens: int, tree_width: int | None, branch: int | None, max_depth: int | None,
-          max_chain: int | None, b_extension: bool | None, gamma: int, lockstep_depth: int, ignore_eos: bool,
+          max_chain: int | None, min_chain: int | None, b_extension: bool | None, gamma: int,
+          lockstep_depth: int, ignore_eos: bool,
           threads: int | None, target_threads: int | None, draft_threads: int | None, warmup_tokens: int,
           out: Path | None, chart: Path | None, services: bool, no_progress: bool) -> int:
     mode_names = _parse_modes(modes)
@@ -173,6 +176,9 @@ def bench(*, target_model: str, draft_model: str, target_dtype: str, draft_dtype
         max_depth=max_depth or tree_defaults.max_depth,
         max_chain=tree_defaults.max_chain if max_chain is None else max_chain,
         b_extension=tree_defaults.b_extension if b_extension is None else b_extension,
+        min_chain=min(tree_defaults.min_chain if min_chain is None else min_chain,
+                      tree_defaults.max_chain if max_chain is None else max_chain),
+        min_chain_wait_s=tree_defaults.min_chain_wait_s,
     )
     settings = ModeSettings(tree=tree, gamma=gamma, all_threads=threads or cores,
                             target_threads=target_threads or split[0],

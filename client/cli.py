@@ -149,6 +149,8 @@ def tree_params(device: str, width: int | None, branch: int | None, max_depth: i
         branch=base.branch if branch is None else branch,
         max_depth=base.max_depth if max_depth is None else max_depth,
         max_chain=base.max_chain if max_chain is None else max_chain,
+        min_chain=min(base.min_chain, base.max_chain if max_chain is None else max_chain),
+        min_chain_wait_s=base.min_chain_wait_s,
     )
 
 

@@ -13,6 +13,7 @@ The gRPC trio plugs in the same way (target_service's RemoteCard), so the genera
 from __future__ import annotations
 
 import threading
+import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -125,12 +126,26 @@ class LocalCard:
         with self.lock:
             advance = self.tree.apply_correction(correction)
         self.worker.advance(self.session_id, advance)
+        params = self.params
         with self.lock:
             if self.lockstep_depth:
                 self.lock.wait_for(lambda: self.tree.sizes().depth >= self.lockstep_depth,
                                    self.lockstep_timeout_s)
-            chain = self.tree.best_chain(self.params.max_chain, self.params.b_extension)
+            chain = self.tree.best_chain(params.max_chain, params.b_extension)
+            if len(chain) < params.min_chain:
+                chain = self._wait_for_chain(chain)
         return StepResult(chain, advance.outcome)
+
+    def _wait_for_chain(self, chain: Chain) -> Chain:
+        """Wait (lock held) until the chain is ``min_chain`` long, the draft idles or time is up."""
+        params = self.params
+        deadline = time.monotonic() + params.min_chain_wait_s
+        while len(chain) < params.min_chain and not self.worker.idle.is_set():
+            left = deadline - time.monotonic()
+            if left <= 0 or not self.lock.wait(left):
+                break
+            chain = self.tree.best_chain(params.max_chain, params.b_extension)
+        return chain
 
     def close(self) -> SourceStats:
         if self.lender is not None:
