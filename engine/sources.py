@@ -87,6 +87,10 @@ class SyncDraft:
         return stats
 
 
+_ACCEPT_EMA = 0.2  # weight of the newest step in LocalCard.first_token_accept
+_WAIT_MIN_ACCEPT = 0.5  # below this, a useless draft: never wait for its chains
+
+
 class LocalCard:
     """CARD in one process: a draft worker thread and a local candidate tree.
 
@@ -106,6 +110,10 @@ class LocalCard:
         self.session_id = ""
         self.lockstep_depth = min(lockstep_depth, params.max_depth)
         self.lockstep_timeout_s = lockstep_timeout_s
+        # how often the target accepted the first token of a chain (moving average): waiting for
+        # a chain (min_chain) pays only with a draft that is usually right
+        self.first_token_accept = 1.0
+        self._last_chain_len = 0
 
     def publish(self, session_id: str, layer: Layer) -> None:
         """The worker's publish callback."""
@@ -119,10 +127,14 @@ class LocalCard:
         with self.lock:
             self.tree.reset(0)
         self.worker.start_session(self.session_id, prompt_ids, 0)
+        self.first_token_accept, self._last_chain_len = 1.0, 0
         if self.lender is not None:
             self.lender.attach()
 
     def step(self, correction: Correction) -> StepResult:
+        if self._last_chain_len:
+            hit = float(len(correction.accepted_tokens) > 0)
+            self.first_token_accept += _ACCEPT_EMA * (hit - self.first_token_accept)
         with self.lock:
             advance = self.tree.apply_correction(correction)
         self.worker.advance(self.session_id, advance)
@@ -132,8 +144,9 @@ class LocalCard:
                 self.lock.wait_for(lambda: self.tree.sizes().depth >= self.lockstep_depth,
                                    self.lockstep_timeout_s)
             chain = self.tree.best_chain(params.max_chain, params.b_extension)
-            if len(chain) < params.min_chain:
+            if len(chain) < params.min_chain and self.first_token_accept >= _WAIT_MIN_ACCEPT:
                 chain = self._wait_for_chain(chain)
+        self._last_chain_len = len(chain)
         return StepResult(chain, advance.outcome)
 
     def _wait_for_chain(self, chain: Chain) -> Chain:

@@ -50,3 +50,25 @@ def test_min_chain_is_checked() -> None:
         TreeParams(max_chain=2, min_chain=3)
     with pytest.raises(InvalidArgument, match="min_chain_wait_s"):
         TreeParams(min_chain_wait_s=float("inf"))
+
+
+def test_no_waiting_for_a_draft_that_is_always_wrong() -> None:
+    """An unrelated draft's first tokens are rejected: after a few steps the target stops waiting."""
+    target, wrong = target_model("llama"), target_model("qwen2")  # same vocabulary, unrelated
+    params = TreeParams(width=1, branch=2, max_depth=4, max_chain=3, min_chain=2, min_chain_wait_s=30.0)
+    prompt, budget = [5, 9, 2, 7], 40
+    want = generate(target, NoDraft(), prompt, max_new_tokens=budget).tokens
+    with card_source(wrong, params) as card:
+        assert generate(target, card, prompt, max_new_tokens=budget).tokens == want
+        assert card.first_token_accept < 0.5
+
+
+def test_a_draft_that_is_usually_wrong_is_not_waited_for() -> None:
+    params = TreeParams(width=1, max_depth=4, max_chain=3, min_chain=2, min_chain_wait_s=30.0)
+    card = LocalCard(None, params)
+    card.worker = DraftWorker(target_model("llama"), params, card.publish)  # never started
+    card.open([1, 2, 3])
+    card.first_token_accept = 0.2
+    t0 = time.monotonic()
+    assert len(card.step(Correction(0, (), (), 7)).chain) == 0
+    assert time.monotonic() - t0 < 10  # not the 30 s wait
