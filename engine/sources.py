@@ -87,8 +87,10 @@ class SyncDraft:
         return stats
 
 
-_ACCEPT_EMA = 0.2  # weight of the newest step in LocalCard.first_token_accept
-_WAIT_MIN_ACCEPT = 0.5  # below this, a useless draft: never wait for its chains
+_EMA = 0.2  # weight of the newest step in LocalCard's moving averages
+_WAIT_MIN_ACCEPT = 0.5  # below this, never wait for the draft's chains (min_chain)
+_BACKOFF_USEFUL = 0.15  # below this, stop drafting for a while (9 straight misses from 1.0)
+_BACKOFF_STEPS = (16, 256)  # first and longest back-off, in target steps; doubles per failed probe
 
 
 class LocalCard:
@@ -97,6 +99,12 @@ class LocalCard:
     ``lockstep_depth > 0`` makes every step wait until the tree is that deep below the root
     (bounded by ``lockstep_timeout_s``): the paper's draft-R-layers-then-exchange rhythm. It is
     off by default; tests use it to drive hits and re-roots deterministically.
+
+    Back-off: when the target's next token keeps missing the tree (a draft that does not fit
+    the text, or one too slow to have anything ready), the draft session is stopped and the
+    target decodes alone for a number of steps, with the worker's cores lent to it; then drafting
+    restarts from the committed text and is judged again. Each failed probe doubles the pause
+    (16 to 256 steps). Output never depends on it.
     """
 
     def __init__(self, worker: DraftWorker | None, params: TreeParams, device: str = "cpu",
@@ -110,10 +118,17 @@ class LocalCard:
         self.session_id = ""
         self.lockstep_depth = min(lockstep_depth, params.max_depth)
         self.lockstep_timeout_s = lockstep_timeout_s
-        # how often the target accepted the first token of a chain (moving average): waiting for
-        # a chain (min_chain) pays only with a draft that is usually right
+        # moving averages: how often the target's next token was in the tree (hit or secondary
+        # hit), and how often it accepted the first token of a non-empty chain. Drafting at all
+        # pays only when the first is high; waiting for a chain (min_chain) when the second is.
+        self.draft_useful = 1.0
         self.first_token_accept = 1.0
+        self.backoffs = 0
         self._last_chain_len = 0
+        self._committed: list[int] = []
+        self._paused_steps = 0  # > 0: drafting is stopped for that many more steps
+        self._next_backoff = _BACKOFF_STEPS[0]
+        self._done = SourceStats()  # stats of the draft sessions already stopped
 
     def publish(self, session_id: str, layer: Layer) -> None:
         """The worker's publish callback."""
@@ -123,20 +138,50 @@ class LocalCard:
                 self.lock.notify_all()
 
     def open(self, prompt_ids: Sequence[int]) -> None:
-        self.session_id = uuid.uuid4().hex
-        with self.lock:
-            self.tree.reset(0)
-        self.worker.start_session(self.session_id, prompt_ids, 0)
-        self.first_token_accept, self._last_chain_len = 1.0, 0
+        self._committed = list(prompt_ids)
+        self._done = SourceStats()
+        self.backoffs, self._paused_steps, self._next_backoff = 0, 0, _BACKOFF_STEPS[0]
+        self._start_drafting(0)
         if self.lender is not None:
             self.lender.attach()
 
+    def _start_drafting(self, epoch: int) -> None:
+        self.session_id = uuid.uuid4().hex
+        with self.lock:
+            self.tree.reset(epoch)
+        self.worker.start_session(self.session_id, self._committed, epoch)
+        self.draft_useful, self.first_token_accept, self._last_chain_len = 1.0, 1.0, 0
+
+    def _stop_drafting(self) -> None:
+        stats = self.worker.session_stats(self.session_id)
+        self.worker.stop_session(self.session_id)
+        if stats is not None:
+            self._done.draft_forwards += stats.forwards
+            self._done.draft_idle_s += stats.idle_s
+        with self.lock:
+            self.session_id = ""
+
     def step(self, correction: Correction) -> StepResult:
-        if self._last_chain_len:
-            hit = float(len(correction.accepted_tokens) > 0)
-            self.first_token_accept += _ACCEPT_EMA * (hit - self.first_token_accept)
+        self._committed += [*correction.accepted_tokens, correction.next_token]
+        if self._paused_steps:
+            self._paused_steps -= 1
+            if self._paused_steps:
+                return StepResult(Chain(epoch=correction.epoch + 1))
+            self._start_drafting(correction.epoch + 1)  # probe the draft again
+            return StepResult(Chain(epoch=correction.epoch + 1))
         with self.lock:
             advance = self.tree.apply_correction(correction)
+        useful = float(advance.outcome is not Outcome.MISS)
+        self.draft_useful += _EMA * (useful - self.draft_useful)
+        if self._last_chain_len:
+            accepted = float(len(correction.accepted_tokens) > 0)
+            self.first_token_accept += _EMA * (accepted - self.first_token_accept)
+        if self.draft_useful < _BACKOFF_USEFUL:
+            self._stop_drafting()
+            self.backoffs += 1
+            self._paused_steps = self._next_backoff
+            self._next_backoff = min(2 * self._next_backoff, _BACKOFF_STEPS[1])
+            return StepResult(Chain(epoch=advance.epoch), advance.outcome)
         self.worker.advance(self.session_id, advance)
         params = self.params
         with self.lock:
@@ -163,11 +208,8 @@ class LocalCard:
     def close(self) -> SourceStats:
         if self.lender is not None:
             self.lender.detach()
-        stats = self.worker.session_stats(self.session_id)
-        self.worker.stop_session(self.session_id)
+        if self.session_id:
+            self._stop_drafting()
         with self.lock:
-            self.session_id = ""
             self.tree.reset(0)
-        if stats is None:  # the worker dropped the session (it logged why)
-            return SourceStats()
-        return SourceStats(draft_forwards=stats.forwards, draft_idle_s=stats.idle_s)
+        return self._done
