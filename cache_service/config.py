@@ -35,7 +35,8 @@ class CacheConfig:
         target died without closing it); 0 disables.
     heartbeat_interval_s: how often draft workers heartbeat; a worker expires after 3 missed.
     health_check_interval_s: how often Redis is pinged (health follows it).
-    max_chain / b_extension: chain shape handed to the target (engine.tree.best_chain).
+    max_chain / b_extension / min_path_prob: chain shape handed to the target
+        (engine.tree.best_chain).
     grpc_threads: server threads; every open draft stream holds one.
     """
 
@@ -52,6 +53,7 @@ class CacheConfig:
     health_check_interval_s: float = 2.0
     max_chain: int = 8
     b_extension: bool = True
+    min_path_prob: float = 0.0
     grpc_threads: int = 64
     log_level: str = "INFO"
     json_logs: bool = False
@@ -69,6 +71,8 @@ class CacheConfig:
             raise InvalidArgument("heartbeat and health-check intervals must be > 0")
         if self.max_chain < 0:
             raise InvalidArgument(f"max_chain must be >= 0, got {self.max_chain}")
+        if not 0.0 <= self.min_path_prob <= 1.0:
+            raise InvalidArgument(f"min_path_prob must be in [0, 1], got {self.min_path_prob}")
         if self.grpc_threads < 4:
             raise InvalidArgument(f"grpc_threads must be >= 4, got {self.grpc_threads}")
         if not self.redis_url.startswith(("redis://", "rediss://", "unix://", "memory://")):

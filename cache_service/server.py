@@ -131,6 +131,9 @@ def create_server(addr: str, config: CacheConfig, store: MetadataStore | None = 
         help="Most drafted tokens per chain handed to the target (default: 6 on CPU, 8 on GPU).")
 @option("--b-extension/--no-b-extension", envvar="CARD_B_EXTENSION", default=True,
               help="Extend each chain by the best secondary-tier token.")
+@option("--min-path-prob", envvar="CARD_MIN_PATH_PROB", type=click.FloatRange(0.0, 1.0), default=None,
+        help="Cut chains where the draft's prefix probability falls below this "
+             "(default: 0.2 on CPU, 0 on GPU).")
 @option("--grpc-threads", envvar="CARD_GRPC_THREADS", type=int, default=64,
               help="Server threads; every open draft stream holds one.")
 @option("--log-level", envvar="CARD_LOG_LEVEL", default="INFO",
@@ -138,21 +141,24 @@ def create_server(addr: str, config: CacheConfig, store: MetadataStore | None = 
 @option("--json-logs", envvar="CARD_JSON_LOGS", is_flag=True, help="One JSON object per log line.")
 def main(host: str, port: int, redis_url: str, redis_prefix: str, allow_memory_fallback: bool, device: str,
          metrics_port: int, session_ttl_s: int, session_idle_timeout_s: float, heartbeat_interval_s: float,
-         max_chain: int | None, b_extension: bool, grpc_threads: int, log_level: str,
-         json_logs: bool) -> None:
+         max_chain: int | None, b_extension: bool, min_path_prob: float | None, grpc_threads: int,
+         log_level: str, json_logs: bool) -> None:
     """Serve the CARD cache: the authority on every session's candidate tree."""
     setup_logging(log_level, json_logs)
     try:
         device = resolve_device(device)
-        if max_chain is None:  # the cache sits with the target: its hardware says how long to verify
-            max_chain = default_tree_params(torch.device(device).type).max_chain
+        # the cache sits with the target: its hardware says how long a chain pays to verify
+        hardware = default_tree_params(torch.device(device).type)
+        max_chain = hardware.max_chain if max_chain is None else max_chain
+        min_path_prob = hardware.min_path_prob if min_path_prob is None else min_path_prob
         config = CacheConfig(
             host=host, port=port, redis_url=redis_url, redis_prefix=redis_prefix,
             allow_memory_fallback=allow_memory_fallback, device=device,
             metrics_port=metrics_port, session_ttl_s=session_ttl_s,
             session_idle_timeout_s=session_idle_timeout_s, heartbeat_interval_s=heartbeat_interval_s,
             health_check_interval_s=min(2.0, heartbeat_interval_s), max_chain=max_chain,
-            b_extension=b_extension, grpc_threads=grpc_threads, log_level=log_level, json_logs=json_logs,
+            b_extension=b_extension, min_path_prob=min_path_prob, grpc_threads=grpc_threads,
+            log_level=log_level, json_logs=json_logs,
         )
         server, bound = create_server(config.addr, config)
         start_metrics_server(config.metrics_port)

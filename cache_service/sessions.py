@@ -237,7 +237,8 @@ class SessionTable:
                 self._restart(session)
             elif session.worker is not None:
                 session.worker.send(cache_pb2.DraftCommand(advance=advance_to_msg(session_id, advance)))
-            chain = session.tree.best_chain(self.config.max_chain, self.config.b_extension)
+            chain = session.tree.best_chain(self.config.max_chain, self.config.b_extension,
+                                             self.config.min_path_prob)
         metrics.STEPS.inc()
         metrics.OUTCOMES.labels(advance.outcome.value).inc()
         metrics.STEP_LATENCY.observe(time.perf_counter() - t0)

@@ -58,7 +58,7 @@ def _trio(target_model: str, draft_model: str, dtype: str, draft_quantize: str, 
         extra_args={
             "draft": ["--tree-width", str(tree.width), "--branch", str(tree.branch),
                       "--max-depth", str(tree.max_depth)],
-            "cache": ["--max-chain", str(tree.max_chain),
+            "cache": ["--max-chain", str(tree.max_chain), "--min-path-prob", str(tree.min_path_prob),
                       "--b-extension" if tree.b_extension else "--no-b-extension"],
         },
     )
@@ -130,6 +130,9 @@ def _parse_modes(value: str) -> list[str]:
 @click.option("--min-chain", type=click.IntRange(min=0), default=None,
               help="card in-process: wait (at most 0.25 s) for a chain this long while the draft grows it")
 @click.option("--b-extension/--no-b-extension", default=None, help="extend chains from tier B (card)")
+@click.option("--min-path-prob", type=click.FloatRange(0.0, 1.0), default=None,
+              help="card: cut chains where the draft's prefix probability falls below this "
+                   "(default 0.2 on CPU, 0 on GPU)")
 @click.option("--gamma", type=click.IntRange(min=1), default=4, show_default=True, help="sd chain length")
 @click.option("--lockstep-depth", type=click.IntRange(min=0), default=0, show_default=True,
               help="card waits until the tree is this deep before each verify (0 = asynchronous)")
@@ -162,7 +165,8 @@ def bench(*, target_model: str, draft_model: str, target_dtype: str, draft_dtype
           prepack: bool,
           draft_random_init: int | None, modes: str, datasets: tuple[str, ...], n_prompts: int,
           max_new_tokens: int, tree_width: int | None, branch: int | None, max_depth: int | None,
-          max_chain: int | None, min_chain: int | None, b_extension: bool | None, gamma: int,
+          max_chain: int | None, min_chain: int | None, b_extension: bool | None,
+          min_path_prob: float | None, gamma: int,
           lockstep_depth: int, ignore_eos: bool,
           threads: int | None, target_threads: int | None, draft_threads: int | None, warmup_tokens: int,
           out: Path | None, chart: Path | None, services: bool, no_progress: bool) -> int:
@@ -170,16 +174,9 @@ def bench(*, target_model: str, draft_model: str, target_dtype: str, draft_dtype
     cores = os.cpu_count() or 1
     split = default_thread_split(cores)
     tree_defaults = default_tree_params("cuda" if torch.cuda.is_available() else "cpu")
-    tree = TreeParams(
-        width=tree_width or tree_defaults.width,
-        branch=tree_defaults.branch if branch is None else branch,
-        max_depth=max_depth or tree_defaults.max_depth,
-        max_chain=tree_defaults.max_chain if max_chain is None else max_chain,
-        b_extension=tree_defaults.b_extension if b_extension is None else b_extension,
-        min_chain=min(tree_defaults.min_chain if min_chain is None else min_chain,
-                      tree_defaults.max_chain if max_chain is None else max_chain),
-        min_chain_wait_s=tree_defaults.min_chain_wait_s,
-    )
+    tree = tree_defaults.with_overrides(
+        width=tree_width, branch=branch, max_depth=max_depth, max_chain=max_chain,
+        b_extension=b_extension, min_chain=min_chain, min_path_prob=min_path_prob)
     settings = ModeSettings(tree=tree, gamma=gamma, all_threads=threads or cores,
                             target_threads=target_threads or split[0],
                             draft_threads=draft_threads or split[1],

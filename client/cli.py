@@ -83,6 +83,9 @@ def cli(log_level: str) -> None:
 @click.option("--max-depth", default=None, type=int, help="Draft layers below the root (default 8).")
 @click.option("--max-chain", default=None, type=int,
               help="Most drafted tokens verified per target forward (default: 6 on CPU, 8 on GPU).")
+@click.option("--min-path-prob", type=click.FloatRange(0.0, 1.0), default=None,
+              help="Cut chains where the draft's prefix probability falls below this "
+                   "(default: 0.2 on CPU, 0 on GPU).")
 @click.option("--gamma", default=4, show_default=True, type=int, help="Chain length of --mode sd.")
 @click.option("--chat/--no-chat", default=None, help="Apply the chat template (default: when there is one).")
 @click.option("--target-threads", type=int, default=None, help="torch threads of the target.")
@@ -93,7 +96,7 @@ def generate(prompt: str, inprocess: bool, target_addr: str | None, draft_name: 
              target_model: str, draft_model: str, draft_quantize: str | None, dtype: str, device: str,
              max_new_tokens: int, temperature: float, top_k: int, top_p: float, seed: int,
              stop: tuple[str, ...], ignore_eos: bool, tree_width: int | None, branch: int | None,
-             max_depth: int | None, max_chain: int | None,
+             max_depth: int | None, max_chain: int | None, min_path_prob: float | None,
              gamma: int, chat: bool | None, target_threads: int | None, draft_threads: int | None,
              as_json: bool) -> None:
     """Generate text for PROMPT, streaming it as the target commits it; a stats line follows."""
@@ -106,7 +109,7 @@ def generate(prompt: str, inprocess: bool, target_addr: str | None, draft_name: 
         draft=ModelConfig(draft_model, dtype, device, draft_quantize),
         sampling=SamplingParams(temperature, top_k, top_p, seed),
         stop=StopParams(max_new_tokens, tuple(stop), ignore_eos),
-        tree=tree_params(device, tree_width, branch, max_depth, max_chain),
+        tree=tree_params(device, tree_width, branch, max_depth, max_chain, min_path_prob),
         gamma=gamma,
         chat=chat,
         target_threads=target_threads,
@@ -141,17 +144,11 @@ def export(spec: str, dest: Path, dtype: str) -> None:
 
 
 def tree_params(device: str, width: int | None, branch: int | None, max_depth: int | None,
-                max_chain: int | None) -> TreeParams:
+                max_chain: int | None, min_path_prob: float | None = None) -> TreeParams:
     """Flags over the hardware default (engine.config.default_tree_params)."""
-    base = default_tree_params(resolve_device(device).type)
-    return TreeParams(
-        width=base.width if width is None else width,
-        branch=base.branch if branch is None else branch,
-        max_depth=base.max_depth if max_depth is None else max_depth,
-        max_chain=base.max_chain if max_chain is None else max_chain,
-        min_chain=min(base.min_chain, base.max_chain if max_chain is None else max_chain),
-        min_chain_wait_s=base.min_chain_wait_s,
-    )
+    return default_tree_params(resolve_device(device).type).with_overrides(
+        width=width, branch=branch, max_depth=max_depth, max_chain=max_chain,
+        min_path_prob=min_path_prob)
 
 
 def _echo_text(text: str) -> None:

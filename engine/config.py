@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
@@ -65,6 +66,9 @@ class TreeParams:
     min_chain:  in-process card only: when the tree holds a shorter chain and the draft is still
                 growing it, the target waits for it, at most ``min_chain_wait_s``. 0 never waits
                 (the services never do: a Step must not block).
+    min_path_prob: cut the chain before the first token whose path score (the draft's
+                probability of the prefix up to it) is below this. 0 never cuts: on a GPU an
+                extra verified row is nearly free; on a CPU each costs a slice of a forward.
     """
 
     width: int = 4
@@ -74,6 +78,7 @@ class TreeParams:
     b_extension: bool = True
     min_chain: int = 0
     min_chain_wait_s: float = 0.25
+    min_path_prob: float = 0.0
 
     def __post_init__(self) -> None:
         if not 1 <= self.width <= 64:
@@ -89,6 +94,18 @@ class TreeParams:
                 f"min_chain must be in [0, max_chain={self.max_chain}], got {self.min_chain}")
         if not (math.isfinite(self.min_chain_wait_s) and self.min_chain_wait_s >= 0):
             raise InvalidArgument(f"min_chain_wait_s must be finite and >= 0, got {self.min_chain_wait_s}")
+        if not 0.0 <= self.min_path_prob <= 1.0:
+            raise InvalidArgument(f"min_path_prob must be in [0, 1], got {self.min_path_prob}")
+
+    def with_overrides(self, **overrides: object) -> TreeParams:
+        """These params with every override that is not None applied (CLI flags over a default).
+
+        ``min_chain`` is clamped to the resulting ``max_chain`` unless it was given explicitly.
+        """
+        given = {name: value for name, value in overrides.items() if value is not None}
+        merged = dataclasses.replace(self, **{**given, "min_chain": 0})
+        min_chain = given.get("min_chain", min(self.min_chain, merged.max_chain))
+        return dataclasses.replace(merged, min_chain=min_chain)
 
     @property
     def k(self) -> int:
@@ -114,7 +131,7 @@ class GenerationRequest:
 # GPUs forward K nodes for about the price of one, so the wider tree pays there.
 # min_chain stays 0 (the design's "the target never waits"): waiting for 2-token chains raised
 # card's accepted length on GSM8K 10x128 from 2.84 to 3.27 but not its speed (4.77 vs 4.79 tok/s).
-CPU_TREE = TreeParams(width=1, branch=4, max_depth=8, max_chain=6)
+CPU_TREE = TreeParams(width=1, branch=4, max_depth=8, max_chain=6, min_path_prob=0.2)
 GPU_TREE = TreeParams()
 
 

@@ -89,7 +89,10 @@ class SyncDraft:
 
 _EMA = 0.2  # weight of the newest step in LocalCard's moving averages
 _WAIT_MIN_ACCEPT = 0.5  # below this, never wait for the draft's chains (min_chain)
-_BACKOFF_USEFUL = 0.15  # below this, stop drafting for a while (9 straight misses from 1.0)
+_BACKOFF_USEFUL = 0.15  # below this, stop drafting for a while
+# where the moving average starts: a new session is paused after 6 straight misses, a probe after
+# a pause after 4 (counted from the draft's first layer, not during its prefill)
+_USEFUL_START, _USEFUL_PROBE = 0.5, 0.3
 _BACKOFF_STEPS = (16, 256)  # first and longest back-off, in target steps; doubles per failed probe
 
 
@@ -100,11 +103,12 @@ class LocalCard:
     (bounded by ``lockstep_timeout_s``): the paper's draft-R-layers-then-exchange rhythm. It is
     off by default; tests use it to drive hits and re-roots deterministically.
 
-    Back-off: when the target's next token keeps missing the tree (a draft that does not fit
-    the text, or one too slow to have anything ready), the draft session is stopped and the
-    target decodes alone for a number of steps, with the worker's cores lent to it; then drafting
-    restarts from the committed text and is judged again. Each failed probe doubles the pause
-    (16 to 256 steps). Output never depends on it.
+    Back-off: when the target's next token keeps missing the tree once the draft has delivered
+    its first layer (a draft that does not fit the text, or one too slow to keep up), the draft
+    session is stopped and the target decodes alone for a number of steps, with the worker's
+    cores lent to it; then drafting restarts from the committed text and is judged again, on
+    fewer misses. Each failed probe doubles the pause (16 to 256 steps). Output never depends
+    on it.
     """
 
     def __init__(self, worker: DraftWorker | None, params: TreeParams, device: str = "cpu",
@@ -121,11 +125,12 @@ class LocalCard:
         # moving averages: how often the target's next token was in the tree (hit or secondary
         # hit), and how often it accepted the first token of a non-empty chain. Drafting at all
         # pays only when the first is high; waiting for a chain (min_chain) when the second is.
-        self.draft_useful = 1.0
+        self.draft_useful = _USEFUL_START
         self.first_token_accept = 1.0
         self.backoffs = 0
         self._last_chain_len = 0
         self._committed: list[int] = []
+        self._delivered = False  # the current draft session has published a layer
         self._paused_steps = 0  # > 0: drafting is stopped for that many more steps
         self._next_backoff = _BACKOFF_STEPS[0]
         self._done = SourceStats()  # stats of the draft sessions already stopped
@@ -134,6 +139,7 @@ class LocalCard:
         """The worker's publish callback."""
         with self.lock:
             if session_id == self.session_id:
+                self._delivered = True
                 self.tree.apply_layer(layer)
                 self.lock.notify_all()
 
@@ -141,16 +147,17 @@ class LocalCard:
         self._committed = list(prompt_ids)
         self._done = SourceStats()
         self.backoffs, self._paused_steps, self._next_backoff = 0, 0, _BACKOFF_STEPS[0]
-        self._start_drafting(0)
+        self._start_drafting(0, _USEFUL_START)
         if self.lender is not None:
             self.lender.attach()
 
-    def _start_drafting(self, epoch: int) -> None:
+    def _start_drafting(self, epoch: int, useful: float) -> None:
         self.session_id = uuid.uuid4().hex
         with self.lock:
             self.tree.reset(epoch)
+            self._delivered = False
         self.worker.start_session(self.session_id, self._committed, epoch)
-        self.draft_useful, self.first_token_accept, self._last_chain_len = 1.0, 1.0, 0
+        self.draft_useful, self.first_token_accept, self._last_chain_len = useful, 1.0, 0
 
     def _stop_drafting(self) -> None:
         stats = self.worker.session_stats(self.session_id)
@@ -167,12 +174,14 @@ class LocalCard:
             self._paused_steps -= 1
             if self._paused_steps:
                 return StepResult(Chain(epoch=correction.epoch + 1))
-            self._start_drafting(correction.epoch + 1)  # probe the draft again
+            self._start_drafting(correction.epoch + 1, _USEFUL_PROBE)  # probe the draft again
             return StepResult(Chain(epoch=correction.epoch + 1))
         with self.lock:
+            delivered = self._delivered
             advance = self.tree.apply_correction(correction)
-        useful = float(advance.outcome is not Outcome.MISS)
-        self.draft_useful += _EMA * (useful - self.draft_useful)
+        if delivered:  # misses while the draft still prefills say nothing about its guesses
+            useful = float(advance.outcome is not Outcome.MISS)
+            self.draft_useful += _EMA * (useful - self.draft_useful)
         if self._last_chain_len:
             accepted = float(len(correction.accepted_tokens) > 0)
             self.first_token_accept += _EMA * (accepted - self.first_token_accept)
@@ -188,7 +197,7 @@ class LocalCard:
             if self.lockstep_depth:
                 self.lock.wait_for(lambda: self.tree.sizes().depth >= self.lockstep_depth,
                                    self.lockstep_timeout_s)
-            chain = self.tree.best_chain(params.max_chain, params.b_extension)
+            chain = self.tree.best_chain(params.max_chain, params.b_extension, params.min_path_prob)
             if len(chain) < params.min_chain and self.first_token_accept >= _WAIT_MIN_ACCEPT:
                 chain = self._wait_for_chain(chain)
         self._last_chain_len = len(chain)
@@ -202,7 +211,7 @@ class LocalCard:
             left = deadline - time.monotonic()
             if left <= 0 or not self.lock.wait(left):
                 break
-            chain = self.tree.best_chain(params.max_chain, params.b_extension)
+            chain = self.tree.best_chain(params.max_chain, params.b_extension, params.min_path_prob)
         return chain
 
     def close(self) -> SourceStats:

@@ -21,6 +21,7 @@ both hold the same node ids after every correction.
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -239,9 +240,16 @@ class TwoTierTree:
             )
         return self._view
 
-    def best_chain(self, max_len: int, b_extension: bool = True) -> Chain:
-        """Greedy descent by path score through C from the root, then one tier-B token."""
+    def best_chain(self, max_len: int, b_extension: bool = True, min_path_prob: float = 0.0) -> Chain:
+        """Greedy descent by path score through C from the root, then one tier-B token.
+
+        The chain stops before the first token whose path score (the draft's probability of the
+        whole prefix up to it) is below ``min_path_prob``: that score estimates how likely the
+        target is to reach the token, and where a verified row has a price (CPU) an unlikely
+        row costs more than it is expected to save.
+        """
         view = self._host()
+        floor = math.log(min_path_prob) if min_path_prob > 0 else -math.inf
         best: dict[int, int] = {}  # parent id -> row of its best child (ties: earliest row)
         for i, parent in enumerate(view.parents):
             b = best.get(parent)
@@ -249,17 +257,17 @@ class TwoTierTree:
                 best[parent] = i
         tokens: list[int] = []
         node_ids: list[int] = []
-        cur = self.root_id
-        while len(tokens) < max_len and cur in best:
+        cur, cur_path = self.root_id, 0.0
+        while len(tokens) < max_len and cur in best and view.path[best[cur]] >= floor:
             r = best[cur]
             tokens.append(view.tokens[r])
             node_ids.append(view.ids[r])
-            cur = view.ids[r]
-        if b_extension and len(tokens) < max_len:
+            cur, cur_path = view.ids[r], view.path[r]
+        if b_extension and len(tokens) < max_len and cur not in best:
             # cur has no C children here, so none of its B children was promoted into C
             j = max((i for i, p in enumerate(view.b_parents) if p == cur),
                     key=view.b_logp.__getitem__, default=None)
-            if j is not None:
+            if j is not None and cur_path + view.b_logp[j] >= floor:
                 tokens.append(view.b_tokens[j])
                 node_ids.append(NO_NODE)
         return Chain(tuple(tokens), tuple(node_ids), self.epoch)

@@ -97,3 +97,15 @@ def test_a_good_draft_is_never_paused() -> None:
         run = generate(model, card, prompt, max_new_tokens=budget)
         assert card.backoffs == 0
     assert run.tokens == generate(model, NoDraft(), prompt, max_new_tokens=budget).tokens
+
+
+def test_misses_before_the_first_layer_do_not_pause_the_draft() -> None:
+    """A draft still prefilling has offered nothing yet: its misses are not held against it."""
+    params = TreeParams(width=1, max_depth=4, max_chain=3)
+    card = LocalCard(None, params)
+    card.worker = DraftWorker(target_model("llama"), params, card.publish)  # never started: no layers
+    card.open([1, 2, 3])
+    for epoch in range(30):
+        card.step(Correction(epoch, (), (), 7))
+    assert card.backoffs == 0
+    card.close()

@@ -114,6 +114,32 @@ def test_best_chain_respects_max_len(max_len: int, tokens: tuple[int, ...]) -> N
     assert built().best_chain(max_len).tokens == tokens
 
 
+@pytest.mark.parametrize(("min_path_prob", "tokens"), [
+    (0.0, (10, 20, 30)),  # no cut
+    (0.19, (10, 20, 30)),  # n0 .55, n2 .275, B 30: .275 * .7 = .1925
+    (0.2, (10, 20)),  # the B token's path .1925 falls below
+    (0.3, (10,)),  # n2's .275 falls below
+    (0.55, (10,)),  # a path exactly at the floor stays
+    (0.6, ()),  # even the first token is too unlikely
+])
+def test_best_chain_cuts_below_min_path_prob(min_path_prob: float, tokens: tuple[int, ...]) -> None:
+    assert built().best_chain(8, min_path_prob=min_path_prob).tokens == tokens
+
+
+def test_chain_cut_does_not_extend_from_b_of_a_node_that_has_c_children() -> None:
+    # cut at n0 (n2 is below the floor): n0's B children include n2's token, which was just
+    # judged too unlikely; the chain must stop, not pick it up from tier B
+    chain = built().best_chain(8, min_path_prob=0.3)
+    assert chain.tokens == (10,) and chain.node_ids == (0,)
+
+
+def test_min_path_prob_is_relative_to_the_current_root() -> None:
+    tree = built()
+    tree.apply_correction(Correction(0, (), (), 11))  # hit on n1: n4 .9, n5 .72 from the new root
+    assert tree.best_chain(8, min_path_prob=0.7).tokens == (22, 31)
+    assert tree.best_chain(8, min_path_prob=0.75).tokens == (22,)
+
+
 def test_best_chain_follows_the_best_child_not_the_first() -> None:
     tree = built(layer([(ROOT, 0, 10, 0.2), (ROOT, 1, 11, 0.7), (ROOT, 2, 12, 0.1)]))
     assert tree.best_chain(4, b_extension=False).tokens == (11,)
