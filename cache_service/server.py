@@ -133,7 +133,7 @@ def create_server(addr: str, config: CacheConfig, store: MetadataStore | None = 
               help="Extend each chain by the best secondary-tier token.")
 @option("--min-path-prob", envvar="CARD_MIN_PATH_PROB", type=click.FloatRange(0.0, 1.0), default=None,
         help="Cut chains where the draft's prefix probability falls below this "
-             "(default: 0.2 on CPU, 0 on GPU).")
+             "(default: 0, never).")
 @option("--grpc-threads", envvar="CARD_GRPC_THREADS", type=int, default=64,
               help="Server threads; every open draft stream holds one.")
 @option("--log-level", envvar="CARD_LOG_LEVEL", default="INFO",

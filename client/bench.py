@@ -132,7 +132,7 @@ def _parse_modes(value: str) -> list[str]:
 @click.option("--b-extension/--no-b-extension", default=None, help="extend chains from tier B (card)")
 @click.option("--min-path-prob", type=click.FloatRange(0.0, 1.0), default=None,
               help="card: cut chains where the draft's prefix probability falls below this "
-                   "(default 0.2 on CPU, 0 on GPU)")
+                   "(default 0: never)")
 @click.option("--gamma", type=click.IntRange(min=1), default=4, show_default=True, help="sd chain length")
 @click.option("--lockstep-depth", type=click.IntRange(min=0), default=0, show_default=True,
               help="card waits until the tree is this deep before each verify (0 = asynchronous)")

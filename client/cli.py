@@ -85,7 +85,7 @@ def cli(log_level: str) -> None:
               help="Most drafted tokens verified per target forward (default: 6 on CPU, 8 on GPU).")
 @click.option("--min-path-prob", type=click.FloatRange(0.0, 1.0), default=None,
               help="Cut chains where the draft's prefix probability falls below this "
-                   "(default: 0.2 on CPU, 0 on GPU).")
+                   "(default: 0, never).")
 @click.option("--gamma", default=4, show_default=True, type=int, help="Chain length of --mode sd.")
 @click.option("--chat/--no-chat", default=None, help="Apply the chat template (default: when there is one).")
 @click.option("--target-threads", type=int, default=None, help="torch threads of the target.")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.config import CPU_TREE, GPU_TREE, TreeParams
+from engine.config import TreeParams
 from engine.errors import InvalidArgument
 from engine.sources import NoDraft
 from tests.engine.support import card_source, generate, prompt_cases, target_model
@@ -42,11 +42,6 @@ def test_min_path_prob_is_checked() -> None:
         TreeParams(min_path_prob=1.5)
     with pytest.raises(InvalidArgument, match="min_path_prob"):
         TreeParams(min_path_prob=-0.1)
-
-
-def test_hardware_defaults_cut_on_cpu_only() -> None:
-    assert CPU_TREE.min_path_prob > 0
-    assert GPU_TREE.min_path_prob == 0
 
 
 def test_overrides_apply_only_what_was_given() -> None:
