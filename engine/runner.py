@@ -29,7 +29,9 @@ MODES = ("vanilla", "sd", "card")
 class RunnerConfig:
     """mode; tree shape (card); gamma (sd chain length); torch threads per model (None = all);
     cache_device for card's tree; lockstep_depth (card, see LocalCard); lend_cores (card on the
-    CPU: the target borrows the draft's threads while the draft idles, engine.core_lending)."""
+    CPU: the target borrows the draft's threads while the draft idles, engine.core_lending);
+    calibration_steps (card: plain steps that open each generation to measure the target's pace
+    alone, against which drafting is judged, engine.governor; 0 turns that judgement off)."""
 
     mode: str = "card"
     tree: TreeParams = field(default_factory=TreeParams)
@@ -39,12 +41,15 @@ class RunnerConfig:
     cache_device: str = "cpu"
     lockstep_depth: int = 0
     lend_cores: bool = True
+    calibration_steps: int = 4
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise InvalidArgument(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")
         if self.gamma < 1:
             raise InvalidArgument(f"gamma must be >= 1, got {self.gamma}")
+        if self.calibration_steps < 0:
+            raise InvalidArgument(f"calibration_steps must be >= 0, got {self.calibration_steps}")
 
 
 def check_compatible(target: LoadedModel, draft: LoadedModel) -> None:
@@ -81,7 +86,8 @@ class InProcessRunner:
             self.worker = DraftWorker(self.draft.model, cfg.tree, self._publish,
                                       threads=cfg.draft_threads, name=self.draft.name)
             self.worker.start()
-        source = LocalCard(self.worker, cfg.tree, cfg.cache_device, cfg.lockstep_depth, lender=self._lender())
+        source = LocalCard(self.worker, cfg.tree, cfg.cache_device, cfg.lockstep_depth, lender=self._lender(),
+                           calibration_steps=cfg.calibration_steps)
         self._cards.add(source)
         return source
 

@@ -24,6 +24,7 @@ import torch
 from engine.config import TreeParams
 from engine.core_lending import CoreLender
 from engine.drafter import Drafter
+from engine.governor import Governor
 from engine.tree import Advance, Chain, Correction, Layer, Outcome, TwoTierTree
 from engine.worker import DraftWorker
 
@@ -87,13 +88,8 @@ class SyncDraft:
         return stats
 
 
-_EMA = 0.2  # weight of the newest step in LocalCard's moving averages
+_EMA = 0.2  # weight of the newest step in the first-token-acceptance moving average
 _WAIT_MIN_ACCEPT = 0.5  # below this, never wait for the draft's chains (min_chain)
-_BACKOFF_USEFUL = 0.15  # below this, stop drafting for a while
-# where the moving average starts: a new session is paused after 6 straight misses, a probe after
-# a pause after 4 (counted from the draft's first layer, not during its prefill)
-_USEFUL_START, _USEFUL_PROBE = 0.5, 0.3
-_BACKOFF_STEPS = (16, 256)  # first and longest back-off, in target steps; doubles per failed probe
 
 
 class LocalCard:
@@ -103,17 +99,16 @@ class LocalCard:
     (bounded by ``lockstep_timeout_s``): the paper's draft-R-layers-then-exchange rhythm. It is
     off by default; tests use it to drive hits and re-roots deterministically.
 
-    Back-off: when the target's next token keeps missing the tree once the draft has delivered
-    its first layer (a draft that does not fit the text, or one too slow to keep up), the draft
-    session is stopped and the target decodes alone for a number of steps, with the worker's
-    cores lent to it; then drafting restarts from the committed text and is judged again, on
-    fewer misses. Each failed probe doubles the pause (16 to 256 steps). Output never depends
-    on it.
+    Back-off (engine.governor): when the draft keeps missing, or the target commits tokens more
+    slowly with it than alone, the draft session is stopped and the target decodes alone for a
+    while, with the worker's cores lent to it; then drafting restarts from the committed text and
+    is judged again. ``calibration_steps`` plain steps open each generation to measure the alone
+    pace (0: draft from the first step, pace rule off until a pause). Output never depends on it.
     """
 
     def __init__(self, worker: DraftWorker | None, params: TreeParams, device: str = "cpu",
                  lockstep_depth: int = 0, lockstep_timeout_s: float = 60.0,
-                 lender: CoreLender | None = None) -> None:
+                 lender: CoreLender | None = None, calibration_steps: int = 0) -> None:
         self.worker = worker
         self.lender = lender
         self.params = params
@@ -122,18 +117,18 @@ class LocalCard:
         self.session_id = ""
         self.lockstep_depth = min(lockstep_depth, params.max_depth)
         self.lockstep_timeout_s = lockstep_timeout_s
-        # moving averages: how often the target's next token was in the tree (hit or secondary
-        # hit), and how often it accepted the first token of a non-empty chain. Drafting at all
-        # pays only when the first is high; waiting for a chain (min_chain) when the second is.
-        self.draft_useful = _USEFUL_START
+        self.governor = Governor(calibration_steps)
+        # moving average of "the target accepted the first token of a non-empty chain": waiting
+        # for a chain (min_chain) pays only when it is high
         self.first_token_accept = 1.0
-        self.backoffs = 0
         self._last_chain_len = 0
         self._committed: list[int] = []
         self._delivered = False  # the current draft session has published a layer
-        self._paused_steps = 0  # > 0: drafting is stopped for that many more steps
-        self._next_backoff = _BACKOFF_STEPS[0]
         self._done = SourceStats()  # stats of the draft sessions already stopped
+
+    @property
+    def backoffs(self) -> int:
+        return self.governor.backoffs
 
     def publish(self, session_id: str, layer: Layer) -> None:
         """The worker's publish callback."""
@@ -146,18 +141,18 @@ class LocalCard:
     def open(self, prompt_ids: Sequence[int]) -> None:
         self._committed = list(prompt_ids)
         self._done = SourceStats()
-        self.backoffs, self._paused_steps, self._next_backoff = 0, 0, _BACKOFF_STEPS[0]
-        self._start_drafting(0, _USEFUL_START)
+        if self.governor.open():
+            self._start_drafting(0)
         if self.lender is not None:
             self.lender.attach()
 
-    def _start_drafting(self, epoch: int, useful: float) -> None:
+    def _start_drafting(self, epoch: int) -> None:
         self.session_id = uuid.uuid4().hex
         with self.lock:
             self.tree.reset(epoch)
             self._delivered = False
         self.worker.start_session(self.session_id, self._committed, epoch)
-        self.draft_useful, self.first_token_accept, self._last_chain_len = useful, 1.0, 0
+        self.first_token_accept, self._last_chain_len = 1.0, 0
 
     def _stop_drafting(self) -> None:
         stats = self.worker.session_stats(self.session_id)
@@ -170,26 +165,19 @@ class LocalCard:
 
     def step(self, correction: Correction) -> StepResult:
         self._committed += [*correction.accepted_tokens, correction.next_token]
-        if self._paused_steps:
-            self._paused_steps -= 1
-            if self._paused_steps:
-                return StepResult(Chain(epoch=correction.epoch + 1))
-            self._start_drafting(correction.epoch + 1, _USEFUL_PROBE)  # probe the draft again
+        self.governor.timed(len(correction.accepted_tokens) + 1)
+        if not self.session_id:  # paused (or calibrating): the target decodes alone
+            if self.governor.resume():
+                self._start_drafting(correction.epoch + 1)
             return StepResult(Chain(epoch=correction.epoch + 1))
         with self.lock:
             delivered = self._delivered
             advance = self.tree.apply_correction(correction)
-        if delivered:  # misses while the draft still prefills say nothing about its guesses
-            useful = float(advance.outcome is not Outcome.MISS)
-            self.draft_useful += _EMA * (useful - self.draft_useful)
         if self._last_chain_len:
             accepted = float(len(correction.accepted_tokens) > 0)
             self.first_token_accept += _EMA * (accepted - self.first_token_accept)
-        if self.draft_useful < _BACKOFF_USEFUL:
+        if not self.governor.keep(advance.outcome, delivered):
             self._stop_drafting()
-            self.backoffs += 1
-            self._paused_steps = self._next_backoff
-            self._next_backoff = min(2 * self._next_backoff, _BACKOFF_STEPS[1])
             return StepResult(Chain(epoch=advance.epoch), advance.outcome)
         self.worker.advance(self.session_id, advance)
         params = self.params
