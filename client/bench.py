@@ -13,6 +13,7 @@ any difference is printed and makes the command exit with status 1.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import sys
 import time
@@ -22,7 +23,16 @@ import click
 import torch
 
 from client import bench_data, bench_report
-from client.bench_modes import MODES, NEEDS_DRAFT, SERVICE_MODES, Mode, ModeSettings, ServiceMode, build_mode
+from client.bench_modes import (
+    MODES,
+    NEEDS_DRAFT,
+    SERVICE_MODES,
+    Mode,
+    ModeSettings,
+    ServiceMode,
+    build_card,
+    build_mode,
+)
 from client.options import default_thread_split
 from client.trio import LocalTrio
 from engine.config import TreeParams, default_tree_params
@@ -103,6 +113,33 @@ def _parse_modes(value: str) -> list[str]:
     return list(dict.fromkeys(modes))
 
 
+_TREE_FIELDS = {f.name: f.type for f in dataclasses.fields(TreeParams)}
+
+
+def _parse_variant(value: str) -> tuple[str, dict[str, object]]:
+    """``NAME:FIELD=VALUE,...`` -> (NAME, {field: value}) over engine.config.TreeParams."""
+    name, sep, spec = value.partition(":")
+    if not sep or not name.strip() or not spec.strip():
+        raise InvalidArgument(f"--card-variant wants NAME:FIELD=VALUE[,...], got {value!r}")
+    fields: dict[str, object] = {}
+    for item in spec.split(","):
+        key, eq, raw = (part.strip() for part in item.partition("="))
+        if not eq or key not in _TREE_FIELDS:
+            raise InvalidArgument(f"--card-variant {name}: {item.strip()!r} is not FIELD=VALUE, "
+                                  f"FIELD one of {', '.join(_TREE_FIELDS)}")
+        kind = _TREE_FIELDS[key]
+        try:
+            if kind == "bool":
+                if raw.lower() not in ("true", "false", "1", "0", "yes", "no"):
+                    raise ValueError(raw)
+                fields[key] = raw.lower() in ("true", "1", "yes")
+            else:
+                fields[key] = int(raw) if kind == "int" else float(raw)
+        except ValueError:
+            raise InvalidArgument(f"--card-variant {name}: {key} wants a {kind}, got {raw!r}") from None
+    return name.strip(), fields
+
+
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--target-model", default="default", show_default=True,
               help="target model spec: HF id, checkpoint folder, .gguf file, or 'default'")
@@ -133,6 +170,9 @@ def _parse_modes(value: str) -> list[str]:
 @click.option("--min-path-prob", type=click.FloatRange(0.0, 1.0), default=None,
               help="card: cut chains where the draft's prefix probability falls below this "
                    "(default 0: never)")
+@click.option("--card-variant", "card_variants", multiple=True, metavar="NAME:FIELD=VALUE[,...]",
+              help="also run in-process card with these tree settings as mode card-NAME, interleaved "
+                   "with the others (e.g. k2:width=2,max_depth=10); repeatable")
 @click.option("--gamma", type=click.IntRange(min=1), default=4, show_default=True, help="sd chain length")
 @click.option("--lockstep-depth", type=click.IntRange(min=0), default=0, show_default=True,
               help="card waits until the tree is this deep before each verify (0 = asynchronous)")
@@ -166,7 +206,7 @@ def bench(*, target_model: str, draft_model: str, target_dtype: str, draft_dtype
           draft_random_init: int | None, modes: str, datasets: tuple[str, ...], n_prompts: int,
           max_new_tokens: int, tree_width: int | None, branch: int | None, max_depth: int | None,
           max_chain: int | None, min_chain: int | None, b_extension: bool | None,
-          min_path_prob: float | None, gamma: int,
+          min_path_prob: float | None, card_variants: tuple[str, ...], gamma: int,
           lockstep_depth: int, ignore_eos: bool,
           threads: int | None, target_threads: int | None, draft_threads: int | None, warmup_tokens: int,
           out: Path | None, chart: Path | None, services: bool, no_progress: bool) -> int:
@@ -177,6 +217,8 @@ def bench(*, target_model: str, draft_model: str, target_dtype: str, draft_dtype
     tree = tree_defaults.with_overrides(
         width=tree_width, branch=branch, max_depth=max_depth, max_chain=max_chain,
         b_extension=b_extension, min_chain=min_chain, min_path_prob=min_path_prob)
+    variants = {f"card-{name}": tree.with_overrides(**fields)
+                for name, fields in (_parse_variant(v) for v in card_variants)}
     settings = ModeSettings(tree=tree, gamma=gamma, all_threads=threads or cores,
                             target_threads=target_threads or split[0],
                             draft_threads=draft_threads or split[1],
@@ -186,7 +228,7 @@ def bench(*, target_model: str, draft_model: str, target_dtype: str, draft_dtype
     t0 = time.perf_counter()
     target = load_model(ModelConfig(spec=target_model, dtype=target_dtype, prepack=prepack))
     draft = None
-    if any(m in NEEDS_DRAFT for m in mode_names):
+    if variants or any(m in NEEDS_DRAFT for m in mode_names):
         draft = load_model(ModelConfig(spec=draft_model, dtype=draft_dtype, quantize=draft_quantize,
                                        prepack=prepack))
         if draft_random_init is not None:
@@ -196,6 +238,9 @@ def bench(*, target_model: str, draft_model: str, target_dtype: str, draft_dtype
 
     with contextlib.ExitStack() as stack:
         built = [build_mode(m, target, draft, settings) for m in mode_names]
+        built += [build_card(name, target, draft, dataclasses.replace(settings, tree=variant))
+                  for name, variant in variants.items()]
+        mode_names += list(variants)
         for m in built:
             stack.callback(m.close)
         if services:
@@ -219,6 +264,7 @@ def bench(*, target_model: str, draft_model: str, target_dtype: str, draft_dtype
         "draft_random_init": draft_random_init, "prepack": prepack, "modes": mode_names,
         "datasets": {d.name: str(d.path) for d in loaded}, "n": n_prompts,
         "max_new_tokens": max_new_tokens, "ignore_eos": ignore_eos, "tree": vars(tree) | {"k": tree.k},
+        "card_variants": {name: vars(variant) for name, variant in variants.items()},
         "gamma": gamma, "lockstep_depth": lockstep_depth, "warmup_tokens": warmup_tokens, "greedy": True,
     }
     machine = bench_report.machine_info({m.name: m.threads for m in built})

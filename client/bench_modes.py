@@ -191,9 +191,14 @@ def build_mode(name: str, target: LoadedModel, draft: LoadedModel | None, s: Mod
         return EngineMode(name, target, draft, RunnerConfig(mode="sd", gamma=s.gamma), s.all_threads,
                           ignore_eos=s.ignore_eos)
     if name == "card":
-        config = RunnerConfig(mode="card", tree=s.tree, target_threads=s.target_threads,
-                              draft_threads=s.draft_threads, lockstep_depth=s.lockstep_depth)
-        return EngineMode(name, target, draft, config, s.target_threads, s.draft_threads, s.ignore_eos)
+        return build_card(name, target, draft, s)
     if name in HF_MODES:
         return HFMode(name, target, draft, s.all_threads, s.ignore_eos)
     raise InvalidArgument(f"unknown mode {name!r}; choose from {', '.join(MODES)}")
+
+
+def build_card(name: str, target: LoadedModel, draft: LoadedModel, s: ModeSettings) -> Mode:
+    """In-process card with the settings' tree (also each ``--card-variant``, under its own name)."""
+    config = RunnerConfig(mode="card", tree=s.tree, target_threads=s.target_threads,
+                          draft_threads=s.draft_threads, lockstep_depth=s.lockstep_depth)
+    return EngineMode(name, target, draft, config, s.target_threads, s.draft_threads, s.ignore_eos)

@@ -65,6 +65,11 @@ def _percentile(values: Sequence[float], q: float) -> float | None:
     return ordered[idx]
 
 
+def is_card(mode: str) -> bool:
+    """In-process card, or one of its tree variants (``card-NAME``, card-bench --card-variant)."""
+    return mode == "card" or mode.startswith("card-")
+
+
 def summarize(records: list[dict]) -> list[dict]:
     """One row per (dataset, mode), in the order modes first appear."""
     groups: dict[tuple[str, str], list[dict]] = {}
@@ -90,7 +95,7 @@ def summarize(records: list[dict]) -> list[dict]:
             "secondary_hit_rate": sum(r["secondary_hits"] for r in rs) / corrections if corrections else None,
             "target_idle_fraction": sum(r["target_idle_s"] for r in rs) / wall if wall > 0 else None,
             "draft_idle_fraction": (sum(r["draft_idle_s"] for r in rs) / wall
-                                    if wall > 0 and mode == "card" else None),
+                                    if wall > 0 and is_card(mode) else None),
             "step_rtt_p50_ms": _percentile(rtts, 50),
             "step_rtt_p99_ms": _percentile(rtts, 99),
             "all_match_vanilla": (all(r["matches_vanilla"] for r in rs)
@@ -184,7 +189,7 @@ def write_chart(path: Path, rows: list[dict], records: list[dict], title: str) -
 
     datasets = list(dict.fromkeys(r["dataset"] for r in rows))
     modes = list(dict.fromkeys(r["mode"] for r in rows))
-    spec_modes = [m for m in modes if m in ("sd", "card") or m.endswith("-card") or m.endswith("-sd")]
+    spec_modes = [m for m in modes if m == "sd" or is_card(m) or m.endswith("-card") or m.endswith("-sd")]
     fig, axes = plt.subplots(1, 2, figsize=(13, 4.8))
     ax = axes[0]
     width = 0.8 / max(len(modes), 1)

@@ -77,6 +77,38 @@ def test_bench_through_services(pair, tmp_path):
     assert records["svc-card"]["step_rtt_ms"], "the target reports its Step round trips"
 
 
+def test_card_variants_run_interleaved_under_their_own_names(pair, tmp_path):
+    target, draft = pair
+    data = _jsonl(tmp_path / "g.jsonl", [{"question": "What is 2 + 3?"}, {"question": "Name a colour."}])
+    out = tmp_path / "r.json"
+    result = CliRunner().invoke(main, [
+        "--target-model", str(target), "--draft-model", str(draft), "--draft-quantize", "none",
+        "--dataset", f"gsm8k={data}", "--n", "2", "--max-new-tokens", "6", "--modes", "vanilla",
+        "--card-variant", "k2:width=2,max_depth=3",
+        "--card-variant", "nob:b_extension=false,min_path_prob=0.5",
+        "--ignore-eos", "--out", str(out), "--no-progress", "--warmup-tokens", "0",
+    ])
+    assert result.exit_code == 0, result.output
+    payload = json.loads(out.read_text())
+    assert payload["config"]["card_variants"]["card-k2"]["width"] == 2
+    assert payload["config"]["card_variants"]["card-k2"]["max_depth"] == 3
+    assert payload["config"]["card_variants"]["card-nob"]["b_extension"] is False
+    assert payload["config"]["card_variants"]["card-nob"]["min_path_prob"] == 0.5
+    modes = {r["mode"] for r in payload["records"]}
+    assert modes == {"vanilla", "card-k2", "card-nob"}
+    assert all(r["matches_vanilla"] for r in payload["records"])
+    summary = {row["mode"]: row for row in payload["summary"]}
+    assert summary["card-k2"]["draft_idle_fraction"] is not None
+
+
+@pytest.mark.parametrize("variant", ["k2", "k2:", "k2:width", "k2:depth=3", "k2:width=two",
+                                     "k2:b_extension=maybe"])
+def test_a_malformed_card_variant_is_a_usage_error(variant):
+    result = CliRunner().invoke(main, ["--card-variant", variant, "--no-progress"])
+    assert result.exit_code == 2, result.output
+    assert "--card-variant" in result.output
+
+
 def test_wrong_output_is_reported():
     records = [
         {"dataset": "d", "prompt_index": 0, "mode": "vanilla", "token_ids": [5, 6, 7]},
