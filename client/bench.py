@@ -160,7 +160,7 @@ def _parse_variant(value: str) -> tuple[str, dict[str, object]]:
               help="first N prompts of each dataset")
 @click.option("--max-new-tokens", type=click.IntRange(min=1), default=128, show_default=True)
 @click.option("--tree-width", type=click.IntRange(1, 64), default=None,
-              help="K (card); default 1 on CPU, 4 on GPU (engine.config.default_tree_params)")
+              help="K (card); default 3 on CPU, 4 on GPU (engine.config.default_tree_params)")
 @click.option("--branch", type=click.IntRange(0, 64), default=None, help="k, secondary children per node")
 @click.option("--max-depth", type=click.IntRange(min=1), default=None, help="tree depth cap (card)")
 @click.option("--max-chain", type=click.IntRange(min=0), default=None, help="verify length cap (card)")

@@ -77,7 +77,7 @@ def cli(log_level: str) -> None:
 @click.option("--stop", "stop", multiple=True, help="Stop before this string (repeatable).")
 @click.option("--ignore-eos", is_flag=True, help="Keep generating past EOS.")
 @click.option("--tree-width", "-K", default=None, type=int,
-              help="K: primary nodes per draft layer (default: 1 on CPU, 4 on GPU).")
+              help="K: primary nodes per draft layer (default: 3 on CPU, 4 on GPU).")
 @click.option("--branch", default=None, type=int,
               help="k: secondary children per expanded node (default: 4 on CPU, K on GPU).")
 @click.option("--max-depth", default=None, type=int, help="Draft layers below the root (default 8).")

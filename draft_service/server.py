@@ -78,7 +78,7 @@ def _tree(device: str, width: int | None, branch: int | None, max_depth: int | N
 @click.option("--capacity", default=8, envvar="CARD_DRAFT_CAPACITY", show_default=True, type=int,
               help="Most concurrent sessions.")
 @click.option("--tree-width", "-K", default=None, envvar="CARD_DRAFT_TREE_WIDTH", type=int,
-              help="K: primary nodes per layer (default: 1 on CPU, 4 on GPU).")
+              help="K: primary nodes per layer (default: 3 on CPU, 4 on GPU).")
 @click.option("--branch", default=None, envvar="CARD_DRAFT_BRANCH", type=int,
               help="k: secondary children kept per expanded node (default: 4 on CPU, K on GPU).")
 @click.option("--max-depth", default=None, envvar="CARD_DRAFT_MAX_DEPTH", type=int,

@@ -123,18 +123,20 @@ class GenerationRequest:
 
 
 # Layer shape by hardware, measured on the Qwen2.5-Coder 0.5B -> 1.5B pair (docs/performance.md).
-# On CPU a layer of K nodes costs nearly K/2 single-token forwards (batched matmuls lose the
-# matrix-vector path) and K-1 of every K drafted nodes fall off the chain a hit keeps: a one-wide
-# primary tier with 4 secondary children per node gave 1.84x vanilla against 1.25x for K=4.
-# Depth 8, not deeper: an int8 draft fills it in the first third of a verification and then
-# idles, and in-process the target borrows its core meanwhile (engine.core_lending); depth 16
-# kept the draft busy and the target on half the cores (1.25x vs 1.41x, GSM8K 3x64).
+# CPU: three primary nodes per layer, 4 secondary children each. With the draft in fp32 (MKL) a
+# layer of K nodes cost nearly K/2 single-token forwards and K=1 won (1.84x vs 1.25x for K=4); the
+# int8 draft's layer is nearly flat in K (26 / 30 / 36 ms for K = 1 / 2 / 4 on the AVX-512 box),
+# and the wider tier turns secondary hits (after which the tree below the new root is empty) into
+# hits: GSM8K 5x64 in one interleaved run, K=1 1.49x, K=2 1.56x, K=3 1.67x, K=4 (depth 6) 1.59x.
+# Depth 8, not deeper: an int8 draft fills it during a verification and then idles, and in-process
+# the target borrows its core meanwhile (engine.core_lending); depth 16 kept the draft busy and
+# the target on half the cores (1.25x vs 1.41x, GSM8K 3x64, round 2).
 # GPUs forward K nodes for about the price of one, so the wider tree pays there.
 # min_chain stays 0 (the design's "the target never waits"): waiting for 2-token chains raised
 # card's accepted length on GSM8K 10x128 from 2.84 to 3.27 but not its speed (4.77 vs 4.79 tok/s).
 # min_path_prob stays 0: on the AVX-512 box a verified row costs ~15 ms of a ~105 ms token, and
 # cutting at 0.2 or 0.35 gave no gain on GSM8K or MT-Bench (docs/performance.md).
-CPU_TREE = TreeParams(width=1, branch=4, max_depth=8, max_chain=6)
+CPU_TREE = TreeParams(width=3, branch=4, max_depth=8, max_chain=6)
 GPU_TREE = TreeParams()
 
 
