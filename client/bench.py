@@ -173,6 +173,8 @@ def _parse_variant(value: str) -> tuple[str, dict[str, object]]:
 @click.option("--card-variant", "card_variants", multiple=True, metavar="NAME:FIELD=VALUE[,...]",
               help="also run in-process card with these tree settings as mode card-NAME, interleaved "
                    "with the others (e.g. k2:width=2,max_depth=10); repeatable")
+@click.option("--backoff/--no-backoff", default=True, show_default=True,
+              help="card: pause a draft that keeps missing or makes the target slower than alone")
 @click.option("--gamma", type=click.IntRange(min=1), default=4, show_default=True, help="sd chain length")
 @click.option("--lockstep-depth", type=click.IntRange(min=0), default=0, show_default=True,
               help="card waits until the tree is this deep before each verify (0 = asynchronous)")
@@ -206,7 +208,7 @@ def bench(*, target_model: str, draft_model: str, target_dtype: str, draft_dtype
           draft_random_init: int | None, modes: str, datasets: tuple[str, ...], n_prompts: int,
           max_new_tokens: int, tree_width: int | None, branch: int | None, max_depth: int | None,
           max_chain: int | None, min_chain: int | None, b_extension: bool | None,
-          min_path_prob: float | None, card_variants: tuple[str, ...], gamma: int,
+          min_path_prob: float | None, card_variants: tuple[str, ...], backoff: bool, gamma: int,
           lockstep_depth: int, ignore_eos: bool,
           threads: int | None, target_threads: int | None, draft_threads: int | None, warmup_tokens: int,
           out: Path | None, chart: Path | None, services: bool, no_progress: bool) -> int:
@@ -222,7 +224,7 @@ def bench(*, target_model: str, draft_model: str, target_dtype: str, draft_dtype
     settings = ModeSettings(tree=tree, gamma=gamma, all_threads=threads or cores,
                             target_threads=target_threads or split[0],
                             draft_threads=draft_threads or split[1],
-                            lockstep_depth=lockstep_depth, ignore_eos=ignore_eos)
+                            lockstep_depth=lockstep_depth, ignore_eos=ignore_eos, backoff=backoff)
     loaded = [bench_data.load(spec, n_prompts) for spec in datasets]
 
     t0 = time.perf_counter()
@@ -265,7 +267,8 @@ def bench(*, target_model: str, draft_model: str, target_dtype: str, draft_dtype
         "datasets": {d.name: str(d.path) for d in loaded}, "n": n_prompts,
         "max_new_tokens": max_new_tokens, "ignore_eos": ignore_eos, "tree": vars(tree) | {"k": tree.k},
         "card_variants": {name: vars(variant) for name, variant in variants.items()},
-        "gamma": gamma, "lockstep_depth": lockstep_depth, "warmup_tokens": warmup_tokens, "greedy": True,
+        "backoff": backoff, "gamma": gamma, "lockstep_depth": lockstep_depth, "warmup_tokens": warmup_tokens,
+        "greedy": True,
     }
     machine = bench_report.machine_info({m.name: m.threads for m in built})
     title = (f"{target.name} / draft {draft.name if draft else '-'}; {max_new_tokens} new tokens, "

@@ -179,6 +179,7 @@ class ModeSettings:
     draft_threads: int
     lockstep_depth: int = 0
     ignore_eos: bool = False
+    backoff: bool = True
 
 
 def build_mode(name: str, target: LoadedModel, draft: LoadedModel | None, s: ModeSettings) -> Mode:
@@ -200,5 +201,6 @@ def build_mode(name: str, target: LoadedModel, draft: LoadedModel | None, s: Mod
 def build_card(name: str, target: LoadedModel, draft: LoadedModel, s: ModeSettings) -> Mode:
     """In-process card with the settings' tree (also each ``--card-variant``, under its own name)."""
     config = RunnerConfig(mode="card", tree=s.tree, target_threads=s.target_threads,
-                          draft_threads=s.draft_threads, lockstep_depth=s.lockstep_depth)
+                          draft_threads=s.draft_threads, lockstep_depth=s.lockstep_depth,
+                          backoff=s.backoff)
     return EngineMode(name, target, draft, config, s.target_threads, s.draft_threads, s.ignore_eos)

@@ -86,6 +86,9 @@ def cli(log_level: str) -> None:
 @click.option("--min-path-prob", type=click.FloatRange(0.0, 1.0), default=None,
               help="Cut chains where the draft's prefix probability falls below this "
                    "(default: 0, never).")
+@click.option("--backoff/--no-backoff", default=True, show_default=True,
+              help="--inprocess card: pause a draft that keeps missing or makes the target slower "
+                   "than alone (docs/engine.md); --no-backoff drafts throughout.")
 @click.option("--gamma", default=4, show_default=True, type=int, help="Chain length of --mode sd.")
 @click.option("--chat/--no-chat", default=None, help="Apply the chat template (default: when there is one).")
 @click.option("--target-threads", type=int, default=None, help="torch threads of the target.")
@@ -97,7 +100,8 @@ def generate(prompt: str, inprocess: bool, target_addr: str | None, draft_name: 
              max_new_tokens: int, temperature: float, top_k: int, top_p: float, seed: int,
              stop: tuple[str, ...], ignore_eos: bool, tree_width: int | None, branch: int | None,
              max_depth: int | None, max_chain: int | None, min_path_prob: float | None,
-             gamma: int, chat: bool | None, target_threads: int | None, draft_threads: int | None,
+             backoff: bool, gamma: int, chat: bool | None, target_threads: int | None,
+             draft_threads: int | None,
              as_json: bool) -> None:
     """Generate text for PROMPT, streaming it as the target commits it; a stats line follows."""
     if draft_quantize is None:
@@ -111,6 +115,7 @@ def generate(prompt: str, inprocess: bool, target_addr: str | None, draft_name: 
         stop=StopParams(max_new_tokens, tuple(stop), ignore_eos),
         tree=tree_params(device, tree_width, branch, max_depth, max_chain, min_path_prob),
         gamma=gamma,
+        backoff=backoff,
         chat=chat,
         target_threads=target_threads,
         draft_threads=draft_threads,

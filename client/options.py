@@ -35,6 +35,7 @@ class GenerateOptions:
     target_threads: int | None = None
     draft_threads: int | None = None
     lockstep_depth: int = 0
+    backoff: bool = True
     draft_name: str | None = None
     extra: dict = field(default_factory=dict)
 
@@ -50,4 +51,5 @@ class GenerateOptions:
             target_threads=self.target_threads or (t if self.mode == "card" else os.cpu_count()),
             draft_threads=self.draft_threads or d,
             lockstep_depth=self.lockstep_depth,
+            backoff=self.backoff,
         )

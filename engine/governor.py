@@ -56,10 +56,12 @@ class Pace:
 @dataclass
 class Governor:
     """Drafting on or off, step by step. ``calibration_steps = 0`` starts drafting at once and
-    leaves the pace rule off until a ``useful`` pause has measured the alone pace."""
+    leaves the pace rule off until a ``useful`` pause has measured the alone pace; ``enabled =
+    False`` drafts throughout (no calibration, no pause)."""
 
     calibration_steps: int = 4
     clock: Callable[[], float] = time.perf_counter
+    enabled: bool = True
     drafting: bool = False
     backoffs: int = 0  # pauses for cause (not the calibration)
     useful: float = USEFUL_START
@@ -73,7 +75,7 @@ class Governor:
         """A new generation; True when drafting starts now (else after the calibration)."""
         self.backoffs, self._next_backoff, self._last = 0, BACKOFF_STEPS[0], None
         self.alone, self.useful = Pace(), USEFUL_START
-        self._paused_left = self.calibration_steps
+        self._paused_left = self.calibration_steps if self.enabled else 0
         self.drafting = not self._paused_left
         self.with_draft = Pace()
         return self.drafting
@@ -97,6 +99,8 @@ class Governor:
 
     def keep(self, outcome: Outcome, delivered: bool) -> bool:
         """While drafting, once per step with the correction's verdict: False means pause now."""
+        if not self.enabled:
+            return True
         if delivered:
             self.useful += EMA * (float(outcome is not Outcome.MISS) - self.useful)
         slower = (self.with_draft.steps >= JUDGE_STEPS and self.alone.steps > 0

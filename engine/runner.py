@@ -30,8 +30,9 @@ class RunnerConfig:
     """mode; tree shape (card); gamma (sd chain length); torch threads per model (None = all);
     cache_device for card's tree; lockstep_depth (card, see LocalCard); lend_cores (card on the
     CPU: the target borrows the draft's threads while the draft idles, engine.core_lending);
-    calibration_steps (card: plain steps that open each generation to measure the target's pace
-    alone, against which drafting is judged, engine.governor; 0 turns that judgement off)."""
+    backoff (card: pause a draft that misses or slows the target, engine.governor) and
+    calibration_steps (plain steps that open each generation to measure the target's pace alone,
+    against which drafting is judged; 0 turns that judgement off)."""
 
     mode: str = "card"
     tree: TreeParams = field(default_factory=TreeParams)
@@ -41,6 +42,7 @@ class RunnerConfig:
     cache_device: str = "cpu"
     lockstep_depth: int = 0
     lend_cores: bool = True
+    backoff: bool = True
     calibration_steps: int = 4
 
     def __post_init__(self) -> None:
@@ -87,7 +89,7 @@ class InProcessRunner:
                                       threads=cfg.draft_threads, name=self.draft.name)
             self.worker.start()
         source = LocalCard(self.worker, cfg.tree, cfg.cache_device, cfg.lockstep_depth, lender=self._lender(),
-                           calibration_steps=cfg.calibration_steps)
+                           calibration_steps=cfg.calibration_steps, backoff=cfg.backoff)
         self._cards.add(source)
         return source
 

@@ -103,12 +103,14 @@ class LocalCard:
     slowly with it than alone, the draft session is stopped and the target decodes alone for a
     while, with the worker's cores lent to it; then drafting restarts from the committed text and
     is judged again. ``calibration_steps`` plain steps open each generation to measure the alone
-    pace (0: draft from the first step, pace rule off until a pause). Output never depends on it.
+    pace (0: draft from the first step, pace rule off until a pause); ``backoff=False`` drafts
+    throughout. Output never depends on it.
     """
 
     def __init__(self, worker: DraftWorker | None, params: TreeParams, device: str = "cpu",
                  lockstep_depth: int = 0, lockstep_timeout_s: float = 60.0,
-                 lender: CoreLender | None = None, calibration_steps: int = 0) -> None:
+                 lender: CoreLender | None = None, calibration_steps: int = 0,
+                 backoff: bool = True) -> None:
         self.worker = worker
         self.lender = lender
         self.params = params
@@ -117,7 +119,7 @@ class LocalCard:
         self.session_id = ""
         self.lockstep_depth = min(lockstep_depth, params.max_depth)
         self.lockstep_timeout_s = lockstep_timeout_s
-        self.governor = Governor(calibration_steps)
+        self.governor = Governor(calibration_steps, enabled=backoff)
         # moving average of "the target accepted the first token of a non-empty chain": waiting
         # for a chain (min_chain) pays only when it is high
         self.first_token_accept = 1.0

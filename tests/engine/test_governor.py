@@ -115,6 +115,15 @@ def test_without_an_alone_pace_the_pace_rule_is_off() -> None:
         assert drive(gov, clock, 5.0, 1)
 
 
+def test_a_disabled_governor_drafts_throughout() -> None:
+    clock = Clock()
+    gov = Governor(calibration_steps=4, clock=clock, enabled=False)
+    assert gov.open() is True  # no calibration
+    for _ in range(50):
+        assert drive(gov, clock, 1.0, 1, Outcome.MISS)
+    assert gov.backoffs == 0
+
+
 # ---- in LocalCard --------------------------------------------------------------------------------
 def test_calibration_steps_decode_alone_then_the_draft_starts_and_output_is_unchanged() -> None:
     import contextlib
