@@ -3,6 +3,9 @@
 Measures, with the engine's own forwards (engine/kv.py) on a real prompt's KV cache:
     target  one verification of ``[next_token, *chain]`` for chain lengths 0..N, per thread count
     draft   one tree layer of K nodes (tree-attention mask) for K in the given widths
+    --beside-draft: the target's verifies on one thread again, while a thread forwards the draft
+            on the other core, as in-process card runs them (the two share caches, memory
+            bandwidth and the GIL)
 Each number is the minimum and median over repetitions (minimum: the machine may be shared).
 The ratio cost(L tokens) / cost(1 token) is what CARD's chain must beat: a chain of L drafted
 tokens pays off only if its expected accepted length exceeds that ratio.
@@ -10,9 +13,12 @@ tokens pays off only if its expected accepted length exceeds that ratio.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import statistics
+import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import click
@@ -70,6 +76,33 @@ def layer_costs(model: torch.nn.Module, prompt: list[int], widths: tuple[int, ..
     return out
 
 
+@contextlib.contextmanager
+def draft_beside(model: torch.nn.Module, prompt: list[int]) -> Iterator[list[float]]:
+    """A thread forwarding ``model`` one token at a time on one torch thread, as card's draft
+    worker does, for as long as the block runs; yields the list of its forward times (s)."""
+    times: list[float] = []
+    stop = threading.Event()
+    cache = kvops.new_cache()
+    kvops.forward(model, cache, torch.tensor(prompt), torch.arange(len(prompt)))
+    n, token = len(prompt), torch.tensor(prompt[-1:])
+
+    def loop() -> None:
+        torch.set_num_threads(1)
+        while not stop.is_set():
+            t = time.perf_counter()
+            kvops.forward(model, cache, token, torch.arange(n, n + 1))
+            kvops.kv_crop(cache, n)
+            times.append(time.perf_counter() - t)
+
+    worker = threading.Thread(target=loop, name="draft-beside", daemon=True)
+    worker.start()
+    try:
+        yield times
+    finally:
+        stop.set()
+        worker.join()
+
+
 @click.command()
 @click.option("--target-model", required=True)
 @click.option("--draft-model", default=None)
@@ -79,10 +112,13 @@ def layer_costs(model: torch.nn.Module, prompt: list[int], widths: tuple[int, ..
 @click.option("--widths", default="1,2,4", show_default=True)
 @click.option("--threads", default="1,2", show_default=True)
 @click.option("--reps", default=5, show_default=True)
+@click.option("--beside-draft", is_flag=True,
+              help="also time the target's verifies on 1 thread while a thread forwards the draft on "
+                   "the other (the contention in-process card lives with)")
 @click.option("--out", type=click.Path(dir_okay=False, path_type=Path), default=None)
 def main(target_model: str, draft_model: str | None, draft_quantize: str, prepack: bool, max_chain: int,
          widths: str,
-         threads: str, reps: int, out: Path | None) -> None:
+         threads: str, reps: int, beside_draft: bool, out: Path | None) -> None:
     """Print target verify and draft layer costs (ms, min / median)."""
     thread_counts = [int(t) for t in threads.split(",")]
     target = load_model(ModelConfig(spec=target_model, prepack=prepack))
@@ -103,6 +139,17 @@ def main(target_model: str, draft_model: str | None, draft_quantize: str, prepac
             result["draft"][t] = costs
             for k, (lo, med) in costs.items():
                 click.echo(f"draft threads={t} K={k}: {lo:8.1f} ms min {med:8.1f} ms median")
+        if beside_draft:
+            with draft_beside(draft.model, prompt) as draft_times:
+                costs = verify_costs(target.model, prompt, range(max_chain + 1), 1, reps)
+            result["target_beside_draft"] = costs
+            result["draft_beside_target_ms"] = statistics.median(draft_times) * 1e3
+            for length, (lo, med) in costs.items():
+                alone = result["target"].get(1, {}).get(length)
+                vs = f" ({med / alone[1]:.2f}x alone)" if alone else ""
+                click.echo(f"target threads=1 chain={length} beside the draft: {lo:8.1f} ms min "
+                           f"{med:8.1f} ms median{vs}")
+            click.echo(f"draft forward beside the target: {result['draft_beside_target_ms']:.1f} ms median")
     if out:
         out.write_text(json.dumps(result, indent=1))
 
