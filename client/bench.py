@@ -32,6 +32,7 @@ from client.bench_modes import (
     ServiceMode,
     build_card,
     build_mode,
+    step_ms_by_threads,
 )
 from client.options import default_thread_split
 from client.trio import LocalTrio
@@ -179,7 +180,8 @@ def _parse_variant(value: str) -> tuple[str, dict[str, object]]:
 @click.option("--lockstep-depth", type=click.IntRange(min=0), default=0, show_default=True,
               help="card waits until the tree is this deep before each verify (0 = asynchronous)")
 @click.option("--threads", type=click.IntRange(min=1), default=None,
-              help="threads for one-model modes (default: every core)")
+              help="threads for one-model modes (default: the count, up to every core, whose plain "
+                   "decoding step measured fastest before the run)")
 @click.option("--target-threads", type=click.IntRange(min=1), default=None, help="card target threads")
 @click.option("--draft-threads", type=click.IntRange(min=1), default=None, help="card draft threads")
 @click.option("--ignore-eos", is_flag=True, help="always generate --max-new-tokens tokens")
@@ -221,7 +223,7 @@ def bench(*, target_model: str, draft_model: str, target_dtype: str, draft_dtype
         b_extension=b_extension, min_chain=min_chain, min_path_prob=min_path_prob)
     variants = {f"card-{name}": tree.with_overrides(**fields)
                 for name, fields in (_parse_variant(v) for v in card_variants)}
-    settings = ModeSettings(tree=tree, gamma=gamma, all_threads=threads or cores,
+    settings = ModeSettings(tree=tree, gamma=gamma, all_threads=threads or cores,  # measured below
                             target_threads=target_threads or split[0],
                             draft_threads=draft_threads or split[1],
                             lockstep_depth=lockstep_depth, ignore_eos=ignore_eos, backoff=backoff)
@@ -237,6 +239,12 @@ def bench(*, target_model: str, draft_model: str, target_dtype: str, draft_dtype
             draft = randomized(draft, draft_random_init)
     click.echo(f"loaded target {target.name} and draft {draft.name if draft else '-'} "
                f"in {time.perf_counter() - t0:.1f}s", err=True)
+    step_ms: dict[int, float] = {}
+    if threads is None and cores > 1:  # plain decoding gets its best thread count, measured
+        step_ms = step_ms_by_threads(target.model, cores)
+        settings = dataclasses.replace(settings, all_threads=min(step_ms, key=step_ms.__getitem__))
+        steps = ", ".join(f"{t} threads {ms:.1f} ms" for t, ms in step_ms.items())
+        click.echo(f"one-model modes on {settings.all_threads} thread(s) (decoding step: {steps})", err=True)
 
     with contextlib.ExitStack() as stack:
         built = [build_mode(m, target, draft, settings) for m in mode_names]
@@ -267,6 +275,7 @@ def bench(*, target_model: str, draft_model: str, target_dtype: str, draft_dtype
         "datasets": {d.name: str(d.path) for d in loaded}, "n": n_prompts,
         "max_new_tokens": max_new_tokens, "ignore_eos": ignore_eos, "tree": vars(tree) | {"k": tree.k},
         "card_variants": {name: vars(variant) for name, variant in variants.items()},
+        "one_model_threads": settings.all_threads, "step_ms_by_threads": step_ms,
         "backoff": backoff, "gamma": gamma, "lockstep_depth": lockstep_depth, "warmup_tokens": warmup_tokens,
         "greedy": True,
     }

@@ -15,6 +15,7 @@ thread) and the draft worker thread.
 from __future__ import annotations
 
 import copy
+import statistics
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -22,6 +23,7 @@ from typing import Protocol
 
 import torch
 
+from engine import kv as kvops
 from engine.config import GenerationRequest, StopParams, TreeParams
 from engine.errors import InvalidArgument
 from engine.models import LoadedModel
@@ -200,7 +202,34 @@ def build_mode(name: str, target: LoadedModel, draft: LoadedModel | None, s: Mod
 
 def build_card(name: str, target: LoadedModel, draft: LoadedModel, s: ModeSettings) -> Mode:
     """In-process card with the settings' tree (also each ``--card-variant``, under its own name)."""
+    # lending the draft's cores pays only where the target runs faster on more threads
     config = RunnerConfig(mode="card", tree=s.tree, target_threads=s.target_threads,
                           draft_threads=s.draft_threads, lockstep_depth=s.lockstep_depth,
-                          backoff=s.backoff)
+                          backoff=s.backoff, lend_cores=s.all_threads > s.target_threads)
     return EngineMode(name, target, draft, config, s.target_threads, s.draft_threads, s.ignore_eos)
+
+
+def step_ms_by_threads(model: torch.nn.Module, max_threads: int, reps: int = 5) -> dict[int, float]:
+    """Median ms of one plain decoding step (one token on a 64-token KV cache) per torch thread
+    count. All cores is not always fastest: a 135M model on two cores decodes 1.7x faster on one
+    thread than on two (docs/performance.md), its matrices too small to pay the threads' sync."""
+    counts = range(1, max_threads + 1) if max_threads <= 8 else sorted({1, 2, 4, 8, max_threads})
+    previous = torch.get_num_threads()
+    cache = kvops.new_cache()
+    n = 64
+    kvops.forward(model, cache, torch.arange(1, n + 1), torch.arange(n))
+    token = torch.tensor([n + 1])
+    out = {}
+    try:
+        for t in counts:
+            torch.set_num_threads(t)
+            times = []
+            for _ in range(reps + 1):  # the first is a warm-up
+                t0 = time.perf_counter()
+                kvops.forward(model, cache, token, torch.arange(n, n + 1))
+                kvops.kv_crop(cache, n)
+                times.append(time.perf_counter() - t0)
+            out[t] = statistics.median(times[1:]) * 1e3
+    finally:
+        torch.set_num_threads(previous)
+    return out

@@ -56,6 +56,11 @@ def test_bench_end_to_end(pair, tmp_path):
     assert summary[("gsm8k", "vanilla")]["speedup_vs_vanilla"] == pytest.approx(1.0)
     assert summary[("gsm8k", "card")]["mean_accepted_length"] >= 1.0
     assert payload["machine"]["cpu_count"] >= 1 and payload["machine"]["threads"]["card"]["draft"] >= 1
+    # one-model modes run on the thread count whose decoding step measured fastest
+    step_ms = {int(t): ms for t, ms in payload["config"]["step_ms_by_threads"].items()}
+    if payload["machine"]["cpu_count"] > 1:
+        assert payload["config"]["one_model_threads"] == min(step_ms, key=step_ms.__getitem__)
+        assert payload["machine"]["threads"]["vanilla"]["target"] == payload["config"]["one_model_threads"]
     assert "card" in result.output and "hf-assisted" in result.output
 
 
