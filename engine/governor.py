@@ -3,9 +3,11 @@
 A draft is worth the cores it holds only while the target, with it, commits tokens faster than
 the target alone would. Two signals say it does not:
 
-    useful  moving average of corrections whose next token was in the tree (hit or secondary
-            hit), counted once the draft session has delivered its first layer (before that it
-            is prefilling and has offered nothing). Low: the draft is wrong for this text.
+    useful  moving average of corrections that accepted drafted tokens or whose next token was
+            in the tree (hit or secondary hit), counted once the draft session has delivered its
+            first layer (before that it is prefilling and has offered nothing). A chain accepted
+            to its tier-B end is a "miss" for the tree but the best a draft can do. Low: the
+            draft is wrong for this text.
     pace    seconds per committed token, drafting vs alone, both measured on this generation's
             own target steps (from one ``step`` call to the next: the target's forward and the
             step's bookkeeping). The alone pace comes from a short calibration when the
@@ -97,12 +99,14 @@ class Governor:
         self.with_draft, self.drafting = Pace(), True
         return True
 
-    def keep(self, outcome: Outcome, delivered: bool) -> bool:
-        """While drafting, once per step with the correction's verdict: False means pause now."""
+    def keep(self, outcome: Outcome, delivered: bool, accepted: int = 0) -> bool:
+        """While drafting, once per step with the correction's verdict and how many drafted
+        tokens it accepted: False means pause now."""
         if not self.enabled:
             return True
         if delivered:
-            self.useful += EMA * (float(outcome is not Outcome.MISS) - self.useful)
+            useful = accepted > 0 or outcome is not Outcome.MISS
+            self.useful += EMA * (float(useful) - self.useful)
         slower = (self.with_draft.steps >= JUDGE_STEPS and self.alone.steps > 0
                   and self.with_draft.s_per_token > self.alone.s_per_token)
         if self.useful >= BACKOFF_USEFUL and not slower:

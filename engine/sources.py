@@ -178,7 +178,7 @@ class LocalCard:
         if self._last_chain_len:
             accepted = float(len(correction.accepted_tokens) > 0)
             self.first_token_accept += _EMA * (accepted - self.first_token_accept)
-        if not self.governor.keep(advance.outcome, delivered):
+        if not self.governor.keep(advance.outcome, delivered, len(correction.accepted_tokens)):
             self._stop_drafting()
             return StepResult(Chain(epoch=advance.epoch), advance.outcome)
         self.worker.advance(self.session_id, advance)

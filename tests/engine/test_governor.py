@@ -90,6 +90,16 @@ def test_undelivered_misses_do_not_count() -> None:
     assert gov.useful == 0.5
 
 
+def test_a_chain_accepted_to_its_tier_b_end_is_not_held_against_the_draft() -> None:
+    """The tree calls it a miss (the next token has no node), but every drafted token was right."""
+    gov, clock = calibrated()
+    for _ in range(30):
+        clock.now += 0.1
+        gov.timed(5)
+        assert gov.keep(Outcome.MISS, delivered=True, accepted=4)
+    assert gov.backoffs == 0
+
+
 def test_a_probe_is_judged_on_fewer_misses_than_a_new_session() -> None:
     clock = Clock()
     gov = Governor(calibration_steps=0, clock=clock)
