@@ -15,7 +15,6 @@ thread) and the draft worker thread.
 from __future__ import annotations
 
 import copy
-import statistics
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -23,7 +22,7 @@ from typing import Protocol
 
 import torch
 
-from engine import kv as kvops
+from client.bench_costs import verify_costs
 from engine.config import GenerationRequest, StopParams, TreeParams
 from engine.errors import InvalidArgument
 from engine.models import LoadedModel
@@ -215,21 +214,8 @@ def step_ms_by_threads(model: torch.nn.Module, max_threads: int, reps: int = 5) 
     thread than on two (docs/performance.md), its matrices too small to pay the threads' sync."""
     counts = range(1, max_threads + 1) if max_threads <= 8 else sorted({1, 2, 4, 8, max_threads})
     previous = torch.get_num_threads()
-    cache = kvops.new_cache()
-    n = 64
-    kvops.forward(model, cache, torch.arange(1, n + 1), torch.arange(n))
-    token = torch.tensor([n + 1])
-    out = {}
+    prompt = list(range(1, 65))
     try:
-        for t in counts:
-            torch.set_num_threads(t)
-            times = []
-            for _ in range(reps + 1):  # the first is a warm-up
-                t0 = time.perf_counter()
-                kvops.forward(model, cache, token, torch.arange(n, n + 1))
-                kvops.kv_crop(cache, n)
-                times.append(time.perf_counter() - t0)
-            out[t] = statistics.median(times[1:]) * 1e3
+        return {t: verify_costs(model, prompt, range(1), t, reps)[0][1] for t in counts}
     finally:
         torch.set_num_threads(previous)
-    return out
