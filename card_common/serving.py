@@ -2,21 +2,20 @@
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import json
 import logging
 import signal
 import sys
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from concurrent import futures
 from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from engine.errors import CardError, InvalidArgument, Unavailable
+from engine.errors import InvalidArgument, Unavailable
 
 log = logging.getLogger(__name__)
 
@@ -41,20 +40,6 @@ SERVER_OPTIONS: tuple[tuple[str, Any], ...] = (
 def make_server(max_workers: int = 32) -> grpc.Server:
     """A thread-pool gRPC server with the shared options. Each open stream holds one thread."""
     return grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=list(SERVER_OPTIONS))
-
-
-@contextlib.contextmanager
-def exit_on_startup_error(program: str) -> Iterator[None]:
-    """Failures a person can fix at startup (bad flags, a taken port, a missing model) become one
-    line on stderr and exit code 2, never a traceback."""
-    try:
-        yield
-    except CardError as exc:
-        print(f"{program}: {exc.code}: {exc}", file=sys.stderr, flush=True)
-        sys.exit(2)
-    except OSError as exc:  # e.g. the metrics port is taken
-        print(f"{program}: {exc}", file=sys.stderr, flush=True)
-        sys.exit(2)
 
 
 def bind(server: grpc.Server, addr: str) -> int:

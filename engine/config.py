@@ -6,6 +6,7 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
+from engine.devices import resolve_device
 from engine.errors import InvalidArgument
 
 
@@ -63,9 +64,6 @@ class TreeParams:
     max_depth:  layers grown below the root before the drafter idles until a correction.
     max_chain:  most drafted tokens the target verifies in one forward.
     b_extension: extend the chain by the best secondary-tier child of its last node.
-    min_chain:  in-process card only: when the tree holds a shorter chain and the draft is still
-                growing it, the target waits for it, at most ``min_chain_wait_s``. 0 never waits
-                (the services never do: a Step must not block).
     min_path_prob: cut the chain before the first token whose path score (the draft's
                 probability of the prefix up to it) is below this; 0 never cuts. A row pays when
                 its chance of acceptance exceeds its verify cost over the time per token: on a
@@ -77,8 +75,6 @@ class TreeParams:
     max_depth: int = 8
     max_chain: int = 8
     b_extension: bool = True
-    min_chain: int = 0
-    min_chain_wait_s: float = 0.25
     min_path_prob: float = 0.0
 
     def __post_init__(self) -> None:
@@ -90,27 +86,43 @@ class TreeParams:
             raise InvalidArgument(f"max_depth must be >= 1, got {self.max_depth}")
         if self.max_chain < 0:
             raise InvalidArgument(f"max_chain must be >= 0, got {self.max_chain}")
-        if not 0 <= self.min_chain <= self.max_chain:
-            raise InvalidArgument(
-                f"min_chain must be in [0, max_chain={self.max_chain}], got {self.min_chain}")
-        if not (math.isfinite(self.min_chain_wait_s) and self.min_chain_wait_s >= 0):
-            raise InvalidArgument(f"min_chain_wait_s must be finite and >= 0, got {self.min_chain_wait_s}")
         if not 0.0 <= self.min_path_prob <= 1.0:
             raise InvalidArgument(f"min_path_prob must be in [0, 1], got {self.min_path_prob}")
 
     def with_overrides(self, **overrides: object) -> TreeParams:
-        """These params with every override that is not None applied (CLI flags over a default).
+        """These params with every override that is not None applied: the one way flags (or a
+        request's ChainPolicy) go over a default."""
+        return dataclasses.replace(self, **{k: v for k, v in overrides.items() if v is not None})
 
-        ``min_chain`` is clamped to the resulting ``max_chain`` unless it was given explicitly.
-        """
-        given = {name: value for name, value in overrides.items() if value is not None}
-        merged = dataclasses.replace(self, **{**given, "min_chain": 0})
-        min_chain = given.get("min_chain", min(self.min_chain, merged.max_chain))
-        return dataclasses.replace(merged, min_chain=min_chain)
+    @property
+    def chain(self) -> ChainPolicy:
+        """The chain fields, every one set (what a session uses)."""
+        return ChainPolicy(self.max_chain, self.min_path_prob, self.b_extension)
 
     @property
     def k(self) -> int:
         return self.branch or self.width
+
+
+@dataclass(frozen=True)
+class ChainPolicy:
+    """The chain fields of TreeParams that one request may set for its own cache session.
+
+    The tree's shape (width, branch, depth) belongs to the draft worker that grows it; how much of
+    the tree the target verifies per forward is the request's to choose. ``None`` keeps the
+    serving side's value. ``over(tree)`` validates through TreeParams.
+    """
+
+    max_chain: int | None = None
+    min_path_prob: float | None = None
+    b_extension: bool | None = None
+
+    def over(self, tree: TreeParams) -> TreeParams:
+        return tree.with_overrides(**dataclasses.asdict(self))
+
+    @property
+    def empty(self) -> bool:
+        return all(v is None for v in dataclasses.asdict(self).values())
 
 
 @dataclass(frozen=True)
@@ -120,6 +132,7 @@ class GenerationRequest:
     prompt_ids: tuple[int, ...]
     sampling: SamplingParams = field(default_factory=SamplingParams)
     stop: StopParams = field(default_factory=StopParams)
+    chain: ChainPolicy = field(default_factory=ChainPolicy)
 
 
 # Layer shape by hardware, measured on the Qwen2.5-Coder 0.5B -> 1.5B pair (docs/performance.md).
@@ -132,8 +145,9 @@ class GenerationRequest:
 # the target borrows its core meanwhile (engine.core_lending); depth 16 kept the draft busy and
 # the target on half the cores (1.25x vs 1.41x, GSM8K 3x64, round 2).
 # GPUs forward K nodes for about the price of one, so the wider tree pays there.
-# min_chain stays 0 (the design's "the target never waits"): waiting for 2-token chains raised
-# card's accepted length on GSM8K 10x128 from 2.84 to 3.27 but not its speed (4.77 vs 4.79 tok/s).
+# No wait for longer chains (the design's "the target never waits"): an in-process policy that
+# waited for 2-token chains raised card's accepted length on GSM8K 10x128 from 2.84 to 3.27 but not
+# its speed (4.77 vs 4.79 tok/s), and was removed.
 # min_path_prob stays 0: on the AVX-512 box a verified row costs ~15 ms of a ~105 ms token, and
 # cutting at 0.2 or 0.35 gave no gain on GSM8K or MT-Bench (docs/performance.md).
 CPU_TREE = TreeParams(width=3, branch=4, max_depth=8, max_chain=6)
@@ -143,3 +157,9 @@ GPU_TREE = TreeParams()
 def default_tree_params(device_type: str) -> TreeParams:
     """The tree shape for a model running on ``device_type`` ("cpu", "cuda", ...)."""
     return CPU_TREE if device_type == "cpu" else GPU_TREE
+
+
+def tree_params(device: str, **overrides: object) -> TreeParams:
+    """The hardware default for ``device`` (a device spec, ``auto`` included) with every flag
+    that was given (not None) over it: what every entry point builds its tree settings with."""
+    return default_tree_params(resolve_device(device).type).with_overrides(**overrides)

@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from engine.cpu_linear import can_pack, pack_linears
+from engine.devices import resolve_device
 from engine.errors import InvalidArgument, NotFound
 from engine.fingerprint import tokenizer_fingerprint
 
@@ -109,14 +110,6 @@ class LoadedModel:
                 ids = ids["input_ids"]
             return list(ids)
         return list(self.tokenizer(prompt, add_special_tokens=True)["input_ids"])
-
-
-def resolve_device(device: str) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise InvalidArgument(f"device {device} was asked for but CUDA is not available")
-    return torch.device(device)
 
 
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:

@@ -40,6 +40,16 @@ class SamplingParams(_message.Message):
     seed: int
     def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
 
+class ChainPolicy(_message.Message):
+    __slots__ = ("max_chain", "min_path_prob", "b_extension")
+    MAX_CHAIN_FIELD_NUMBER: _ClassVar[int]
+    MIN_PATH_PROB_FIELD_NUMBER: _ClassVar[int]
+    B_EXTENSION_FIELD_NUMBER: _ClassVar[int]
+    max_chain: int
+    min_path_prob: float
+    b_extension: bool
+    def __init__(self, max_chain: _Optional[int] = ..., min_path_prob: _Optional[float] = ..., b_extension: _Optional[bool] = ...) -> None: ...
+
 class GenerationStats(_message.Message):
     __slots__ = ("mode", "prompt_tokens", "new_tokens", "wall_s", "prefill_s", "target_forwards", "draft_forwards", "hits", "secondary_hits", "misses", "target_idle_s", "draft_idle_s", "step_rtt_ms", "accepted_lengths")
     MODE_FIELD_NUMBER: _ClassVar[int]

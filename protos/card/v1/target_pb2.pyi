@@ -26,7 +26,7 @@ class ChatMessage(_message.Message):
     def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompt", "messages", "prompt_ids", "sampling", "max_new_tokens", "stop", "draft", "mode", "chat", "ignore_eos")
+    __slots__ = ("prompt", "messages", "prompt_ids", "sampling", "max_new_tokens", "stop", "draft", "mode", "chat", "ignore_eos", "chain")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
     PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -37,6 +37,7 @@ class GenerateRequest(_message.Message):
     MODE_FIELD_NUMBER: _ClassVar[int]
     CHAT_FIELD_NUMBER: _ClassVar[int]
     IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
+    CHAIN_FIELD_NUMBER: _ClassVar[int]
     prompt: str
     messages: Conversation
     prompt_ids: _common_pb2.Tensor
@@ -47,7 +48,8 @@ class GenerateRequest(_message.Message):
     mode: str
     chat: ChatMode
     ignore_eos: bool
-    def __init__(self, prompt: _Optional[str] = ..., messages: _Optional[_Union[Conversation, _Mapping]] = ..., prompt_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., draft: _Optional[str] = ..., mode: _Optional[str] = ..., chat: _Optional[_Union[ChatMode, str]] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
+    chain: _common_pb2.ChainPolicy
+    def __init__(self, prompt: _Optional[str] = ..., messages: _Optional[_Union[Conversation, _Mapping]] = ..., prompt_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., draft: _Optional[str] = ..., mode: _Optional[str] = ..., chat: _Optional[_Union[ChatMode, str]] = ..., ignore_eos: _Optional[bool] = ..., chain: _Optional[_Union[_common_pb2.ChainPolicy, _Mapping]] = ...) -> None: ...
 
 class Conversation(_message.Message):
     __slots__ = ("messages",)
