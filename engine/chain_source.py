@@ -2,7 +2,8 @@
 
     open(prompt_ids)          the committed sequence at epoch 0
     step(correction) -> StepResult   apply the target's correction, return the next chain at once
-    close() -> SourceStats    end the session; the draft side's counters
+    close(stats) -> SourceStats      end the session, given the target side's counters (a remote
+                              source records them with the cache); the draft side's counters
 
 A source owns its epoch (the target echoes ``chain.epoch`` back in the next correction) and its
 own counters; it is told nothing else. The generation loop (engine.generate) owns the committed
@@ -16,6 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from engine.stats import GenerationStats
 from engine.tree import Chain, Correction, Outcome
 
 
@@ -45,4 +47,4 @@ class ChainSource(Protocol):
 
     def step(self, correction: Correction) -> StepResult: ...
 
-    def close(self) -> SourceStats: ...
+    def close(self, stats: GenerationStats) -> SourceStats: ...
