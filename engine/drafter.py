@@ -41,9 +41,6 @@ class Drafter:
         self.kv_slot = torch.empty(0, dtype=torch.int64)  # [N] per tree row, -1 = not expanded
         self.anc = torch.zeros(0, 0, dtype=torch.bool)  # [T, T]
         self.next_id = 0
-        # (node ids [F], logits [F, V]) of the latest forward, for tests; a reference, no copy.
-        # After a root forward the single id is the root's.
-        self.last_logits: tuple[torch.Tensor, torch.Tensor] | None = None
 
     # ---- session lifecycle -------------------------------------------------------------------
     def start(self, committed: Sequence[int], epoch: int = 0) -> None:
@@ -123,7 +120,6 @@ class Drafter:
         self.n_committed += tokens.numel()
         self.pending = []
         root = torch.tensor([self.tree.root_id], dtype=torch.int64)
-        self.last_logits = (root, logits[-1:])
         return self._top_children(logits[-1:], root, torch.zeros(1))
 
     def _expand(self, frontier: torch.Tensor) -> Layer:
@@ -146,7 +142,6 @@ class Drafter:
         anc[t:] = visible
         self.anc = anc
         self.kv_slot[frontier] = torch.arange(t, t + f)
-        self.last_logits = (tree.ids[frontier], logits)
         return self._top_children(logits, tree.ids[frontier], tree.path_logp[frontier])
 
     def _regrow(self) -> Layer | None:

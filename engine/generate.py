@@ -14,9 +14,9 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.chain_source import ChainSource
 from engine.config import GenerationRequest
 from engine.errors import InvalidArgument
-from engine.sources import ChainSource
 from engine.stats import GenerationStats
 from engine.stopping import OutputTracker
 from engine.target import TargetState
@@ -85,7 +85,8 @@ class Generation:
         stats, tracker = self.stats, self.tracker
         t0 = time.perf_counter()
         target = TargetState(self.model, self.request.prompt_ids, self.request.sampling)
-        self.source.open(self.request.prompt_ids)
+        # the committed sequence has one owner, the target state; the source may read it
+        self.source.open(target.committed)
         try:
             token = target.prefill()
             stats.prefill_s = time.perf_counter() - t0
@@ -116,13 +117,14 @@ class Generation:
                 kept, text = tracker.feed([*accepted, token])
                 yield Chunk(tuple(kept), text)
         finally:
-            # target-side stats first: a remote source sends them to the cache when it closes
+            # target-side stats first: a remote source records them with the cache when it closes
             stats.wall_s = time.perf_counter() - t0
             stats.new_tokens = len(tracker.token_ids)
             stats.target_forwards = target.forwards
-            src = self.source.close()
+            src = self.source.close(stats)
             stats.draft_forwards = src.draft_forwards
             stats.draft_idle_s = src.draft_idle_s
+            stats.step_rtt_ms = src.step_rtt_ms
             self.result = GenerationResult(
                 tracker.text, list(tracker.token_ids), tracker.finish_reason or "aborted", stats
             )

@@ -13,12 +13,13 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.chain_source import ChainSource
 from engine.config import GenerationRequest, TreeParams
 from engine.core_lending import CoreLender
 from engine.errors import FailedPrecondition, InvalidArgument
 from engine.generate import Generation
 from engine.models import LoadedModel
-from engine.sources import ChainSource, LocalCard, NoDraft, SyncDraft
+from engine.sources import LocalCard, NoDraft, SyncDraft
 from engine.tree import Layer
 from engine.worker import DraftWorker
 
@@ -28,7 +29,7 @@ MODES = ("vanilla", "sd", "card")
 @dataclass(frozen=True)
 class RunnerConfig:
     """mode; tree shape (card); gamma (sd chain length); torch threads per model (None = all);
-    cache_device for card's tree; lockstep_depth (card, see LocalCard); lend_cores (card on the
+    cache_device for card's tree; lend_cores (card on the
     CPU: the target borrows the draft's threads while the draft idles, engine.core_lending);
     backoff (card: pause a draft that misses or slows the target, engine.governor) and
     calibration_steps (plain steps that open each generation to measure the target's pace alone,
@@ -40,7 +41,6 @@ class RunnerConfig:
     target_threads: int | None = None
     draft_threads: int | None = None
     cache_device: str = "cpu"
-    lockstep_depth: int = 0
     lend_cores: bool = True
     backoff: bool = True
     calibration_steps: int = 4
@@ -88,10 +88,14 @@ class InProcessRunner:
             self.worker = DraftWorker(self.draft.model, cfg.tree, self._publish,
                                       threads=cfg.draft_threads, name=self.draft.name)
             self.worker.start()
-        source = LocalCard(self.worker, cfg.tree, cfg.cache_device, cfg.lockstep_depth, lender=self._lender(),
-                           calibration_steps=cfg.calibration_steps, backoff=cfg.backoff)
+        source = self._new_card()
         self._cards.add(source)
         return source
+
+    def _new_card(self) -> LocalCard:
+        cfg = self.config
+        return LocalCard(self.worker, cfg.tree, cfg.cache_device, lender=self._lender(),
+                         calibration_steps=cfg.calibration_steps, backoff=cfg.backoff)
 
     def _lender(self) -> CoreLender | None:
         cfg = self.config

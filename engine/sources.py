@@ -1,4 +1,5 @@
-"""Where the target's chains come from: one interface, one implementation per decoding mode.
+"""Where the target's chains come from: one implementation of engine.chain_source.ChainSource
+per decoding mode.
 
     vanilla  NoDraft:        every chain is empty, the target decodes alone
     sd       SyncDraft:      classic draft-then-verify; after each correction the drafter grows a
@@ -13,53 +14,31 @@ The gRPC trio plugs in the same way (target_service's RemoteCard), so the genera
 from __future__ import annotations
 
 import threading
-import time
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 
+from engine.chain_source import SourceStats, StepResult
 from engine.config import TreeParams
 from engine.core_lending import CoreLender
 from engine.drafter import Drafter
 from engine.governor import Governor
-from engine.tree import Advance, Chain, Correction, Layer, Outcome, TwoTierTree
+from engine.stats import GenerationStats
+from engine.tree import Advance, Chain, Correction, Layer, TwoTierTree
 from engine.worker import DraftWorker
-
-
-@dataclass(frozen=True)
-class StepResult:
-    chain: Chain
-    outcome: Outcome | None = None  # verdict on the correction that this step applied
-
-
-@dataclass
-class SourceStats:
-    draft_forwards: int = 0
-    draft_idle_s: float = 0.0
-
-
-class ChainSource(Protocol):
-    def open(self, prompt_ids: Sequence[int]) -> None: ...
-
-    def step(self, correction: Correction) -> StepResult: ...
-
-    def close(self) -> SourceStats: ...
 
 
 class NoDraft:
     """Plain decoding: the target alone."""
 
-    def open(self, prompt_ids: Sequence[int]) -> None:
-        self.epoch = 0
+    def open(self, committed: Sequence[int]) -> None:
+        pass
 
     def step(self, correction: Correction) -> StepResult:
-        self.epoch = correction.epoch + 1
-        return StepResult(Chain(epoch=self.epoch))
+        return StepResult(Chain(epoch=correction.epoch))
 
-    def close(self) -> SourceStats:
+    def close(self, stats: GenerationStats) -> SourceStats:
         return SourceStats()
 
 
@@ -70,8 +49,8 @@ class SyncDraft:
         self.gamma = gamma
         self.drafter = Drafter(model, TreeParams(width=1, branch=1, max_depth=gamma, max_chain=gamma))
 
-    def open(self, prompt_ids: Sequence[int]) -> None:
-        self.drafter.start(prompt_ids)
+    def open(self, committed: Sequence[int]) -> None:
+        self.drafter.start(committed)
         self.drafter.forwards = 0
 
     def step(self, correction: Correction) -> StepResult:
@@ -82,22 +61,14 @@ class SyncDraft:
             pass
         return StepResult(self.drafter.tree.best_chain(self.gamma, b_extension=False), outcome)
 
-    def close(self) -> SourceStats:
-        stats = SourceStats(draft_forwards=self.drafter.forwards)
+    def close(self, stats: GenerationStats) -> SourceStats:
+        done = SourceStats(draft_forwards=self.drafter.forwards)
         self.drafter.release()
-        return stats
-
-
-_EMA = 0.2  # weight of the newest step in the first-token-acceptance moving average
-_WAIT_MIN_ACCEPT = 0.5  # below this, never wait for the draft's chains (min_chain)
+        return done
 
 
 class LocalCard:
     """CARD in one process: a draft worker thread and a local candidate tree.
-
-    ``lockstep_depth > 0`` makes every step wait until the tree is that deep below the root
-    (bounded by ``lockstep_timeout_s``): the paper's draft-R-layers-then-exchange rhythm. It is
-    off by default; tests use it to drive hits and re-roots deterministically.
 
     Back-off (engine.governor): when the draft keeps missing, or the target commits tokens more
     slowly with it than alone, the draft session is stopped and the target decodes alone for a
@@ -108,7 +79,6 @@ class LocalCard:
     """
 
     def __init__(self, worker: DraftWorker | None, params: TreeParams, device: str = "cpu",
-                 lockstep_depth: int = 0, lockstep_timeout_s: float = 60.0,
                  lender: CoreLender | None = None, calibration_steps: int = 0,
                  backoff: bool = True) -> None:
         self.worker = worker
@@ -117,14 +87,8 @@ class LocalCard:
         self.tree = TwoTierTree(torch.device(device))
         self.lock = threading.Condition()
         self.session_id = ""
-        self.lockstep_depth = min(lockstep_depth, params.max_depth)
-        self.lockstep_timeout_s = lockstep_timeout_s
         self.governor = Governor(calibration_steps, enabled=backoff)
-        # moving average of "the target accepted the first token of a non-empty chain": waiting
-        # for a chain (min_chain) pays only when it is high
-        self.first_token_accept = 1.0
-        self._last_chain_len = 0
-        self._committed: list[int] = []
+        self._committed: Sequence[int] = ()  # the generation's, read when drafting (re)starts
         self._delivered = False  # the current draft session has published a layer
         self._done = SourceStats()  # stats of the draft sessions already stopped
 
@@ -140,8 +104,8 @@ class LocalCard:
                 self.tree.apply_layer(layer)
                 self.lock.notify_all()
 
-    def open(self, prompt_ids: Sequence[int]) -> None:
-        self._committed = list(prompt_ids)
+    def open(self, committed: Sequence[int]) -> None:
+        self._committed = committed
         self._done = SourceStats()
         if self.governor.open():
             self._start_drafting(0)
@@ -154,7 +118,6 @@ class LocalCard:
             self.tree.reset(epoch)
             self._delivered = False
         self.worker.start_session(self.session_id, self._committed, epoch)
-        self.first_token_accept, self._last_chain_len = 1.0, 0
 
     def _stop_drafting(self) -> None:
         stats = self.worker.session_stats(self.session_id)
@@ -166,7 +129,6 @@ class LocalCard:
             self.session_id = ""
 
     def step(self, correction: Correction) -> StepResult:
-        self._committed += [*correction.accepted_tokens, correction.next_token]
         self.governor.timed(len(correction.accepted_tokens) + 1)
         if not self.session_id:  # paused (or calibrating): the target decodes alone
             if self.governor.resume():
@@ -175,36 +137,19 @@ class LocalCard:
         with self.lock:
             delivered = self._delivered
             advance = self.tree.apply_correction(correction)
-        if self._last_chain_len:
-            accepted = float(len(correction.accepted_tokens) > 0)
-            self.first_token_accept += _EMA * (accepted - self.first_token_accept)
         if not self.governor.keep(advance.outcome, delivered, len(correction.accepted_tokens)):
             self._stop_drafting()
             return StepResult(Chain(epoch=advance.epoch), advance.outcome)
         self.worker.advance(self.session_id, advance)
-        params = self.params
         with self.lock:
-            if self.lockstep_depth:
-                self.lock.wait_for(lambda: self.tree.sizes().depth >= self.lockstep_depth,
-                                   self.lockstep_timeout_s)
-            chain = self.tree.best_chain(params.max_chain, params.b_extension, params.min_path_prob)
-            if len(chain) < params.min_chain and self.first_token_accept >= _WAIT_MIN_ACCEPT:
-                chain = self._wait_for_chain(chain)
-        self._last_chain_len = len(chain)
-        return StepResult(chain, advance.outcome)
+            return StepResult(self._chain(), advance.outcome)
 
-    def _wait_for_chain(self, chain: Chain) -> Chain:
-        """Wait (lock held) until the chain is ``min_chain`` long, the draft idles or time is up."""
+    def _chain(self) -> Chain:
+        """The best chain in the tree now (lock held)."""
         params = self.params
-        deadline = time.monotonic() + params.min_chain_wait_s
-        while len(chain) < params.min_chain and not self.worker.idle.is_set():
-            left = deadline - time.monotonic()
-            if left <= 0 or not self.lock.wait(left):
-                break
-            chain = self.tree.best_chain(params.max_chain, params.b_extension, params.min_path_prob)
-        return chain
+        return self.tree.best_chain(params.max_chain, params.b_extension, params.min_path_prob)
 
-    def close(self) -> SourceStats:
+    def close(self, stats: GenerationStats) -> SourceStats:
         if self.lender is not None:
             self.lender.detach()
         if self.session_id:

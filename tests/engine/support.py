@@ -16,10 +16,13 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache
 
+from engine.chain_source import ChainSource
 from engine.config import GenerationRequest, SamplingParams, StopParams, TreeParams
+from engine.drafter import Drafter
 from engine.generate import Chunk, Generation, GenerationResult
-from engine.sources import ChainSource, LocalCard, NoDraft, SyncDraft
-from engine.tree import TwoTierTree
+from engine.runner import InProcessRunner
+from engine.sources import LocalCard, NoDraft, SyncDraft
+from engine.tree import Chain, Layer, TwoTierTree
 from engine.worker import DraftWorker
 from tests.tiny_models import sharpened, tiny_model
 
@@ -147,10 +150,55 @@ def wait_until(predicate: Callable[[], bool], timeout_s: float = 10.0) -> bool:
     return True
 
 
+class LockstepCard(LocalCard):
+    """LocalCard whose every step waits until the tree is ``depth`` deep below the root (at most
+    ``timeout_s``): the paper's draft-R-layers-then-exchange rhythm. Tests use it to drive hits
+    and re-roots deterministically; serving never waits for the draft."""
+
+    def __init__(self, *args: object, depth: int, timeout_s: float = 60.0, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)
+        self.depth = min(depth, self.params.max_depth)
+        self.timeout_s = timeout_s
+
+    def _chain(self) -> Chain:
+        self.lock.wait_for(lambda: self.tree.sizes().depth >= self.depth, self.timeout_s)
+        return super()._chain()
+
+
+class LockstepRunner(InProcessRunner):
+    """InProcessRunner whose card mode runs LockstepCard (``depth`` 0: the plain LocalCard)."""
+
+    def __init__(self, *args: object, lockstep_depth: int, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)
+        self.lockstep_depth = lockstep_depth
+
+    def _new_card(self) -> LocalCard:
+        if not self.lockstep_depth:
+            return super()._new_card()
+        cfg = self.config
+        return LockstepCard(self.worker, cfg.tree, cfg.cache_device, lender=self._lender(),
+                            calibration_steps=cfg.calibration_steps, backoff=cfg.backoff,
+                            depth=self.lockstep_depth)
+
+
+class RecordingDrafter(Drafter):
+    """A Drafter that keeps (node ids [F], logits [F, V]) of its latest forward: the expanded
+    nodes' ids (the root's after a root forward) and their logits, a reference, no copy."""
+
+    last_logits: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def _top_children(self, logits: torch.Tensor, parent_ids: torch.Tensor,
+                      parent_path: torch.Tensor) -> Layer:
+        self.last_logits = (parent_ids, logits)
+        return super()._top_children(logits, parent_ids, parent_path)
+
+
 @contextlib.contextmanager
 def card_source(draft: torch.nn.Module, params: TreeParams, lockstep_depth: int = 0) -> Iterator[LocalCard]:
-    """A LocalCard wired to its own running DraftWorker; on exit the worker must hold nothing."""
-    card = LocalCard(None, params, lockstep_depth=lockstep_depth)
+    """A LocalCard (a LockstepCard when ``lockstep_depth``) wired to its own running DraftWorker;
+    on exit the worker must hold nothing."""
+    card = (LockstepCard(None, params, depth=lockstep_depth) if lockstep_depth
+            else LocalCard(None, params))
     worker = DraftWorker(draft, params, card.publish, name="test")
     card.worker = worker
     worker.start()
@@ -182,10 +230,8 @@ class DraftSession:
 
     def __init__(self, model: torch.nn.Module, params: TreeParams, prompt: Sequence[int],
                  seed: int = 0) -> None:
-        from engine.drafter import Drafter
-
         self.model = model
-        self.drafter = Drafter(model, params)
+        self.drafter = RecordingDrafter(model, params)
         self.mirror = TwoTierTree()
         self.committed = list(prompt)
         self.in_flight: list = []

@@ -45,10 +45,9 @@ def test_min_path_prob_is_checked() -> None:
 
 
 def test_overrides_apply_only_what_was_given() -> None:
-    base = TreeParams(width=1, branch=4, max_depth=8, max_chain=6, min_chain=2, min_path_prob=0.2)
+    base = TreeParams(width=1, branch=4, max_depth=8, max_chain=6, min_path_prob=0.2)
     assert base.with_overrides(width=None, max_chain=None) == base
     assert base.with_overrides(max_chain=4, min_path_prob=0.0) == TreeParams(
-        width=1, branch=4, max_depth=8, max_chain=4, min_chain=2, min_path_prob=0.0)
-    assert base.with_overrides(max_chain=1).min_chain == 1  # the default follows a shorter cap
-    with pytest.raises(InvalidArgument, match="min_chain"):
-        base.with_overrides(max_chain=1, min_chain=2)  # an explicit one is checked
+        width=1, branch=4, max_depth=8, max_chain=4, min_path_prob=0.0)
+    with pytest.raises(InvalidArgument, match="max_chain"):
+        base.with_overrides(max_chain=-1)  # the merged params are checked

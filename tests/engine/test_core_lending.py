@@ -12,7 +12,7 @@ from engine.models import LoadedModel
 from engine.runner import InProcessRunner, RunnerConfig
 from engine.tree import Advance, Outcome
 from engine.worker import DraftWorker
-from tests.engine.support import letters, prompt_cases, wait_until
+from tests.engine.support import LockstepRunner, letters, prompt_cases, wait_until
 from tests.tiny_models import sharpened, tiny_model
 
 
@@ -67,8 +67,8 @@ def test_card_with_core_lending_equals_vanilla() -> None:
     # lockstep at max depth: the worker fills the tree, then idles while the target verifies
     tree = TreeParams(width=1, branch=3, max_depth=2, max_chain=2)
     vanilla = InProcessRunner(target, None, RunnerConfig(mode="vanilla", target_threads=1))
-    card = InProcessRunner(target, draft, RunnerConfig(mode="card", tree=tree, target_threads=1,
-                                                       draft_threads=1, lockstep_depth=2))
+    card = LockstepRunner(target, draft, RunnerConfig(mode="card", tree=tree, target_threads=1,
+                                                      draft_threads=1), lockstep_depth=2)
     try:
         borrowed = 0
         for prompt, budget in prompt_cases(6, seed=11, max_new=48):

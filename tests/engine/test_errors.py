@@ -162,7 +162,11 @@ def test_bad_runner_values(kwargs: dict) -> None:
 
 
 def test_good_values_are_accepted() -> None:
-    SamplingParams(temperature=0.0, top_k=0, top_p=1.0, seed=0)
-    SamplingParams(temperature=2.0, top_k=50, top_p=0.01, seed=2**40)
-    StopParams(max_new_tokens=1, stop=("\n",))
-    TreeParams(width=64, branch=64, max_depth=1, max_chain=0)
+    """The edges of every valid range are kept as given (and greedy is exactly temperature 0)."""
+    assert SamplingParams(temperature=0.0, top_k=0, top_p=1.0, seed=0).greedy
+    hot = SamplingParams(temperature=2.0, top_k=50, top_p=0.01, seed=2**40)
+    assert not hot.greedy and (hot.top_k, hot.top_p, hot.seed) == (50, 0.01, 2**40)
+    assert StopParams(max_new_tokens=1, stop=("\n",)).stop == ("\n",)
+    tree = TreeParams(width=64, branch=64, max_depth=1, max_chain=0)
+    assert (tree.width, tree.k, tree.max_depth, tree.max_chain) == (64, 64, 1, 0)
+    assert TreeParams(width=3, branch=0).k == 3  # branch 0 = width

@@ -12,7 +12,7 @@ import torch
 from engine.config import GenerationRequest, StopParams, TreeParams
 from engine.models import LoadedModel, ModelConfig, load_model
 from engine.runner import InProcessRunner, RunnerConfig
-from tests.engine.support import wait_until
+from tests.engine.support import LockstepRunner, wait_until
 from tests.tiny_models import SMOLLM2_DIR
 
 pytestmark = [
@@ -77,8 +77,8 @@ def test_card_and_sd_equal_vanilla(target: LoadedModel, int8_draft: LoadedModel,
     draft = int8_draft if draft_kind == "int8" else target
     # a same-size draft cannot outrun the target asynchronously; lockstep makes its tree count
     lockstep = 3 if (mode, draft_kind) == ("card", "same") else 0
-    config = RunnerConfig(mode=mode, tree=TreeParams(width=4), gamma=4, lockstep_depth=lockstep)
-    runner = InProcessRunner(target, draft, config)
+    config = RunnerConfig(mode=mode, tree=TreeParams(width=4), gamma=4)
+    runner = LockstepRunner(target, draft, config, lockstep_depth=lockstep)
     try:
         forwards = hits = 0
         for prompt in PROMPTS:

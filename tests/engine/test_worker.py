@@ -16,7 +16,15 @@ from engine.runner import InProcessRunner, RunnerConfig
 from engine.sources import LocalCard, NoDraft
 from engine.tree import Advance, Layer, Outcome
 from engine.worker import DraftWorker
-from tests.engine.support import draft_model, generate, prompt_cases, target_model, wait_until
+from tests.engine.support import (
+    LockstepCard,
+    LockstepRunner,
+    draft_model,
+    generate,
+    prompt_cases,
+    target_model,
+    wait_until,
+)
 from tests.tiny_models import save_tiny_checkpoint
 
 PARAMS = TreeParams(width=2, max_depth=4, max_chain=3)
@@ -33,7 +41,7 @@ class Hub:
             card.publish(session_id, layer)
 
     def card(self, worker: DraftWorker, lockstep: int = 2) -> LocalCard:
-        card = LocalCard(worker, PARAMS, lockstep_depth=lockstep)
+        card = LockstepCard(worker, PARAMS, depth=lockstep) if lockstep else LocalCard(worker, PARAMS)
         self.cards.append(card)
         return card
 
@@ -146,7 +154,7 @@ def test_runner_card_and_sd_equal_vanilla_and_leak_nothing(tiny_checkpoints) -> 
     vanilla = InProcessRunner(target, None, RunnerConfig(mode="vanilla"))
     want = [vanilla.generation(r).run().token_ids for r in requests]
     for mode in ("card", "sd"):
-        runner = InProcessRunner(target, draft, RunnerConfig(mode=mode, tree=PARAMS, lockstep_depth=2))
+        runner = LockstepRunner(target, draft, RunnerConfig(mode=mode, tree=PARAMS), lockstep_depth=2)
         try:
             assert [runner.generation(r).run().token_ids for r in requests] == want
             if mode == "card":  # the runner's one worker served every session and kept nothing
