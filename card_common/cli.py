@@ -13,7 +13,9 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import click
+import grpc
 
+from card_common.status import error_from_rpc
 from engine.errors import CardError
 
 EXIT_USER_ERROR = 2
@@ -39,15 +41,37 @@ def logging_options(fn: Callable[..., Any]) -> Callable[..., Any]:
 @contextlib.contextmanager
 def exit_on_error(program: str) -> Iterator[None]:
     """Failures a person can fix (bad flags or input, a taken port, a missing model, a peer that is
-    down) become one line on stderr and exit code 2, never a traceback; Ctrl-C exits 130."""
+    down) become one line on stderr, ``PROGRAM: CODE: message``, and exit code 2, never a
+    traceback; Ctrl-C exits 130. Every command of the project (services, card-client, card-bench)
+    ends this way."""
     try:
         yield
     except CardError as exc:
-        print(f"{program}: {exc.code}: {exc}", file=sys.stderr, flush=True)
-        sys.exit(EXIT_USER_ERROR)
+        _fail(program, exc)
+    except grpc.RpcError as err:  # a peer's status, said the way the project says its own
+        _fail(program, error_from_rpc(err))
     except OSError as exc:  # e.g. a port that is taken, a file that cannot be written
         print(f"{program}: {exc}", file=sys.stderr, flush=True)
         sys.exit(EXIT_USER_ERROR)
     except KeyboardInterrupt:
         print(f"\n{program}: interrupted", file=sys.stderr, flush=True)
         sys.exit(EXIT_INTERRUPTED)
+
+
+def _fail(program: str, exc: CardError) -> None:
+    print(f"{program}: {exc.code}: {exc}", file=sys.stderr, flush=True)
+    sys.exit(EXIT_USER_ERROR)
+
+
+def exits_on_error(program: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """``exit_on_error`` as a decorator, for click commands."""
+
+    def decorate(fn: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(fn)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            with exit_on_error(program):
+                return fn(*args, **kwargs)
+
+        return wrapper
+
+    return decorate

@@ -9,7 +9,7 @@ import torch
 
 from card.v1 import cache_pb2, common_pb2
 from card_common.tensors import DTYPES, from_tensor_msg, ids_from_msg, ids_to_msg, to_tensor_msg
-from engine.config import SamplingParams
+from engine.config import ChainPolicy, SamplingParams
 from engine.errors import InvalidArgument
 from engine.stats import GenerationStats
 from engine.tree import Advance, Chain, Correction, Layer, Outcome
@@ -202,4 +202,24 @@ def stats_from_msg(msg: common_pb2.GenerationStats) -> GenerationStats:
         draft_idle_s=msg.draft_idle_s,
         step_rtt_ms=list(msg.step_rtt_ms),
         accepted_lengths=list(msg.accepted_lengths),
+    )
+
+
+# ---- chain policy (client -> target -> cache) -------------------------------------------------
+def chain_policy_to_msg(policy: ChainPolicy) -> common_pb2.ChainPolicy:
+    msg = common_pb2.ChainPolicy()
+    if policy.max_chain is not None:
+        msg.max_chain = policy.max_chain
+    if policy.min_path_prob is not None:
+        msg.min_path_prob = policy.min_path_prob
+    if policy.b_extension is not None:
+        msg.b_extension = policy.b_extension
+    return msg
+
+
+def chain_policy_from_msg(msg: common_pb2.ChainPolicy) -> ChainPolicy:
+    return ChainPolicy(
+        max_chain=msg.max_chain if msg.HasField("max_chain") else None,
+        min_path_prob=_f32(msg.min_path_prob) if msg.HasField("min_path_prob") else None,
+        b_extension=msg.b_extension if msg.HasField("b_extension") else None,
     )

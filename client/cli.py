@@ -6,45 +6,20 @@ import json
 import logging
 import os
 import sys
-from collections.abc import Callable
 from pathlib import Path
 
 import click
 
+from card_common.cli import exits_on_error, option
 from client import ops
 from client.options import DEFAULT_DRAFT, GenerateOptions
-from engine.config import SamplingParams, StopParams, TreeParams, default_tree_params
-from engine.errors import CardError
-from engine.models import DEFAULT_MODEL, DTYPES, QUANTIZE, ModelConfig, export_checkpoint, resolve_device
-
-EXIT_USER_ERROR = 2
-
-
-def fail(message: str, code: int = EXIT_USER_ERROR) -> None:
-    click.echo(f"error: {message}", err=True)
-    sys.exit(code)
-
-
-def guarded(fn: Callable) -> Callable:
-    """Domain errors become one readable line and a non-zero exit code, never a traceback."""
-
-    def wrapper(*args, **kwargs):
-        try:
-            return fn(*args, **kwargs)
-        except CardError as exc:
-            fail(f"{exc.code}: {exc}")
-        except KeyboardInterrupt:
-            click.echo("\ninterrupted", err=True)
-            sys.exit(130)
-
-    wrapper.__name__ = fn.__name__
-    wrapper.__doc__ = fn.__doc__
-    return wrapper
+from engine.config import ChainPolicy, SamplingParams, StopParams, tree_params
+from engine.models import DEFAULT_MODEL, DTYPES, QUANTIZE, ModelConfig, export_checkpoint
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
-@click.option("--log-level", default="WARNING", envvar="CARD_LOG_LEVEL", show_default=True,
-              type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False))
+@option("--log-level", default="WARNING", envvar="CARD_CLIENT_LOG_LEVEL", show_default=True,
+        type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False))
 def cli(log_level: str) -> None:
     """CARD serving: exact speculative decoding with a draft, a cache and a target service."""
     logging.basicConfig(level=log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
@@ -57,44 +32,47 @@ def cli(log_level: str) -> None:
 
 @cli.command()
 @click.argument("prompt")
-@click.option("--inprocess", is_flag=True, help="Run draft and target in this process (no services).")
-@click.option("--target", "target_addr", envvar="CARD_TARGET_ADDR", default=None,
-              help="Address of a running card-target (HOST:PORT). Unset: use a local trio.")
-@click.option("--draft", "draft_name", default=None, help="Name of the draft worker to use (services).")
-@click.option("--mode", type=click.Choice(["card", "sd", "vanilla"]), default="card", show_default=True)
-@click.option("--target-model", default=DEFAULT_MODEL, envvar="CARD_TARGET_MODEL", show_default=True,
-              help="Hugging Face id, local folder, .gguf file, or 'default' (embedded SmolLM2-135M).")
-@click.option("--draft-model", default=DEFAULT_DRAFT.spec, envvar="CARD_DRAFT_MODEL", show_default=True)
-@click.option("--draft-quantize", type=click.Choice(QUANTIZE), default=None,
-              help=f"Quantize the draft (default draft: {DEFAULT_DRAFT.quantize}; others: none).")
-@click.option("--dtype", default="auto", show_default=True, help="auto, float32, bfloat16, float16.")
-@click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda, cuda:N.")
-@click.option("--max-new-tokens", default=128, show_default=True, type=int)
-@click.option("--temperature", default=0.0, show_default=True, type=float, help="0 = greedy.")
-@click.option("--top-k", default=0, show_default=True, type=int, help="0 disables top-k.")
-@click.option("--top-p", default=1.0, show_default=True, type=float)
-@click.option("--seed", default=0, show_default=True, type=int)
-@click.option("--stop", "stop", multiple=True, help="Stop before this string (repeatable).")
-@click.option("--ignore-eos", is_flag=True, help="Keep generating past EOS.")
-@click.option("--tree-width", "-K", default=None, type=int,
-              help="K: primary nodes per draft layer (default: 3 on CPU, 4 on GPU).")
-@click.option("--branch", default=None, type=int,
-              help="k: secondary children per expanded node (default: 4 on CPU, K on GPU).")
-@click.option("--max-depth", default=None, type=int, help="Draft layers below the root (default 8).")
-@click.option("--max-chain", default=None, type=int,
-              help="Most drafted tokens verified per target forward (default: 6 on CPU, 8 on GPU).")
-@click.option("--min-path-prob", type=click.FloatRange(0.0, 1.0), default=None,
-              help="Cut chains where the draft's prefix probability falls below this "
-                   "(default: 0, never).")
-@click.option("--backoff/--no-backoff", default=True, show_default=True,
-              help="--inprocess card: pause a draft that keeps missing or makes the target slower "
-                   "than alone (docs/engine.md); --no-backoff drafts throughout.")
-@click.option("--gamma", default=4, show_default=True, type=int, help="Chain length of --mode sd.")
-@click.option("--chat/--no-chat", default=None, help="Apply the chat template (default: when there is one).")
-@click.option("--target-threads", type=int, default=None, help="torch threads of the target.")
-@click.option("--draft-threads", type=int, default=None, help="torch threads of the draft.")
-@click.option("--json", "as_json", is_flag=True, help="Print one JSON object: text, token_ids, stats.")
-@guarded
+@option("--inprocess", is_flag=True, help="Run draft and target in this process (no services).")
+@option("--target", "target_addr", envvar="CARD_CLIENT_TARGET_ADDR", default=None,
+        help="Address of a running card-target (HOST:PORT). Unset: use a local trio.")
+@option("--draft", "draft_name", default=None, help="Name of the draft worker to use (services).")
+@option("--mode", type=click.Choice(["card", "sd", "vanilla"]), default="card", show_default=True)
+@option("--target-model", default=DEFAULT_MODEL, envvar="CARD_CLIENT_TARGET_MODEL", show_default=True,
+        help="Hugging Face id, local folder, .gguf file, or 'default' (embedded SmolLM2-135M).")
+@option("--draft-model", default=DEFAULT_DRAFT.spec, envvar="CARD_CLIENT_DRAFT_MODEL", show_default=True)
+@option("--draft-quantize", type=click.Choice(QUANTIZE), default=None,
+        help=f"Quantize the draft (default draft: {DEFAULT_DRAFT.quantize}; others: none).")
+@option("--dtype", default="auto", show_default=True, help="auto, float32, bfloat16, float16.")
+@option("--device", default="auto", show_default=True, help="auto, cpu, cuda, cuda:N.")
+@option("--max-new-tokens", default=128, show_default=True, type=int)
+@option("--temperature", default=0.0, show_default=True, type=float, help="0 = greedy.")
+@option("--top-k", default=0, show_default=True, type=int, help="0 disables top-k.")
+@option("--top-p", default=1.0, show_default=True, type=float)
+@option("--seed", default=0, show_default=True, type=int)
+@option("--stop", "stop", multiple=True, help="Stop before this string (repeatable).")
+@option("--ignore-eos", is_flag=True, help="Keep generating past EOS.")
+@option("--tree-width", "-K", default=None, type=int,
+        help="K: primary nodes per draft layer (default: 3 on CPU, 4 on GPU). Draft-shape flags "
+             "(--tree-width, --branch, --max-depth) reach --inprocess runs and a local trio's "
+             "card-draft; with --target they are refused (set them where card-draft runs).")
+@option("--branch", default=None, type=int,
+        help="k: secondary children per expanded node (default: 4 on CPU, K on GPU).")
+@option("--max-depth", default=None, type=int, help="Draft layers below the root (default 8).")
+@option("--max-chain", default=None, type=int,
+        help="Most drafted tokens verified per target forward (default: 6 on CPU, 8 on GPU). "
+             "Chain flags (--max-chain, --min-path-prob) also travel with each request to --target.")
+@option("--min-path-prob", type=click.FloatRange(0.0, 1.0), default=None,
+        help="Cut chains where the draft's prefix probability falls below this "
+        "(default: 0, never).")
+@option("--backoff/--no-backoff", default=True, show_default=True,
+        help="--inprocess card: pause a draft that keeps missing or makes the target slower "
+        "than alone (docs/engine.md); --no-backoff drafts throughout.")
+@option("--gamma", default=4, show_default=True, type=int, help="Chain length of --mode sd.")
+@option("--chat/--no-chat", default=None, help="Apply the chat template (default: when there is one).")
+@option("--target-threads", type=int, default=None, help="torch threads of the target.")
+@option("--draft-threads", type=int, default=None, help="torch threads of the draft.")
+@option("--json", "as_json", is_flag=True, help="Print one JSON object: text, token_ids, stats.")
+@exits_on_error("card-client")
 def generate(prompt: str, inprocess: bool, target_addr: str | None, draft_name: str | None, mode: str,
              target_model: str, draft_model: str, draft_quantize: str | None, dtype: str, device: str,
              max_new_tokens: int, temperature: float, top_k: int, top_p: float, seed: int,
@@ -106,6 +84,8 @@ def generate(prompt: str, inprocess: bool, target_addr: str | None, draft_name: 
     """Generate text for PROMPT, streaming it as the target commits it; a stats line follows."""
     if draft_quantize is None:
         draft_quantize = DEFAULT_DRAFT.quantize if draft_model == DEFAULT_DRAFT.spec else "none"
+    draft_shape = tuple(flag for flag, value in (("--tree-width", tree_width), ("--branch", branch),
+                                                 ("--max-depth", max_depth)) if value is not None)
     opts = GenerateOptions(
         prompt=prompt,
         mode=mode,
@@ -113,7 +93,10 @@ def generate(prompt: str, inprocess: bool, target_addr: str | None, draft_name: 
         draft=ModelConfig(draft_model, dtype, device, draft_quantize),
         sampling=SamplingParams(temperature, top_k, top_p, seed),
         stop=StopParams(max_new_tokens, tuple(stop), ignore_eos),
-        tree=tree_params(device, tree_width, branch, max_depth, max_chain, min_path_prob),
+        tree=tree_params(device, width=tree_width, branch=branch, max_depth=max_depth,
+                         max_chain=max_chain, min_path_prob=min_path_prob),
+        chain=ChainPolicy(max_chain=max_chain, min_path_prob=min_path_prob),
+        draft_shape=draft_shape,
         gamma=gamma,
         backoff=backoff,
         chat=chat,
@@ -140,20 +123,12 @@ def generate(prompt: str, inprocess: bool, target_addr: str | None, draft_name: 
 @cli.command()
 @click.argument("spec")
 @click.argument("dest", type=click.Path(file_okay=False, path_type=Path))
-@click.option("--dtype", type=click.Choice(list(DTYPES)), default="float32", show_default=True)
-@guarded
+@option("--dtype", type=click.Choice(list(DTYPES)), default="float32", show_default=True)
+@exits_on_error("card-client")
 def export(spec: str, dest: Path, dtype: str) -> None:
     """Save SPEC (a .gguf file, a folder, an HF id) as a checkpoint folder DEST that loads fast."""
     loaded = export_checkpoint(spec, dest, dtype)
     click.echo(f"wrote {dest} ({loaded.name}, {dtype}); use it as a model spec")
-
-
-def tree_params(device: str, width: int | None, branch: int | None, max_depth: int | None,
-                max_chain: int | None, min_path_prob: float | None = None) -> TreeParams:
-    """Flags over the hardware default (engine.config.default_tree_params)."""
-    return default_tree_params(resolve_device(device).type).with_overrides(
-        width=width, branch=branch, max_depth=max_depth, max_chain=max_chain,
-        min_path_prob=min_path_prob)
 
 
 def _echo_text(text: str) -> None:

@@ -1,26 +1,26 @@
 """Operator commands of ``card-client``: ``up`` (a local trio), ``status``, ``drafts``.
 
-Addresses come from flags or CARD_TARGET_ADDR / CARD_CACHE_ADDR / CARD_DRAFT_ADDR (defaults:
+Addresses come from flags or CARD_CLIENT_TARGET_ADDR / CARD_CLIENT_CACHE_ADDR /
+CARD_CLIENT_DRAFT_ADDR (defaults:
 the standard local ports). Failures print one line and exit non-zero, never a traceback.
 """
 
 from __future__ import annotations
 
-import functools
 import signal
 import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 import click
 import grpc
 
 from card.v1 import cache_pb2, cache_pb2_grpc, target_pb2, target_pb2_grpc
 from card_common.channels import channel, health_status
+from card_common.cli import exits_on_error, option
 from card_common.status import error_from_rpc
 from client.trio import LocalTrio
 from engine.errors import CardError
@@ -30,27 +30,7 @@ DEFAULT_TARGET_ADDR = "localhost:50051"
 DEFAULT_CACHE_ADDR = "localhost:50052"
 DEFAULT_DRAFT_ADDR = "localhost:50053"
 RPC_TIMEOUT_S = 3.0
-EXIT_ERROR = 2
 EXIT_NOT_SERVING = 1
-
-
-def _one_line_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
-    @functools.wraps(fn)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        try:
-            return fn(*args, **kwargs)
-        except CardError as exc:
-            click.echo(f"error: {exc.code}: {exc}", err=True)
-            sys.exit(EXIT_ERROR)
-        except grpc.RpcError as err:
-            exc = error_from_rpc(err)
-            click.echo(f"error: {exc.code}: {exc}", err=True)
-            sys.exit(EXIT_ERROR)
-        except KeyboardInterrupt:
-            click.echo("\ninterrupted", err=True)
-            sys.exit(130)
-
-    return wrapper
 
 
 def _table(rows: Sequence[Sequence[str]], header: Sequence[str]) -> str:
@@ -62,24 +42,24 @@ def _table(rows: Sequence[Sequence[str]], header: Sequence[str]) -> str:
 
 # ---- up ---------------------------------------------------------------------------------------
 @click.command()
-@click.option("--target-model", default=DEFAULT_MODEL, envvar="CARD_TARGET_MODEL", show_default=True,
-              help="Hugging Face id, local folder, .gguf file, or 'default' (embedded SmolLM2-135M).")
-@click.option("--draft-model", default=DEFAULT_MODEL, envvar="CARD_DRAFT_MODEL", show_default=True)
-@click.option("--draft-quantize", type=click.Choice(QUANTIZE), default=None, envvar="CARD_DRAFT_QUANTIZE",
-              help="Default: int8 for the default draft, else none.")
-@click.option("--draft-name", default=None, help="Name of the draft worker (default: derived).")
-@click.option("--target-port", default=50051, show_default=True, type=int, help="0 = OS-chosen.")
-@click.option("--cache-port", default=50052, show_default=True, type=int, help="0 = OS-chosen.")
-@click.option("--draft-port", default=50053, show_default=True, type=int, help="0 = OS-chosen.")
-@click.option("--target-threads", type=int, default=None, help="torch threads of the target.")
-@click.option("--draft-threads", type=int, default=None, help="torch threads of the draft.")
-@click.option("--redis-url", default=None, envvar="CARD_REDIS_URL",
-              help="Use this Redis (default: start a private redis-server, or memory:// without one).")
-@click.option("--log-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
-              help="Where the services write their logs (default: a new temporary folder).")
-@click.option("--dtype", default="auto", show_default=True)
-@click.option("--device", default="auto", show_default=True)
-@_one_line_errors
+@option("--target-model", default=DEFAULT_MODEL, envvar="CARD_CLIENT_TARGET_MODEL", show_default=True,
+        help="Hugging Face id, local folder, .gguf file, or 'default' (embedded SmolLM2-135M).")
+@option("--draft-model", default=DEFAULT_MODEL, envvar="CARD_CLIENT_DRAFT_MODEL", show_default=True)
+@option("--draft-quantize", type=click.Choice(QUANTIZE), default=None, envvar="CARD_CLIENT_DRAFT_QUANTIZE",
+        help="Default: int8 for the default draft, else none.")
+@option("--draft-name", default=None, help="Name of the draft worker (default: derived).")
+@option("--target-port", default=50051, show_default=True, type=int, help="0 = OS-chosen.")
+@option("--cache-port", default=50052, show_default=True, type=int, help="0 = OS-chosen.")
+@option("--draft-port", default=50053, show_default=True, type=int, help="0 = OS-chosen.")
+@option("--target-threads", type=int, default=None, help="torch threads of the target.")
+@option("--draft-threads", type=int, default=None, help="torch threads of the draft.")
+@option("--redis-url", default=None, envvar="CARD_CLIENT_REDIS_URL",
+        help="Use this Redis (default: start a private redis-server, or memory:// without one).")
+@option("--log-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+        help="Where the services write their logs (default: a new temporary folder).")
+@option("--dtype", default="auto", show_default=True)
+@option("--device", default="auto", show_default=True)
+@exits_on_error("card-client")
 def up(target_model: str, draft_model: str, draft_quantize: str | None, draft_name: str | None,
        target_port: int, cache_port: int, draft_port: int, target_threads: int | None,
        draft_threads: int | None, redis_url: str | None, log_dir: Path | None, dtype: str,
@@ -97,8 +77,8 @@ def up(target_model: str, draft_model: str, draft_quantize: str | None, draft_na
         click.echo(f"target  {trio.target_addr}  ({target_model})")
         click.echo(f"cache   {trio.cache_addr}  (redis {trio.redis_url})")
         click.echo(f"draft   {trio.draft_addr}  ({draft_model}, quantize {draft_quantize})")
-        click.echo(f"export CARD_TARGET_ADDR={trio.target_addr} CARD_CACHE_ADDR={trio.cache_addr} "
-                   f"CARD_DRAFT_ADDR={trio.draft_addr}")
+        click.echo(f"export CARD_CLIENT_TARGET_ADDR={trio.target_addr} "
+                   f"CARD_CLIENT_CACHE_ADDR={trio.cache_addr} CARD_CLIENT_DRAFT_ADDR={trio.draft_addr}")
         click.echo("serving; Ctrl-C stops everything", err=True)
         sys.stdout.flush()
         stop = threading.Event()
@@ -173,13 +153,13 @@ def _totals_line(totals: dict[str, float]) -> str:
 
 
 @click.command()
-@click.option("--target", "target_addr", envvar="CARD_TARGET_ADDR", default=DEFAULT_TARGET_ADDR,
-              show_default=True)
-@click.option("--cache", "cache_addr", envvar="CARD_CACHE_ADDR", default=DEFAULT_CACHE_ADDR,
-              show_default=True)
-@click.option("--draft", "draft_addr", envvar="CARD_DRAFT_ADDR", default=DEFAULT_DRAFT_ADDR,
-              show_default=True, help="Health address of one draft worker.")
-@_one_line_errors
+@option("--target", "target_addr", envvar="CARD_CLIENT_TARGET_ADDR", default=DEFAULT_TARGET_ADDR,
+        show_default=True)
+@option("--cache", "cache_addr", envvar="CARD_CLIENT_CACHE_ADDR", default=DEFAULT_CACHE_ADDR,
+        show_default=True)
+@option("--draft", "draft_addr", envvar="CARD_CLIENT_DRAFT_ADDR", default=DEFAULT_DRAFT_ADDR,
+        show_default=True, help="Health address of one draft worker.")
+@exits_on_error("card-client")
 def status(target_addr: str, cache_addr: str, draft_addr: str) -> None:
     """Health of each service, registered drafts, live sessions and totals from the cache."""
     rows = []
@@ -221,9 +201,9 @@ def _drafts_table(reply: cache_pb2.StatusResponse) -> str:
 
 
 @click.command()
-@click.option("--cache", "cache_addr", envvar="CARD_CACHE_ADDR", default=DEFAULT_CACHE_ADDR,
-              show_default=True)
-@_one_line_errors
+@option("--cache", "cache_addr", envvar="CARD_CLIENT_CACHE_ADDR", default=DEFAULT_CACHE_ADDR,
+        show_default=True)
+@exits_on_error("card-client")
 def drafts(cache_addr: str) -> None:
     """Draft workers registered with the cache service."""
     click.echo(_drafts_table(cache_status(cache_addr)))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-from engine.config import SamplingParams, StopParams, TreeParams
+from engine.config import ChainPolicy, SamplingParams, StopParams, TreeParams
 from engine.models import DEFAULT_MODEL, ModelConfig
 from engine.runner import RunnerConfig
 
@@ -23,6 +23,11 @@ def default_thread_split(cores: int | None = None) -> tuple[int, int]:
 
 @dataclass(frozen=True)
 class GenerateOptions:
+    """``tree``: the hardware default with every tree flag over it (in-process runs and a local
+    trio's services); ``chain``: the chain flags that were given, which travel with a request to a
+    running target; ``draft_shape``: the draft-shape flags that were given (``--tree-width`` ...),
+    which only the process that grows the tree can honour."""
+
     prompt: str
     mode: str
     target: ModelConfig
@@ -30,14 +35,14 @@ class GenerateOptions:
     sampling: SamplingParams
     stop: StopParams
     tree: TreeParams
+    chain: ChainPolicy = field(default_factory=ChainPolicy)
+    draft_shape: tuple[str, ...] = ()
     gamma: int = 4
     chat: bool | None = None
     target_threads: int | None = None
     draft_threads: int | None = None
-    lockstep_depth: int = 0
     backoff: bool = True
     draft_name: str | None = None
-    extra: dict = field(default_factory=dict)
 
     def runner_config(self) -> RunnerConfig:
         if self.mode == "vanilla":
@@ -50,6 +55,5 @@ class GenerateOptions:
             gamma=self.gamma,
             target_threads=self.target_threads or (t if self.mode == "card" else os.cpu_count()),
             draft_threads=self.draft_threads or d,
-            lockstep_depth=self.lockstep_depth,
             backoff=self.backoff,
         )

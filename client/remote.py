@@ -15,15 +15,15 @@ import grpc
 
 from card.v1 import target_pb2, target_pb2_grpc
 from card_common.channels import channel
-from card_common.convert import sampling_to_msg, stats_from_msg
+from card_common.convert import chain_policy_to_msg, sampling_to_msg, stats_from_msg
 from card_common.status import error_from_rpc
 from card_common.tensors import ids_from_msg, ids_to_msg
-from engine.config import SamplingParams, StopParams
+from engine.config import ChainPolicy, SamplingParams, StopParams
 from engine.errors import InvalidArgument, Unavailable
 from engine.generate import GenerationResult
 
 START_HINT = ("start the services with `card-client up` "
-              "(or point --target / CARD_TARGET_ADDR at a running card-target)")
+              "(or point --target / CARD_CLIENT_TARGET_ADDR at a running card-target)")
 
 
 @dataclass
@@ -37,7 +37,8 @@ class RemoteGenerationResult(GenerationResult):
 
 
 def build_request(prompt: str | Sequence[int], *, chat: bool | None, sampling: SamplingParams,
-                  stop: StopParams, draft: str | None, mode: str) -> target_pb2.GenerateRequest:
+                  stop: StopParams, draft: str | None, mode: str,
+                  chain: ChainPolicy | None = None) -> target_pb2.GenerateRequest:
     request = target_pb2.GenerateRequest(
         sampling=sampling_to_msg(sampling),
         max_new_tokens=stop.max_new_tokens,
@@ -47,6 +48,8 @@ def build_request(prompt: str | Sequence[int], *, chat: bool | None, sampling: S
         mode=mode,
         chat={None: target_pb2.CHAT_AUTO, True: target_pb2.CHAT_ON, False: target_pb2.CHAT_OFF}[chat],
     )
+    if chain is not None and not chain.empty:
+        request.chain.CopyFrom(chain_policy_to_msg(chain))
     if isinstance(prompt, str):
         request.prompt = prompt
     else:
@@ -56,7 +59,8 @@ def build_request(prompt: str | Sequence[int], *, chat: bool | None, sampling: S
 
 def generate_remote(addr: str, prompt: str | Sequence[int], *, chat: bool | None = None,
                     sampling: SamplingParams | None = None, stop: StopParams | None = None,
-                    draft: str | None = None, mode: str = "card", timeout_s: float = 600.0,
+                    draft: str | None = None, mode: str = "card", chain: ChainPolicy | None = None,
+                    timeout_s: float = 600.0,
                     on_text: Callable[[str], None] | None = None) -> RemoteGenerationResult:
     """Stream one generation from the target at ``addr``; ``prompt`` is text or token ids.
 
@@ -67,7 +71,7 @@ def generate_remote(addr: str, prompt: str | Sequence[int], *, chat: bool | None
     if timeout_s <= 0:
         raise InvalidArgument(f"timeout must be > 0 seconds, got {timeout_s}")
     request = build_request(prompt, chat=chat, sampling=sampling or SamplingParams(),
-                            stop=stop or StopParams(), draft=draft, mode=mode)
+                            stop=stop or StopParams(), draft=draft, mode=mode, chain=chain)
     received = False
     try:
         with channel(addr) as ch:

@@ -16,8 +16,17 @@ from engine.generate import GenerationResult
 def generate_via_services(opts: GenerateOptions, target_addr: str | None,
                           on_text: Callable[[str], None] | None) -> GenerationResult:
     """Use the target at ``target_addr`` (an error if it is unreachable); with none configured,
-    start a local trio (redis-server, card-cache, card-draft, card-target) for this command."""
+    start a local trio (redis-server, card-cache, card-draft, card-target) for this command.
+
+    Every tree flag reaches the services: a local trio is started with all of them
+    (``client.trio.service_args``); a running target gets the chain flags with the request, and
+    the draft-shape flags, which only the running draft worker could honour, are refused."""
     if target_addr:
+        if opts.draft_shape:
+            raise InvalidArgument(
+                f"{', '.join(opts.draft_shape)} shape(s) the draft worker's tree and cannot travel with a "
+                f"request to --target {target_addr}; set it where card-draft runs (card-draft "
+                f"{opts.draft_shape[0]} N), or drop --target to start a local trio")
         return _remote(opts, target_addr, on_text)
     click.echo(
         "no card-target configured (--target / CARD_TARGET_ADDR): starting a local trio for this "
@@ -33,7 +42,7 @@ def generate_via_services(opts: GenerateOptions, target_addr: str | None,
         draft_name=opts.draft_name,
         dtype=opts.target.dtype,
         device=opts.target.device,
-        extra_args={"draft": ["--tree-width", str(opts.tree.width), "--max-depth", str(opts.tree.max_depth)]},
+        tree=opts.tree,
     ) as trio:
         return _remote(opts, trio.target_addr, on_text)
 
@@ -49,5 +58,6 @@ def _remote(opts: GenerateOptions, addr: str, on_text: Callable[[str], None] | N
         stop=opts.stop,
         draft=opts.draft_name,
         mode="vanilla" if opts.mode == "vanilla" else "card",
+        chain=opts.chain,
         on_text=on_text,
     )

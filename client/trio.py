@@ -32,6 +32,7 @@ import grpc
 
 from card_common.channels import health_status
 from client.options import default_thread_split
+from engine.config import TreeParams
 from engine.errors import Unavailable
 
 LISTENING = re.compile(r"^(card-\w+) listening on (\S+):(\d+)\s*$", re.MULTILINE)
@@ -148,12 +149,24 @@ class ServiceProcess:
             return None
 
 
+def service_args(tree: TreeParams) -> dict[str, list[str]]:
+    """The flags that give the services ``tree``: its shape to card-draft, its chain fields to
+    card-cache. The one place a TreeParams becomes command lines (card-client, card-bench)."""
+    return {
+        "draft": ["--tree-width", str(tree.width), "--branch", str(tree.branch),
+                  "--max-depth", str(tree.max_depth)],
+        "cache": ["--max-chain", str(tree.max_chain), "--min-path-prob", str(tree.min_path_prob),
+                  "--b-extension" if tree.b_extension else "--no-b-extension"],
+    }
+
+
 @dataclass
 class LocalTrio:
     """Parameters: models (spec, quantize), torch threads per process (None = split the cores),
     log_dir (None = a temporary folder, removed after a clean exit), redis_url (None = start a
     private redis-server, or memory:// when the binary is missing), fixed ports (0 = OS-chosen),
-    metrics (give each service a free metrics port, see ``metrics_ports``)."""
+    metrics (give each service a free metrics port, see ``metrics_ports``), tree (None = each
+    service's hardware default; else ``service_args(tree)``, before any ``extra_args``)."""
 
     target_model: str = "default"
     draft_model: str = "default"
@@ -172,9 +185,14 @@ class LocalTrio:
     metrics: bool = False
     start_timeout_s: float = 600.0
     grace_s: float = 10.0
+    tree: TreeParams | None = None
     extra_args: dict[str, Sequence[str]] = field(default_factory=dict)  # per service: "cache", ...
 
     def __post_init__(self) -> None:
+        if self.tree is not None:
+            tree_args = service_args(self.tree)
+            self.extra_args = {name: [*tree_args.get(name, ()), *self.extra_args.get(name, ())]
+                               for name in {*tree_args, *self.extra_args}}
         t, d = default_thread_split()
         self.target_threads = self.target_threads or t
         self.draft_threads = self.draft_threads or d

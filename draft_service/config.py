@@ -43,7 +43,8 @@ class DraftConfig:
 
     def __post_init__(self) -> None:
         if not self.cache_addr:
-            raise InvalidArgument("the cache address is required (--cache HOST:PORT or CARD_CACHE_ADDR)")
+            raise InvalidArgument(
+                "the cache address is required (--cache HOST:PORT or CARD_DRAFT_CACHE_ADDR)")
         if not self.name:
             raise InvalidArgument("the worker name must not be empty")
         if self.capacity < 1:

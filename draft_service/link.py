@@ -137,7 +137,7 @@ class CacheLink:
             reply = stub.RegisterDraft(
                 cache_pb2.RegisterDraftRequest(
                     name=cfg.name, model=cfg.model.label, tokenizer_fingerprint=self.model.fingerprint,
-                    capacity=cfg.capacity, tree_width=cfg.tree.width, max_depth=cfg.tree.max_depth,
+                    capacity=cfg.capacity,
                 ),
                 timeout=RPC_TIMEOUT_S,
             )

@@ -12,10 +12,15 @@ token. So every failure here degrades to plain decoding instead of failing the r
 - Step fails (timeout, cache restarted, stale epoch): that step gets an empty chain; a step after a
   short pause re-opens a session at the committed text so far (retrying with backoff while the
   cache is down).
+
+The source owns the session's epoch (a re-opened session starts again at 0, whatever the chains
+before it said) and its round-trip times; the committed sequence is the generation's, read (never
+copied) when a session must be re-opened.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Sequence
@@ -23,11 +28,12 @@ from collections.abc import Sequence
 import grpc
 
 from card.v1 import cache_pb2, cache_pb2_grpc
-from card_common.convert import correction_to_msg, stats_to_msg, step_result_from_msg
+from card_common.convert import chain_policy_to_msg, correction_to_msg, stats_to_msg, step_result_from_msg
 from card_common.status import error_from_rpc
 from card_common.tensors import ids_to_msg
+from engine.chain_source import SourceStats, StepResult
+from engine.config import ChainPolicy
 from engine.errors import CardError
-from engine.sources import SourceStats, StepResult
 from engine.stats import GenerationStats
 from engine.tree import Chain, Correction
 from target_service import metrics
@@ -43,14 +49,12 @@ def _code(err: grpc.RpcError) -> grpc.StatusCode | None:
 
 
 class RemoteCard:
-    """A ``ChainSource`` backed by the cache service.
-
-    ``stats`` (set by the caller to the Generation's stats) receives one Step round trip per step
-    in ``step_rtt_ms`` and is sent with CloseSession.
-    """
+    """A ``ChainSource`` backed by the cache service; ``chain`` is the request's ChainPolicy,
+    sent with every OpenSession."""
 
     def __init__(self, stub: cache_pb2_grpc.CacheServiceStub, *, cache_addr: str, target_model: str,
-                 fingerprint: str, draft: str = "", step_timeout_s: float = 1.0,
+                 fingerprint: str, draft: str = "", chain: ChainPolicy | None = None,
+                 step_timeout_s: float = 1.0,
                  open_timeout_s: float = 5.0, retry_initial_s: float = 0.5,
                  retry_max_s: float = 5.0) -> None:
         self.stub = stub
@@ -58,15 +62,16 @@ class RemoteCard:
         self.target_model = target_model
         self.fingerprint = fingerprint
         self.draft = draft
+        self.chain = chain or ChainPolicy()
         self.step_timeout_s = step_timeout_s
         self.open_timeout_s = open_timeout_s
         self.retry_initial_s = retry_initial_s
         self.retry_max_s = retry_max_s
-        self.stats: GenerationStats | None = None
         self.session_id = ""
         self.draft_name = ""  # the worker that served the (last) session
-        self.epoch = 0
-        self.committed: list[int] = []
+        self.epoch = 0  # of the current session's latest chain
+        self.committed: Sequence[int] = ()  # the generation's (engine.chain_source)
+        self.rtt_ms: list[float] = []
         self.resyncs = 0
         self._degraded = False  # the first open failed: plain decoding for this request
         self._retry_at = 0.0
@@ -75,10 +80,10 @@ class RemoteCard:
         self._draft_idle_s = 0.0
 
     # ---- ChainSource -------------------------------------------------------------------------
-    def open(self, prompt_ids: Sequence[int]) -> None:
-        self.committed = list(prompt_ids)
+    def open(self, committed: Sequence[int]) -> None:
+        self.committed = committed
         try:
-            self._open_session(self.committed)
+            self._open_session(list(committed))
         except grpc.RpcError as err:
             if _code(err) in _USER_ERRORS:
                 raise error_from_rpc(err, self.cache_addr) from None
@@ -88,12 +93,11 @@ class RemoteCard:
                         self.cache_addr, error_from_rpc(err, self.cache_addr))
 
     def step(self, correction: Correction) -> StepResult:
-        base = self.committed + list(correction.accepted_tokens)  # committed before next_token
-        self.committed = [*base, correction.next_token]
         if self._degraded:
             return self._plain()
         if not self.session_id:
-            if time.monotonic() < self._retry_at or not self._reopen(base):
+            # the committed text before next_token (the generation has committed this correction)
+            if time.monotonic() < self._retry_at or not self._reopen(list(self.committed[:-1])):
                 return self._plain()
             # the new session's committed text ends before next_token, at epoch 0
             correction = Correction(0, (), (), correction.next_token)
@@ -121,17 +125,19 @@ class RemoteCard:
         self.epoch = result.chain.epoch
         return result
 
-    def close(self) -> SourceStats:
+    def close(self, stats: GenerationStats) -> SourceStats:
         if self.session_id:
-            self._close_session(with_stats=True)
-        return SourceStats(draft_forwards=self._draft_forwards, draft_idle_s=self._draft_idle_s)
+            self._close_session(dataclasses.replace(stats, step_rtt_ms=list(self.rtt_ms)))
+        return SourceStats(draft_forwards=self._draft_forwards, draft_idle_s=self._draft_idle_s,
+                           step_rtt_ms=self.rtt_ms)
 
     # ---- sessions ----------------------------------------------------------------------------
     def _open_session(self, committed: list[int], timeout_s: float | None = None) -> None:
         reply = self.stub.OpenSession(
             cache_pb2.OpenSessionRequest(prompt_ids=ids_to_msg(committed),
                                          tokenizer_fingerprint=self.fingerprint,
-                                         target_model=self.target_model, draft=self.draft),
+                                         target_model=self.target_model, draft=self.draft,
+                                         chain=chain_policy_to_msg(self.chain)),
             timeout=timeout_s or self.open_timeout_s,
         )
         self.session_id = reply.session_id
@@ -157,17 +163,18 @@ class RemoteCard:
 
     def _abandon(self, close: bool) -> None:
         if close:
-            self._close_session(with_stats=False)
+            self._close_session(None)
         self.session_id = ""
         # not at once: a failed Step often means the cache is restarting, and a session opened on
         # a cache that is shutting down would be lost with it
         self._retry_at = time.monotonic() + self.retry_initial_s
         self._retry_s = self.retry_initial_s
 
-    def _close_session(self, with_stats: bool) -> None:
+    def _close_session(self, stats: GenerationStats | None) -> None:
+        """End the session; ``stats`` (the generation's, at its end) are recorded by the cache."""
         request = cache_pb2.CloseSessionRequest(session_id=self.session_id)
-        if with_stats and self.stats is not None:
-            request.stats.CopyFrom(stats_to_msg(self.stats))
+        if stats is not None:
+            request.stats.CopyFrom(stats_to_msg(stats))
         try:
             reply = self.stub.CloseSession(request, timeout=self.open_timeout_s)
             self._draft_forwards += reply.draft_forwards
@@ -179,11 +186,9 @@ class RemoteCard:
 
     # ---- helpers -----------------------------------------------------------------------------
     def _plain(self) -> StepResult:
-        self.epoch += 1  # any value the generation echoes back works: a fresh session restarts at 0
         return StepResult(Chain(epoch=self.epoch))
 
     def _record_rtt(self, t0: float) -> None:
         ms = (time.perf_counter() - t0) * 1000.0
         metrics.STEP_RTT.observe(ms / 1000.0)
-        if self.stats is not None:
-            self.stats.step_rtt_ms.append(ms)
+        self.rtt_ms.append(ms)

@@ -13,16 +13,15 @@ from __future__ import annotations
 import logging
 import os
 
-import click
 import grpc
 import torch
 
 from card.v1 import cache_pb2_grpc, target_pb2_grpc
 from card_common.channels import channel, wait_serving
+from card_common.cli import exit_on_error, logging_options, option, service_command
 from card_common.serving import (
     add_health,
     bind,
-    exit_on_startup_error,
     make_server,
     serve_until_signal,
     set_serving,
@@ -86,37 +85,27 @@ def serve(config: TargetConfig) -> None:
     serve_until_signal(server, shutdown, grace_s=GRACE_S, health_servicer=health)
 
 
-@click.command(context_settings={"help_option_names": ["-h", "--help"]})
-@click.option("--model", default="default", envvar="CARD_TARGET_MODEL", show_default=True,
-              help="Hugging Face id, local folder, .gguf file, or 'default' (embedded SmolLM2-135M).")
-@click.option("--cache", "cache_addr", default=None, envvar="CARD_CACHE_ADDR",
-              help="Cache service HOST:PORT (unset: plain decoding only).")
-@click.option("--dtype", default="auto", envvar="CARD_TARGET_DTYPE", show_default=True)
-@click.option("--device", default="auto", envvar="CARD_TARGET_DEVICE", show_default=True)
-@click.option("--threads", default=None, envvar="CARD_TARGET_THREADS", type=int,
-              help="torch threads (default: torch's choice).")
-@click.option("--max-concurrency", default=4, envvar="CARD_TARGET_MAX_CONCURRENCY", show_default=True,
-              type=int, help="Generations run at once; more wait for a slot.")
-@click.option("--default-max-new-tokens", default=128, envvar="CARD_TARGET_DEFAULT_MAX_NEW_TOKENS",
-              show_default=True, type=int)
-@click.option("--step-timeout-ms", default=1000, envvar="CARD_TARGET_STEP_TIMEOUT_MS", show_default=True,
-              type=int, help="Deadline of each Step call to the cache.")
-@click.option("--host", default="127.0.0.1", envvar="CARD_TARGET_HOST", show_default=True,
-              help="Interface to listen on (0.0.0.0 in containers).")
-@click.option("--port", default=50051, envvar="CARD_TARGET_PORT", show_default=True, type=int,
-              help="gRPC port (0 = OS-chosen).")
-@click.option("--metrics-port", default=9091, envvar="CARD_TARGET_METRICS_PORT", show_default=True,
-              type=int, help="Prometheus port (0 = disabled).")
-@click.option("--log-level", default="INFO", envvar="CARD_LOG_LEVEL", show_default=True,
-              type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False))
-@click.option("--json-logs", is_flag=True, envvar="CARD_JSON_LOGS", help="One JSON object per log line.")
+@service_command("CARD_TARGET")
+@option("--model", default="default",
+        help="Hugging Face id, local folder, .gguf file, or 'default' (embedded SmolLM2-135M).")
+@option("--cache", "cache_addr", default=None, help="Cache service HOST:PORT (unset: plain decoding only).")
+@option("--dtype", default="auto", help="auto, float32, bfloat16, float16.")
+@option("--device", default="auto", help="auto (cuda if available), cpu, cuda, cuda:N.")
+@option("--threads", default=None, type=int, help="torch threads (default: torch's choice).")
+@option("--max-concurrency", default=4, type=int, help="Generations run at once; more wait for a slot.")
+@option("--default-max-new-tokens", default=128, type=int)
+@option("--step-timeout-ms", default=1000, type=int, help="Deadline of each Step call to the cache.")
+@option("--host", default="127.0.0.1", help="Interface to listen on (0.0.0.0 in containers).")
+@option("--port", default=50051, type=int, help="gRPC port (0 = OS-chosen).")
+@option("--metrics-port", default=9091, type=int, help="Prometheus port (0 = disabled).")
+@logging_options
 def main(model: str, cache_addr: str | None, dtype: str, device: str, threads: int | None,
          max_concurrency: int, default_max_new_tokens: int, step_timeout_ms: int, host: str, port: int,
          metrics_port: int, log_level: str, json_logs: bool) -> None:
     """Run the CARD target service."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     setup_logging(log_level, json_logs)
-    with exit_on_startup_error("card-target"):
+    with exit_on_error("card-target"):
         config = TargetConfig(
             model=ModelConfig(model, dtype, device),
             cache_addr=cache_addr or None,

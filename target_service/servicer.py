@@ -17,14 +17,15 @@ from collections.abc import Iterator
 import grpc
 
 from card.v1 import cache_pb2_grpc, target_pb2, target_pb2_grpc
-from card_common.convert import sampling_from_msg, stats_to_msg
+from card_common.convert import chain_policy_from_msg, sampling_from_msg, stats_to_msg
 from card_common.status import grpc_errors, status_code
 from card_common.tensors import ids_from_msg, ids_to_msg
-from engine.config import GenerationRequest, SamplingParams, StopParams
+from engine.chain_source import ChainSource
+from engine.config import ChainPolicy, GenerationRequest, SamplingParams, StopParams, TreeParams
 from engine.errors import InvalidArgument, NotFound, ResourceExhausted, Unavailable
 from engine.generate import Generation, check_prompt
 from engine.models import LoadedModel
-from engine.sources import ChainSource, NoDraft
+from engine.sources import NoDraft
 from target_service import metrics
 from target_service.config import TargetConfig
 from target_service.remote_card import RemoteCard
@@ -71,12 +72,10 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             metrics.REFUSED.labels(code=status_code(exc).name).inc()
             raise
         with self._slot(context):
-            source = self._source(mode, request.draft)
+            source = self._source(mode, request.draft, gen_request.chain)
             gen = Generation(self.model.model, gen_request, source, eos_ids=self.model.eos_ids,
                              decode=self.model.decode, context_window=self.model.context_window,
                              mode=mode, model_name=self.model.name)
-            if isinstance(source, RemoteCard):
-                source.stats = gen.stats
             chunks = iter(gen)
             try:
                 for chunk in chunks:
@@ -129,9 +128,11 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         sampling = sampling_from_msg(request.sampling) if request.HasField("sampling") else SamplingParams()
         stop = StopParams(request.max_new_tokens or self.config.default_max_new_tokens,
                           tuple(request.stop), request.ignore_eos)
-        return GenerationRequest(tuple(prompt_ids), sampling, stop), mode
+        chain = chain_policy_from_msg(request.chain) if request.HasField("chain") else ChainPolicy()
+        chain.over(TreeParams())  # refuse bad values here, not at the cache mid-request
+        return GenerationRequest(tuple(prompt_ids), sampling, stop, chain), mode
 
-    def _source(self, mode: str, draft: str) -> ChainSource:
+    def _source(self, mode: str, draft: str, chain: ChainPolicy) -> ChainSource:
         if mode == "vanilla":
             return NoDraft()
         if self.cache is None:
@@ -140,7 +141,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
                                "service (start it with --cache HOST:PORT)")
             return NoDraft()
         return RemoteCard(self.cache, cache_addr=self.config.cache_addr or "", target_model=self.model.name,
-                          fingerprint=self.model.fingerprint, draft=draft,
+                          fingerprint=self.model.fingerprint, draft=draft, chain=chain,
                           step_timeout_s=self.config.step_timeout_ms / 1000.0)
 
     @contextlib.contextmanager
@@ -165,8 +166,4 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             metrics.ACTIVE.dec()
             self._slots.release()
 
-
-def chat_mode(chat: bool | None) -> int:
-    """The wire value of a ``chat`` choice (None = apply the template when there is one)."""
-    return {None: target_pb2.CHAT_AUTO, True: target_pb2.CHAT_ON, False: target_pb2.CHAT_OFF}[chat]
 
