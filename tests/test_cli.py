@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -26,7 +27,7 @@ def models(tmp_path_factory) -> dict[str, Path]:
 
 
 def run_cli(*args: str, timeout: float = 180) -> subprocess.CompletedProcess:
-    env = dict(os.environ, CARD_TARGET_ADDR="")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CARD_CLIENT_")}
     return subprocess.run([CLIENT, *args], capture_output=True, text=True, timeout=timeout, env=env)
 
 
@@ -62,7 +63,7 @@ def test_streams_text_then_stats_line(models):
 def _assert_one_line_error(proc: subprocess.CompletedProcess, code: str, *words: str) -> None:
     assert proc.returncode == 2, (proc.returncode, proc.stderr)
     assert "Traceback" not in proc.stderr
-    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("card-client: ")]
     assert len(errors) == 1, proc.stderr
     assert code in errors[0]
     for word in words:
@@ -109,6 +110,49 @@ def test_unreachable_target_is_one_line():
         port = s.getsockname()[1]
     proc = run_cli("generate", "hi", "--target", f"127.0.0.1:{port}", timeout=120)
     _assert_one_line_error(proc, "UNAVAILABLE", f"127.0.0.1:{port}")
+
+
+# every field of TreeParams, by the service flag that carries it
+_DRAFT_FLAGS = {"width": "tree_width", "branch": "branch", "max_depth": "max_depth"}
+_CACHE_FLAGS = {"max_chain": "max_chain", "min_path_prob": "min_path_prob", "b_extension": "b_extension"}
+
+
+def test_every_tree_field_reaches_a_service():
+    """service_args (the one place a TreeParams becomes service flags) covers every field, and the
+    services' own command lines parse each back to the value it was given."""
+    from cache_service.server import main as cache_main
+    from client.trio import service_args
+    from draft_service.server import main as draft_main
+    from engine.config import TreeParams
+
+    assert {f.name for f in dataclasses.fields(TreeParams)} == {*_DRAFT_FLAGS, *_CACHE_FLAGS}
+    for tree in (TreeParams(width=5, branch=2, max_depth=3, max_chain=1, b_extension=False,
+                            min_path_prob=0.25),
+                 TreeParams(width=1, branch=0, max_depth=12, max_chain=0, b_extension=True)):
+        args = service_args(tree)
+        draft = draft_main.make_context("card-draft", [*args["draft"], "--cache", "127.0.0.1:1"]).params
+        cache = cache_main.make_context("card-cache", list(args["cache"])).params
+        for field, param in _DRAFT_FLAGS.items():
+            assert draft[param] == getattr(tree, field), field
+        for field, param in _CACHE_FLAGS.items():
+            assert cache[param] == getattr(tree, field), field
+
+
+def test_tree_flags_reach_a_local_trio(models):
+    """--max-chain 1 caps every verification at the next token plus one drafted token."""
+    vanilla = generate_json(models, "vanilla")
+    proc = run_cli("generate", "Tell me about the sea.", "--json", "--target-model", str(models["target"]),
+                   "--draft-model", str(models["target"]), "--max-new-tokens", "24", "--ignore-eos",
+                   "--max-chain", "1", "--tree-width", "2", timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert out["token_ids"] == vanilla["token_ids"]
+    assert max(out["stats"]["accepted_lengths"]) <= 2, out["stats"]
+
+
+def test_draft_shape_flags_are_refused_with_a_running_target():
+    proc = run_cli("generate", "hi", "--target", "127.0.0.1:1", "--tree-width", "2", "--max-depth", "4")
+    _assert_one_line_error(proc, "INVALID_ARGUMENT", "--tree-width", "--max-depth", "card-draft")
 
 
 def test_generate_without_services_starts_a_local_trio(models):
