@@ -15,6 +15,8 @@ from tests.tiny_models import SMOLLM2_DIR, save_foreign_tokenizer_checkpoint, sa
 
 CLIENT = str(Path(sys.executable).parent / "card-client")
 
+pytestmark = pytest.mark.slow  # card-client as a subprocess, some runs starting a trio
+
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory) -> dict[str, Path]:
@@ -168,7 +170,6 @@ def test_generate_without_services_starts_a_local_trio(models):
     assert out["stats"]["mode"] == "card"
 
 
-@pytest.mark.slow
 @pytest.mark.skipif(not SMOLLM2_DIR.is_dir(), reason=f"{SMOLLM2_DIR} is not there")
 def test_export_turns_a_gguf_into_a_checkpoint_with_the_same_outputs(tmp_path):
     gguf = next(SMOLLM2_DIR.glob("*.gguf"))

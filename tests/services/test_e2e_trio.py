@@ -28,7 +28,7 @@ from engine.models import ModelConfig, load_model
 from tests.services.e2e_support import metric, scrape, torch_threads, vanilla_reference, wait_until
 from tests.tiny_models import save_foreign_tokenizer_checkpoint, save_tiny_checkpoint
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 PROMPTS = ("Write a haiku about the sea.", "What is two plus two?", "Name three colours.",
            "Tell me a story about a fox.")
