@@ -29,7 +29,7 @@ def generate_via_services(opts: GenerateOptions, target_addr: str | None,
                 f"{opts.draft_shape[0]} N), or drop --target to start a local trio")
         return _remote(opts, target_addr, on_text)
     click.echo(
-        "no card-target configured (--target / CARD_TARGET_ADDR): starting a local trio for this "
+        "no card-target configured (--target / CARD_CLIENT_TARGET_ADDR): starting a local trio for this "
         "command; `card-client up` keeps one running",
         err=True,
     )

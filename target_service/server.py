@@ -71,7 +71,7 @@ def serve(config: TargetConfig) -> None:
         except Unavailable as exc:
             log.warning("%s; serving plain decoding until it answers", exc)
     else:
-        log.warning("no cache service configured (--cache / CARD_CACHE_ADDR): plain decoding only")
+        log.warning("no cache service configured (--cache / CARD_TARGET_CACHE_ADDR): plain decoding only")
     servicer.ready(model)
     set_serving(health, True, [SERVICE_NAME])
     log.info("serving %s", model.name)

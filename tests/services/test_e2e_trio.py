@@ -368,8 +368,9 @@ def test_up_serves_until_ctrl_c(checkpoints, reference, tmp_path):
             if line.startswith("export "):
                 exports = dict(item.split("=", 1) for item in line.split()[1:])
                 break
-        assert set(exports) == {"CARD_TARGET_ADDR", "CARD_CACHE_ADDR", "CARD_DRAFT_ADDR"}, proc.stderr.read()
-        addr = exports["CARD_TARGET_ADDR"]
+        want = {"CARD_CLIENT_TARGET_ADDR", "CARD_CLIENT_CACHE_ADDR", "CARD_CLIENT_DRAFT_ADDR"}
+        assert set(exports) == want, proc.stderr.read()
+        addr = exports["CARD_CLIENT_TARGET_ADDR"]
         stop = StopParams(16, ignore_eos=True)
         remote = generate_remote(addr, PROMPTS[1], stop=stop, timeout_s=60)
         assert remote.token_ids == reference(PROMPTS[1], GREEDY, stop).token_ids
