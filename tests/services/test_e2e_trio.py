@@ -8,6 +8,7 @@ by 0.02) and "foreign" (a tokenizer with one extra token: must be refused).
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -311,6 +312,30 @@ def test_cache_restart_mid_generation_changes_nothing(trio, reference):
 
 
 # ---- (6) no state outlives its session -----------------------------------------------------
+def test_chain_flags_travel_with_a_request(trio, reference, redis_server, prefix):
+    """card-client generate --target ... --max-chain 1: the request's own session at the cache is
+    capped (its record in Redis says so) and no verification carries more than one drafted token;
+    the same cache serves other requests with its own setting."""
+    client = redis_server.client()
+    before = set(client.scan_iter(f"{prefix}finished:*"))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CARD_")}
+    stop = StopParams(32, ignore_eos=True)
+    proc = subprocess.run([console_script("card-client"), "generate", PROMPTS[0], "--target",
+                           trio.target_addr, "--draft", "same", "--max-chain", "1", "--max-new-tokens", "32",
+                           "--ignore-eos", "--json"], capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert out["token_ids"] == reference(PROMPTS[0], GREEDY, stop).token_ids
+    assert max(out["stats"]["accepted_lengths"]) <= 2, out["stats"]
+    (key,) = set(client.scan_iter(f"{prefix}finished:*")) - before
+    assert client.hget(key, "max_chain") in (b"1", "1")
+    remote = generate_remote(trio.target_addr, PROMPTS[0], sampling=GREEDY, stop=stop, draft="same",
+                             timeout_s=60)
+    (key,) = set(client.scan_iter(f"{prefix}finished:*")) - before - {key}
+    assert int(client.hget(key, "max_chain")) > 1  # the cache's own setting for a plain request
+    assert remote.token_ids == out["token_ids"]
+
+
 def test_no_session_state_leaks(trio, redis_server, prefix):
     # a cancelled request must clean up too: stop reading mid-stream
     request = target_pb2.GenerateRequest(prompt=PROMPTS[0], max_new_tokens=300, ignore_eos=True)
