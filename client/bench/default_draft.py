@@ -1,7 +1,7 @@
 """Measure training-free draft candidates for the default target (SmolLM2-135M-Instruct, fp32, CPU).
 
-    python -m client.measure_default_draft agreement --out agreement.json
-    python -m client.measure_default_draft e2e --drafts L10,int8,L10+int8 --out e2e.json
+    python -m client.bench.default_draft agreement --out agreement.json
+    python -m client.bench.default_draft e2e --drafts L10,int8,L10+int8 --out e2e.json
 
 A candidate is ``int8`` (dynamic int8 copy), ``L<N>`` (first N decoder layers + final norm + head)
 or ``L<N>+int8``. ``agreement`` reports greedy agreement with the target along the target's own

@@ -22,7 +22,7 @@ from typing import Protocol
 
 import torch
 
-from client.bench_costs import verify_costs
+from client.bench.costs import verify_costs
 from engine.config import GenerationRequest, StopParams, TreeParams
 from engine.errors import InvalidArgument
 from engine.models import LoadedModel

@@ -22,8 +22,8 @@ from pathlib import Path
 import click
 import torch
 
-from client import bench_data, bench_report
-from client.bench_modes import (
+from client.bench import data, report
+from client.bench.modes import (
     MODES,
     NEEDS_DRAFT,
     SERVICE_MODES,
@@ -76,7 +76,7 @@ def _trio(target_model: str, draft_model: str, dtype: str, draft_quantize: str, 
 
 
 def run_bench(target: LoadedModel, draft: LoadedModel | None, modes: list[Mode],
-              datasets: list[bench_data.Dataset], max_new_tokens: int, warmup_tokens: int,
+              datasets: list[data.Dataset], max_new_tokens: int, warmup_tokens: int,
               progress: bool = True) -> list[dict]:
     """Every prompt through every mode (order rotating per prompt); one record per run."""
     from tqdm import tqdm
@@ -109,8 +109,8 @@ def _parse_modes(value: str) -> list[str]:
     unknown = [m for m in modes if m not in MODES]
     if unknown:
         raise InvalidArgument(f"unknown mode(s) {', '.join(unknown)}; choose from {', '.join(MODES)}")
-    if bench_report.REFERENCE not in modes:
-        modes.insert(0, bench_report.REFERENCE)  # speedups and exactness are measured against it
+    if report.REFERENCE not in modes:
+        modes.insert(0, report.REFERENCE)  # speedups and exactness are measured against it
     return list(dict.fromkeys(modes))
 
 
@@ -227,7 +227,7 @@ def bench(*, target_model: str, draft_model: str, target_dtype: str, draft_dtype
                             target_threads=target_threads or split[0],
                             draft_threads=draft_threads or split[1],
                             lockstep_depth=lockstep_depth, ignore_eos=ignore_eos, backoff=backoff)
-    loaded = [bench_data.load(spec, n_prompts) for spec in datasets]
+    loaded = [data.load(spec, n_prompts) for spec in datasets]
 
     t0 = time.perf_counter()
     target = load_model(ModelConfig(spec=target_model, dtype=target_dtype, prepack=prepack))
@@ -279,7 +279,7 @@ def bench(*, target_model: str, draft_model: str, target_dtype: str, draft_dtype
         "backoff": backoff, "gamma": gamma, "lockstep_depth": lockstep_depth, "warmup_tokens": warmup_tokens,
         "greedy": True,
     }
-    machine = bench_report.machine_info({m.name: m.threads for m in built})
+    machine = report.machine_info({m.name: m.threads for m in built})
     title = (f"{target.name} / draft {draft.name if draft else '-'}; {max_new_tokens} new tokens, "
              f"greedy; {machine['cpu_model']} x{cores}")
     return finish(records, config, machine, out, chart or out.with_suffix(".png"), title)
@@ -287,14 +287,14 @@ def bench(*, target_model: str, draft_model: str, target_dtype: str, draft_dtype
 
 def finish(records: list[dict], config: dict, machine: dict, out: Path, chart: Path, title: str) -> int:
     """Check exactness, print the table and any mismatch, write JSON and chart; the exit status."""
-    bad = bench_report.check_exactness(records)
-    rows = bench_report.summarize(records)
-    click.echo(bench_report.table(rows))
-    for line in bench_report.mismatch_lines(bad):
+    bad = report.check_exactness(records)
+    rows = report.summarize(records)
+    click.echo(report.table(rows))
+    for line in report.mismatch_lines(bad):
         click.echo(line)
-    bench_report.write_json(out, {"config": config, "machine": machine, "summary": rows,
+    report.write_json(out, {"config": config, "machine": machine, "summary": rows,
                                   "records": records, "mismatches": len(bad)})
-    bench_report.write_chart(chart, rows, records, title)
+    report.write_chart(chart, rows, records, title)
     click.echo(f"wrote {out} and {chart}", err=True)
     if bad:
         click.echo(f"card-bench: {len(bad)} output(s) differ from vanilla", err=True)
