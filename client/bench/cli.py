@@ -157,6 +157,11 @@ def _parse_variant(value: str) -> tuple[str, dict[str, object]]:
               help=f"comma-separated, from {', '.join(MODES)} (vanilla is always run: it is the reference)")
 @click.option("--dataset", "datasets", multiple=True, default=("gsm8k",), show_default=True,
               help="gsm8k | humaneval | mt_bench | name=path | path to a jsonl(.gz); repeatable")
+@click.option("--data-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+              envvar=data.ENV_DATA_DIR, show_envvar=True,
+              help="read gsm8k, humaneval, mt_bench from DIR/gsm8k/test.jsonl, "
+                   "DIR/humaneval/HumanEval.jsonl.gz, DIR/mt_bench/question.jsonl (default: the samples "
+                   "packaged with card-bench; GSM8K's holds the first 200 of 1,319 prompts)")
 @click.option("--n", "n_prompts", type=click.IntRange(min=1), default=10, show_default=True,
               help="first N prompts of each dataset")
 @click.option("--max-new-tokens", type=click.IntRange(min=1), default=128, show_default=True)
@@ -207,7 +212,8 @@ def main(**opts: object) -> None:
 
 def bench(*, target_model: str, draft_model: str, target_dtype: str, draft_dtype: str, draft_quantize: str,
           prepack: bool,
-          draft_random_init: int | None, modes: str, datasets: tuple[str, ...], n_prompts: int,
+          draft_random_init: int | None, modes: str, datasets: tuple[str, ...], data_dir: Path | None,
+          n_prompts: int,
           max_new_tokens: int, tree_width: int | None, branch: int | None, max_depth: int | None,
           max_chain: int | None, min_chain: int | None, b_extension: bool | None,
           min_path_prob: float | None, card_variants: tuple[str, ...], backoff: bool, gamma: int,
@@ -227,7 +233,7 @@ def bench(*, target_model: str, draft_model: str, target_dtype: str, draft_dtype
                             target_threads=target_threads or split[0],
                             draft_threads=draft_threads or split[1],
                             lockstep_depth=lockstep_depth, ignore_eos=ignore_eos, backoff=backoff)
-    loaded = [data.load(spec, n_prompts) for spec in datasets]
+    loaded = [data.load(spec, n_prompts, data_dir) for spec in datasets]
 
     t0 = time.perf_counter()
     target = load_model(ModelConfig(spec=target_model, dtype=target_dtype, prepack=prepack))
