@@ -32,6 +32,7 @@ import grpc
 
 from card_common.channels import health_status
 from client.options import default_thread_split
+from engine.config import TreeParams
 from engine.errors import Unavailable
 
 LISTENING = re.compile(r"^(card-\w+) listening on (\S+):(\d+)\s*$", re.MULTILINE)
@@ -173,6 +174,7 @@ class LocalTrio:
     start_timeout_s: float = 600.0
     grace_s: float = 10.0
     extra_args: dict[str, Sequence[str]] = field(default_factory=dict)  # per service: "cache", ...
+    tree: TreeParams | None = None  # placeholder for the engineer who owns trio.py: builds the tree flags
 
     def __post_init__(self) -> None:
         t, d = default_thread_split()
