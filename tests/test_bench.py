@@ -7,8 +7,8 @@ import json
 import pytest
 from click.testing import CliRunner
 
-from client import bench_report
-from client.bench import main
+from client.bench import report
+from client.bench.cli import main
 from tests.tiny_models import SMOLLM2_DIR, save_tiny_checkpoint
 
 pytestmark = pytest.mark.skipif(not (SMOLLM2_DIR / "tokenizer.json").is_file(),
@@ -121,17 +121,17 @@ def test_wrong_output_is_reported():
         {"dataset": "d", "prompt_index": 0, "mode": "sd", "token_ids": [5, 6]},
         {"dataset": "d", "prompt_index": 0, "mode": "hf", "token_ids": [5, 6, 7]},
     ]
-    bad = bench_report.check_exactness(records)
+    bad = report.check_exactness(records)
     assert [r["mode"] for r in bad] == ["card", "sd"]
     assert bad[0]["mismatch"] == {"position": 1, "expected": 6, "got": 9}
     assert bad[1]["mismatch"] == {"position": 2, "expected": 7, "got": None}
-    lines = bench_report.mismatch_lines(bad)
+    lines = report.mismatch_lines(bad)
     assert "prompt 0 mode card: first differing position 1, vanilla token 6, card token 9" in lines[0]
 
 
 def test_mismatch_exits_non_zero(tmp_path, capsys):
     """finish() (the tail of every card-bench run) returns a failing status on a wrong output."""
-    from client.bench import EXIT_MISMATCH, finish
+    from client.bench.cli import EXIT_MISMATCH, finish
     from engine.stats import GenerationStats
 
     def record(mode, tokens):

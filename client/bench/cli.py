@@ -22,8 +22,8 @@ from pathlib import Path
 import click
 import torch
 
-from client import bench_data, bench_report
-from client.bench_modes import (
+from client.bench import data, report
+from client.bench.modes import (
     MODES,
     NEEDS_DRAFT,
     SERVICE_MODES,
@@ -65,18 +65,12 @@ def _trio(target_model: str, draft_model: str, dtype: str, draft_quantize: str, 
     """The services, configured like the in-process card mode (tree shape, chain policy, threads)."""
     return LocalTrio(
         target_model=target_model, draft_model=draft_model, draft_quantize=draft_quantize, dtype=dtype,
-        target_threads=settings.target_threads, draft_threads=settings.draft_threads,
-        extra_args={
-            "draft": ["--tree-width", str(tree.width), "--branch", str(tree.branch),
-                      "--max-depth", str(tree.max_depth)],
-            "cache": ["--max-chain", str(tree.max_chain), "--min-path-prob", str(tree.min_path_prob),
-                      "--b-extension" if tree.b_extension else "--no-b-extension"],
-        },
+        target_threads=settings.target_threads, draft_threads=settings.draft_threads, tree=tree,
     )
 
 
 def run_bench(target: LoadedModel, draft: LoadedModel | None, modes: list[Mode],
-              datasets: list[bench_data.Dataset], max_new_tokens: int, warmup_tokens: int,
+              datasets: list[data.Dataset], max_new_tokens: int, warmup_tokens: int,
               progress: bool = True) -> list[dict]:
     """Every prompt through every mode (order rotating per prompt); one record per run."""
     from tqdm import tqdm
@@ -109,8 +103,8 @@ def _parse_modes(value: str) -> list[str]:
     unknown = [m for m in modes if m not in MODES]
     if unknown:
         raise InvalidArgument(f"unknown mode(s) {', '.join(unknown)}; choose from {', '.join(MODES)}")
-    if bench_report.REFERENCE not in modes:
-        modes.insert(0, bench_report.REFERENCE)  # speedups and exactness are measured against it
+    if report.REFERENCE not in modes:
+        modes.insert(0, report.REFERENCE)  # speedups and exactness are measured against it
     return list(dict.fromkeys(modes))
 
 
@@ -157,6 +151,11 @@ def _parse_variant(value: str) -> tuple[str, dict[str, object]]:
               help=f"comma-separated, from {', '.join(MODES)} (vanilla is always run: it is the reference)")
 @click.option("--dataset", "datasets", multiple=True, default=("gsm8k",), show_default=True,
               help="gsm8k | humaneval | mt_bench | name=path | path to a jsonl(.gz); repeatable")
+@click.option("--data-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+              envvar=data.ENV_DATA_DIR, show_envvar=True,
+              help="read gsm8k, humaneval, mt_bench from DIR/gsm8k/test.jsonl, "
+                   "DIR/humaneval/HumanEval.jsonl.gz, DIR/mt_bench/question.jsonl (default: the samples "
+                   "packaged with card-bench; GSM8K's holds the first 200 of 1,319 prompts)")
 @click.option("--n", "n_prompts", type=click.IntRange(min=1), default=10, show_default=True,
               help="first N prompts of each dataset")
 @click.option("--max-new-tokens", type=click.IntRange(min=1), default=128, show_default=True)
@@ -165,8 +164,6 @@ def _parse_variant(value: str) -> tuple[str, dict[str, object]]:
 @click.option("--branch", type=click.IntRange(0, 64), default=None, help="k, secondary children per node")
 @click.option("--max-depth", type=click.IntRange(min=1), default=None, help="tree depth cap (card)")
 @click.option("--max-chain", type=click.IntRange(min=0), default=None, help="verify length cap (card)")
-@click.option("--min-chain", type=click.IntRange(min=0), default=None,
-              help="card in-process: wait (at most 0.25 s) for a chain this long while the draft grows it")
 @click.option("--b-extension/--no-b-extension", default=None, help="extend chains from tier B (card)")
 @click.option("--min-path-prob", type=click.FloatRange(0.0, 1.0), default=None,
               help="card: cut chains where the draft's prefix probability falls below this "
@@ -177,8 +174,6 @@ def _parse_variant(value: str) -> tuple[str, dict[str, object]]:
 @click.option("--backoff/--no-backoff", default=True, show_default=True,
               help="card: pause a draft that keeps missing or makes the target slower than alone")
 @click.option("--gamma", type=click.IntRange(min=1), default=4, show_default=True, help="sd chain length")
-@click.option("--lockstep-depth", type=click.IntRange(min=0), default=0, show_default=True,
-              help="card waits until the tree is this deep before each verify (0 = asynchronous)")
 @click.option("--threads", type=click.IntRange(min=1), default=None,
               help="threads for one-model modes (default: the count, up to every core, whose plain "
                    "decoding step measured fastest before the run)")
@@ -206,28 +201,26 @@ def main(**opts: object) -> None:
 
 
 def bench(*, target_model: str, draft_model: str, target_dtype: str, draft_dtype: str, draft_quantize: str,
-          prepack: bool,
-          draft_random_init: int | None, modes: str, datasets: tuple[str, ...], n_prompts: int,
-          max_new_tokens: int, tree_width: int | None, branch: int | None, max_depth: int | None,
-          max_chain: int | None, min_chain: int | None, b_extension: bool | None,
+          prepack: bool, draft_random_init: int | None, modes: str, datasets: tuple[str, ...],
+          data_dir: Path | None, n_prompts: int, max_new_tokens: int, tree_width: int | None,
+          branch: int | None, max_depth: int | None, max_chain: int | None, b_extension: bool | None,
           min_path_prob: float | None, card_variants: tuple[str, ...], backoff: bool, gamma: int,
-          lockstep_depth: int, ignore_eos: bool,
-          threads: int | None, target_threads: int | None, draft_threads: int | None, warmup_tokens: int,
-          out: Path | None, chart: Path | None, services: bool, no_progress: bool) -> int:
+          ignore_eos: bool, threads: int | None, target_threads: int | None, draft_threads: int | None,
+          warmup_tokens: int, out: Path | None, chart: Path | None, services: bool, no_progress: bool) -> int:
     mode_names = _parse_modes(modes)
     cores = os.cpu_count() or 1
     split = default_thread_split(cores)
     tree_defaults = default_tree_params("cuda" if torch.cuda.is_available() else "cpu")
     tree = tree_defaults.with_overrides(
         width=tree_width, branch=branch, max_depth=max_depth, max_chain=max_chain,
-        b_extension=b_extension, min_chain=min_chain, min_path_prob=min_path_prob)
+        b_extension=b_extension, min_path_prob=min_path_prob)
     variants = {f"card-{name}": tree.with_overrides(**fields)
                 for name, fields in (_parse_variant(v) for v in card_variants)}
     settings = ModeSettings(tree=tree, gamma=gamma, all_threads=threads or cores,  # measured below
                             target_threads=target_threads or split[0],
                             draft_threads=draft_threads or split[1],
-                            lockstep_depth=lockstep_depth, ignore_eos=ignore_eos, backoff=backoff)
-    loaded = [bench_data.load(spec, n_prompts) for spec in datasets]
+                            ignore_eos=ignore_eos, backoff=backoff)
+    loaded = [data.load(spec, n_prompts, data_dir) for spec in datasets]
 
     t0 = time.perf_counter()
     target = load_model(ModelConfig(spec=target_model, dtype=target_dtype, prepack=prepack))
@@ -276,10 +269,10 @@ def bench(*, target_model: str, draft_model: str, target_dtype: str, draft_dtype
         "max_new_tokens": max_new_tokens, "ignore_eos": ignore_eos, "tree": vars(tree) | {"k": tree.k},
         "card_variants": {name: vars(variant) for name, variant in variants.items()},
         "one_model_threads": settings.all_threads, "step_ms_by_threads": step_ms,
-        "backoff": backoff, "gamma": gamma, "lockstep_depth": lockstep_depth, "warmup_tokens": warmup_tokens,
+        "backoff": backoff, "gamma": gamma, "warmup_tokens": warmup_tokens,
         "greedy": True,
     }
-    machine = bench_report.machine_info({m.name: m.threads for m in built})
+    machine = report.machine_info({m.name: m.threads for m in built})
     title = (f"{target.name} / draft {draft.name if draft else '-'}; {max_new_tokens} new tokens, "
              f"greedy; {machine['cpu_model']} x{cores}")
     return finish(records, config, machine, out, chart or out.with_suffix(".png"), title)
@@ -287,14 +280,14 @@ def bench(*, target_model: str, draft_model: str, target_dtype: str, draft_dtype
 
 def finish(records: list[dict], config: dict, machine: dict, out: Path, chart: Path, title: str) -> int:
     """Check exactness, print the table and any mismatch, write JSON and chart; the exit status."""
-    bad = bench_report.check_exactness(records)
-    rows = bench_report.summarize(records)
-    click.echo(bench_report.table(rows))
-    for line in bench_report.mismatch_lines(bad):
+    bad = report.check_exactness(records)
+    rows = report.summarize(records)
+    click.echo(report.table(rows))
+    for line in report.mismatch_lines(bad):
         click.echo(line)
-    bench_report.write_json(out, {"config": config, "machine": machine, "summary": rows,
+    report.write_json(out, {"config": config, "machine": machine, "summary": rows,
                                   "records": records, "mismatches": len(bad)})
-    bench_report.write_chart(chart, rows, records, title)
+    report.write_chart(chart, rows, records, title)
     click.echo(f"wrote {out} and {chart}", err=True)
     if bad:
         click.echo(f"card-bench: {len(bad)} output(s) differ from vanilla", err=True)

@@ -22,7 +22,7 @@ from typing import Protocol
 
 import torch
 
-from client.bench_costs import verify_costs
+from client.bench.costs import verify_costs
 from engine.config import GenerationRequest, StopParams, TreeParams
 from engine.errors import InvalidArgument
 from engine.models import LoadedModel
@@ -178,7 +178,6 @@ class ModeSettings:
     all_threads: int
     target_threads: int
     draft_threads: int
-    lockstep_depth: int = 0
     ignore_eos: bool = False
     backoff: bool = True
 
@@ -203,8 +202,8 @@ def build_card(name: str, target: LoadedModel, draft: LoadedModel, s: ModeSettin
     """In-process card with the settings' tree (also each ``--card-variant``, under its own name)."""
     # lending the draft's cores pays only where the target runs faster on more threads
     config = RunnerConfig(mode="card", tree=s.tree, target_threads=s.target_threads,
-                          draft_threads=s.draft_threads, lockstep_depth=s.lockstep_depth,
-                          backoff=s.backoff, lend_cores=s.all_threads > s.target_threads)
+                          draft_threads=s.draft_threads, backoff=s.backoff,
+                          lend_cores=s.all_threads > s.target_threads)
     return EngineMode(name, target, draft, config, s.target_threads, s.draft_threads, s.ignore_eos)
 
 

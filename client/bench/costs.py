@@ -1,4 +1,4 @@
-"""Forward costs that decide the tree shape on a machine: ``python -m client.bench_costs``.
+"""Forward costs that decide the tree shape on a machine: ``python -m client.bench.costs``.
 
 Measures, with the engine's own forwards (engine/kv.py) on a real prompt's KV cache:
     target  one verification of ``[next_token, *chain]`` for chain lengths 0..N, per thread count

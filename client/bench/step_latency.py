@@ -1,6 +1,6 @@
 """Step latency of the cache service, in process and over loopback gRPC (DESIGN.md §8).
 
-    python -m cache_service.step_bench [--width 4] [--depth 8] [--steps 300] [--device cpu]
+    python -m client.bench.step_latency [--width 4] [--depth 8] [--steps 300] [--device cpu]
 
 Each round publishes a full tree (``depth`` layers of ``width`` nodes, the best child first),
 then steps a hit on the root's best child (re-root + a ``depth - 1`` token chain) and a miss.

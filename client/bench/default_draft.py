@@ -1,7 +1,7 @@
 """Measure training-free draft candidates for the default target (SmolLM2-135M-Instruct, fp32, CPU).
 
-    python -m client.measure_default_draft agreement --out agreement.json
-    python -m client.measure_default_draft e2e --drafts L10,int8,L10+int8 --out e2e.json
+    python -m client.bench.default_draft agreement --out agreement.json
+    python -m client.bench.default_draft e2e --drafts L10,int8,L10+int8 --out e2e.json
 
 A candidate is ``int8`` (dynamic int8 copy), ``L<N>`` (first N decoder layers + final norm + head)
 or ``L<N>+int8``. ``agreement`` reports greedy agreement with the target along the target's own
@@ -24,21 +24,21 @@ from pathlib import Path
 
 import torch
 
+from client.bench import data
 from engine import kv as kvops
 from engine.config import GenerationRequest, StopParams
 from engine.draft_variants import truncate_layers
 from engine.models import ModelConfig, load_model
 from engine.runner import InProcessRunner, RunnerConfig
 
-DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 
-
-def prompts(n: int) -> list[str]:
-    """Half MT-Bench first turns (spread over categories), half GSM8K questions."""
-    mt = [json.loads(line)["turns"][0] for line in (DATA / "mt_bench" / "question.jsonl").open()]
-    gsm = [json.loads(line)["question"] for line in (DATA / "gsm8k" / "test.jsonl").open()]
+def prompts(n: int, directory: Path | None = None) -> list[str]:
+    """Half MT-Bench first turns (spread over categories), half GSM8K questions (client.bench.data:
+    ``directory``, else $CARD_DATA_DIR, else the packaged samples)."""
+    mt = list(data.load("mt_bench", directory=directory).prompts)
     n_mt = (n + 1) // 2
-    return mt[:: max(1, len(mt) // n_mt)][:n_mt] + gsm[: n - n_mt]
+    gsm = list(data.load("gsm8k", n - n_mt, directory).prompts) if n > n_mt else []
+    return mt[:: max(1, len(mt) // n_mt)][:n_mt] + gsm
 
 
 def make_draft(target: torch.nn.Module, name: str) -> torch.nn.Module:
@@ -98,7 +98,7 @@ def run_agreement(args: argparse.Namespace) -> dict:
     names = args.drafts.split(",")
     drafts = {name: make_draft(target.model, name) for name in names}
     torch.set_num_threads(2)
-    texts = prompts(args.prompts)
+    texts = prompts(args.prompts, args.data_dir)
     pairs = []
     for text in texts:
         ids = target.encode_prompt(text)
@@ -143,7 +143,7 @@ def run_e2e(args: argparse.Namespace) -> dict:
                "vanilla-1t": (None, RunnerConfig(mode="vanilla", target_threads=1))}
     for name, draft in drafts.items():
         configs[name] = (draft, RunnerConfig(mode="card", target_threads=1, draft_threads=1))
-    texts = prompts(args.prompts)
+    texts = prompts(args.prompts, args.data_dir)
     stop = StopParams(max_new_tokens=args.tokens, ignore_eos=True)
     rows: dict[str, list[dict]] = {name: [] for name in configs}
     reference: dict[int, tuple[int, ...]] = {}
@@ -191,6 +191,8 @@ def main() -> None:
     parser.add_argument("--kv", type=int, default=200)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--reps", type=int, default=15)
+    parser.add_argument("--data-dir", type=Path, default=None,
+                        help="mt_bench/ and gsm8k/ here (default: $CARD_DATA_DIR, else the packaged samples)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     result = run_agreement(args) if args.what == "agreement" else run_e2e(args)

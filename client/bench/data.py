@@ -1,0 +1,89 @@
+"""Benchmark prompts: GSM8K, HumanEval and MT-Bench in their published jsonl formats.
+
+A dataset is named (``gsm8k``, ``humaneval``, ``mt_bench``) or given as ``name=path`` / a path to
+any jsonl(.gz) file whose records carry ``question`` (GSM8K), ``prompt`` (HumanEval) or ``turns``
+(MT-Bench, first turn). A named dataset is read from a data directory (card-bench ``--data-dir``,
+else ``$CARD_DATA_DIR``), else from the samples packaged in ``client/bench/datasets`` (GSM8K: the
+first 200 of 1,319 test records; HumanEval and MT-Bench whole; see its README.md).
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from engine.errors import InvalidArgument, NotFound
+
+PACKAGED = Path(__file__).resolve().parent / "datasets"
+ENV_DATA_DIR = "CARD_DATA_DIR"
+KNOWN = {
+    "gsm8k": Path("gsm8k") / "test.jsonl",
+    "humaneval": Path("humaneval") / "HumanEval.jsonl.gz",
+    "mt_bench": Path("mt_bench") / "question.jsonl",
+}
+SAMPLED = frozenset({"gsm8k"})  # packaged as a sample of the published set, not whole
+
+
+@dataclass(frozen=True)
+class Dataset:
+    name: str
+    path: Path
+    prompts: tuple[str, ...]
+
+
+def data_dir(override: str | Path | None = None) -> Path:
+    """Where named datasets are read: ``override`` (--data-dir), else $CARD_DATA_DIR, else the package."""
+    chosen = override or os.environ.get(ENV_DATA_DIR)
+    return Path(chosen).expanduser() if chosen else PACKAGED
+
+
+def resolve(spec: str, directory: str | Path | None = None) -> tuple[str, Path]:
+    """``gsm8k`` | ``name=path`` | ``path`` -> (name, path)."""
+    if "=" in spec:
+        name, _, path = spec.partition("=")
+        return name, Path(path).expanduser()
+    if spec in KNOWN:
+        return spec, data_dir(directory) / KNOWN[spec]
+    path = Path(spec).expanduser()
+    return path.name.split(".")[0], path
+
+
+def prompt_of(record: dict) -> str:
+    """The user prompt of one record, whichever of the three formats it is in."""
+    if isinstance(record.get("turns"), list) and record["turns"]:
+        return str(record["turns"][0])
+    for key in ("question", "prompt"):
+        if isinstance(record.get(key), str):
+            return record[key]
+    raise InvalidArgument(f"a record has none of 'question', 'prompt', 'turns': keys {sorted(record)}")
+
+
+def load(spec: str, n: int | None = None, directory: str | Path | None = None) -> Dataset:
+    """The first ``n`` prompts (all when None) of a dataset, in file order so every run sees the
+    same prompts. Fewer than ``n`` in the file: one line on stderr, and the ones there are."""
+    name, path = resolve(spec, directory)
+    if not path.is_file():
+        where = f"; a data directory holds it as {KNOWN[spec].as_posix()}" if spec in KNOWN else ""
+        raise NotFound(f"dataset {spec!r}: {path} does not exist (give gsm8k, humaneval, mt_bench, "
+                       f"name=path or a path to a jsonl file{where})")
+    opener = gzip.open if path.suffix == ".gz" else open
+    prompts: list[str] = []
+    with opener(path, "rt", encoding="utf-8") as f:
+        for line in f:
+            if n is not None and len(prompts) >= n:
+                break
+            if line.strip():
+                prompts.append(prompt_of(json.loads(line)))
+    if not prompts:
+        raise InvalidArgument(f"dataset {spec!r} ({path}) holds no prompts")
+    if n is not None and len(prompts) < n:
+        if spec in SAMPLED and path.is_relative_to(PACKAGED):
+            note = f"the packaged sample has {len(prompts)} prompts; --data-dir DIR for the full set"
+        else:
+            note = f"{path} has {len(prompts)} prompts, fewer than the {n} asked for"
+        print(f"{name}: {note}", file=sys.stderr)
+    return Dataset(name, path, tuple(prompts))
