@@ -187,7 +187,6 @@ class LocalTrio:
     grace_s: float = 10.0
     tree: TreeParams | None = None
     extra_args: dict[str, Sequence[str]] = field(default_factory=dict)  # per service: "cache", ...
-    tree: TreeParams | None = None  # placeholder for the engineer who owns trio.py: builds the tree flags
 
     def __post_init__(self) -> None:
         if self.tree is not None:

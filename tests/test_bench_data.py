@@ -1,4 +1,5 @@
-"""Benchmark prompts: the samples packaged with card-bench, and --data-dir / $CARD_DATA_DIR over them."""
+"""Benchmark prompts: the samples packaged with card-bench, and --data-dir /
+$CARD_BENCH_DATA_DIR over them."""
 
 from __future__ import annotations
 
@@ -98,7 +99,7 @@ def test_card_bench_passes_data_dir_and_the_env_var(tmp_path, monkeypatch):
     result = CliRunner().invoke(main, ["--dataset", "humaneval", "--no-progress"])
     assert result.exit_code == 2 and str(root) in result.output, result.output
     help_text = CliRunner().invoke(main, ["--help"]).output
-    assert "--data-dir" in help_text and "CARD_DATA_DIR" in help_text
+    assert "--data-dir" in help_text and "CARD_BENCH_DATA_DIR" in help_text
 
 
 def test_default_draft_reads_prompts_through_the_data_module(tmp_path, monkeypatch):

@@ -22,6 +22,7 @@ from pathlib import Path
 import click
 import torch
 
+from card_common.cli import exit_on_error
 from client.bench import data, report
 from client.bench.modes import (
     MODES,
@@ -38,11 +39,10 @@ from client.options import default_thread_split
 from client.trio import LocalTrio
 from engine.config import TreeParams, default_tree_params
 from engine.cpu_linear import PackedLinear, pack_linears
-from engine.errors import CardError, InvalidArgument
+from engine.errors import InvalidArgument
 from engine.models import DTYPES, LoadedModel, ModelConfig, load_model
 
 EXIT_MISMATCH = 1
-EXIT_USAGE = 2
 
 
 def randomized(draft: LoadedModel, seed: int) -> LoadedModel:
@@ -192,11 +192,8 @@ def _parse_variant(value: str) -> tuple[str, dict[str, object]]:
 @click.option("--no-progress", is_flag=True, help="no progress bar")
 def main(**opts: object) -> None:
     """Compare decoding modes on the same prompts, on this machine, in one run."""
-    try:
+    with exit_on_error("card-bench"):
         code = bench(**opts)
-    except CardError as exc:
-        click.echo(f"card-bench: {exc}", err=True)
-        code = EXIT_USAGE
     sys.exit(code)
 
 

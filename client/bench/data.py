@@ -3,7 +3,7 @@
 A dataset is named (``gsm8k``, ``humaneval``, ``mt_bench``) or given as ``name=path`` / a path to
 any jsonl(.gz) file whose records carry ``question`` (GSM8K), ``prompt`` (HumanEval) or ``turns``
 (MT-Bench, first turn). A named dataset is read from a data directory (card-bench ``--data-dir``,
-else ``$CARD_DATA_DIR``), else from the samples packaged in ``client/bench/datasets`` (GSM8K: the
+else ``$CARD_BENCH_DATA_DIR``), else from the samples packaged in ``client/bench/datasets`` (GSM8K: the
 first 200 of 1,319 test records; HumanEval and MT-Bench whole; see its README.md).
 """
 
@@ -19,7 +19,7 @@ from pathlib import Path
 from engine.errors import InvalidArgument, NotFound
 
 PACKAGED = Path(__file__).resolve().parent / "datasets"
-ENV_DATA_DIR = "CARD_DATA_DIR"
+ENV_DATA_DIR = "CARD_BENCH_DATA_DIR"
 KNOWN = {
     "gsm8k": Path("gsm8k") / "test.jsonl",
     "humaneval": Path("humaneval") / "HumanEval.jsonl.gz",
@@ -36,7 +36,8 @@ class Dataset:
 
 
 def data_dir(override: str | Path | None = None) -> Path:
-    """Where named datasets are read: ``override`` (--data-dir), else $CARD_DATA_DIR, else the package."""
+    """Where named datasets are read: ``override`` (--data-dir), else $CARD_BENCH_DATA_DIR, else
+    the package."""
     chosen = override or os.environ.get(ENV_DATA_DIR)
     return Path(chosen).expanduser() if chosen else PACKAGED
 

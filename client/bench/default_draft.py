@@ -34,7 +34,7 @@ from engine.runner import InProcessRunner, RunnerConfig
 
 def prompts(n: int, directory: Path | None = None) -> list[str]:
     """Half MT-Bench first turns (spread over categories), half GSM8K questions (client.bench.data:
-    ``directory``, else $CARD_DATA_DIR, else the packaged samples)."""
+    ``directory``, else $CARD_BENCH_DATA_DIR, else the packaged samples)."""
     mt = list(data.load("mt_bench", directory=directory).prompts)
     n_mt = (n + 1) // 2
     gsm = list(data.load("gsm8k", n - n_mt, directory).prompts) if n > n_mt else []
@@ -192,7 +192,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--reps", type=int, default=15)
     parser.add_argument("--data-dir", type=Path, default=None,
-                        help="mt_bench/ and gsm8k/ here (default: $CARD_DATA_DIR, else the packaged samples)")
+                        help="mt_bench/ and gsm8k/ here "
+                             "(default: $CARD_BENCH_DATA_DIR, else the packaged samples)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     result = run_agreement(args) if args.what == "agreement" else run_e2e(args)
