@@ -14,7 +14,7 @@ from card_common.cli import exits_on_error, option
 from client import ops
 from client.options import DEFAULT_DRAFT, GenerateOptions
 from engine.config import ChainPolicy, SamplingParams, StopParams, tree_params
-from engine.models import DEFAULT_MODEL, DTYPES, QUANTIZE, ModelConfig, export_checkpoint
+from engine.loading.models import DEFAULT_MODEL, DTYPES, QUANTIZE, ModelConfig, export_checkpoint
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})

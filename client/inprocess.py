@@ -10,7 +10,7 @@ import click
 from client.options import GenerateOptions
 from engine.config import GenerationRequest
 from engine.generate import GenerationResult
-from engine.models import load_model
+from engine.loading.models import load_model
 from engine.runner import InProcessRunner, check_compatible
 
 

@@ -24,7 +24,7 @@ from card_common.cli import exits_on_error, option
 from card_common.status import error_from_rpc
 from client.trio import LocalTrio
 from engine.errors import CardError
-from engine.models import DEFAULT_MODEL, QUANTIZE
+from engine.loading.models import DEFAULT_MODEL, QUANTIZE
 
 DEFAULT_TARGET_ADDR = "localhost:50051"
 DEFAULT_CACHE_ADDR = "localhost:50052"

@@ -6,7 +6,7 @@ import os
 from dataclasses import dataclass, field
 
 from engine.config import ChainPolicy, SamplingParams, StopParams, TreeParams
-from engine.models import DEFAULT_MODEL, ModelConfig
+from engine.loading.models import DEFAULT_MODEL, ModelConfig
 from engine.runner import RunnerConfig
 
 # The embedded default pair: SmolLM2-135M-Instruct drafting for itself, dynamically quantized to

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from engine.config import TreeParams
 from engine.errors import InvalidArgument
-from engine.models import ModelConfig
+from engine.loading.models import ModelConfig
 
 
 def default_worker_name(model_spec: str, quantize: str = "none") -> str:

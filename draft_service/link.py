@@ -31,7 +31,7 @@ from card_common.tensors import ids_from_msg
 from draft_service import metrics
 from draft_service.config import DraftConfig
 from engine.errors import CardError
-from engine.models import LoadedModel
+from engine.loading.models import LoadedModel
 from engine.tree import Layer
 from engine.worker import DraftWorker
 

@@ -29,7 +29,7 @@ from card_common.serving import (
 from draft_service.config import DraftConfig, default_worker_name
 from draft_service.link import CacheLink
 from engine.config import tree_params
-from engine.models import QUANTIZE, ModelConfig, load_model
+from engine.loading.models import QUANTIZE, ModelConfig, load_model
 
 log = logging.getLogger("draft_service")
 

@@ -6,8 +6,8 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
-from engine.devices import resolve_device
 from engine.errors import InvalidArgument
+from engine.loading.devices import resolve_device
 
 
 @dataclass(frozen=True)

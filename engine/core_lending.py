@@ -4,7 +4,7 @@ On a small CPU the cores are split between the target and the draft worker. The 
 whenever every tree it grows is at max depth, which with a draft ~10x faster than the target
 is most of each verification: it fills the tree in the first few draft forwards after a
 correction and then waits for the next one. Its cores would sit unused while the target, whose
-multi-token verify scales with threads (engine.cpu_linear), runs on its share alone.
+multi-token verify scales with threads (engine.loading.cpu_linear), runs on its share alone.
 
 ``CoreLender`` hooks the target's linear layers: before each one it sets the target thread's
 torch thread count to ``own + lent`` while ``DraftWorker.idle`` is set, and back to ``own``
@@ -20,7 +20,7 @@ import threading
 
 import torch
 
-from engine.cpu_linear import PackedLinear
+from engine.loading.cpu_linear import PackedLinear
 
 
 class CoreLender:

@@ -18,7 +18,7 @@ from engine.config import GenerationRequest, TreeParams
 from engine.core_lending import CoreLender
 from engine.errors import FailedPrecondition, InvalidArgument
 from engine.generate import Generation
-from engine.models import LoadedModel
+from engine.loading.models import LoadedModel
 from engine.sources import LocalCard, NoDraft, SyncDraft
 from engine.tree import Layer
 from engine.worker import DraftWorker

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from engine.errors import InvalidArgument
-from engine.models import ModelConfig
+from engine.loading.models import ModelConfig
 
 
 @dataclass(frozen=True)

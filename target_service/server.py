@@ -29,7 +29,7 @@ from card_common.serving import (
     start_metrics_server,
 )
 from engine.errors import Unavailable
-from engine.models import ModelConfig, load_model
+from engine.loading.models import ModelConfig, load_model
 from target_service.config import TargetConfig
 from target_service.servicer import TargetServicer
 

@@ -24,7 +24,7 @@ from engine.chain_source import ChainSource
 from engine.config import ChainPolicy, GenerationRequest, SamplingParams, StopParams, TreeParams
 from engine.errors import InvalidArgument, NotFound, ResourceExhausted, Unavailable
 from engine.generate import Generation, check_prompt
-from engine.models import LoadedModel
+from engine.loading.models import LoadedModel
 from engine.sources import NoDraft
 from target_service import metrics
 from target_service.config import TargetConfig

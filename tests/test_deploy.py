@@ -42,7 +42,7 @@ IMAGE = "card-serving"
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
 SCRIPTS: dict[str, str] = PYPROJECT["project"]["scripts"]
 SERVICE_SCRIPTS = ("card-cache", "card-target", "card-draft")
-# Read by the engine itself (engine/embedded.py), not by a click option; the image sets them.
+# Read by the engine itself (engine/loading/embedded.py), not by a click option; the image sets them.
 ENGINE_ENVVARS = frozenset({"CARD_MODELS_DIR", "CARD_DEFAULT_MODEL_FIND_LINKS"})
 KUSTOMIZATION_KEYS = frozenset(
     {"apiVersion", "kind", "resources", "components", "configMapGenerator", "patches", "images"}
@@ -289,6 +289,28 @@ def test_every_service_runs_once_and_each_command_is_an_entry_point(variant: tup
                 assert arg.split("=")[0] in options, f"{c.script} has no option {arg}"
 
 
+def _all_params(command: click.Command) -> list[tuple[click.Command, click.Parameter]]:
+    subcommands = getattr(command, "commands", {}).values()
+    return [(command, p) for p in command.params] + [pair for sub in subcommands for pair in _all_params(sub)]
+
+
+@pytest.mark.parametrize("script", [*SERVICE_SCRIPTS, "card-client", "card-bench"])
+def test_every_option_reads_card_service_option(script: str) -> None:
+    """One naming rule: an option of card-X reads CARD_X_<OPTION> and --help says so; every option
+    of a service has one (the manifests configure services by variables alone)."""
+    import client.cli
+
+    command = client.cli.cli if script == "card-client" else command_for(script)
+    prefix = "CARD_" + script.removeprefix("card-").upper() + "_"
+    for cmd, param in _all_params(command):
+        if not isinstance(param, click.Option):
+            continue
+        names = envvars_of(param, cmd)
+        assert all(n.startswith(prefix) for n in names), (script, param.name, names)
+        assert param.show_envvar or not names, (script, param.name)
+        assert names or script not in SERVICE_SCRIPTS, (script, param.name)
+
+
 def test_every_card_variable_is_read_by_its_service(variant: tuple[str, Rendered]) -> None:
     _, rendered = variant
     for c in card_containers(rendered):
@@ -518,7 +540,7 @@ def test_image_has_no_entrypoint_runs_as_non_root_and_caches_models_on_the_volum
 
 
 def test_image_bundles_the_default_model_wheel_the_engine_asks_for() -> None:
-    embedded = importlib.import_module("engine.embedded")
+    embedded = importlib.import_module("engine.loading.embedded")
     assert {embedded.MODELS_DIR_ENV, embedded.FIND_LINKS_ENV} == ENGINE_ENVVARS
     match = re.search(r"^ARG DEFAULT_MODEL_WHEEL=(\S+)$", DOCKERFILE, re.M)
     assert match and match.group(1) == embedded.SMOLLM2.requirement

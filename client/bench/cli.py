@@ -38,9 +38,9 @@ from client.bench.modes import (
 from client.options import default_thread_split
 from client.trio import LocalTrio
 from engine.config import TreeParams, default_tree_params
-from engine.cpu_linear import PackedLinear, pack_linears
 from engine.errors import InvalidArgument
-from engine.models import DTYPES, LoadedModel, ModelConfig, load_model
+from engine.loading.cpu_linear import PackedLinear, pack_linears
+from engine.loading.models import DTYPES, LoadedModel, ModelConfig, load_model
 
 EXIT_MISMATCH = 1
 
@@ -144,7 +144,7 @@ def _parse_variant(value: str) -> tuple[str, dict[str, object]]:
 @click.option("--draft-quantize", type=click.Choice(["none", "int8"]), default="int8", show_default=True,
               help="dynamic int8 Linear layers for the draft (CPU)")
 @click.option("--prepack/--no-prepack", default=True, show_default=True,
-              help="oneDNN-prepacked Linear weights for fp32 models on the CPU (engine.cpu_linear)")
+              help="oneDNN-prepacked Linear weights for fp32 models on the CPU (engine.loading.cpu_linear)")
 @click.option("--draft-random-init", type=int, default=None, metavar="SEED",
               help="replace the draft's weights by random ones (seeded): the useless-draft worst case")
 @click.option("--modes", default="vanilla,sd,card,hf,hf-assisted", show_default=True,

@@ -25,7 +25,7 @@ import click
 import torch
 
 from engine import kv as kvops
-from engine.models import ModelConfig, load_model
+from engine.loading.models import ModelConfig, load_model
 
 
 def _time(fn, reps: int) -> tuple[float, float]:

@@ -27,8 +27,8 @@ import torch
 from client.bench import data
 from engine import kv as kvops
 from engine.config import GenerationRequest, StopParams
-from engine.draft_variants import truncate_layers
-from engine.models import ModelConfig, load_model
+from engine.loading.draft_variants import truncate_layers
+from engine.loading.models import ModelConfig, load_model
 from engine.runner import InProcessRunner, RunnerConfig
 
 

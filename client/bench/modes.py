@@ -25,7 +25,7 @@ import torch
 from client.bench.costs import verify_costs
 from engine.config import GenerationRequest, StopParams, TreeParams
 from engine.errors import InvalidArgument
-from engine.models import LoadedModel
+from engine.loading.models import LoadedModel
 from engine.runner import InProcessRunner, RunnerConfig
 from engine.stats import GenerationStats
 

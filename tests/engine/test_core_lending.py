@@ -7,8 +7,8 @@ import torch
 
 from engine.config import GenerationRequest, StopParams, TreeParams
 from engine.core_lending import CoreLender
-from engine.cpu_linear import pack_linears
-from engine.models import LoadedModel
+from engine.loading.cpu_linear import pack_linears
+from engine.loading.models import LoadedModel
 from engine.runner import InProcessRunner, RunnerConfig
 from engine.tree import Advance, Outcome
 from engine.worker import DraftWorker

@@ -7,9 +7,9 @@ import torch
 
 from engine import kv as kvops
 from engine.config import GenerationRequest, StopParams, TreeParams
-from engine.draft_variants import truncate_layers
 from engine.errors import InvalidArgument
-from engine.models import LoadedModel, ModelConfig, load_model
+from engine.loading.draft_variants import truncate_layers
+from engine.loading.models import LoadedModel, ModelConfig, load_model
 from engine.runner import InProcessRunner, RunnerConfig
 from tests.tiny_models import save_tiny_checkpoint, tiny_model
 

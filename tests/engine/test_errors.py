@@ -20,9 +20,9 @@ from engine.errors import (
     ResourceExhausted,
     Unavailable,
 )
-from engine.fingerprint import tokenizer_fingerprint
 from engine.generate import Generation, check_prompt
-from engine.models import LoadedModel, ModelConfig, load_model
+from engine.loading.fingerprint import tokenizer_fingerprint
+from engine.loading.models import LoadedModel, ModelConfig, load_model
 from engine.runner import InProcessRunner, RunnerConfig, check_compatible
 from engine.sources import NoDraft
 from tests.engine.support import letters, target_model

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from engine.config import GenerationRequest, StopParams, TreeParams
-from engine.models import LoadedModel, ModelConfig, load_model
+from engine.loading.models import LoadedModel, ModelConfig, load_model
 from engine.runner import InProcessRunner, RunnerConfig
 from tests.engine.support import LockstepRunner, wait_until
 from tests.tiny_models import SMOLLM2_DIR

@@ -11,7 +11,7 @@ import torch
 
 from engine.config import GenerationRequest, StopParams, TreeParams
 from engine.generate import Generation
-from engine.models import ModelConfig, load_model
+from engine.loading.models import ModelConfig, load_model
 from engine.runner import InProcessRunner, RunnerConfig
 from engine.sources import LocalCard, NoDraft
 from engine.tree import Advance, Layer, Outcome

@@ -12,7 +12,7 @@ import torch
 
 from engine.config import GenerationRequest, SamplingParams, StopParams
 from engine.generate import GenerationResult
-from engine.models import LoadedModel
+from engine.loading.models import LoadedModel
 from engine.runner import InProcessRunner, RunnerConfig
 
 Reference = Callable[[str | Sequence[int], SamplingParams, StopParams], GenerationResult]

@@ -9,7 +9,7 @@ import pytest
 from client.remote import generate_remote
 from client.trio import LocalTrio
 from engine.config import SamplingParams, StopParams
-from engine.models import ModelConfig, load_model
+from engine.loading.models import ModelConfig, load_model
 from tests.services.e2e_support import torch_threads, vanilla_reference
 from tests.tiny_models import SMOLLM2_DIR
 

@@ -25,7 +25,7 @@ from client.remote import generate_remote
 from client.trio import LocalTrio, console_script, free_port
 from engine.config import SamplingParams, StopParams
 from engine.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
-from engine.models import ModelConfig, load_model
+from engine.loading.models import ModelConfig, load_model
 from tests.services.e2e_support import metric, scrape, torch_threads, vanilla_reference, wait_until
 from tests.tiny_models import save_foreign_tokenizer_checkpoint, save_tiny_checkpoint
 

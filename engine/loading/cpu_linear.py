@@ -15,7 +15,7 @@ forward shape).
 
 The packed weight replaces the dense one (an opaque mkldnn tensor of the same size): no extra
 memory, except for an output projection tied to the input embeddings, whose dense copy the
-embedding keeps. Packed models cannot be saved; pack after loading, as ``engine.models`` does.
+embedding keeps. Packed models cannot be saved; pack after loading, as ``engine.loading.models`` does.
 """
 
 from __future__ import annotations

@@ -6,12 +6,12 @@ A model spec is one of:
     - a local folder holding a transformers checkpoint (config.json + weights), or a folder with
       exactly one ``.gguf`` file (tokenizer files beside it are used when present);
     - a path to a ``.gguf`` file (transformers dequantizes it; needs ``gguf`` and ``accelerate``);
-    - ``default``: the embedded SmolLM2-135M-Instruct (engine.embedded fetches it once).
+    - ``default``: the embedded SmolLM2-135M-Instruct (engine.loading.embedded fetches it once).
 
 Options: dtype (auto, float32, bfloat16, float16, float64), device (auto, cpu, cuda, cuda:N), and
 quantize (``none`` or ``int8``: dynamic int8 Linear layers, CPU only), layers (keep only the
-first N decoder layers: a self-speculative draft, engine.draft_variants; 0 keeps all), and prepack
-(fp32 on the CPU: Linear weights reordered once for oneDNN, engine.cpu_linear; faster multi-token
+first N decoder layers: a self-speculative draft, engine.loading.draft_variants; 0 keeps all), and prepack
+(fp32 on the CPU: Linear weights reordered once for oneDNN, engine.loading.cpu_linear; faster multi-token
 forwards and batch-invariant logits, on by default).
 """
 
@@ -27,10 +27,10 @@ from pathlib import Path
 
 import torch
 
-from engine.cpu_linear import can_pack, pack_linears
-from engine.devices import resolve_device
 from engine.errors import InvalidArgument, NotFound
-from engine.fingerprint import tokenizer_fingerprint
+from engine.loading.cpu_linear import can_pack, pack_linears
+from engine.loading.devices import resolve_device
+from engine.loading.fingerprint import tokenizer_fingerprint
 
 log = logging.getLogger(__name__)
 
@@ -123,7 +123,7 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
 def _locate(spec: str) -> tuple[str, str | None]:
     """(path or HF id for from_pretrained, gguf file name or None)."""
     if spec == DEFAULT_MODEL:
-        from engine.embedded import ensure_default_model
+        from engine.loading.embedded import ensure_default_model
 
         path = ensure_default_model()
         return str(path.parent), path.name
@@ -159,7 +159,7 @@ def _tokenizer(where: str, gguf: str | None) -> object:
     if gguf and not has_tokenizer_files:
         tok = AutoTokenizer.from_pretrained(where, gguf_file=gguf)
         if not getattr(tok, "chat_template", None):
-            from engine.embedded import gguf_chat_template
+            from engine.loading.embedded import gguf_chat_template
 
             tok.chat_template = gguf_chat_template(Path(where) / gguf)
         return tok
@@ -188,7 +188,7 @@ def load_model(config: ModelConfig) -> LoadedModel:
         ) from exc
     model = model.to(device).eval()
     if config.layers:
-        from engine.draft_variants import truncate_layers
+        from engine.loading.draft_variants import truncate_layers
 
         model = truncate_layers(model, config.layers)
     if config.quantize == "int8":
