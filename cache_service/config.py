@@ -1,25 +1,11 @@
-"""The cache service's settings, built once from CLI flags / CARD_* environment variables."""
+"""The cache service's settings, built once from CLI flags / CARD_CACHE_* environment variables."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-import torch
-
+from engine.config import TreeParams
 from engine.errors import InvalidArgument
-
-
-def resolve_device(device: str) -> str:
-    """``auto`` = cuda when present, else cpu; anything else must be a device torch knows."""
-    if device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    try:
-        torch.device(device)
-    except RuntimeError as exc:
-        raise InvalidArgument(f"unknown device {device!r}: {exc}") from None
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise InvalidArgument(f"device {device} was asked for but CUDA is not available")
-    return device
 
 
 @dataclass(frozen=True)
@@ -29,14 +15,15 @@ class CacheConfig:
 
     redis_url: ``redis://...`` or ``memory://`` (in-process store, single machine only).
     allow_memory_fallback: use the in-process store when Redis is unreachable at startup.
-    device: where the trees live (resolved, never ``auto``).
+    device: where the trees live (resolved, never ``auto``), e.g. "cpu", "cuda:0".
     session_ttl_s: how long finished-session records stay in Redis.
     session_idle_timeout_s: a session with no Step for this long is closed as abandoned (its
         target died without closing it); 0 disables.
     heartbeat_interval_s: how often draft workers heartbeat; a worker expires after 3 missed.
     health_check_interval_s: how often Redis is pinged (health follows it).
-    max_chain / b_extension / min_path_prob: chain shape handed to the target
-        (engine.tree.best_chain).
+    tree: its chain fields (max_chain, b_extension, min_path_prob) shape the chains handed to the
+        target (engine.tree.best_chain); a session's ChainPolicy goes over them. The tree's shape
+        (width, branch, depth) is the draft workers' and unused here.
     grpc_threads: server threads; every open draft stream holds one.
     """
 
@@ -51,9 +38,7 @@ class CacheConfig:
     session_idle_timeout_s: float = 600.0
     heartbeat_interval_s: float = 2.0
     health_check_interval_s: float = 2.0
-    max_chain: int = 8
-    b_extension: bool = True
-    min_path_prob: float = 0.0
+    tree: TreeParams = field(default_factory=TreeParams)
     grpc_threads: int = 64
     log_level: str = "INFO"
     json_logs: bool = False
@@ -69,10 +54,6 @@ class CacheConfig:
             raise InvalidArgument(f"session idle timeout must be >= 0, got {self.session_idle_timeout_s}")
         if self.heartbeat_interval_s <= 0 or self.health_check_interval_s <= 0:
             raise InvalidArgument("heartbeat and health-check intervals must be > 0")
-        if self.max_chain < 0:
-            raise InvalidArgument(f"max_chain must be >= 0, got {self.max_chain}")
-        if not 0.0 <= self.min_path_prob <= 1.0:
-            raise InvalidArgument(f"min_path_prob must be in [0, 1], got {self.min_path_prob}")
         if self.grpc_threads < 4:
             raise InvalidArgument(f"grpc_threads must be >= 4, got {self.grpc_threads}")
         if not self.redis_url.startswith(("redis://", "rediss://", "unix://", "memory://")):

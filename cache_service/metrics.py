@@ -12,5 +12,7 @@ STEP_LATENCY = Histogram(
 )
 OUTCOMES = Counter("card_cache_outcomes", "Verdicts on the target's next token", ["outcome"])
 LAYERS = Counter("card_cache_layers_received", "Draft layers received (applied or dropped)")
+LAYERS_MALFORMED = Counter("card_cache_layers_malformed",
+                           "Draft layers dropped because they could not be decoded (a draft bug)")
 DRAFTS = Gauge("card_cache_drafts_registered", "Draft workers registered")
 REDIS_UP = Gauge("card_cache_redis_up", "1 when the metadata store answers")

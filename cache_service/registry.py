@@ -8,8 +8,24 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-from card.v1 import cache_pb2
-from engine.errors import FailedPrecondition, NotFound, ResourceExhausted
+from engine.draft_commands import DraftCommand
+from engine.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
+
+
+@dataclass(frozen=True)
+class DraftRegistration:
+    """What a draft worker says about itself when it registers."""
+
+    name: str  # unique; registering a name again replaces the worker that holds it
+    model: str
+    fingerprint: str  # of its tokenizer; only sessions of targets with the same one are served
+    capacity: int  # most concurrent sessions; <= 0 = unlimited
+
+    def __post_init__(self) -> None:
+        if not self.name:
+            raise InvalidArgument("a draft worker needs a name")
+        if not self.fingerprint:
+            raise InvalidArgument(f"draft {self.name!r} sent no tokenizer fingerprint")
 
 
 @dataclass(eq=False)
@@ -21,18 +37,15 @@ class Worker:
     model: str
     fingerprint: str
     capacity: int  # most concurrent sessions; <= 0 = unlimited
-    tree_width: int = 0
-    max_depth: int = 0
     registered_unix: float = field(default_factory=time.time)
     last_heartbeat: float = field(default_factory=time.monotonic)
     last_heartbeat_unix: float = field(default_factory=time.time)
-    active_reported: int = 0  # sessions the worker says it holds (last heartbeat)
     sessions: set[str] = field(default_factory=set)
     streaming: bool = False  # a Commands stream is open
     closed: bool = False
-    commands: queue.Queue[cache_pb2.DraftCommand | None] = field(default_factory=queue.Queue)
+    commands: queue.Queue[DraftCommand | None] = field(default_factory=queue.Queue)
 
-    def send(self, command: cache_pb2.DraftCommand) -> None:
+    def send(self, command: DraftCommand) -> None:
         if not self.closed:
             self.commands.put(command)
 
@@ -49,12 +62,14 @@ class Worker:
     def load(self) -> float:
         return len(self.sessions) / self.capacity if self.capacity > 0 else 0.0
 
-    def info(self) -> cache_pb2.DraftInfo:
-        return cache_pb2.DraftInfo(
-            name=self.name, model=self.model, tokenizer_fingerprint=self.fingerprint,
-            capacity=self.capacity, active_sessions=len(self.sessions),
-            last_heartbeat_unix=self.last_heartbeat_unix,
-        )
+    def record(self) -> dict[str, str | int | float]:
+        """The registry entry as Redis holds it (``Status`` reads other replicas' workers there)."""
+        return {
+            "name": self.name, "model": self.model, "tokenizer_fingerprint": self.fingerprint,
+            "capacity": self.capacity, "worker_id": self.worker_id,
+            "active_sessions": len(self.sessions), "last_heartbeat_unix": self.last_heartbeat_unix,
+            "registered_unix": self.registered_unix,
+        }
 
 
 class Registry:
@@ -67,15 +82,12 @@ class Registry:
         self._by_id: dict[str, Worker] = {}
         self._by_name: dict[str, Worker] = {}
 
-    def register(self, req: cache_pb2.RegisterDraftRequest) -> tuple[Worker, Worker | None]:
+    def register(self, reg: DraftRegistration) -> tuple[Worker, Worker | None]:
         """Add a worker; returns it and the worker it replaced (same name), which is now removed."""
-        worker = Worker(
-            worker_id=uuid.uuid4().hex, name=req.name, model=req.model,
-            fingerprint=req.tokenizer_fingerprint, capacity=req.capacity,
-            tree_width=req.tree_width, max_depth=req.max_depth,
-        )
+        worker = Worker(worker_id=uuid.uuid4().hex, name=reg.name, model=reg.model,
+                        fingerprint=reg.fingerprint, capacity=reg.capacity)
         with self.lock:
-            old = self._by_name.get(req.name)
+            old = self._by_name.get(reg.name)
             if old is None and len(self._by_id) >= self.max_workers:
                 raise ResourceExhausted(f"the registry is full ({self.max_workers} draft workers)")
             if old is not None:
@@ -105,11 +117,10 @@ class Registry:
                 self._remove(worker)
             return present
 
-    def heartbeat(self, worker_id: str, active_sessions: int) -> Worker:
+    def heartbeat(self, worker_id: str) -> Worker:
         worker = self.get(worker_id)
         worker.last_heartbeat = time.monotonic()
         worker.last_heartbeat_unix = time.time()
-        worker.active_reported = active_sessions
         return worker
 
     def expired(self, max_age_s: float) -> list[Worker]:

@@ -2,28 +2,28 @@
 
     card-cache --port 50052 --redis-url redis://127.0.0.1:6379/0
 
-Every flag has a CARD_* environment variable (see ``card-cache --help``). It prints one line,
-``card-cache listening on HOST:PORT``, to stdout once it serves, so a parent process started with
-``--port 0`` can read the port the OS chose.
+Every flag ``--some-option`` reads the environment variable CARD_CACHE_SOME_OPTION (see
+``card-cache --help``). A startup error exits 2 with one line, ``card-cache: CODE: message``. Once
+it serves it prints one line, ``card-cache listening on HOST:PORT``, to stdout, so a parent process
+started with ``--port 0`` can read the port the OS chose.
 """
 
 from __future__ import annotations
 
-import functools
 import logging
 import sys
 import threading
 
 import click
-import torch
 
-from cache_service.config import CacheConfig, resolve_device
+from cache_service.config import CacheConfig
 from cache_service.monitor import Monitor
 from cache_service.registry import Registry
 from cache_service.servicer import CacheServicer
 from cache_service.sessions import SessionTable
 from cache_service.store import MetadataStore, open_store
 from card.v1 import cache_pb2, cache_pb2_grpc
+from card_common.cli import exit_on_error, logging_options, option, service_command
 from card_common.serving import (
     add_health,
     make_server,
@@ -32,12 +32,11 @@ from card_common.serving import (
     setup_logging,
     start_metrics_server,
 )
-from engine.config import default_tree_params
-from engine.errors import CardError, InvalidArgument
+from engine.config import tree_params
+from engine.devices import resolve_device
+from engine.errors import InvalidArgument
 
 log = logging.getLogger(__name__)
-
-option = functools.partial(click.option, show_envvar=True)
 
 SERVICE_NAME = cache_pb2.DESCRIPTOR.services_by_name["CacheService"].full_name
 
@@ -107,64 +106,51 @@ def create_server(addr: str, config: CacheConfig, store: MetadataStore | None = 
     return server, port
 
 
-@click.command(context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
-@option("--host", envvar="CARD_CACHE_HOST", default="127.0.0.1",
-              help="Interface to listen on; 0.0.0.0 in containers / Kubernetes.")
-@option("--port", envvar="CARD_CACHE_PORT", type=int, default=50052, help="gRPC port; 0 = OS-chosen.")
-@option("--redis-url", envvar="CARD_REDIS_URL", default="redis://127.0.0.1:6379/0",
-              help="Metadata store; memory:// = in-process (single machine, logs a warning).")
-@option("--redis-prefix", envvar="CARD_REDIS_PREFIX", default="card:",
-              help="Prefix of every Redis key.")
-@option("--allow-memory-fallback", envvar="CARD_ALLOW_MEMORY_FALLBACK", is_flag=True,
-              help="Use the in-process store when Redis is unreachable at startup.")
-@option("--device", envvar="CARD_CACHE_DEVICE", default="auto",
-              help="Where the trees live: auto (cuda if available), cpu, cuda, cuda:N.")
-@option("--metrics-port", envvar="CARD_METRICS_PORT", type=int, default=9092,
-              help="Prometheus /metrics port; 0 disables.")
-@option("--session-ttl-s", envvar="CARD_SESSION_TTL_S", type=int, default=86400,
-              help="How long finished-session records stay in Redis.")
-@option("--session-idle-timeout-s", envvar="CARD_SESSION_IDLE_TIMEOUT_S", type=float, default=600.0,
+@service_command("CARD_CACHE")
+@option("--host", default="127.0.0.1", help="Interface to listen on; 0.0.0.0 in containers / Kubernetes.")
+@option("--port", type=int, default=50052, help="gRPC port; 0 = OS-chosen.")
+@option("--redis-url", default="redis://127.0.0.1:6379/0",
+        help="Metadata store; memory:// = in-process (single machine, logs a warning).")
+@option("--redis-prefix", default="card:", help="Prefix of every Redis key.")
+@option("--allow-memory-fallback", is_flag=True,
+        help="Use the in-process store when Redis is unreachable at startup.")
+@option("--device", default="auto", help="Where the trees live: auto (cuda if available), cpu, cuda, cuda:N.")
+@option("--metrics-port", type=int, default=9092, help="Prometheus /metrics port; 0 disables.")
+@option("--session-ttl-s", type=int, default=86400, help="How long finished-session records stay in Redis.")
+@option("--session-idle-timeout-s", type=float, default=600.0,
         help="Close a session with no Step for this long (its target died); 0 = never.")
-@option("--heartbeat-interval-s", envvar="CARD_HEARTBEAT_INTERVAL_S", type=float, default=2.0,
-              help="Draft heartbeat period; a worker expires after 3 missed.")
-@option("--max-chain", envvar="CARD_MAX_CHAIN", type=int, default=None,
-        help="Most drafted tokens per chain handed to the target (default: 6 on CPU, 8 on GPU).")
-@option("--b-extension/--no-b-extension", envvar="CARD_B_EXTENSION", default=True,
-              help="Extend each chain by the best secondary-tier token.")
-@option("--min-path-prob", envvar="CARD_MIN_PATH_PROB", type=click.FloatRange(0.0, 1.0), default=None,
-        help="Cut chains where the draft's prefix probability falls below this "
-             "(default: 0, never).")
-@option("--grpc-threads", envvar="CARD_GRPC_THREADS", type=int, default=64,
-              help="Server threads; every open draft stream holds one.")
-@option("--log-level", envvar="CARD_LOG_LEVEL", default="INFO",
-              type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False))
-@option("--json-logs", envvar="CARD_JSON_LOGS", is_flag=True, help="One JSON object per log line.")
+@option("--heartbeat-interval-s", type=float, default=2.0,
+        help="Draft heartbeat period; a worker expires after 3 missed.")
+@option("--max-chain", type=int, default=None,
+        help="Most drafted tokens per chain handed to the target (default: 6 on CPU, 8 on GPU); "
+             "a request's chain policy may set its own.")
+@option("--b-extension/--no-b-extension", default=None,
+        help="Extend each chain by the best secondary-tier token (default: on).")
+@option("--min-path-prob", type=click.FloatRange(0.0, 1.0), default=None,
+        help="Cut chains where the draft's prefix probability falls below this (default: 0, never).")
+@option("--grpc-threads", type=int, default=64, help="Server threads; every open draft stream holds one.")
+@logging_options
 def main(host: str, port: int, redis_url: str, redis_prefix: str, allow_memory_fallback: bool, device: str,
          metrics_port: int, session_ttl_s: int, session_idle_timeout_s: float, heartbeat_interval_s: float,
-         max_chain: int | None, b_extension: bool, min_path_prob: float | None, grpc_threads: int,
+         max_chain: int | None, b_extension: bool | None, min_path_prob: float | None, grpc_threads: int,
          log_level: str, json_logs: bool) -> None:
     """Serve the CARD cache: the authority on every session's candidate tree."""
     setup_logging(log_level, json_logs)
-    try:
-        device = resolve_device(device)
+    with exit_on_error("card-cache"):
         # the cache sits with the target: its hardware says how long a chain pays to verify
-        hardware = default_tree_params(torch.device(device).type)
-        max_chain = hardware.max_chain if max_chain is None else max_chain
-        min_path_prob = hardware.min_path_prob if min_path_prob is None else min_path_prob
         config = CacheConfig(
             host=host, port=port, redis_url=redis_url, redis_prefix=redis_prefix,
-            allow_memory_fallback=allow_memory_fallback, device=device,
+            allow_memory_fallback=allow_memory_fallback, device=str(resolve_device(device)),
             metrics_port=metrics_port, session_ttl_s=session_ttl_s,
             session_idle_timeout_s=session_idle_timeout_s, heartbeat_interval_s=heartbeat_interval_s,
-            health_check_interval_s=min(2.0, heartbeat_interval_s), max_chain=max_chain,
-            b_extension=b_extension, min_path_prob=min_path_prob, grpc_threads=grpc_threads,
-            log_level=log_level, json_logs=json_logs,
+            health_check_interval_s=min(2.0, heartbeat_interval_s),
+            tree=tree_params(device, max_chain=max_chain, min_path_prob=min_path_prob,
+                             b_extension=b_extension),
+            grpc_threads=grpc_threads, log_level=log_level, json_logs=json_logs,
         )
         server, bound = create_server(config.addr, config)
         start_metrics_server(config.metrics_port)
-    except CardError as exc:
-        raise click.ClickException(str(exc)) from None
-    server.start()
+        server.start()
     log.info("cache service on %s:%d (device %s, store %s)", host, bound, config.device, server.store.url)
     print(f"card-cache listening on {host}:{bound}", flush=True)
     serve_until_signal(server, server.shutdown_sessions, grace_s=5.0, health_servicer=server.health)

@@ -1,4 +1,9 @@
-"""card.v1.CacheService over SessionTable and Registry: decode, call, encode. No tree logic here."""
+"""card.v1.CacheService over SessionTable and Registry: decode, call, encode. No tree logic here.
+
+This is the cache's edge: requests are decoded into engine values once, here (with
+card_common.convert), and the domain's answers are encoded here; SessionTable and Registry never
+see a card.v1 message.
+"""
 
 from __future__ import annotations
 
@@ -6,23 +11,51 @@ import contextlib
 import logging
 import queue
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 
 import grpc
 
 from cache_service import metrics
 from cache_service.config import CacheConfig
 from cache_service.monitor import Monitor
-from cache_service.registry import Registry, Worker
-from cache_service.sessions import SessionTable
+from cache_service.registry import DraftRegistration, Registry, Worker
+from cache_service.sessions import Session, SessionTable
 from cache_service.store import MetadataStore
 from card.v1 import cache_pb2, cache_pb2_grpc
-from card_common.convert import chain_to_msg, correction_from_msg, stats_from_msg
+from card_common.convert import (
+    chain_policy_from_msg,
+    chain_to_msg,
+    command_to_msg,
+    correction_from_msg,
+    layer_from_msg,
+    stats_from_msg,
+)
 from card_common.status import grpc_errors
 from card_common.tensors import ids_from_msg
-from engine.errors import FailedPrecondition, InvalidArgument, Unavailable
+from engine.errors import CardError, FailedPrecondition, Unavailable
 
 log = logging.getLogger(__name__)
+
+
+def session_to_msg(session: Session) -> cache_pb2.SessionInfo:
+    return cache_pb2.SessionInfo(
+        session_id=session.session_id, target_model=session.target_model, draft=session.draft,
+        epoch=session.epoch, committed_tokens=len(session.committed), tree_nodes=len(session.tree),
+    )
+
+
+def draft_record_to_msg(record: Mapping[str, str | int | float]) -> cache_pb2.DraftInfo:
+    """A worker's registry entry (``Worker.record()``, or its copy in Redis: every value a string)."""
+    return cache_pb2.DraftInfo(
+        name=str(record.get("name", "")), model=str(record.get("model", "")),
+        tokenizer_fingerprint=str(record.get("tokenizer_fingerprint", "")),
+        capacity=int(record.get("capacity", 0)), active_sessions=int(record.get("active_sessions", 0)),
+        last_heartbeat_unix=float(record.get("last_heartbeat_unix", 0.0)),
+    )
+
+
+def worker_to_msg(worker: Worker) -> cache_pb2.DraftInfo:
+    return draft_record_to_msg(worker.record())
 
 
 class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
@@ -44,10 +77,9 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
                     ) -> cache_pb2.OpenSessionResponse:
         self._require_store()
         session = self.sessions.open(ids_from_msg(request.prompt_ids), request.tokenizer_fingerprint,
-                                     request.target_model, request.draft)
-        worker = session.worker
-        return cache_pb2.OpenSessionResponse(session_id=session.session_id,
-                                             draft=worker.name if worker else "")
+                                     request.target_model, request.draft,
+                                     chain_policy_from_msg(request.chain))
+        return cache_pb2.OpenSessionResponse(session_id=session.session_id, draft=session.draft)
 
     @grpc_errors
     def Step(self, request: cache_pb2.StepRequest, context: grpc.ServicerContext) -> cache_pb2.StepResponse:
@@ -65,14 +97,12 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
     @grpc_errors
     def RegisterDraft(self, request: cache_pb2.RegisterDraftRequest, context: grpc.ServicerContext
                       ) -> cache_pb2.RegisterDraftResponse:
-        if not request.name:
-            raise InvalidArgument("a draft worker needs a name")
-        if not request.tokenizer_fingerprint:
-            raise InvalidArgument(f"draft {request.name!r} sent no tokenizer fingerprint")
+        registration = DraftRegistration(name=request.name, model=request.model,
+                                         fingerprint=request.tokenizer_fingerprint, capacity=request.capacity)
         self._require_store()
-        worker, replaced = self.registry.register(request)
+        worker, replaced = self.registry.register(registration)
         try:
-            self.store.put_draft(worker.name, self._draft_record(worker), self.config.worker_ttl_s)
+            self.store.put_draft(worker.name, worker.record(), self.config.worker_ttl_s)
         except Unavailable:
             self.registry.remove(worker)
             raise
@@ -85,15 +115,6 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
                  extra={"draft": worker.name, "worker_id": worker.worker_id})
         return cache_pb2.RegisterDraftResponse(worker_id=worker.worker_id,
                                                heartbeat_interval_s=self.config.heartbeat_interval_s)
-
-    @staticmethod
-    def _draft_record(worker: Worker) -> dict[str, str | int | float]:
-        return {
-            "name": worker.name, "model": worker.model, "tokenizer_fingerprint": worker.fingerprint,
-            "capacity": worker.capacity, "worker_id": worker.worker_id,
-            "active_sessions": len(worker.sessions), "last_heartbeat_unix": worker.last_heartbeat_unix,
-            "registered_unix": worker.registered_unix,
-        }
 
     @grpc_errors
     def Commands(self, request: cache_pb2.CommandsRequest, context: grpc.ServicerContext
@@ -114,7 +135,7 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
                     if worker.closed or not context.is_active():
                         break
                     continue
-                yield command
+                yield command_to_msg(command)
         finally:
             worker.streaming = False
             if self.registry.remove(worker):
@@ -136,8 +157,17 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
         received = 0
         try:
             for msg in request_iterator:
-                self.sessions.apply_layer(msg)
                 received += 1
+                metrics.LAYERS.inc()
+                try:
+                    layer = layer_from_msg(msg)
+                except CardError as exc:  # a draft's bug: drop the layer, keep the stream
+                    metrics.LAYERS_MALFORMED.inc()
+                    log.warning("dropped a malformed layer from worker %s for session %s: %s",
+                                msg.worker_id, msg.session_id, exc, extra={"session_id": msg.session_id})
+                    continue
+                self.sessions.apply_layer(msg.session_id, msg.worker_id, layer, msg.draft_forwards,
+                                          msg.draft_idle_s)
         except grpc.RpcError:  # the worker went away mid-stream: a peer leaving, not a bug
             log.info("layer stream ended by its draft worker after %d layers (peer %s)", received,
                      context.peer())
@@ -146,9 +176,9 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
     @grpc_errors
     def Heartbeat(self, request: cache_pb2.HeartbeatRequest, context: grpc.ServicerContext
                   ) -> cache_pb2.HeartbeatResponse:
-        worker = self.registry.heartbeat(request.worker_id, request.active_sessions)
+        worker = self.registry.heartbeat(request.worker_id)
         try:
-            self.store.put_draft(worker.name, self._draft_record(worker), self.config.worker_ttl_s)
+            self.store.put_draft(worker.name, worker.record(), self.config.worker_ttl_s)
         except Unavailable as exc:  # the in-process registry still routes; Redis catches up later
             log.warning("heartbeat of %s not recorded: %s", worker.name, exc)
         return cache_pb2.HeartbeatResponse()
@@ -157,7 +187,7 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
     @grpc_errors
     def Status(self, request: cache_pb2.StatusRequest, context: grpc.ServicerContext
                ) -> cache_pb2.StatusResponse:
-        drafts = {w.name: w.info() for w in self.registry.workers()}
+        drafts = {w.name: worker_to_msg(w) for w in self.registry.workers()}
         totals: dict[str, float] = {}
         connected = self.store.ping()
         if connected:
@@ -166,18 +196,13 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
                 for rec in self.store.drafts():  # workers registered with other cache replicas
                     name = rec.get("name", "")
                     if name and name not in drafts:
-                        drafts[name] = cache_pb2.DraftInfo(
-                            name=name, model=rec.get("model", ""),
-                            tokenizer_fingerprint=rec.get("tokenizer_fingerprint", ""),
-                            capacity=int(rec.get("capacity", 0)),
-                            active_sessions=int(rec.get("active_sessions", 0)),
-                            last_heartbeat_unix=float(rec.get("last_heartbeat_unix", 0.0)),
-                        )
+                        drafts[name] = draft_record_to_msg(rec)
             except Unavailable:
                 connected = False
         return cache_pb2.StatusResponse(
             drafts=[drafts[n] for n in sorted(drafts)],
-            sessions=[s.info() for s in sorted(self.sessions.sessions(), key=lambda s: s.opened_unix)],
+            sessions=[session_to_msg(s)
+                      for s in sorted(self.sessions.sessions(), key=lambda s: s.opened_unix)],
             totals=totals, cache_device=self.config.device, redis_connected=connected,
         )
 

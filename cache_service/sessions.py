@@ -1,11 +1,13 @@
 """Per-session state and the assignment of sessions to draft workers.
 
 A session holds its TwoTierTree (on the configured device), the committed sequence (prompt +
-every accepted token and next token), the epoch (the tree's), and the worker serving it. Step is
+every accepted token and next token), the epoch (the tree's), the worker serving it, and its chain
+settings (the cache's, with the target's ChainPolicy over them). Step is
 ``tree.apply_correction`` + forward the Advance + ``tree.best_chain``: it never waits on a draft.
+Everything here is engine values; wire messages exist only in the servicer and convert.py.
 
 Changing a session's worker (one left, one joined, one replaced) restarts its tree under the
-virtual root of the epoch and sends the new worker ``StartSession(committed, epoch)``. When the
+virtual root of the epoch and sends the new worker ``StartDraft(committed, epoch)``. When the
 tree still holds nodes, the target may be verifying a chain made of them, so the restart waits
 for that chain's correction (the next Step) and happens right after it; otherwise it happens at
 once. Output never depends on any of this: the target verifies every token.
@@ -31,12 +33,11 @@ from cache_service import metrics
 from cache_service.config import CacheConfig
 from cache_service.registry import Registry, Worker
 from cache_service.store import MetadataStore
-from card.v1 import cache_pb2
-from card_common.convert import advance_to_msg, layer_from_msg
-from card_common.tensors import ids_to_msg
+from engine.config import ChainPolicy, TreeParams
+from engine.draft_commands import AdvanceDraft, StartDraft, StopDraft
 from engine.errors import CardError, InvalidArgument, NotFound, Unavailable
 from engine.stats import GenerationStats
-from engine.tree import Chain, Correction, Outcome, TwoTierTree
+from engine.tree import Chain, Correction, Layer, Outcome, TwoTierTree
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +51,7 @@ class Session:
     tree: TwoTierTree
     committed: list[int]
     prompt_tokens: int
+    params: TreeParams  # the chain fields are this session's: the cache's, its ChainPolicy over them
     opened_unix: float = field(default_factory=time.time)
     last_active: float = field(default_factory=time.monotonic)  # open or last Step
     worker: Worker | None = None
@@ -58,7 +60,7 @@ class Session:
     outcomes: dict[Outcome, int] = field(default_factory=lambda: dict.fromkeys(Outcome, 0))
     steps: int = 0
     layers: int = 0
-    # draft counters: from workers that served earlier + the current worker's latest LayerMessage
+    # draft counters: from workers that served earlier + the current worker's latest layer
     draft_forwards_done: int = 0
     draft_idle_done: float = 0.0
     draft_forwards: int = 0
@@ -72,31 +74,24 @@ class Session:
     def epoch(self) -> int:
         return self.tree.epoch
 
+    @property
+    def draft(self) -> str:
+        """Name of the worker serving the session now; "" when none does."""
+        return self.worker.name if self.worker else ""
+
     def record(self) -> dict[str, str | int | float]:
         """The live-session record as Redis holds it."""
         return {
             "status": "live", "target_model": self.target_model, "fingerprint": self.fingerprint,
-            "draft_requested": self.draft_name, "draft": self.worker.name if self.worker else "",
+            "draft_requested": self.draft_name, "draft": self.draft,
             "prompt_tokens": self.prompt_tokens, "committed_tokens": len(self.committed),
-            "epoch": self.epoch, "tree_nodes": len(self.tree), "opened_unix": self.opened_unix,
-            "updated_unix": time.time(),
+            "epoch": self.epoch, "tree_nodes": len(self.tree), "max_chain": self.params.max_chain,
+            "min_path_prob": self.params.min_path_prob, "b_extension": int(self.params.b_extension),
+            "opened_unix": self.opened_unix, "updated_unix": time.time(),
         }
 
     def draft_totals(self) -> tuple[int, float]:
         return self.draft_forwards_done + self.draft_forwards, self.draft_idle_done + self.draft_idle_s
-
-    def info(self) -> cache_pb2.SessionInfo:
-        return cache_pb2.SessionInfo(
-            session_id=self.session_id, target_model=self.target_model,
-            draft=self.worker.name if self.worker else "", epoch=self.epoch,
-            committed_tokens=len(self.committed), tree_nodes=len(self.tree),
-        )
-
-
-def _start_command(session: Session) -> cache_pb2.DraftCommand:
-    return cache_pb2.DraftCommand(start=cache_pb2.StartSession(
-        session_id=session.session_id, committed_ids=ids_to_msg(session.committed), epoch=session.epoch,
-    ))
 
 
 class SessionTable:
@@ -130,7 +125,7 @@ class SessionTable:
         session.tree.reset(session.epoch)
         session.restart_pending = False
         if session.worker is not None:
-            session.worker.send(_start_command(session))
+            session.worker.send(StartDraft(session.session_id, tuple(session.committed), session.epoch))
 
     def _attach(self, session: Session, worker: Worker) -> None:
         worker.sessions.add(session.session_id)
@@ -191,17 +186,20 @@ class SessionTable:
 
     # ---- target side --------------------------------------------------------------------------
     def open(self, prompt_ids: Sequence[int], fingerprint: str, target_model: str,
-             draft: str = "") -> Session:
+             draft: str = "", chain: ChainPolicy | None = None) -> Session:
+        """``chain`` goes over the configured chain settings for this session (None: keep them).
+        InvalidArgument: an empty prompt, no fingerprint, or a chain policy out of range."""
         if self.closing:
             raise Unavailable("the cache service is shutting down; retry against another replica")
         if not prompt_ids:
             raise InvalidArgument("the prompt is empty")
         if not fingerprint:
             raise InvalidArgument("tokenizer_fingerprint is required to match a draft to the target")
+        params = chain.over(self.config.tree) if chain is not None else self.config.tree
         session = Session(
             session_id=uuid.uuid4().hex, target_model=target_model or "unknown", fingerprint=fingerprint,
             draft_name=draft, tree=TwoTierTree(self.device), committed=list(prompt_ids),
-            prompt_tokens=len(prompt_ids),
+            prompt_tokens=len(prompt_ids), params=params,
         )
         with self.lock:
             worker = self.registry.pick(fingerprint, draft, session.target_model)
@@ -236,9 +234,9 @@ class SessionTable:
             if session.restart_pending:
                 self._restart(session)
             elif session.worker is not None:
-                session.worker.send(cache_pb2.DraftCommand(advance=advance_to_msg(session_id, advance)))
-            chain = session.tree.best_chain(self.config.max_chain, self.config.b_extension,
-                                             self.config.min_path_prob)
+                session.worker.send(AdvanceDraft(session_id, advance))
+            params = session.params
+            chain = session.tree.best_chain(params.max_chain, params.b_extension, params.min_path_prob)
         metrics.STEPS.inc()
         metrics.OUTCOMES.labels(advance.outcome.value).inc()
         metrics.STEP_LATENCY.observe(time.perf_counter() - t0)
@@ -290,7 +288,7 @@ class SessionTable:
                 session.closed = True
                 session.worker = None
                 if worker is not None:
-                    worker.send(cache_pb2.DraftCommand(stop=cache_pb2.StopSession(session_id=session_id)))
+                    worker.send(StopDraft(session_id))
                 session.tree.reset(session.epoch)  # free the tensors now, not when the last ref goes
             if worker is not None:
                 self._rebalance()  # the freed slot may serve a waiting session
@@ -305,25 +303,25 @@ class SessionTable:
                 self.close(session.session_id, status=status)
 
     # ---- draft side ---------------------------------------------------------------------------
-    def apply_layer(self, msg: cache_pb2.LayerMessage) -> bool:
-        """Add a layer to its session's tree; False when it was dropped (session gone, sent by a
+    def apply_layer(self, session_id: str, worker_id: str, layer: Layer, draft_forwards: int = 0,
+                    draft_idle_s: float = 0.0) -> bool:
+        """Add a layer that worker ``worker_id`` grew to its session's tree, with the worker's
+        counters for the session so far; False when it was dropped (session gone, sent by a
         worker that no longer serves the session)."""
-        metrics.LAYERS.inc()
         with self.lock:
-            session = self._sessions.get(msg.session_id)
+            session = self._sessions.get(session_id)
         if session is None:
             return False
-        layer = layer_from_msg(msg)
         with session.lock:
             worker = session.worker
-            if session.closed or worker is None or worker.worker_id != msg.worker_id:
+            if session.closed or worker is None or worker.worker_id != worker_id:
                 return False
             if session.restart_pending:  # layers of the old tree; the restart is coming
                 return False
             session.tree.apply_layer(layer)
             session.layers += 1
-            session.draft_forwards = msg.draft_forwards
-            session.draft_idle_s = msg.draft_idle_s
+            session.draft_forwards = draft_forwards
+            session.draft_idle_s = draft_idle_s
         return True
 
     # ---- records ------------------------------------------------------------------------------

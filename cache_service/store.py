@@ -261,6 +261,6 @@ def open_store(url: str, prefix: str, allow_memory_fallback: bool = False) -> Me
         return MemoryStore(prefix)
     raise Unavailable(
         f"redis at {url} is unreachable. Start Redis (e.g. `redis-server`), point --redis-url / "
-        f"CARD_REDIS_URL at it, or pass --allow-memory-fallback (CARD_ALLOW_MEMORY_FALLBACK=1) "
+        f"CARD_CACHE_REDIS_URL at it, or pass --allow-memory-fallback (CARD_CACHE_ALLOW_MEMORY_FALLBACK=1) "
         f"to run with an in-process store"
     )

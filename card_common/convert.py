@@ -2,20 +2,17 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import numpy as np
 import torch
 
 from card.v1 import cache_pb2, common_pb2
 from card_common.tensors import DTYPES, from_tensor_msg, ids_from_msg, ids_to_msg, to_tensor_msg
+from engine.chain_source import StepResult
 from engine.config import ChainPolicy, SamplingParams
+from engine.draft_commands import AdvanceDraft, DraftCommand, StartDraft, StopDraft
 from engine.errors import InvalidArgument
 from engine.stats import GenerationStats
 from engine.tree import Advance, Chain, Correction, Layer, Outcome
-
-if TYPE_CHECKING:
-    from engine.sources import StepResult
 
 # ---- outcome ----------------------------------------------------------------------------------
 _OUTCOMES: dict[Outcome, int] = {
@@ -111,9 +108,6 @@ def chain_to_msg(chain: Chain, outcome: Outcome | None = None) -> cache_pb2.Step
 
 def step_result_from_msg(msg: cache_pb2.StepResponse) -> StepResult:
     """The chain and the verdict on the correction, as ``ChainSource.step`` returns them."""
-    # engine.sources pulls in the drafter and transformers; the cache service never needs them
-    from engine.sources import StepResult
-
     tokens = tuple(ids_from_msg(msg.chain_tokens))
     node_ids = tuple(ids_from_msg(msg.chain_node_ids))
     if len(tokens) != len(node_ids):
@@ -146,6 +140,31 @@ def advance_from_msg(msg: cache_pb2.AdvanceSession) -> Advance:
         outcome=outcome,
         hit_node_id=None if msg.hit_node_id < 0 else msg.hit_node_id,
     )
+
+
+# ---- draft commands (cache -> draft) ----------------------------------------------------------
+def command_to_msg(cmd: DraftCommand) -> cache_pb2.DraftCommand:
+    match cmd:
+        case StartDraft():
+            return cache_pb2.DraftCommand(start=cache_pb2.StartSession(
+                session_id=cmd.session_id, committed_ids=ids_to_msg(cmd.committed), epoch=cmd.epoch))
+        case AdvanceDraft():
+            return cache_pb2.DraftCommand(advance=advance_to_msg(cmd.session_id, cmd.advance))
+        case StopDraft():
+            return cache_pb2.DraftCommand(stop=cache_pb2.StopSession(session_id=cmd.session_id))
+    raise TypeError(f"not a draft command: {cmd!r}")
+
+
+def command_from_msg(msg: cache_pb2.DraftCommand) -> DraftCommand:
+    """InvalidArgument when the command carries none of start / advance / stop."""
+    kind = msg.WhichOneof("command")
+    if kind == "start":
+        return StartDraft(msg.start.session_id, tuple(ids_from_msg(msg.start.committed_ids)), msg.start.epoch)
+    if kind == "advance":
+        return AdvanceDraft(msg.advance.session_id, advance_from_msg(msg.advance))
+    if kind == "stop":
+        return StopDraft(msg.stop.session_id)
+    raise InvalidArgument("draft command carries none of start / advance / stop")
 
 
 # ---- sampling and stats -----------------------------------------------------------------------

@@ -4,7 +4,8 @@
 
 Each round publishes a full tree (``depth`` layers of ``width`` nodes, the best child first),
 then steps a hit on the root's best child (re-root + a ``depth - 1`` token chain) and a miss.
-Prints p50/p95 of: apply_layer, Step (hit), Step (miss) in process; Step round trips over gRPC.
+Prints p50/p95 of: apply_layer (the tree's, no decoding), Step (hit), Step (miss) in process; Step
+round trips over gRPC.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from card.v1 import cache_pb2, cache_pb2_grpc
 from card_common.channels import channel, wait_serving
 from card_common.convert import correction_to_msg, layer_to_msg, step_result_from_msg
 from card_common.tensors import ids_to_msg
+from engine.config import TreeParams
 from engine.tree import Correction, Layer, virtual_root_id
 
 
@@ -71,8 +73,8 @@ def _rounds(steps: int, width: int, depth: int, publish: Callable[[Layer], None]
 @click.option("--device", default="cpu", show_default=True)
 def main(width: int, depth: int, steps: int, device: str) -> None:
     # no heartbeats here: the registration must outlive the run
-    config = CacheConfig(port=0, redis_url="memory://", metrics_port=0, device=device, max_chain=depth,
-                         heartbeat_interval_s=3600.0, b_extension=False)
+    config = CacheConfig(port=0, redis_url="memory://", metrics_port=0, device=device,
+                         heartbeat_interval_s=3600.0, tree=TreeParams(max_chain=depth, b_extension=False))
     server, port = create_server("127.0.0.1:0", config)
     server.start()
     addr = f"127.0.0.1:{port}"
@@ -87,7 +89,7 @@ def main(width: int, depth: int, steps: int, device: str) -> None:
         table = server.sessions
 
         def publish_local(layer: Layer) -> None:
-            table.apply_layer(layer_to_msg(sid, layer, worker_id))
+            table.apply_layer(sid, worker_id, layer)
 
         def step_local(c: Correction) -> tuple[int, ...]:
             return table.step(sid, c)[0].node_ids

@@ -13,9 +13,18 @@ import torch
 
 from card.v1 import cache_pb2, cache_pb2_grpc
 from card_common.channels import channel
-from card_common.convert import correction_to_msg, layer_to_msg, stats_to_msg, step_result_from_msg
+from card_common.convert import (
+    chain_policy_to_msg,
+    command_from_msg,
+    correction_to_msg,
+    layer_to_msg,
+    stats_to_msg,
+    step_result_from_msg,
+)
 from card_common.tensors import ids_to_msg
-from engine.sources import StepResult
+from engine.chain_source import StepResult
+from engine.config import ChainPolicy
+from engine.draft_commands import DraftCommand
 from engine.stats import GenerationStats
 from engine.tree import Correction, Layer
 
@@ -48,7 +57,8 @@ def wait_for(predicate: Callable[[], bool], timeout_s: float = TIMEOUT, what: st
 
 
 class HandDraft:
-    """A draft worker driven by the test: registers, reads its command stream, publishes layers."""
+    """A draft worker driven by the test: registers, reads its command stream (decoded as the draft
+    service does, with ``command_from_msg``), publishes layers."""
 
     def __init__(self, addr: str, name: str, fingerprint: str = FP_A, model: str = "draft-model",
                  capacity: int = 4) -> None:
@@ -56,11 +66,10 @@ class HandDraft:
         self.stub = cache_pb2_grpc.CacheServiceStub(self.channel)
         self.name = name
         resp = self.stub.RegisterDraft(cache_pb2.RegisterDraftRequest(
-            name=name, model=model, tokenizer_fingerprint=fingerprint, capacity=capacity,
-            tree_width=2, max_depth=4), timeout=TIMEOUT)
+            name=name, model=model, tokenizer_fingerprint=fingerprint, capacity=capacity), timeout=TIMEOUT)
         self.worker_id = resp.worker_id
         self.heartbeat_interval_s = resp.heartbeat_interval_s
-        self.commands: queue.Queue[cache_pb2.DraftCommand | None] = queue.Queue()
+        self.commands: queue.Queue[DraftCommand | None] = queue.Queue()
         self.stream = self.stub.Commands(cache_pb2.CommandsRequest(worker_id=self.worker_id))
         self.stream_error: grpc.RpcError | None = None
         self.stream_ended = threading.Event()
@@ -70,14 +79,14 @@ class HandDraft:
     def _read(self) -> None:
         try:
             for command in self.stream:
-                self.commands.put(command)
+                self.commands.put(command_from_msg(command))
         except grpc.RpcError as err:
             self.stream_error = err
         finally:
             self.stream_ended.set()
             self.commands.put(None)
 
-    def next_command(self, timeout_s: float = TIMEOUT) -> cache_pb2.DraftCommand:
+    def next_command(self, timeout_s: float = TIMEOUT) -> DraftCommand:
         command = self.commands.get(timeout=timeout_s)
         assert command is not None, "the command stream ended"
         return command
@@ -93,7 +102,11 @@ class HandDraft:
                 worker_id: str | None = None) -> int:
         """Publish one layer on its own client stream; returns once the cache has applied it."""
         msg = layer_to_msg(session_id, lay, worker_id or self.worker_id, draft_forwards, draft_idle_s)
-        return self.stub.PublishLayers(iter([msg]), timeout=TIMEOUT).layers_received
+        return self.publish_msgs([msg])
+
+    def publish_msgs(self, msgs: Sequence[cache_pb2.LayerMessage]) -> int:
+        """Publish raw layer messages on one client stream; returns the count the cache received."""
+        return self.stub.PublishLayers(iter(msgs), timeout=TIMEOUT).layers_received
 
     def heartbeat(self, active: int = 0) -> None:
         self.stub.Heartbeat(cache_pb2.HeartbeatRequest(worker_id=self.worker_id, active_sessions=active),
@@ -118,10 +131,11 @@ class HandTarget:
         self.stub = cache_pb2_grpc.CacheServiceStub(self.channel)
 
     def open(self, prompt: Sequence[int], fingerprint: str = FP_A, draft: str = "",
-             target_model: str = "target-model") -> cache_pb2.OpenSessionResponse:
+             target_model: str = "target-model", chain: ChainPolicy | None = None
+             ) -> cache_pb2.OpenSessionResponse:
         return self.stub.OpenSession(cache_pb2.OpenSessionRequest(
             prompt_ids=ids_to_msg(prompt), tokenizer_fingerprint=fingerprint, target_model=target_model,
-            draft=draft), timeout=TIMEOUT)
+            draft=draft, chain=chain_policy_to_msg(chain) if chain is not None else None), timeout=TIMEOUT)
 
     def step(self, session_id: str, epoch: int, next_token: int, accepted: Sequence[int] = (),
              accepted_ids: Sequence[int] = ()) -> StepResult:

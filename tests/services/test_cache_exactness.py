@@ -14,11 +14,13 @@ import torch
 
 from card.v1 import cache_pb2, cache_pb2_grpc
 from card_common.channels import channel
-from card_common.convert import advance_from_msg, layer_to_msg
-from card_common.tensors import ids_from_msg
+from card_common.convert import command_from_msg, layer_to_msg
+from engine.chain_source import ChainSource, SourceStats, StepResult
 from engine.config import GenerationRequest, SamplingParams, StopParams, TreeParams
+from engine.draft_commands import AdvanceDraft, StartDraft, StopDraft
 from engine.generate import Generation
-from engine.sources import ChainSource, NoDraft, SourceStats, StepResult
+from engine.sources import NoDraft
+from engine.stats import GenerationStats
 from engine.tree import Correction, Layer, Outcome
 from engine.worker import DraftWorker
 from tests.services.cache_helpers import FP_A, TIMEOUT, HandTarget, wait_for
@@ -52,15 +54,14 @@ class WorkerLink:
 
     def _read(self) -> None:
         try:
-            for cmd in self.commands:
-                kind = cmd.WhichOneof("command")
-                if kind == "start":
-                    self.worker.start_session(cmd.start.session_id, ids_from_msg(cmd.start.committed_ids),
-                                              cmd.start.epoch)
-                elif kind == "advance":
-                    self.worker.advance(cmd.advance.session_id, advance_from_msg(cmd.advance))
-                else:
-                    self.worker.stop_session(cmd.stop.session_id)
+            for msg in self.commands:
+                match command_from_msg(msg):
+                    case StartDraft(session_id, committed, epoch):
+                        self.worker.start_session(session_id, committed, epoch)
+                    case AdvanceDraft(session_id, advance):
+                        self.worker.advance(session_id, advance)
+                    case StopDraft(session_id):
+                        self.worker.stop_session(session_id)
         except grpc.RpcError:
             pass  # cancelled by leave()
 
@@ -95,8 +96,8 @@ class CacheSource(ChainSource):
         self.results.append(result)
         return result
 
-    def close(self) -> SourceStats:
-        resp = self.target.close_session(self.sid)
+    def close(self, stats: GenerationStats) -> SourceStats:
+        resp = self.target.close_session(self.sid, stats)
         return SourceStats(resp.draft_forwards, resp.draft_idle_s)
 
 

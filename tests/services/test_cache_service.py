@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -16,14 +17,18 @@ import grpc
 import pytest
 import redis
 from grpc_health.v1 import health_pb2
+from prometheus_client import REGISTRY
 
 from cache_service.config import CacheConfig
 from cache_service.server import SERVICE_NAME, CacheServer, create_server
+from card.v1 import cache_pb2
 from card_common.channels import health_status, wait_serving
-from card_common.convert import advance_from_msg
-from card_common.tensors import ids_from_msg
+from card_common.convert import layer_to_msg
+from card_common.tensors import ids_to_msg
+from engine.config import ChainPolicy
+from engine.draft_commands import AdvanceDraft, StartDraft, StopDraft
 from engine.stats import GenerationStats
-from engine.tree import NO_NODE, Outcome, virtual_root_id
+from engine.tree import NO_NODE, Advance, Outcome, virtual_root_id
 from tests.services.cache_helpers import FP_A, FP_B, TIMEOUT, HandDraft, HandTarget, layer, wait_for
 from tests.services.conftest import RedisServer, free_port, running_redis
 
@@ -75,11 +80,17 @@ def rkeys(url: str, pattern: str) -> list[str]:
         return sorted(r.scan_iter(pattern))
 
 
-def expect_advance(draft: HandDraft, sid: str):
+def expect_advance(draft: HandDraft, sid: str) -> Advance:
     cmd = draft.next_command()
-    assert cmd.WhichOneof("command") == "advance", cmd
-    assert cmd.advance.session_id == sid
-    return advance_from_msg(cmd.advance)
+    assert isinstance(cmd, AdvanceDraft), cmd
+    assert cmd.session_id == sid
+    return cmd.advance
+
+
+def expect_start(draft: HandDraft) -> StartDraft:
+    cmd = draft.next_command()
+    assert isinstance(cmd, StartDraft), cmd
+    return cmd
 
 
 def rpc_error(fn, *args, **kw) -> grpc.RpcError:
@@ -94,10 +105,9 @@ def test_chains_outcomes_and_advances(cache: Cache) -> None:
     opened = cache.target.open(PROMPT)
     sid = opened.session_id
     assert opened.draft == "d0"
-    start = draft.next_command()
-    assert start.WhichOneof("command") == "start"
-    assert start.start.session_id == sid and start.start.epoch == 0
-    assert ids_from_msg(start.start.committed_ids) == PROMPT
+    start = expect_start(draft)
+    assert start.session_id == sid and start.epoch == 0
+    assert start.committed == tuple(PROMPT)
 
     root = virtual_root_id(0)
     assert draft.publish(sid, layer([root, root], [0, 1], [10, 11], [0.6, 0.3],
@@ -153,6 +163,58 @@ def test_layers_for_pruned_parents_are_dropped(cache: Cache) -> None:
     assert {s.session_id: s for s in cache.target.status().sessions}[sid].tree_nodes == 0
 
 
+def test_malformed_layers_are_dropped_and_the_stream_goes_on(cache: Cache, caplog: pytest.LogCaptureFixture
+                                                              ) -> None:
+    draft = cache.draft("d0")
+    sid = cache.target.open(PROMPT).session_id
+    expect_start(draft)
+    root = virtual_root_id(0)
+    good = layer([root], [0], [10], [0.9])
+    short = layer_to_msg(sid, good, draft.worker_id)
+    short.tokens.CopyFrom(ids_to_msg([10, 11]))  # columns disagree in length
+    torn = layer_to_msg(sid, good, draft.worker_id)
+    torn.node_ids.data = torn.node_ids.data[:4]  # 4 bytes for one int64
+    before = REGISTRY.get_sample_value("card_cache_layers_malformed_total") or 0.0
+    with caplog.at_level(logging.WARNING, logger="cache_service"):
+        received = draft.publish_msgs([short, torn, layer_to_msg(sid, good, draft.worker_id)])
+    assert received == 3
+    assert REGISTRY.get_sample_value("card_cache_layers_malformed_total") == before + 2
+    dropped = [r for r in caplog.records if "malformed layer" in r.getMessage()]
+    assert len(dropped) == 2 and all(r.exc_info is None and "\n" not in r.getMessage() for r in dropped)
+    assert all(sid in r.getMessage() and draft.worker_id in r.getMessage() for r in dropped)
+    # the good layer after them was applied
+    assert {s.session_id: s for s in cache.target.status().sessions}[sid].tree_nodes == 1
+    assert cache.target.step(sid, 0, 10).outcome is Outcome.HIT
+
+
+# ---- per-session chain policy ----------------------------------------------------------------
+def test_chain_policy_per_session(cache: Cache, redis_url: str, redis_prefix: str) -> None:
+    draft = cache.draft("d0")
+    short = cache.target.open(PROMPT, chain=ChainPolicy(max_chain=1)).session_id
+    full = cache.target.open(PROMPT).session_id
+    assert {expect_start(draft).session_id for _ in range(2)} == {short, full}
+    root = virtual_root_id(0)
+    for sid in (short, full):  # the same full tree, four layers deep, under both sessions
+        draft.publish(sid, layer([root, root], [0, 1], [10, 11], [0.6, 0.3]))
+        draft.publish(sid, layer([0, 0], [2, 3], [20, 21], [0.7, 0.2]))
+        draft.publish(sid, layer([2], [4], [30], [0.9]))
+        draft.publish(sid, layer([4], [5], [40], [0.9], b=[(4, 40, 0.9), (4, 41, 0.05)]))
+    chains = {sid: cache.target.step(sid, 0, 10) for sid in (short, full)}
+    assert all(r.outcome is Outcome.HIT for r in chains.values())
+    assert len(chains[short].chain) <= 1 and chains[short].chain.tokens == (20,)
+    assert chains[full].chain.tokens == (20, 30, 40)  # the cache's max_chain (8): the whole path
+    with redis.Redis.from_url(redis_url, decode_responses=True) as r:
+        assert r.hget(f"{redis_prefix}session:{short}", "max_chain") == "1"
+        assert r.hget(f"{redis_prefix}session:{full}", "max_chain") == "8"
+
+    open_before = len(cache.server.sessions)
+    for bad, field_name in ((ChainPolicy(min_path_prob=2.0), "min_path_prob"),
+                            (ChainPolicy(max_chain=-1), "max_chain")):
+        err = rpc_error(cache.target.open, PROMPT, chain=bad)
+        assert err.code() is grpc.StatusCode.INVALID_ARGUMENT and field_name in err.details()
+    assert len(cache.server.sessions) == open_before
+
+
 # ---- errors ----------------------------------------------------------------------------------
 def test_error_codes(cache: Cache) -> None:
     cache.draft("d-b", fingerprint=FP_B, model="other-draft-model")
@@ -178,6 +240,11 @@ def test_error_codes(cache: Cache) -> None:
 
     err = rpc_error(cache.target.close_session, "no-such-session")
     assert err.code() is grpc.StatusCode.NOT_FOUND
+
+    for name, fingerprint in (("", FP_A), ("no-fp", "")):
+        err = rpc_error(cache.target.stub.RegisterDraft, cache_pb2.RegisterDraftRequest(
+            name=name, model="m", tokenizer_fingerprint=fingerprint, capacity=1), timeout=TIMEOUT)
+        assert err.code() is grpc.StatusCode.INVALID_ARGUMENT
 
 
 # ---- worker lifecycle ------------------------------------------------------------------------
@@ -217,11 +284,11 @@ def test_worker_leaving_and_joining_mid_session(cache: Cache, redis_url: str) ->
 
     # a new worker with the same tokenizer picks the session up where it is
     d2 = cache.draft("d2")
-    start = d2.next_command()
-    assert start.WhichOneof("command") == "start" and start.start.session_id == sid
-    assert start.start.epoch == 6
+    start = expect_start(d2)
+    assert start.session_id == sid
+    assert start.epoch == 6
     committed = [*PROMPT, 9, 8, 7, 60, 61, 70, 71]
-    assert ids_from_msg(start.start.committed_ids) == committed
+    assert start.committed == tuple(committed)
     d2.publish(sid, layer([virtual_root_id(6)], [0], [90], [0.9]))
     r = cache.target.step(sid, 6, 72)
     assert r.outcome is Outcome.MISS
@@ -246,8 +313,7 @@ def test_named_draft_waits_for_its_worker_and_replacement(cache: Cache) -> None:
     d2 = cache.draft("named")  # re-registering the name replaces d1
     d1.stream_ended.wait(TIMEOUT)
     assert d1.stream_ended.is_set() and d1.stream_error is None  # the stream ended cleanly
-    start = d2.next_command()
-    assert start.WhichOneof("command") == "start" and start.start.session_id == sid
+    assert expect_start(d2).session_id == sid
     assert other.no_command()
     names = sorted(d.name for d in cache.target.status().drafts)
     assert names == ["named", "other"]
@@ -265,10 +331,9 @@ def test_least_loaded_worker_and_capacity(cache: Cache) -> None:
     err = rpc_error(cache.target.open, PROMPT, draft="a")
     assert err.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
     cache.target.close_session(sid1)  # frees a's slot: the waiting session moves there
-    assert a.next_command().WhichOneof("command") == "stop"
-    start = a.next_command()
-    assert start.WhichOneof("command") == "start" and start.start.session_id == overflow.session_id
-    assert b.next_command().start.session_id == opened[0].session_id
+    assert isinstance(a.next_command(), StopDraft)
+    assert expect_start(a).session_id == overflow.session_id
+    assert expect_start(b).session_id == opened[0].session_id
 
 
 def test_missed_heartbeats_unregister(redis_url: str, redis_prefix: str) -> None:
@@ -305,8 +370,7 @@ def test_close_session_leaves_no_state(cache: Cache, redis_url: str, redis_prefi
     stats = GenerationStats(mode="card", prompt_tokens=3, new_tokens=4, target_forwards=2, hits=1)
     resp = cache.target.close_session(sid, stats)
     assert (resp.draft_forwards, resp.draft_idle_s) == (5, 0.25)
-    stop = draft.next_command()
-    assert stop.WhichOneof("command") == "stop" and stop.stop.session_id == sid
+    assert draft.next_command() == StopDraft(sid)
     for other in sids[1:]:
         cache.target.close_session(other)
 
@@ -356,7 +420,7 @@ def test_abandoned_sessions_are_closed(redis_url: str, redis_prefix: str) -> Non
         draft = c.draft("d0")
         stepping = c.target.open(PROMPT).session_id
         abandoned = c.target.open(PROMPT).session_id
-        assert {draft.next_command().start.session_id for _ in range(2)} == {stepping, abandoned}
+        assert {expect_start(draft).session_id for _ in range(2)} == {stepping, abandoned}
         deadline = time.monotonic() + 1.5
         epoch = 0
         while time.monotonic() < deadline:  # one target keeps stepping, the other died
@@ -368,11 +432,11 @@ def test_abandoned_sessions_are_closed(redis_url: str, redis_prefix: str) -> Non
         def all_delivered() -> bool:
             while not draft.commands.empty():
                 commands.append(draft.next_command())
-            kinds = [x.WhichOneof("command") for x in commands]
-            return kinds.count("advance") == epoch and "stop" in kinds
+            kinds = [type(x) for x in commands]
+            return kinds.count(AdvanceDraft) == epoch and StopDraft in kinds
 
         wait_for(all_delivered, what="every advance and the stop")
-        assert [x.stop.session_id for x in commands if x.WhichOneof("command") == "stop"] == [abandoned]
+        assert [x for x in commands if isinstance(x, StopDraft)] == [StopDraft(abandoned)]
         with redis.Redis.from_url(redis_url, decode_responses=True) as r:
             assert r.hget(f"{redis_prefix}finished:{abandoned}", "status") == "abandoned"
             assert not r.exists(f"{redis_prefix}session:{abandoned}")
@@ -410,16 +474,18 @@ def test_health_follows_redis(redis_prefix: str) -> None:
 
 
 # ---- the entry point as a user runs it -------------------------------------------------------
-def _card_cache(*args: str) -> subprocess.Popen:
+def _card_cache(*args: str, **env_vars: str) -> subprocess.Popen:
     exe = os.path.join(os.path.dirname(sys.executable), "card-cache")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("CARD_")}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CARD_")} | env_vars
     return subprocess.Popen([exe, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
 
 
 def test_card_cache_process(redis_url: str, redis_prefix: str) -> None:
     metrics_port = free_port()
-    proc = _card_cache("--port", "0", "--redis-url", redis_url, "--redis-prefix", redis_prefix,
-                       "--metrics-port", str(metrics_port), "--device", "cpu", "--json-logs")
+    # settings by flag and by CARD_CACHE_<OPTION> variable alike
+    proc = _card_cache("--port", "0", "--metrics-port", str(metrics_port), "--device", "cpu", "--json-logs",
+                       CARD_CACHE_REDIS_URL=redis_url, CARD_CACHE_REDIS_PREFIX=redis_prefix,
+                       CARD_CACHE_MIN_PATH_PROB="0.25")
     try:
         line = proc.stdout.readline().strip()
         assert line.startswith("card-cache listening on 127.0.0.1:"), line
@@ -429,6 +495,9 @@ def test_card_cache_process(redis_url: str, redis_prefix: str) -> None:
         sid = target.open(PROMPT).session_id
         target.step(sid, 0, 5)
         target.close()
+        with redis.Redis.from_url(redis_url, decode_responses=True) as r:  # the CPU default under the flag
+            record = r.hgetall(f"{redis_prefix}session:{sid}")
+        assert (record["max_chain"], record["min_path_prob"], record["b_extension"]) == ("6", "0.25", "1")
         with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=TIMEOUT) as resp:
             exposition = resp.read().decode()
         assert "card_cache_steps_total 1.0" in exposition
@@ -451,12 +520,35 @@ def test_card_cache_process(redis_url: str, redis_prefix: str) -> None:
         proc.stderr.close()
 
 
+def test_card_cache_help_names_its_variables() -> None:
+    proc = _card_cache("--help")
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0
+    for option in ("PORT", "REDIS_URL", "MIN_PATH_PROB", "LOG_LEVEL"):
+        assert f"CARD_CACHE_{option}" in out, option
+    assert "CARD_REDIS_URL" not in out and "CARD_METRICS_PORT" not in out
+
+
+@pytest.mark.parametrize(("args", "env", "expected"), [
+    (("--port", "70000"), {}, "card-cache: INVALID_ARGUMENT: port must be in [0, 65535], got 70000"),
+    ((), {"CARD_CACHE_REDIS_URL": "http://nowhere"}, "card-cache: INVALID_ARGUMENT: redis URL must start"),
+    (("--device", "tpu:9"), {}, "card-cache: INVALID_ARGUMENT: unknown device 'tpu:9'"),
+], ids=["port", "redis-url", "device"])
+def test_card_cache_startup_errors_are_one_line(args: tuple[str, ...], env: dict[str, str],
+                                                expected: str) -> None:
+    proc = _card_cache("--metrics-port", "0", *args, **env)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 2 and out == ""
+    assert len(err.splitlines()) == 1 and err.startswith(expected), err
+
+
 def test_card_cache_without_redis() -> None:
     url = f"redis://127.0.0.1:{free_port()}/0"  # nothing listens there
     proc = _card_cache("--port", "0", "--redis-url", url, "--metrics-port", "0")
     out, err = proc.communicate(timeout=60)
-    assert proc.returncode != 0 and out == ""
+    assert proc.returncode == 2 and out == ""
     assert url in err and "--allow-memory-fallback" in err and "Traceback" not in err
+    assert err.splitlines()[-1].startswith("card-cache: UNAVAILABLE: ")
 
     proc = _card_cache("--port", "0", "--redis-url", url, "--metrics-port", "0", "--allow-memory-fallback")
     try:

@@ -14,7 +14,11 @@ from card_common.channels import channel, wait_serving
 from card_common.convert import (
     advance_from_msg,
     advance_to_msg,
+    chain_policy_from_msg,
+    chain_policy_to_msg,
     chain_to_msg,
+    command_from_msg,
+    command_to_msg,
     correction_from_msg,
     correction_to_msg,
     layer_from_msg,
@@ -29,7 +33,9 @@ from card_common.serving import add_health, make_server, set_serving
 from card_common.status import STATUS_CODES, error_from_rpc, grpc_errors, status_code
 from card_common.tensors import from_tensor_msg, ids_from_msg, ids_to_msg, to_tensor_msg
 from engine import errors
-from engine.config import SamplingParams
+from engine.chain_source import StepResult
+from engine.config import ChainPolicy, SamplingParams, TreeParams
+from engine.draft_commands import AdvanceDraft, StartDraft, StopDraft
 from engine.stats import GenerationStats
 from engine.tree import Advance, Chain, Correction, Layer, Outcome
 
@@ -88,6 +94,7 @@ def test_engine_values_round_trip() -> None:
 
     chain = Chain((1, 2), (5, -1), 6)
     result = step_result_from_msg(chain_to_msg(chain, Outcome.SECONDARY_HIT))
+    assert type(result) is StepResult  # engine.chain_source's, the contract every source returns
     assert result.chain == chain and result.outcome is Outcome.SECONDARY_HIT
     assert step_result_from_msg(chain_to_msg(Chain(epoch=1))).outcome is None
 
@@ -100,6 +107,55 @@ def test_engine_values_round_trip() -> None:
     stats = GenerationStats(mode="card", prompt_tokens=3, new_tokens=9, wall_s=1.5, target_forwards=4,
                             hits=2, misses=1, step_rtt_ms=[0.5, 0.25], accepted_lengths=[1, 3, 5])
     assert stats_from_msg(stats_to_msg(stats)) == stats
+
+
+@pytest.mark.parametrize("cmd", [
+    StartDraft("s", (5, 17, 42), 3),
+    StartDraft("s", (), 0),
+    AdvanceDraft("s", Advance(4, (7, 8), (2, -1), 9, Outcome.MISS)),
+    AdvanceDraft("s", Advance(2, (), (), 8, Outcome.HIT, 6)),
+    StopDraft("s"),
+], ids=["start", "start-empty", "advance-miss", "advance-hit", "stop"])
+def test_draft_command_round_trip(cmd) -> None:
+    msg = command_to_msg(cmd)
+    assert msg.WhichOneof("command") == {StartDraft: "start", AdvanceDraft: "advance", StopDraft: "stop"}[
+        type(cmd)]
+    assert command_from_msg(msg) == cmd
+
+
+def test_draft_command_validation() -> None:
+    with pytest.raises(errors.InvalidArgument, match="none of start / advance / stop"):
+        command_from_msg(cache_pb2.DraftCommand())
+    with pytest.raises(TypeError):
+        command_to_msg("start")  # type: ignore[arg-type]
+
+
+def test_chain_policy_round_trip() -> None:
+    assert chain_policy_from_msg(common_pb2.ChainPolicy()) == ChainPolicy()
+    assert not chain_policy_to_msg(ChainPolicy()).ListFields()  # unset stays unset, not 0 / false
+    for policy in (ChainPolicy(max_chain=0), ChainPolicy(b_extension=False), ChainPolicy(min_path_prob=0.0),
+                   ChainPolicy(max_chain=3, min_path_prob=0.35, b_extension=True)):
+        msg = chain_policy_to_msg(policy)
+        assert {f.name for f, _ in msg.ListFields()} == {k for k, v in vars(policy).items() if v is not None}
+        assert chain_policy_from_msg(msg) == policy  # 0.35 in float32, exact back
+    # an unset field keeps the serving side's value; bad values are refused where it goes over
+    tree = TreeParams(max_chain=6, min_path_prob=0.1, b_extension=True)
+    assert chain_policy_from_msg(chain_policy_to_msg(ChainPolicy(max_chain=2))).over(tree) == TreeParams(
+        max_chain=2, min_path_prob=0.1, b_extension=True)
+    with pytest.raises(errors.InvalidArgument, match="min_path_prob"):
+        chain_policy_from_msg(common_pb2.ChainPolicy(min_path_prob=2.0)).over(tree)
+
+
+def test_the_cache_loads_no_model_code() -> None:
+    """convert.py imports StepResult from engine.chain_source at the top: the cache process (and
+    anything else that speaks the wire) never pulls in the drafter, the sources or transformers."""
+    import subprocess
+    import sys
+
+    heavy = ("transformers", "engine.sources", "engine.drafter", "engine.models")
+    code = f"import sys, cache_service.server; print([m for m in {heavy!r} if m in sys.modules])"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
 
 
 def test_status_table() -> None:

@@ -72,20 +72,16 @@ class CloseSessionResponse(_message.Message):
     def __init__(self, draft_forwards: _Optional[int] = ..., draft_idle_s: _Optional[float] = ...) -> None: ...
 
 class RegisterDraftRequest(_message.Message):
-    __slots__ = ("name", "model", "tokenizer_fingerprint", "capacity", "tree_width", "max_depth")
+    __slots__ = ("name", "model", "tokenizer_fingerprint", "capacity")
     NAME_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_FIELD_NUMBER: _ClassVar[int]
-    TREE_WIDTH_FIELD_NUMBER: _ClassVar[int]
-    MAX_DEPTH_FIELD_NUMBER: _ClassVar[int]
     name: str
     model: str
     tokenizer_fingerprint: str
     capacity: int
-    tree_width: int
-    max_depth: int
-    def __init__(self, name: _Optional[str] = ..., model: _Optional[str] = ..., tokenizer_fingerprint: _Optional[str] = ..., capacity: _Optional[int] = ..., tree_width: _Optional[int] = ..., max_depth: _Optional[int] = ...) -> None: ...
+    def __init__(self, name: _Optional[str] = ..., model: _Optional[str] = ..., tokenizer_fingerprint: _Optional[str] = ..., capacity: _Optional[int] = ...) -> None: ...
 
 class RegisterDraftResponse(_message.Message):
     __slots__ = ("worker_id", "heartbeat_interval_s")
