@@ -33,8 +33,8 @@ from card_common.serving import (
     start_metrics_server,
 )
 from engine.config import tree_params
-from engine.devices import resolve_device
 from engine.errors import InvalidArgument
+from engine.loading.devices import resolve_device
 
 log = logging.getLogger(__name__)
 

@@ -152,7 +152,7 @@ def test_the_cache_loads_no_model_code() -> None:
     import subprocess
     import sys
 
-    heavy = ("transformers", "engine.sources", "engine.drafter", "engine.models")
+    heavy = ("transformers", "engine.sources", "engine.drafter", "engine.loading.models")
     code = f"import sys, cache_service.server; print([m for m in {heavy!r} if m in sys.modules])"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
