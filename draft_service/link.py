@@ -25,11 +25,11 @@ import grpc
 
 from card.v1 import cache_pb2, cache_pb2_grpc
 from card_common.channels import channel
-from card_common.convert import advance_from_msg, layer_to_msg
+from card_common.convert import command_from_msg, layer_to_msg
 from card_common.status import error_from_rpc
-from card_common.tensors import ids_from_msg
 from draft_service import metrics
 from draft_service.config import DraftConfig
+from engine.draft_commands import StartDraft, StopDraft
 from engine.errors import CardError
 from engine.loading.models import LoadedModel
 from engine.tree import Layer
@@ -193,26 +193,20 @@ class CacheLink:
                     return
 
     # ---- commands (link thread) --------------------------------------------------------------
-    def _dispatch(self, command: cache_pb2.DraftCommand) -> None:
-        kind = command.WhichOneof("command")
-        metrics.COMMANDS.labels(kind=kind or "none").inc()
-        if kind == "start":
-            msg = command.start
-            with self._lock:
-                self._sessions.add(msg.session_id)
-            self.worker.start_session(msg.session_id, ids_from_msg(msg.committed_ids), msg.epoch)
-            log.debug("session %s started", msg.session_id, extra={"session_id": msg.session_id})
-        elif kind == "advance":
-            msg = command.advance
-            self.worker.advance(msg.session_id, advance_from_msg(msg))
-        elif kind == "stop":
-            sid = command.stop.session_id
-            with self._lock:
-                self._sessions.discard(sid)
-            self.worker.stop_session(sid)
-            log.debug("session %s stopped", sid, extra={"session_id": sid})
-        else:
-            log.warning("ignoring an empty command from the cache")
+    def _dispatch(self, msg: cache_pb2.DraftCommand) -> None:
+        metrics.COMMANDS.labels(kind=msg.WhichOneof("command") or "none").inc()
+        try:
+            command = command_from_msg(msg)
+        except CardError as exc:  # one bad command is not a reason to drop every session
+            log.warning("ignoring a command from the cache: %s", exc)
+            return
+        with self._lock:
+            if isinstance(command, StartDraft):
+                self._sessions.add(command.session_id)
+            elif isinstance(command, StopDraft):
+                self._sessions.discard(command.session_id)
+        self.worker.apply(command)
+        log.debug("%s", type(command).__name__, extra={"session_id": command.session_id})
 
     def _drop_sessions(self, why: str) -> None:
         with self._lock:

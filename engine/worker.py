@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.config import TreeParams
+from engine.draft_commands import AdvanceDraft, DraftCommand, StartDraft, StopDraft
 from engine.drafter import Drafter
 from engine.errors import CardError
 from engine.tree import Advance, Layer
@@ -71,6 +72,18 @@ class DraftWorker:
 
     def stop_session(self, session_id: str) -> None:
         self._put(("stop", session_id))
+
+    def apply(self, command: DraftCommand) -> None:
+        """Queue a command from the cache (engine.draft_commands) as the method it names."""
+        match command:
+            case StartDraft(session_id, committed, epoch):
+                self.start_session(session_id, committed, epoch)
+            case AdvanceDraft(session_id, advance):
+                self.advance(session_id, advance)
+            case StopDraft(session_id):
+                self.stop_session(session_id)
+            case _:
+                raise TypeError(f"not a draft command: {command!r}")
 
     def _put(self, cmd: tuple) -> None:
         with self._idle_lock:
