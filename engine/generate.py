@@ -1,9 +1,14 @@
-"""The target loop, the same for every mode: step the chain source, verify, commit, stream.
+"""One generation as a state machine; the target engine (engine.scheduler) drives it.
 
-    prefill -> next token t0
-    loop:   chain = source.step(Correction(epoch, accepted, t_next))   # one query, never waits
-            accepted, t_next = target.verify(chain)                    # one forward
-            stream accepted + [t_next], stopping at EOS / stop string / budget
+    open     the chain source opens at the prompt
+    prefill  next_input: a chunk of the prompt        absorb: nothing, or (last chunk) token t0
+    decode   next_input: chain = source.step(Correction(epoch, accepted, t_next))   # never waits
+                         -> [t_next, *chain]           absorb: accepted, t_next = target.accept(chain)
+             stream accepted + [t_next], stopping at EOS / stop string / budget / context window
+    close    the source closes, given the generation's stats; ``result`` is set
+
+Every mode and every entry point runs this: alone (iterate the Generation: an engine of one slot)
+or beside others in card-target's engine, one forward per iteration for all of them.
 """
 
 from __future__ import annotations
@@ -58,7 +63,9 @@ def check_prompt(prompt_ids: Sequence[int], context_window: int, model_name: str
 
 
 class Generation:
-    """One generation. Iterate it for streamed chunks; ``result`` is set once iteration ends."""
+    """One generation. Iterate it to run it alone (streamed chunks); ``result`` is set once it
+    ends. The serving engine drives the same object through ``open / next_input / absorb /
+    close``."""
 
     def __init__(
         self,
@@ -79,55 +86,105 @@ class Generation:
         self.context_window = context_window
         self.tracker = OutputTracker(request.stop, eos_ids, decode)
         self.stats = GenerationStats(mode=mode, prompt_tokens=len(request.prompt_ids))
+        self.target = TargetState(request.prompt_ids, request.sampling)
         self.result: GenerationResult | None = None
+        self.slot: int | None = None  # the engine's KV slot while it runs
+        self._t0 = 0.0
+        self._prefilled = 0  # prompt tokens whose keys and values are in the KV cache
+        self._pending: Sequence[int] = ()  # the prefill chunk or chain in flight
+        self._pending_ids: Sequence[int] = ()
+        self._epoch, self._accepted, self._accepted_ids = 0, (), ()
 
-    def __iter__(self) -> Iterator[Chunk]:
-        stats, tracker = self.stats, self.tracker
-        t0 = time.perf_counter()
-        target = TargetState(self.model, self.request.prompt_ids, self.request.sampling)
+    @property
+    def kv_len(self) -> int:
+        """KV rows this generation can ever write: prompt + budget, within the context window."""
+        return min(self.context_window, len(self.request.prompt_ids) + self.request.stop.max_new_tokens)
+
+    @property
+    def done(self) -> bool:
+        return self.tracker.done
+
+    @property
+    def prefill_left(self) -> int:
+        """Prompt tokens not yet in the KV cache."""
+        return len(self.request.prompt_ids) - self._prefilled
+
+    @property
+    def prefilling(self) -> bool:
+        return self.prefill_left > 0
+
+    # ---- driven by the engine ----------------------------------------------------------------
+    def open(self) -> None:
+        self._t0 = time.perf_counter()
         # the committed sequence has one owner, the target state; the source may read it
-        self.source.open(target.committed)
+        self.source.open(self.target.committed)
+
+    def next_input(self, prefill_chunk: int) -> tuple[Sequence[int], int, bool]:
+        """The tokens of this generation's next forward, the position of the first, and whether
+        every row needs logits (else only the last, and only when it ends the prompt)."""
+        committed = self.target.committed
+        if self.prefilling:
+            n = min(prefill_chunk, len(self.request.prompt_ids) - self._prefilled)
+            self._pending = committed[self._prefilled:self._prefilled + n]
+            return self._pending, self._prefilled, False
+        token = committed[-1]
+        correction = Correction(self._epoch, self._accepted, self._accepted_ids, token)
+        t_step = time.perf_counter()
+        step = self.source.step(correction)
+        self.stats.target_idle_s += time.perf_counter() - t_step
+        self._count(step.outcome)
+        chain = step.chain
+        self._epoch = chain.epoch
+        # no point verifying past the token budget or the context window
+        room = min(
+            self.request.stop.max_new_tokens - len(self.tracker.token_ids),
+            self.context_window - len(committed),
+        ) - 1
+        self._pending = chain.tokens[: max(room, 0)]
+        self._pending_ids = chain.node_ids[: len(self._pending)]
+        return [token, *self._pending], len(committed) - 1, True
+
+    def absorb(self, logits: torch.Tensor) -> Chunk | None:
+        """Take this generation's logits of the forward (all rows of a step; the last row of a
+        prompt's last chunk; none of an earlier chunk); the chunk it commits, if any."""
+        self.target.forwards += 1
+        if self.prefilling:
+            self._prefilled += len(self._pending)
+            if self.prefilling:
+                return None
+            token = self.target.first(logits[-1])
+            self.stats.prefill_s = time.perf_counter() - self._t0
+            return self._commit([token], 1)
+        n, token = self.target.accept(self._pending, logits)
+        self._accepted, self._accepted_ids = tuple(self._pending[:n]), tuple(self._pending_ids[:n])
+        return self._commit([*self._accepted, token], n + 1)
+
+    def _commit(self, tokens: list[int], accepted_length: int) -> Chunk:
+        self.stats.accepted_lengths.append(accepted_length)
+        kept, text = self.tracker.feed(tokens)
+        if not self.tracker.done and len(self.target.committed) >= self.context_window:
+            self.tracker.finish_reason = "length"
+        return Chunk(tuple(kept), text)
+
+    def close(self) -> GenerationResult:
+        """End the generation (finished, failed or cancelled: ``aborted``); idempotent."""
+        if self.result is not None:
+            return self.result
+        stats, tracker = self.stats, self.tracker
+        # target-side stats first: a remote source records them with the cache when it closes
+        stats.wall_s = time.perf_counter() - self._t0 if self._t0 else 0.0
+        stats.new_tokens = len(tracker.token_ids)
+        stats.target_forwards = self.target.forwards
         try:
-            token = target.prefill()
-            stats.prefill_s = time.perf_counter() - t0
-            stats.accepted_lengths.append(1)
-            kept, text = tracker.feed([token])
-            yield Chunk(tuple(kept), text)
-            epoch, accepted, accepted_ids = 0, (), ()
-            while not tracker.done:
-                if len(target.committed) >= self.context_window:
-                    tracker.finish_reason = "length"
-                    break
-                correction = Correction(epoch, accepted, accepted_ids, token)
-                t_step = time.perf_counter()
-                step = self.source.step(correction)
-                stats.target_idle_s += time.perf_counter() - t_step
-                self._count(step.outcome)
-                chain = step.chain
-                epoch = chain.epoch
-                # no point verifying past the token budget or the context window
-                room = min(
-                    self.request.stop.max_new_tokens - len(tracker.token_ids),
-                    self.context_window - len(target.committed),
-                ) - 1
-                tokens = chain.tokens[: max(room, 0)]
-                n, token = target.verify(tokens)
-                accepted, accepted_ids = tokens[:n], chain.node_ids[:n]
-                stats.accepted_lengths.append(n + 1)
-                kept, text = tracker.feed([*accepted, token])
-                yield Chunk(tuple(kept), text)
-        finally:
-            # target-side stats first: a remote source records them with the cache when it closes
-            stats.wall_s = time.perf_counter() - t0
-            stats.new_tokens = len(tracker.token_ids)
-            stats.target_forwards = target.forwards
             src = self.source.close(stats)
             stats.draft_forwards = src.draft_forwards
             stats.draft_idle_s = src.draft_idle_s
             stats.step_rtt_ms = src.step_rtt_ms
+        finally:
             self.result = GenerationResult(
                 tracker.text, list(tracker.token_ids), tracker.finish_reason or "aborted", stats
             )
+        return self.result
 
     def _count(self, outcome: Outcome | None) -> None:
         if outcome is Outcome.HIT:
@@ -136,6 +193,13 @@ class Generation:
             self.stats.secondary_hits += 1
         elif outcome is Outcome.MISS:
             self.stats.misses += 1
+
+    # ---- alone -------------------------------------------------------------------------------
+    def __iter__(self) -> Iterator[Chunk]:
+        from engine.scheduler import TargetEngine
+
+        engine = TargetEngine.alone(self.model, self.kv_len)
+        yield from engine.stream(self)
 
     def run(self) -> GenerationResult:
         for _ in self:

@@ -1,0 +1,181 @@
+"""The target engine: one loop owns the model; each iteration is one forward over every live
+generation (continuous batching, nano-vllm's shape).
+
+    admit    waiting generations take a free KV slot (engine.target_kv.KVPool), in arrival order
+    plan     each running generation gives its next input: a prefill chunk, or [t_next, *chain]
+             after its chain source's step; steps first, then prefill chunks while the iteration
+             has token budget (``max_batch_tokens``; the first input always goes)
+    forward  one flattened forward over all of them (engine.target_kv.forward)
+    commit   each generation absorbs its rows' logits and streams what it committed; finished
+             ones close and give their slot back
+
+Requests join and leave between iterations. A prompt is prefilled in chunks of ``prefill_chunk``
+tokens, so a long prompt does not stall everyone else's decoding; the chunk size is fixed (not a
+function of the load), so a generation's arithmetic is the same alone and in any batch.
+
+One generation failing (its source raised, its input was bad) ends that generation only.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+from engine.generate import Chunk, Generation
+from engine.target_kv import KVPool, Segment, forward
+
+log = logging.getLogger(__name__)
+
+# Prompt tokens per prefill chunk. Fixed for every entry point: the chunking is part of a
+# generation's arithmetic (in-process reference runs and card-target must chunk alike).
+PREFILL_CHUNK = 256
+
+
+@dataclass
+class Event:
+    """What one iteration did for one generation: a chunk it committed (None while prefilling),
+    and, when it ended, ``done`` (``error``: the exception that ended it early)."""
+
+    generation: Generation
+    chunk: Chunk | None = None
+    done: bool = False
+    error: BaseException | None = None
+
+
+class TargetEngine:
+    def __init__(self, model: torch.nn.Module, pool: KVPool, max_batch_tokens: int = 2048,
+                 prefill_chunk: int = PREFILL_CHUNK) -> None:
+        self.model = model
+        self.pool = pool
+        self.max_batch_tokens = max(max_batch_tokens, 1)
+        self.prefill_chunk = prefill_chunk
+        self.waiting: deque[Generation] = deque()
+        self.running: list[Generation] = []
+        self.forwards = 0
+
+    @classmethod
+    def alone(cls, model: torch.nn.Module, kv_len: int) -> TargetEngine:
+        """An engine of one slot of ``kv_len`` rows: one generation run by itself."""
+        return cls(model, KVPool(model, slots=1, max_len=max(kv_len, 2)))
+
+    # ---- queue -------------------------------------------------------------------------------
+    def add(self, gen: Generation) -> None:
+        self.waiting.append(gen)
+
+    @property
+    def idle(self) -> bool:
+        return not self.waiting and not self.running
+
+    def cancel(self, gen: Generation) -> Event:
+        """End ``gen`` now (its client went away): it leaves the queue or the batch, closes its
+        source and gives its slot back. Between iterations only (the engine's thread)."""
+        if gen in self.waiting:
+            self.waiting.remove(gen)
+        return self._finish(gen)
+
+    # ---- one iteration -----------------------------------------------------------------------
+    def step(self) -> list[Event]:
+        events = self._admit()
+        inputs: list[tuple[Generation, list[int], int, bool]] = []
+        budget = self.max_batch_tokens
+        # steps first (a token or a short chain each), then prefill chunks while budget lasts
+        for gen in sorted(self.running, key=lambda g: g.prefilling):
+            if gen.prefilling and inputs and budget < min(self.prefill_chunk, gen.prefill_left):
+                continue
+            try:
+                tokens, start, all_rows = gen.next_input(self.prefill_chunk)
+            except Exception as exc:  # its source failed: this generation ends, the batch goes on
+                events.append(self._fail(gen, exc))
+                continue
+            inputs.append((gen, list(tokens), start, all_rows))
+            budget -= len(tokens)
+        if not inputs:
+            return events
+        segments, rows, offset = [], [], 0
+        for gen, tokens, start, all_rows in inputs:
+            assert gen.slot is not None
+            segments.append(Segment(gen.slot, start, len(tokens)))
+            if all_rows:
+                rows.append(torch.arange(offset, offset + len(tokens)))
+            elif start + len(tokens) == len(gen.request.prompt_ids):  # the prompt's last chunk
+                rows.append(torch.tensor([offset + len(tokens) - 1]))
+            else:
+                rows.append(torch.empty(0, dtype=torch.int64))
+            offset += len(tokens)
+        flat = torch.tensor([t for _, tokens, _, _ in inputs for t in tokens], dtype=torch.int64)
+        logits = forward(self.model, self.pool, segments, flat, torch.cat(rows))
+        self.forwards += 1
+        first = 0
+        for (gen, _, _, _), own in zip(inputs, rows, strict=True):
+            mine = logits[first:first + own.numel()]
+            first += own.numel()
+            try:
+                chunk = gen.absorb(mine)
+            except Exception as exc:
+                events.append(self._fail(gen, exc))
+                continue
+            if gen.done:
+                event = self._finish(gen)
+                event.chunk = chunk
+                events.append(event)
+            elif chunk is not None:
+                events.append(Event(gen, chunk))
+        return events
+
+    def _admit(self) -> list[Event]:
+        events = []
+        while self.waiting and self.pool.free_slots:
+            gen = self.waiting.popleft()
+            if gen.kv_len > self.pool.max_len:  # the servicer sizes context windows; a guard
+                events.append(self._fail(gen, ValueError(
+                    f"generation needs {gen.kv_len} KV rows, the cache holds {self.pool.max_len}")))
+                continue
+            gen.slot = self.pool.acquire()
+            self.running.append(gen)
+            try:
+                gen.open()
+            except Exception as exc:
+                events.append(self._fail(gen, exc))
+        return events
+
+    def _fail(self, gen: Generation, exc: BaseException) -> Event:
+        log.warning("generation ended by an error: %s", exc)
+        event = self._finish(gen)
+        event.error = exc
+        return event
+
+    def _finish(self, gen: Generation) -> Event:
+        if gen in self.running:
+            self.running.remove(gen)
+        if gen.slot is not None:
+            self.pool.release(gen.slot)
+            gen.slot = None
+        try:
+            gen.close()
+        except Exception:  # closing the source is best effort; the output stands
+            log.exception("closing a generation's chain source failed")
+        return Event(gen, done=True)
+
+    # ---- one generation, here and now --------------------------------------------------------
+    def stream(self, gen: Generation) -> Iterator[Chunk]:
+        """Run ``gen`` to its end, yielding its chunks; an error it met is raised; a consumer that
+        stops early cancels it."""
+        self.add(gen)
+        try:
+            while True:
+                for event in self.step():
+                    if event.generation is not gen:
+                        continue
+                    if event.chunk is not None:
+                        yield event.chunk
+                    if event.error is not None:
+                        raise event.error
+                    if event.done:
+                        return
+        finally:
+            if gen.result is None:
+                self.cancel(gen)

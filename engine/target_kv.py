@@ -1,0 +1,198 @@
+"""The target's KV cache and its one forward: allocated once, written by index, many sessions.
+
+    keys[layer], values[layer]: [slots, kv_heads, max_len, head_dim]
+
+A session owns one slot while it lives (gpt-fast's static cache, with a slot dimension). A forward
+runs the new tokens of every session in the iteration as one flattened row of ``T`` tokens
+(vLLM / nano-vllm's layout): every linear layer, norm and rotary embedding sees ``[T, hidden]``, and
+only attention is per session, over that session's own slot. Each token's key and value are
+written at ``(slot, position)``; accepting a chain keeps its rows where they are, rows past the
+committed length are junk that the next forward overwrites, and no query ever reads them (each
+query sees positions <= its own). No compaction, no concatenation, nothing allocated per step.
+
+Exactness under batching: a session's attention has the same shapes and inputs whatever runs
+beside it, and the CPU's prepacked linears (engine.loading.cpu_linear) are row-invariant, so a
+session's logits do not depend on its neighbours. No padding exists to change a value.
+
+Supported: decoder-only models whose ``*ForCausalLM`` is ``model.embed_tokens / layers / norm /
+rotary_emb`` + ``lm_head`` (Llama, Qwen2, Mistral without a sliding window, ...), the families the
+tree attention of the drafter supports too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from engine.errors import FailedPrecondition, ResourceExhausted
+
+ATTN = "card_slots"
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One session's part of a forward: ``length`` tokens at positions ``start...`` in ``slot``."""
+
+    slot: int
+    start: int
+    length: int
+
+    @property
+    def end(self) -> int:
+        return self.start + self.length
+
+
+class KVPool:
+    """Preallocated keys and values for ``slots`` sessions of at most ``max_len`` tokens each."""
+
+    def __init__(self, model: torch.nn.Module, slots: int, max_len: int) -> None:
+        if slots < 1 or max_len < 2:
+            raise ResourceExhausted(f"a KV cache needs >= 1 slot of >= 2 tokens, got {slots} x {max_len}")
+        enable(model)
+        cfg = model.config
+        param = next(model.parameters())
+        kv_heads, head_dim = _kv_shape(cfg)
+        shape = (slots, kv_heads, max_len, head_dim)
+        dtype = _kv_dtype(model)
+        layers = range(cfg.num_hidden_layers)
+        self.keys = [torch.zeros(shape, dtype=dtype, device=param.device) for _ in layers]
+        self.values = [torch.zeros(shape, dtype=dtype, device=param.device) for _ in layers]
+        self.slots = slots
+        self.max_len = max_len
+        self.device = param.device
+        self._free = list(range(slots - 1, -1, -1))
+
+    @staticmethod
+    def bytes_per_token(model: torch.nn.Module) -> int:
+        """Keys and values of one token over every layer."""
+        kv_heads, head_dim = _kv_shape(model.config)
+        itemsize = torch.empty(0, dtype=_kv_dtype(model)).element_size()
+        return 2 * model.config.num_hidden_layers * kv_heads * head_dim * itemsize
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
+
+    @property
+    def free_slots(self) -> int:
+        return len(self._free)
+
+    def acquire(self) -> int | None:
+        return self._free.pop() if self._free else None
+
+    def release(self, slot: int) -> None:
+        if not 0 <= slot < self.slots or slot in self._free:
+            raise ValueError(f"slot {slot} is not held")
+        self._free.append(slot)
+
+
+def _kv_shape(cfg: object) -> tuple[int, int]:
+    heads = cfg.num_attention_heads
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    return kv_heads, head_dim
+
+
+def _kv_dtype(model: torch.nn.Module) -> torch.dtype:
+    # keys and values come out of the k/v projections in the activations' dtype: the embedding's
+    return model.get_input_embeddings().weight.dtype
+
+
+class _Batch:
+    """What one forward's attention needs: handed to every layer as ``past_key_values`` (its
+    ``update`` writes the new keys and values in place) and as the ``card_batch`` keyword."""
+
+    def __init__(self, pool: KVPool, segments: Sequence[Segment]) -> None:
+        self.pool = pool
+        self.segments = segments
+        dev = pool.device
+        self.slot_index = torch.cat(
+            [torch.full((s.length,), s.slot, dtype=torch.int64) for s in segments]).to(dev)
+        self.positions = torch.cat([torch.arange(s.start, s.end) for s in segments]).to(dev)
+        self.offsets = [0]
+        for s in segments:
+            self.offsets.append(self.offsets[-1] + s.length)
+        # per segment: None (every key up to its end is visible to every query: one query, or a
+        # causal block from position 0) or a boolean mask [length, end]
+        self.masks = [None if s.length == 1 else _causal(s, dev) for s in segments]
+
+    def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int,
+               cache_kwargs: object = None) -> tuple[torch.Tensor, torch.Tensor]:
+        # key, value: [1, kv_heads, T, head_dim] -> rows (slot_t, :, position_t)
+        self.pool.keys[layer_idx][self.slot_index, :, self.positions] = key[0].transpose(0, 1)
+        self.pool.values[layer_idx][self.slot_index, :, self.positions] = value[0].transpose(0, 1)
+        return key, value
+
+
+def _causal(seg: Segment, device: torch.device) -> torch.Tensor:
+    query_pos = torch.arange(seg.start, seg.end, device=device)[:, None]
+    return torch.arange(seg.end, device=device)[None, :] <= query_pos  # [length, end]
+
+
+def _slot_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                    attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
+                    card_batch: _Batch | None = None, **kwargs: object) -> tuple[torch.Tensor, None]:
+    """Attention per session over its own slot; any other forward (the drafter's, a plain HF
+    call on the same model object) takes transformers' SDPA path unchanged."""
+    if card_batch is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                      scaling=scaling, **kwargs)
+    pool, layer = card_batch.pool, module.layer_idx
+    keys, values = pool.keys[layer], pool.values[layer]
+    out = query.new_empty(1, query.shape[2], query.shape[1], query.shape[3])  # [1, T, heads, dim]
+    gqa = query.shape[1] != keys.shape[1]
+    for seg, q0, mask in zip(card_batch.segments, card_batch.offsets, card_batch.masks, strict=False):
+        q = query[:, :, q0:q0 + seg.length]  # [1, heads, n, dim]
+        k = keys[seg.slot, :, :seg.end][None]  # [1, kv_heads, end, dim], a view
+        v = values[seg.slot, :, :seg.end][None]
+        o = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling,
+                                                             enable_gqa=gqa)
+        out[0, q0:q0 + seg.length] = o[0].transpose(0, 1)
+    return out, None
+
+
+_registered = False
+
+
+def enable(model: torch.nn.Module) -> None:
+    """Let ``model`` run batched forwards (idempotent). Plain forwards keep transformers' SDPA."""
+    global _registered
+    inner = getattr(model, "model", None)
+    if not all(hasattr(inner, a) for a in ("embed_tokens", "layers", "norm", "rotary_emb")) or not hasattr(
+            model, "lm_head"):
+        raise FailedPrecondition(
+            f"{type(model).__name__} is not a supported target architecture (a decoder-only model "
+            "with model.embed_tokens/layers/norm/rotary_emb and lm_head, e.g. Llama or Qwen2)")
+    if getattr(model.config, "sliding_window", None) and getattr(model.config, "use_sliding_window", False):
+        raise FailedPrecondition(f"{type(model).__name__} uses a sliding window, which the target's "
+                                 "KV cache does not support")
+    if not _registered:
+        AttentionInterface.register(ATTN, _slot_attention)
+        AttentionMaskInterface.register(ATTN, sdpa_mask)
+        _registered = True
+    if model.config._attn_implementation != ATTN:
+        model.set_attn_implementation(ATTN)
+
+
+@torch.inference_mode()
+def forward(model: torch.nn.Module, pool: KVPool, segments: Sequence[Segment], tokens: torch.Tensor,
+            logit_rows: torch.Tensor) -> torch.Tensor:
+    """One forward over every segment's tokens (``tokens`` [T], segments in order); the logits of
+    the flattened rows ``logit_rows`` [R] only (a prefill chunk needs none or its last row)."""
+    batch = _Batch(pool, segments)
+    inner = model.model
+    hidden = inner.embed_tokens(tokens.to(pool.device)[None])  # [1, T, hidden]
+    positions = batch.positions[None]
+    rotary = inner.rotary_emb(hidden, positions)
+    for layer in inner.layers[: model.config.num_hidden_layers]:
+        hidden = layer(hidden, position_ids=positions, past_key_values=batch, position_embeddings=rotary,
+                       card_batch=batch)
+    if not logit_rows.numel():
+        return hidden.new_empty(0, 0)
+    hidden = inner.norm(hidden[:, logit_rows.to(pool.device)])  # per-row: select first, then norm
+    return model.lm_head(hidden)[0]  # [R, vocab]
