@@ -4,18 +4,29 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.errors import InvalidArgument
+from engine.errors import InvalidArgument, ResourceExhausted
 from engine.loading.models import ModelConfig
+
+DEFAULT_MAX_MODEL_LEN = 4096
+
 
 
 @dataclass(frozen=True)
 class TargetConfig:
+    """max_batch_size: most generations in one forward (KV slots, unless kv_cache_gb holds fewer).
+    kv_cache_gb: memory for keys and values; None = max_batch_size slots. max_model_len: rows
+    per slot (prompt + new tokens); None = the model's context window, at most 4096.
+    max_batch_tokens: tokens per forward beyond which prefill chunks wait for the next one."""
+
     model: ModelConfig
     cache_addr: str | None = None  # None: plain decoding only
     host: str = "127.0.0.1"
     port: int = 50051
     threads: int | None = None
-    max_concurrency: int = 4
+    max_batch_size: int = 8
+    kv_cache_gb: float | None = None
+    max_model_len: int | None = None
+    max_batch_tokens: int = 512
     default_max_new_tokens: int = 128
     step_timeout_ms: int = 1000
     metrics_port: int = 9091
@@ -23,8 +34,14 @@ class TargetConfig:
     json_logs: bool = False
 
     def __post_init__(self) -> None:
-        if self.max_concurrency < 1:
-            raise InvalidArgument(f"max-concurrency must be >= 1, got {self.max_concurrency}")
+        if self.max_batch_size < 1:
+            raise InvalidArgument(f"max-batch-size must be >= 1, got {self.max_batch_size}")
+        if self.kv_cache_gb is not None and not self.kv_cache_gb > 0:
+            raise InvalidArgument(f"kv-cache-gb must be > 0, got {self.kv_cache_gb}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise InvalidArgument(f"max-model-len must be >= 2, got {self.max_model_len}")
+        if self.max_batch_tokens < 1:
+            raise InvalidArgument(f"max-batch-tokens must be >= 1, got {self.max_batch_tokens}")
         if self.default_max_new_tokens < 1:
             raise InvalidArgument(f"default-max-new-tokens must be >= 1, got {self.default_max_new_tokens}")
         if self.step_timeout_ms < 1:
@@ -33,3 +50,17 @@ class TargetConfig:
             raise InvalidArgument(f"threads must be >= 1, got {self.threads}")
         if not 0 <= self.port <= 65535 or not 0 <= self.metrics_port <= 65535:
             raise InvalidArgument("ports must be in [0, 65535]")
+
+    def kv_shape(self, context_window: int, bytes_per_token: int) -> tuple[int, int]:
+        """(slots, rows per slot) of the KV cache for a model with this context window and
+        keys + values of ``bytes_per_token`` bytes per token."""
+        max_len = min(self.max_model_len or DEFAULT_MAX_MODEL_LEN, context_window)
+        per_slot = bytes_per_token * max_len
+        if self.kv_cache_gb is None:
+            return self.max_batch_size, max_len
+        slots = min(int(self.kv_cache_gb * 2**30 // per_slot), self.max_batch_size)
+        if slots < 1:
+            raise ResourceExhausted(
+                f"--kv-cache-gb {self.kv_cache_gb:g} holds no sequence of {max_len} tokens "
+                f"({per_slot / 2**30:.3f} GB each); raise it or lower --max-model-len")
+        return slots, max_len

@@ -8,8 +8,12 @@ GENERATIONS = Counter("card_target_generations_total", "Finished generations",
                       ["mode", "finish_reason"])
 REFUSED = Counter("card_target_refused_total", "Generate calls refused", ["code"])
 TOKENS = Counter("card_target_tokens_total", "Generated tokens")
-ACTIVE = Gauge("card_target_active_generations", "Generations running now")
-WAITING = Gauge("card_target_waiting_generations", "Generations waiting for a free slot")
+ACTIVE = Gauge("card_target_active_generations", "Generations in the engine's batch now")
+WAITING = Gauge("card_target_waiting_generations", "Generations waiting for a free KV slot")
+KV_SLOTS = Gauge("card_target_kv_slots", "KV cache slots (most generations in one forward)")
+KV_SLOTS_FREE = Gauge("card_target_kv_slots_free", "KV cache slots free now")
+BATCH_SIZE = Histogram("card_target_batch_size", "Generations in each engine iteration",
+                       buckets=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64))
 STEP_RTT = Histogram("card_target_step_rtt_seconds", "Step round trip to the cache service",
                      buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5))
 STEP_FAILURES = Counter("card_target_step_failures_total", "Step calls that failed", ["code"])

@@ -30,7 +30,10 @@ from card_common.serving import (
 )
 from engine.errors import Unavailable
 from engine.loading.models import ModelConfig, load_model
+from engine.scheduler import TargetEngine
+from engine.target_kv import KVPool
 from target_service.config import TargetConfig
+from target_service.engine_loop import EngineLoop
 from target_service.servicer import TargetServicer
 
 log = logging.getLogger("target_service")
@@ -46,8 +49,8 @@ def create_server(addr: str, max_workers: int = 16) -> tuple[grpc.Server, int]:
 
 
 def serve(config: TargetConfig) -> None:
-    # queued Generate calls wait in a server thread for a slot; health and Info need threads too
-    server, port = create_server(f"{config.host}:{config.port}", max_workers=2 * config.max_concurrency + 8)
+    # every streaming Generate holds a server thread, waiting ones too; health and Info need some
+    server, port = create_server(f"{config.host}:{config.port}", max_workers=4 * config.max_batch_size + 16)
     health = add_health(server)
     cache_channel = None
     stub = None
@@ -72,13 +75,19 @@ def serve(config: TargetConfig) -> None:
             log.warning("%s; serving plain decoding until it answers", exc)
     else:
         log.warning("no cache service configured (--cache / CARD_TARGET_CACHE_ADDR): plain decoding only")
-    servicer.ready(model)
+    slots, max_len = config.kv_shape(model.context_window, KVPool.bytes_per_token(model.model))
+    pool = KVPool(model.model, slots, max_len)
+    log.info("KV cache: %d slots x %d tokens (%.2f GB)", slots, max_len, pool.nbytes / 2**30)
+    loop = EngineLoop(TargetEngine(model.model, pool, config.max_batch_tokens), threads=config.threads)
+    loop.start()
+    servicer.ready(model, loop)
     set_serving(health, True, [SERVICE_NAME])
     log.info("serving %s", model.name)
 
     def shutdown() -> None:
         # running generations finish (and close their cache sessions) before the channel goes
         server.stop(GRACE_S).wait()
+        loop.stop()
         if cache_channel is not None:
             cache_channel.close()
 
@@ -92,7 +101,15 @@ def serve(config: TargetConfig) -> None:
 @option("--dtype", default="auto", help="auto, float32, bfloat16, float16.")
 @option("--device", default="auto", help="auto (cuda if available), cpu, cuda, cuda:N.")
 @option("--threads", default=None, type=int, help="torch threads (default: torch's choice).")
-@option("--max-concurrency", default=4, type=int, help="Generations run at once; more wait for a slot.")
+@option("--max-batch-size", default=8, type=int,
+        help="Most generations in one forward (KV slots); more wait for a slot until their deadline.")
+@option("--kv-cache-gb", default=None, type=float,
+        help="Memory for keys and values; slots = this / (KV bytes per token x --max-model-len), at "
+             "most --max-batch-size (default: exactly --max-batch-size slots).")
+@option("--max-model-len", default=None, type=int,
+        help="Tokens per KV slot, prompt + new tokens (default: the context window, at most 4096).")
+@option("--max-batch-tokens", default=512, type=int,
+        help="Tokens per forward past which waiting prefill chunks go in the next one.")
 @option("--default-max-new-tokens", default=128, type=int)
 @option("--step-timeout-ms", default=1000, type=int, help="Deadline of each Step call to the cache.")
 @option("--host", default="127.0.0.1", help="Interface to listen on (0.0.0.0 in containers).")
@@ -100,7 +117,8 @@ def serve(config: TargetConfig) -> None:
 @option("--metrics-port", default=9091, type=int, help="Prometheus port (0 = disabled).")
 @logging_options
 def main(model: str, cache_addr: str | None, dtype: str, device: str, threads: int | None,
-         max_concurrency: int, default_max_new_tokens: int, step_timeout_ms: int, host: str, port: int,
+         max_batch_size: int, kv_cache_gb: float | None, max_model_len: int | None,
+         max_batch_tokens: int, default_max_new_tokens: int, step_timeout_ms: int, host: str, port: int,
          metrics_port: int, log_level: str, json_logs: bool) -> None:
     """Run the CARD target service."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -112,7 +130,10 @@ def main(model: str, cache_addr: str | None, dtype: str, device: str, threads: i
             host=host,
             port=port,
             threads=threads,
-            max_concurrency=max_concurrency,
+            max_batch_size=max_batch_size,
+            kv_cache_gb=kv_cache_gb,
+            max_model_len=max_model_len,
+            max_batch_tokens=max_batch_tokens,
             default_max_new_tokens=default_max_new_tokens,
             step_timeout_ms=step_timeout_ms,
             metrics_port=metrics_port,

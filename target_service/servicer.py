@@ -1,16 +1,17 @@
-"""TargetService: validate, tokenize, run the engine's generation loop, stream chunks.
+"""TargetService: validate, tokenize, hand the generation to the engine, stream its chunks.
 
-Each Generate call runs ``engine.generate.Generation`` in its own gRPC thread with its own KV
-cache; at most ``max_concurrency`` run at once (torch ops release the GIL), the rest wait for a
-slot until their deadline. The chain source is ``RemoteCard`` (mode card, cache configured) or
-``NoDraft`` (mode vanilla, or no cache): the output is the target's own either way.
+Every Generate call builds an ``engine.generate.Generation`` and submits it to the one engine
+loop (target_service.engine_loop), which runs all live generations in one forward per iteration.
+A request waits for a free KV slot until its deadline (then RESOURCE_EXHAUSTED); a client that
+cancels or goes away ends its generation within one forward. The chain source is ``RemoteCard``
+(mode card, cache configured) or ``NoDraft`` (mode vanilla, or no cache): the output is the
+target's own either way.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import threading
+import queue
 import time
 from collections.abc import Iterator
 
@@ -28,6 +29,7 @@ from engine.loading.models import LoadedModel
 from engine.sources import NoDraft
 from target_service import metrics
 from target_service.config import TargetConfig
+from target_service.engine_loop import EngineLoop
 from target_service.remote_card import RemoteCard
 
 log = logging.getLogger(__name__)
@@ -43,11 +45,15 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         self.config = config
         self.cache = cache
         self._model: LoadedModel | None = None
+        self.loop: EngineLoop | None = None
         self.vocab_size = 0
-        self._slots = threading.Semaphore(config.max_concurrency)
+        self.context_window = 0
 
-    def ready(self, model: LoadedModel) -> None:
+    def ready(self, model: LoadedModel, loop: EngineLoop) -> None:
         self.vocab_size = int(getattr(model.model.config, "vocab_size", 0) or 0)
+        # a generation's keys and values live in one KV slot: its rows bound the context
+        self.context_window = min(model.context_window, loop.engine.pool.max_len)
+        self.loop = loop
         self._model = model
 
     @property
@@ -60,7 +66,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
     @grpc_errors
     def Info(self, request: target_pb2.InfoRequest, context: grpc.ServicerContext) -> target_pb2.TargetInfo:
         return target_pb2.TargetInfo(model=self.model.name, tokenizer_fingerprint=self.model.fingerprint,
-                                     context_window=self.model.context_window,
+                                     context_window=self.context_window,
                                      has_chat_template=self.model.has_chat_template)
 
     @grpc_errors
@@ -71,33 +77,52 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         except (InvalidArgument, Unavailable) as exc:
             metrics.REFUSED.labels(code=status_code(exc).name).inc()
             raise
-        with self._slot(context):
-            source = self._source(mode, request.draft, gen_request.chain)
-            gen = Generation(self.model.model, gen_request, source, eos_ids=self.model.eos_ids,
-                             decode=self.model.decode, context_window=self.model.context_window,
-                             mode=mode, model_name=self.model.name)
-            chunks = iter(gen)
-            try:
-                for chunk in chunks:
-                    if not context.is_active():
-                        log.info("client went away; generation stopped")
-                        return
-                    yield target_pb2.GenerateResponse(
-                        chunk=target_pb2.Chunk(token_ids=chunk.token_ids, text=chunk.text))
-            finally:
-                chunks.close()  # ends the cache session even when the client cancelled
-            result = gen.result
-            assert result is not None
-            stats = result.stats
-            metrics.GENERATIONS.labels(mode=mode, finish_reason=result.finish_reason).inc()
-            metrics.TOKENS.inc(stats.new_tokens)
-            metrics.TOKENS_PER_S.observe(stats.tokens_per_s)
-            log.info("generation done: %s", stats.summary())
-            yield target_pb2.GenerateResponse(final=target_pb2.Final(
-                finish_reason=result.finish_reason, text=result.text,
-                token_ids=ids_to_msg(result.token_ids), stats=stats_to_msg(stats),
-                draft=source.draft_name if isinstance(source, RemoteCard) else "",
-            ))
+        model, loop = self.model, self.loop
+        assert loop is not None
+        source = self._source(mode, request.draft, gen_request.chain)
+        gen = Generation(model.model, gen_request, source, eos_ids=model.eos_ids, decode=model.decode,
+                         context_window=self.context_window, mode=mode, model_name=model.name)
+        box = loop.submit(gen)
+        context.add_callback(lambda: loop.cancel(gen))  # the client went away: stop within a forward
+        t0 = time.monotonic()
+        try:
+            while True:
+                try:
+                    event = box.get(timeout=None if loop.admitted(gen) else context.time_remaining())
+                except queue.Empty:
+                    if loop.admitted(gen):
+                        continue
+                    loop.cancel(gen)
+                    metrics.REFUSED.labels(code="RESOURCE_EXHAUSTED").inc()
+                    raise ResourceExhausted(
+                        f"all {loop.engine.pool.slots} KV slots stayed busy for {time.monotonic() - t0:.1f}s "
+                        "(the request's deadline); retry later, or give card-target more KV cache "
+                        "(--kv-cache-gb, --max-batch-size)") from None
+                if event.chunk is not None and (event.chunk.token_ids or event.chunk.text):
+                    yield target_pb2.GenerateResponse(chunk=target_pb2.Chunk(
+                        token_ids=event.chunk.token_ids, text=event.chunk.text))
+                if event.error is not None:
+                    raise event.error
+                if event.done:
+                    break
+        finally:
+            if gen.result is None:
+                loop.cancel(gen)
+        if not context.is_active():
+            log.info("client went away; generation stopped")
+            return
+        result = gen.result
+        assert result is not None
+        stats = result.stats
+        metrics.GENERATIONS.labels(mode=mode, finish_reason=result.finish_reason).inc()
+        metrics.TOKENS.inc(stats.new_tokens)
+        metrics.TOKENS_PER_S.observe(stats.tokens_per_s)
+        log.info("generation done: %s", stats.summary())
+        yield target_pb2.GenerateResponse(final=target_pb2.Final(
+            finish_reason=result.finish_reason, text=result.text,
+            token_ids=ids_to_msg(result.token_ids), stats=stats_to_msg(stats),
+            draft=source.draft_name if isinstance(source, RemoteCard) else "",
+        ))
 
     # ---- helpers -----------------------------------------------------------------------------
     def _parse(self, request: target_pb2.GenerateRequest) -> tuple[GenerationRequest, str]:
@@ -124,7 +149,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
                                       f"[0, {self.vocab_size}), e.g. {bad[0]}")
         else:
             raise InvalidArgument("the request has no prompt: set prompt, messages or prompt_ids")
-        check_prompt(prompt_ids, self.model.context_window, self.model.name)
+        check_prompt(prompt_ids, self.context_window, self.model.name)
         sampling = sampling_from_msg(request.sampling) if request.HasField("sampling") else SamplingParams()
         stop = StopParams(request.max_new_tokens or self.config.default_max_new_tokens,
                           tuple(request.stop), request.ignore_eos)
@@ -143,27 +168,3 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         return RemoteCard(self.cache, cache_addr=self.config.cache_addr or "", target_model=self.model.name,
                           fingerprint=self.model.fingerprint, draft=draft, chain=chain,
                           step_timeout_s=self.config.step_timeout_ms / 1000.0)
-
-    @contextlib.contextmanager
-    def _slot(self, context: grpc.ServicerContext) -> Iterator[None]:
-        remaining = context.time_remaining()
-        metrics.WAITING.inc()
-        t0 = time.monotonic()
-        try:
-            got = self._slots.acquire(timeout=remaining if remaining is not None else None)
-        finally:
-            metrics.WAITING.dec()
-        if not got:
-            metrics.REFUSED.labels(code="RESOURCE_EXHAUSTED").inc()
-            raise ResourceExhausted(
-                f"all {self.config.max_concurrency} generation slots stayed busy for "
-                f"{time.monotonic() - t0:.1f}s (the request's deadline); retry later or raise "
-                "--max-concurrency")
-        metrics.ACTIVE.inc()
-        try:
-            yield
-        finally:
-            metrics.ACTIVE.dec()
-            self._slots.release()
-
-
