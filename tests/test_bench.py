@@ -82,6 +82,31 @@ def test_bench_through_services(pair, tmp_path):
     assert records["svc-card"]["step_rtt_ms"], "the target reports its Step round trips"
 
 
+def test_load_through_the_services_alone(pair, tmp_path):
+    """--modes svc-vanilla,svc-card --concurrency: closed-loop clients through a real trio, every
+    output compared with the same prompt served alone; no model loaded in card-bench itself."""
+    target, draft = pair
+    data = _jsonl(tmp_path / "g.jsonl", [{"question": "What is 2 + 3?"}, {"question": "Name a colour."},
+                                         {"question": "Count to five."}])
+    out = tmp_path / "r.json"
+    result = CliRunner().invoke(main, [
+        "--target-model", str(target), "--draft-model", str(draft), "--draft-quantize", "none",
+        "--dataset", f"gsm8k={data}", "--n", "3", "--max-new-tokens", "8", "--modes", "svc-vanilla,svc-card",
+        "--services", "--concurrency", "1,3", "--ignore-eos", "--out", str(out),
+    ])
+    assert result.exit_code == 0, result.output
+    assert not (tmp_path / "r.json").exists()  # no in-process run
+    payload = json.loads((tmp_path / "r-load.json").read_text())
+    rows = {(r["mode"], r["concurrency"]): r for r in payload["summary"]}
+    assert set(rows) == {(m, c) for m in ("svc-vanilla", "svc-card") for c in (1, 3)}
+    assert rows[("svc-card", 3)]["requests"] == 9 and rows[("svc-vanilla", 1)]["requests"] == 3
+    assert all(r["matches_reference"] for r in payload["records"])
+    assert all(r["new_tokens"] == 8 and r["ttft_s"] > 0 for r in payload["records"])
+    assert rows[("svc-vanilla", 3)]["x_vs_one_at_a_time"] > 0
+    assert (tmp_path / "r-load.png").stat().st_size > 0
+    assert "ttft p50" in result.output
+
+
 def test_card_variants_run_interleaved_under_their_own_names(pair, tmp_path):
     target, draft = pair
     data = _jsonl(tmp_path / "g.jsonl", [{"question": "What is 2 + 3?"}, {"question": "Name a colour."}])

@@ -23,7 +23,7 @@ import click
 import torch
 
 from card_common.cli import exit_on_error
-from client.bench import data, report
+from client.bench import data, load, report
 from client.bench.modes import (
     MODES,
     NEEDS_DRAFT,
@@ -102,7 +102,8 @@ def _parse_modes(value: str) -> list[str]:
     modes = [m.strip() for m in value.split(",") if m.strip()]
     unknown = [m for m in modes if m not in MODES]
     if unknown:
-        raise InvalidArgument(f"unknown mode(s) {', '.join(unknown)}; choose from {', '.join(MODES)}")
+        raise InvalidArgument(f"unknown mode(s) {', '.join(unknown)}; choose from {', '.join(MODES)} "
+                              f"(or only {', '.join(SERVICE_MODES)}: the services alone)")
     if report.REFERENCE not in modes:
         modes.insert(0, report.REFERENCE)  # speedups and exactness are measured against it
     return list(dict.fromkeys(modes))
@@ -189,6 +190,10 @@ def _parse_variant(value: str) -> tuple[str, dict[str, object]]:
 @click.option("--services", is_flag=True,
               help="also run svc-vanilla and svc-card through a local trio (redis, card-cache, card-draft, "
                    "card-target subprocesses loading the same models)")
+@click.option("--concurrency", default=None, metavar="N,N,...",
+              help="with --services: closed-loop load, N clients each sending every prompt back to back, "
+                   "through the trio (svc-vanilla and svc-card at each N); --modes svc-vanilla,svc-card "
+                   "runs only that, loading no model in this process")
 @click.option("--no-progress", is_flag=True, help="no progress bar")
 def main(**opts: object) -> None:
     """Compare decoding modes on the same prompts, on this machine, in one run."""
@@ -203,8 +208,13 @@ def bench(*, target_model: str, draft_model: str, target_dtype: str, draft_dtype
           branch: int | None, max_depth: int | None, max_chain: int | None, b_extension: bool | None,
           min_path_prob: float | None, card_variants: tuple[str, ...], backoff: bool, gamma: int,
           ignore_eos: bool, threads: int | None, target_threads: int | None, draft_threads: int | None,
-          warmup_tokens: int, out: Path | None, chart: Path | None, services: bool, no_progress: bool) -> int:
-    mode_names = _parse_modes(modes)
+          warmup_tokens: int, out: Path | None, chart: Path | None, services: bool, concurrency: str | None,
+          no_progress: bool) -> int:
+    levels = _parse_levels(concurrency)
+    if levels and not services:
+        raise InvalidArgument("--concurrency loads the services: add --services")
+    requested = [m.strip() for m in modes.split(",") if m.strip()]
+    services_only = bool(requested) and all(m in SERVICE_MODES for m in requested)
     cores = os.cpu_count() or 1
     split = default_thread_split(cores)
     tree_defaults = default_tree_params("cuda" if torch.cuda.is_available() else "cpu")
@@ -218,6 +228,12 @@ def bench(*, target_model: str, draft_model: str, target_dtype: str, draft_dtype
                             draft_threads=draft_threads or split[1],
                             ignore_eos=ignore_eos, backoff=backoff)
     loaded = [data.load(spec, n_prompts, data_dir) for spec in datasets]
+    if services_only:
+        if not services:
+            raise InvalidArgument(f"--modes {modes} runs through the services: add --services")
+        return _services_only(target_model, draft_model, target_dtype, draft_quantize, tree, settings,
+                              requested, loaded, levels or (1,), max_new_tokens, ignore_eos, out)
+    mode_names = _parse_modes(modes)
 
     t0 = time.perf_counter()
     target = load_model(ModelConfig(spec=target_model, dtype=target_dtype, prepack=prepack))
@@ -255,6 +271,10 @@ def bench(*, target_model: str, draft_model: str, target_dtype: str, draft_dtype
             mode_names += list(SERVICE_MODES)
         records = run_bench(target, draft, built, loaded, max_new_tokens, warmup_tokens,
                             progress=not no_progress)
+        if levels:
+            prompts = [target.encode_prompt(p) for ds in loaded for p in ds.prompts]
+            load_records, load_rows = load.run_load(trio.target_addr, SERVICE_MODES, prompts, levels,
+                                                    max_new_tokens, ignore_eos, log=_echo_err)
 
     stamp = time.strftime("%Y%m%d-%H%M%S")
     out = out or Path("bench-results") / f"bench-{stamp}.json"
@@ -272,7 +292,63 @@ def bench(*, target_model: str, draft_model: str, target_dtype: str, draft_dtype
     machine = report.machine_info({m.name: m.threads for m in built})
     title = (f"{target.name} / draft {draft.name if draft else '-'}; {max_new_tokens} new tokens, "
              f"greedy; {machine['cpu_model']} x{cores}")
-    return finish(records, config, machine, out, chart or out.with_suffix(".png"), title)
+    code = finish(records, config, machine, out, chart or out.with_suffix(".png"), title)
+    if levels:
+        code = max(code, _finish_load(load_records, load_rows, config, machine, out, title))
+    return code
+
+
+def _parse_levels(value: str | None) -> tuple[int, ...]:
+    if not value:
+        return ()
+    try:
+        levels = tuple(sorted({int(v) for v in value.split(",") if v.strip()}))
+    except ValueError:
+        raise InvalidArgument(f"--concurrency wants N,N,... (positive integers), got {value!r}") from None
+    if not levels or levels[0] < 1:
+        raise InvalidArgument(f"--concurrency wants positive integers, got {value!r}")
+    return levels
+
+
+def _echo_err(line: str) -> None:
+    click.echo(line, err=True)
+
+
+def _services_only(target_model: str, draft_model: str, target_dtype: str, draft_quantize: str,
+                   tree: TreeParams, settings: ModeSettings, modes: list[str], loaded: list[data.Dataset],
+                   levels: tuple[int, ...], max_new_tokens: int, ignore_eos: bool, out: Path | None) -> int:
+    """The load through the services alone: no model in this process (text prompts; the target
+    applies its chat template), svc-vanilla always run as the reference."""
+    modes = list(dict.fromkeys([load.REFERENCE, *modes]))
+    prompts = [p for ds in loaded for p in ds.prompts]
+    with _trio(target_model, draft_model, target_dtype, draft_quantize, tree, settings) as trio:
+        records, rows = load.run_load(trio.target_addr, modes, prompts, levels, max_new_tokens, ignore_eos,
+                                      log=_echo_err)
+    config = {"target_model": target_model, "draft_model": draft_model, "draft_quantize": draft_quantize,
+              "modes": modes, "datasets": {d.name: str(d.path) for d in loaded}, "n": len(prompts),
+              "max_new_tokens": max_new_tokens, "ignore_eos": ignore_eos, "tree": vars(tree),
+              "target_threads": settings.target_threads, "draft_threads": settings.draft_threads}
+    machine = report.machine_info({m: {"target": settings.target_threads, "draft": settings.draft_threads}
+                                   for m in modes})
+    out = out or Path("bench-results") / f"bench-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    title = (f"{target_model} / draft {draft_model}; {max_new_tokens} new tokens, greedy; "
+             f"{machine['cpu_model']}")
+    return _finish_load(records, rows, config, machine, out, title)
+
+
+def _finish_load(records: list[dict], rows: list[dict], config: dict, machine: dict, out: Path,
+                 title: str) -> int:
+    click.echo(load.table(rows))
+    path = out.with_name(out.stem + "-load.json")
+    report.write_json(path, {"config": config, "machine": machine, "summary": rows, "records": records})
+    load.write_chart(path.with_suffix(".png"), rows, title)
+    click.echo(f"wrote {path} and {path.with_suffix('.png')}", err=True)
+    bad = [r for r in records if r["matches_reference"] is False]
+    if bad:
+        click.echo(f"card-bench: {len(bad)} output(s) under load differ from the same prompt served alone",
+                   err=True)
+        return EXIT_MISMATCH
+    return 0
 
 
 def finish(records: list[dict], config: dict, machine: dict, out: Path, chart: Path, title: str) -> int:

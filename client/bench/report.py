@@ -57,7 +57,7 @@ def check_exactness(records: list[dict]) -> list[dict]:
     return bad
 
 
-def _percentile(values: Sequence[float], q: float) -> float | None:
+def percentile(values: Sequence[float], q: float) -> float | None:
     if not values:
         return None
     ordered = sorted(values)
@@ -99,8 +99,8 @@ def summarize(records: list[dict]) -> list[dict]:
             "target_idle_fraction": sum(r["target_idle_s"] for r in rs) / wall if wall > 0 else None,
             "draft_idle_fraction": (sum(r["draft_idle_s"] for r in rs) / wall
                                     if wall > 0 and is_card(mode) else None),
-            "step_rtt_p50_ms": _percentile(rtts, 50),
-            "step_rtt_p99_ms": _percentile(rtts, 99),
+            "step_rtt_p50_ms": percentile(rtts, 50),
+            "step_rtt_p99_ms": percentile(rtts, 99),
             "all_match_vanilla": (all(r["matches_vanilla"] for r in rs)
                                   if all(r["matches_vanilla"] is not None for r in rs) else None),
             "mismatches": sum(1 for r in rs if r["matches_vanilla"] is False),

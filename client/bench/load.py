@@ -1,0 +1,170 @@
+"""Closed-loop load through a running card-target: ``card-bench --services --concurrency 1,4,8``.
+
+N clients, each sending every prompt back to back (client i starts at prompt i, so the clients do
+not ask for the same prompt at the same moment), streaming each answer. Per mode and concurrency:
+aggregate tokens/s (every token over the whole load's wall time), per-request tokens/s, time to
+first token and inter-token latency (p50/p99, the gaps between streamed commits per token), and
+exactness: every output must equal the same prompt's output at concurrency 1 in svc-vanilla.
+Levels run in increasing order; at each level the modes take turns.
+"""
+
+from __future__ import annotations
+
+import itertools
+import statistics
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from card.v1 import target_pb2, target_pb2_grpc
+from card_common.channels import channel
+from card_common.tensors import ids_from_msg, ids_to_msg
+from client.bench.report import percentile
+
+REFERENCE = "svc-vanilla"
+
+
+def one_request(addr: str, prompt: str | Sequence[int], mode: str, max_new_tokens: int, ignore_eos: bool,
+                timeout_s: float = 600.0) -> dict:
+    """Stream one generation of ``prompt`` (text, with the target's chat template, or token ids);
+    its tokens and timings (seconds from the call)."""
+    request = target_pb2.GenerateRequest(mode=mode, max_new_tokens=max_new_tokens, ignore_eos=ignore_eos)
+    if isinstance(prompt, str):
+        request.prompt = prompt
+    else:
+        request.prompt_ids.CopyFrom(ids_to_msg(list(prompt)))
+    t0 = time.perf_counter()
+    stamps: list[tuple[float, int]] = []
+    tokens: list[int] = []
+    with channel(addr) as ch:
+        for msg in target_pb2_grpc.TargetServiceStub(ch).Generate(request, timeout=timeout_s):
+            if msg.WhichOneof("kind") == "chunk":
+                if msg.chunk.token_ids:
+                    stamps.append((time.perf_counter() - t0, len(msg.chunk.token_ids)))
+            else:
+                tokens = ids_from_msg(msg.final.token_ids)
+    wall = time.perf_counter() - t0
+    gaps = [(b - a) / n for (a, _), (b, n) in itertools.pairwise(stamps)]
+    return {"token_ids": tokens, "wall_s": wall, "ttft_s": stamps[0][0] if stamps else wall,
+            "itl_s": gaps, "new_tokens": len(tokens)}
+
+
+def run_level(addr: str, mode: str, prompts: Sequence[str | Sequence[int]], concurrency: int,
+              max_new_tokens: int, ignore_eos: bool) -> tuple[list[dict], float]:
+    """Every one of ``concurrency`` clients sends every prompt; records and the load's wall time."""
+    records: list[dict] = []
+    errors: list[BaseException] = []
+    lock = threading.Lock()
+
+    def client(c: int) -> None:
+        order = [(c + k) % len(prompts) for k in range(len(prompts))]
+        for i in order:
+            try:
+                rec = one_request(addr, prompts[i], mode.removeprefix("svc-"), max_new_tokens, ignore_eos)
+            except BaseException as exc:
+                with lock:
+                    errors.append(exc)
+                return
+            rec.update(mode=mode, concurrency=concurrency, client=c, prompt_index=i)
+            with lock:
+                records.append(rec)
+
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=client, args=(c,), daemon=True) for c in range(concurrency)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return records, time.perf_counter() - t0
+
+
+def run_load(addr: str, modes: Sequence[str], prompts: Sequence[str | Sequence[int]], levels: Sequence[int],
+             max_new_tokens: int, ignore_eos: bool, log=print) -> tuple[list[dict], list[dict]]:
+    records: list[dict] = []
+    walls: dict[tuple[str, int], float] = {}
+    for level in sorted(levels):
+        for mode in modes:
+            recs, wall = run_level(addr, mode, prompts, level, max_new_tokens, ignore_eos)
+            records += recs
+            walls[(mode, level)] = wall
+            log(f"load: {mode} x{level}: {sum(r['new_tokens'] for r in recs) / wall:.2f} tok/s")
+    reference = {r["prompt_index"]: r["token_ids"] for r in records
+                 if r["mode"] == REFERENCE and r["concurrency"] == min(levels)}
+    for r in records:
+        want = reference.get(r["prompt_index"])
+        r["matches_reference"] = None if want is None else r["token_ids"] == want
+    return records, summarize(records, walls)
+
+
+def summarize(records: list[dict], walls: dict[tuple[str, int], float]) -> list[dict]:
+    rows = []
+    for (mode, level), wall in walls.items():
+        rs = [r for r in records if r["mode"] == mode and r["concurrency"] == level]
+        tokens = sum(r["new_tokens"] for r in rs)
+        ttft = [r["ttft_s"] * 1e3 for r in rs]
+        itl = [g * 1e3 for r in rs for g in r["itl_s"]]
+        rows.append({
+            "mode": mode, "concurrency": level, "requests": len(rs), "new_tokens": tokens, "wall_s": wall,
+            "tokens_per_s": tokens / wall if wall else 0.0,
+            "request_tokens_per_s_p50": statistics.median(r["new_tokens"] / r["wall_s"] for r in rs),
+            "ttft_p50_ms": percentile(ttft, 50), "ttft_p99_ms": percentile(ttft, 99),
+            "itl_p50_ms": percentile(itl, 50), "itl_p99_ms": percentile(itl, 99),
+            "exact": all(r["matches_reference"] is not False for r in rs),
+        })
+    lowest = min((r["concurrency"] for r in rows), default=1)
+    for row in rows:
+        one = next((x for x in rows if x["mode"] == row["mode"] and x["concurrency"] == lowest), None)
+        same_load = next((x for x in rows
+                          if x["mode"] == REFERENCE and x["concurrency"] == row["concurrency"]), None)
+        row["x_vs_one_at_a_time"] = row["tokens_per_s"] / one["tokens_per_s"] if one else None
+        row["x_vs_vanilla_same_load"] = (row["tokens_per_s"] / same_load["tokens_per_s"]
+                                         if same_load else None)
+    return rows
+
+
+_COLUMNS = (("mode", "mode", "s"), ("conc", "concurrency", "d"), ("reqs", "requests", "d"),
+            ("tok/s", "tokens_per_s", ".2f"), ("x vs 1", "x_vs_one_at_a_time", ".2f"),
+            ("x vs vanilla", "x_vs_vanilla_same_load", ".2f"),
+            ("req tok/s", "request_tokens_per_s_p50", ".2f"),
+            ("ttft p50", "ttft_p50_ms", ".0f"), ("ttft p99", "ttft_p99_ms", ".0f"),
+            ("itl p50", "itl_p50_ms", ".1f"), ("itl p99", "itl_p99_ms", ".1f"), ("exact", "exact", "s"))
+
+
+def table(rows: list[dict]) -> str:
+    def cell(value: object, spec: str) -> str:
+        if value is None:
+            return "-"
+        if isinstance(value, bool):
+            return "yes" if value else "NO"
+        return format(value, spec)
+
+    cells = [[h for h, _, _ in _COLUMNS]] + [[cell(r[k], s) for _, k, s in _COLUMNS] for r in rows]
+    widths = [max(len(c[i]) for c in cells) for i in range(len(_COLUMNS))]
+    lines = ["  ".join(c.rjust(w) for c, w in zip(line, widths, strict=True)) for line in cells]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines) + "\n(ms columns: time to first token and inter-token latency)"
+
+
+def write_chart(path: Path, rows: list[dict], title: str) -> None:
+    """Aggregate tokens/s against concurrency, one line per mode."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.5, 4.5))
+    for mode in dict.fromkeys(r["mode"] for r in rows):
+        pts = sorted((r["concurrency"], r["tokens_per_s"]) for r in rows if r["mode"] == mode)
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=mode)
+    ax.set_xlabel("requests in flight (closed loop)")
+    ax.set_ylabel("aggregate tokens/s")
+    ax.set_title(title, fontsize=8)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
