@@ -22,6 +22,7 @@ import torch
 from engine.chain_source import ChainSource
 from engine.config import GenerationRequest
 from engine.errors import InvalidArgument
+from engine.speculation import Acceptance
 from engine.stats import GenerationStats
 from engine.stopping import OutputTracker
 from engine.target import TargetState
@@ -87,6 +88,7 @@ class Generation:
         self.tracker = OutputTracker(request.stop, eos_ids, decode)
         self.stats = GenerationStats(mode=mode, prompt_tokens=len(request.prompt_ids))
         self.target = TargetState(request.prompt_ids, request.sampling)
+        self.acceptance = Acceptance()  # how often this generation's drafted tokens are accepted
         self.result: GenerationResult | None = None
         self.slot: int | None = None  # the engine's KV slot while it runs
         self._t0 = 0.0
@@ -144,6 +146,13 @@ class Generation:
         self._pending_ids = chain.node_ids[: len(self._pending)]
         return [token, *self._pending], len(committed) - 1, True
 
+    def trim_chain(self, length: int) -> list[int]:
+        """Verify only the chain's first ``length`` tokens (the engine's speculation budget; the
+        output never depends on it); the step's new input."""
+        self._pending = self._pending[:length]
+        self._pending_ids = self._pending_ids[:length]
+        return [self.target.committed[-1], *self._pending]
+
     def absorb(self, logits: torch.Tensor) -> Chunk | None:
         """Take this generation's logits of the forward (all rows of a step; the last row of a
         prompt's last chunk; none of an earlier chunk); the chunk it commits, if any."""
@@ -156,6 +165,7 @@ class Generation:
             self.stats.prefill_s = time.perf_counter() - self._t0
             return self._commit([token], 1)
         n, token = self.target.accept(self._pending, logits)
+        self.acceptance.observe(len(self._pending), n)
         self._accepted, self._accepted_ids = tuple(self._pending[:n]), tuple(self._pending_ids[:n])
         return self._commit([*self._accepted, token], n + 1)
 

@@ -5,7 +5,8 @@ generation (continuous batching, nano-vllm's shape).
     plan     each running generation gives its next input: a prefill chunk, or [t_next, *chain]
              after its chain source's step; steps first, then prefill chunks while the iteration
              has token budget (``max_batch_tokens``; the first input always goes)
-    forward  one flattened forward over all of them (engine.target_kv.forward)
+    budget   each chain is cut to what pays at this iteration's measured cost (engine.speculation)
+    forward  one flattened forward over all of them (engine.target_kv.forward), timed
     commit   each generation absorbs its rows' logits and streams what it committed; finished
              ones close and give their slot back
 
@@ -19,6 +20,7 @@ One generation failing (its source raised, its input was bad) ends that generati
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -26,6 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.generate import Chunk, Generation
+from engine.speculation import CostModel, chain_lengths
 from engine.target_kv import KVPool, Segment, forward
 
 log = logging.getLogger(__name__)
@@ -48,9 +51,11 @@ class Event:
 
 class TargetEngine:
     def __init__(self, model: torch.nn.Module, pool: KVPool, max_batch_tokens: int = 2048,
-                 prefill_chunk: int = PREFILL_CHUNK) -> None:
+                 prefill_chunk: int = PREFILL_CHUNK, adaptive: bool = True) -> None:
         self.model = model
         self.pool = pool
+        self.adaptive = adaptive  # cut chains by measured cost (engine.speculation)
+        self.cost = CostModel()
         self.max_batch_tokens = max(max_batch_tokens, 1)
         self.prefill_chunk = prefill_chunk
         self.waiting: deque[Generation] = deque()
@@ -95,6 +100,8 @@ class TargetEngine:
             budget -= len(tokens)
         if not inputs:
             return events
+        if self.adaptive:
+            inputs = self._budget(inputs)
         segments, rows, offset = [], [], 0
         for gen, tokens, start, all_rows in inputs:
             assert gen.slot is not None
@@ -107,7 +114,9 @@ class TargetEngine:
                 rows.append(torch.empty(0, dtype=torch.int64))
             offset += len(tokens)
         flat = torch.tensor([t for _, tokens, _, _ in inputs for t in tokens], dtype=torch.int64)
+        t0 = time.perf_counter()
         logits = forward(self.model, self.pool, segments, flat, torch.cat(rows))
+        self.cost.observe(flat.numel(), time.perf_counter() - t0)
         self.forwards += 1
         first = 0
         for (gen, _, _, _), own in zip(inputs, rows, strict=True):
@@ -125,6 +134,19 @@ class TargetEngine:
             elif chunk is not None:
                 events.append(Event(gen, chunk))
         return events
+
+    def _budget(self, inputs: list[tuple[Generation, list[int], int, bool]]
+                ) -> list[tuple[Generation, list[int], int, bool]]:
+        """Cut each step's chain to what pays at this iteration's measured cost."""
+        steps = [k for k, (_, _, _, all_rows) in enumerate(inputs) if all_rows]
+        fixed = sum(len(tokens) for _, tokens, _, all_rows in inputs if not all_rows) + len(steps)
+        lengths = chain_lengths([len(inputs[k][1]) - 1 for k in steps],
+                                [inputs[k][0].acceptance.alpha for k in steps], fixed, self.cost.fit())
+        for k, length in zip(steps, lengths, strict=True):
+            gen, tokens, start, _ = inputs[k]
+            if length < len(tokens) - 1:
+                inputs[k] = (gen, gen.trim_chain(length), start, True)
+        return inputs
 
     def _admit(self) -> list[Event]:
         events = []

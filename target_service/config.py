@@ -16,7 +16,9 @@ class TargetConfig:
     """max_batch_size: most generations in one forward (KV slots, unless kv_cache_gb holds fewer).
     kv_cache_gb: memory for keys and values; None = max_batch_size slots. max_model_len: rows
     per slot (prompt + new tokens); None = the model's context window, at most 4096.
-    max_batch_tokens: tokens per forward beyond which prefill chunks wait for the next one."""
+    max_batch_tokens: tokens per forward beyond which prefill chunks wait for the next one.
+    adaptive_chains: cut chains each iteration to what pays at the measured cost of a row
+    (engine.speculation); off verifies every chain the cache hands out."""
 
     model: ModelConfig
     cache_addr: str | None = None  # None: plain decoding only
@@ -27,6 +29,7 @@ class TargetConfig:
     kv_cache_gb: float | None = None
     max_model_len: int | None = None
     max_batch_tokens: int = 512
+    adaptive_chains: bool = True
     default_max_new_tokens: int = 128
     step_timeout_ms: int = 1000
     metrics_port: int = 9091

@@ -78,7 +78,8 @@ def serve(config: TargetConfig) -> None:
     slots, max_len = config.kv_shape(model.context_window, KVPool.bytes_per_token(model.model))
     pool = KVPool(model.model, slots, max_len)
     log.info("KV cache: %d slots x %d tokens (%.2f GB)", slots, max_len, pool.nbytes / 2**30)
-    loop = EngineLoop(TargetEngine(model.model, pool, config.max_batch_tokens), threads=config.threads)
+    engine = TargetEngine(model.model, pool, config.max_batch_tokens, adaptive=config.adaptive_chains)
+    loop = EngineLoop(engine, threads=config.threads)
     loop.start()
     servicer.ready(model, loop)
     set_serving(health, True, [SERVICE_NAME])
@@ -110,6 +111,9 @@ def serve(config: TargetConfig) -> None:
         help="Tokens per KV slot, prompt + new tokens (default: the context window, at most 4096).")
 @option("--max-batch-tokens", default=512, type=int,
         help="Tokens per forward past which waiting prefill chunks go in the next one.")
+@option("--adaptive-chains/--no-adaptive-chains", default=True,
+        help="Cut each iteration's chains to what pays at the measured cost of a verified row and "
+             "each request's acceptance; off: verify every chain the cache hands out.")
 @option("--default-max-new-tokens", default=128, type=int)
 @option("--step-timeout-ms", default=1000, type=int, help="Deadline of each Step call to the cache.")
 @option("--host", default="127.0.0.1", help="Interface to listen on (0.0.0.0 in containers).")
@@ -118,7 +122,7 @@ def serve(config: TargetConfig) -> None:
 @logging_options
 def main(model: str, cache_addr: str | None, dtype: str, device: str, threads: int | None,
          max_batch_size: int, kv_cache_gb: float | None, max_model_len: int | None,
-         max_batch_tokens: int, default_max_new_tokens: int, step_timeout_ms: int, host: str, port: int,
+         max_batch_tokens: int, adaptive_chains: bool, default_max_new_tokens: int, step_timeout_ms: int, host: str, port: int,
          metrics_port: int, log_level: str, json_logs: bool) -> None:
     """Run the CARD target service."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -134,6 +138,7 @@ def main(model: str, cache_addr: str | None, dtype: str, device: str, threads: i
             kv_cache_gb=kv_cache_gb,
             max_model_len=max_model_len,
             max_batch_tokens=max_batch_tokens,
+            adaptive_chains=adaptive_chains,
             default_max_new_tokens=default_max_new_tokens,
             step_timeout_ms=step_timeout_ms,
             metrics_port=metrics_port,
