@@ -122,8 +122,8 @@ def serve(config: TargetConfig) -> None:
 @logging_options
 def main(model: str, cache_addr: str | None, dtype: str, device: str, threads: int | None,
          max_batch_size: int, kv_cache_gb: float | None, max_model_len: int | None,
-         max_batch_tokens: int, adaptive_chains: bool, default_max_new_tokens: int, step_timeout_ms: int, host: str, port: int,
-         metrics_port: int, log_level: str, json_logs: bool) -> None:
+         max_batch_tokens: int, adaptive_chains: bool, default_max_new_tokens: int, step_timeout_ms: int,
+         host: str, port: int, metrics_port: int, log_level: str, json_logs: bool) -> None:
     """Run the CARD target service."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     setup_logging(log_level, json_logs)
