@@ -30,7 +30,7 @@ from card_common.convert import (
     layer_from_msg,
     stats_from_msg,
 )
-from card_common.status import grpc_errors
+from card_common.status import grpc_errors, status_code
 from card_common.tensors import ids_from_msg
 from engine.errors import CardError, FailedPrecondition, Unavailable
 
@@ -85,6 +85,20 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
     def Step(self, request: cache_pb2.StepRequest, context: grpc.ServicerContext) -> cache_pb2.StepResponse:
         chain, outcome = self.sessions.step(request.session_id, correction_from_msg(request))
         return chain_to_msg(chain, outcome)
+
+    @grpc_errors
+    def StepBatch(self, request: cache_pb2.StepBatchRequest, context: grpc.ServicerContext
+                  ) -> cache_pb2.StepBatchResponse:
+        metrics.STEP_BATCHES.inc()
+        results = []
+        for step in request.steps:
+            try:
+                chain, outcome = self.sessions.step(step.session_id, correction_from_msg(step))
+                results.append(cache_pb2.StepResult(ok=chain_to_msg(chain, outcome)))
+            except CardError as exc:  # this session's error; the others' steps stand
+                results.append(cache_pb2.StepResult(error=cache_pb2.StepError(
+                    code=status_code(exc).value[0], message=str(exc))))
+        return cache_pb2.StepBatchResponse(results=results)
 
     @grpc_errors
     def CloseSession(self, request: cache_pb2.CloseSessionRequest, context: grpc.ServicerContext

@@ -53,6 +53,19 @@ def error_from_rpc(err: grpc.RpcError, peer: str = "") -> CardError:
     """The domain error behind a failed call; ``peer`` (an address) is named for UNAVAILABLE."""
     code = err.code() if isinstance(err, grpc.Call) else grpc.StatusCode.UNKNOWN
     details = (err.details() if isinstance(err, grpc.Call) else None) or str(err)
+    return error_from_status(code, details, peer)
+
+
+_BY_VALUE = {code.value[0]: code for code in grpc.StatusCode}
+
+
+def status_from_value(value: int) -> grpc.StatusCode:
+    """The StatusCode of a google.rpc.Code number (as a batch reply carries it); UNKNOWN if none."""
+    return _BY_VALUE.get(value, grpc.StatusCode.UNKNOWN)
+
+
+def error_from_status(code: grpc.StatusCode, details: str, peer: str = "") -> CardError:
+    """The domain error for a status code and its message (one table, both directions)."""
     cls = _ERRORS.get(code)
     if cls is Unavailable:
         where = f" at {peer}" if peer else ""

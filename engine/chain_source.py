@@ -43,8 +43,36 @@ class SourceStats:
 
 
 class ChainSource(Protocol):
-    def open(self, prompt_ids: Sequence[int]) -> None: ...
+    def open(self, committed: Sequence[int]) -> None: ...
 
     def step(self, correction: Correction) -> StepResult: ...
 
     def close(self, stats: GenerationStats) -> SourceStats: ...
+
+
+def step_all(sources: Sequence[ChainSource], corrections: Sequence[Correction]
+             ) -> list[StepResult | Exception]:
+    """Step every source of one engine iteration. Sources of a kind that can travel together (a
+    ``step_batch(sources, corrections)`` staticmethod: the remote cache's StepBatch) go in one call;
+    a source that fails gets its exception in its place, the others their results."""
+    results: list[StepResult | Exception | None] = [None] * len(sources)
+    kinds: dict[type, list[int]] = {}
+    for i, source in enumerate(sources):
+        kinds.setdefault(type(source), []).append(i)
+    for kind, idx in kinds.items():
+        batch = getattr(kind, "step_batch", None)
+        if batch is not None and len(idx) > 1:
+            try:
+                answers = batch([sources[i] for i in idx], [corrections[i] for i in idx])
+                for i, result in zip(idx, answers, strict=True):
+                    results[i] = result
+            except Exception as exc:
+                for i in idx:
+                    results[i] = exc
+            continue
+        for i in idx:
+            try:
+                results[i] = sources[i].step(corrections[i])
+            except Exception as exc:
+                results[i] = exc
+    return results  # type: ignore[return-value]

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.chain_source import ChainSource
+from engine.chain_source import ChainSource, StepResult
 from engine.config import GenerationRequest
 from engine.errors import InvalidArgument
 from engine.speculation import Acceptance
@@ -129,11 +129,19 @@ class Generation:
             n = min(prefill_chunk, len(self.request.prompt_ids) - self._prefilled)
             self._pending = committed[self._prefilled:self._prefilled + n]
             return self._pending, self._prefilled, False
-        token = committed[-1]
-        correction = Correction(self._epoch, self._accepted, self._accepted_ids, token)
         t_step = time.perf_counter()
-        step = self.source.step(correction)
-        self.stats.target_idle_s += time.perf_counter() - t_step
+        step = self.source.step(self.correction())
+        return self.take_step(step, time.perf_counter() - t_step)
+
+    def correction(self) -> Correction:
+        """What the target verified last, for the source's next step (decoding only)."""
+        return Correction(self._epoch, self._accepted, self._accepted_ids, self.target.committed[-1])
+
+    def take_step(self, step: StepResult, waited_s: float) -> tuple[Sequence[int], int, bool]:
+        """The input of a decoding forward, given the source's answer to ``correction()``."""
+        committed = self.target.committed
+        token = committed[-1]
+        self.stats.target_idle_s += waited_s
         self._count(step.outcome)
         chain = step.chain
         self._epoch = chain.epoch

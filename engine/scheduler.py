@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.chain_source import step_all
 from engine.generate import Chunk, Generation
 from engine.speculation import CostModel, chain_lengths
 from engine.target_kv import KVPool, Segment, forward
@@ -87,15 +88,26 @@ class TargetEngine:
         events = self._admit()
         inputs: list[tuple[Generation, list[int], int, bool]] = []
         budget = self.max_batch_tokens
-        # steps first (a token or a short chain each), then prefill chunks while budget lasts
-        for gen in sorted(self.running, key=lambda g: g.prefilling):
-            if gen.prefilling and inputs and budget < min(self.prefill_chunk, gen.prefill_left):
-                continue
+        # steps first (a token or a short chain each, all sources stepped together), then prefill
+        # chunks while budget lasts
+        decoding = [g for g in self.running if not g.prefilling]
+        t_step = time.perf_counter()
+        steps = step_all([g.source for g in decoding], [g.correction() for g in decoding])
+        waited = time.perf_counter() - t_step
+        for gen, step in zip(decoding, steps, strict=True):
             try:
-                tokens, start, all_rows = gen.next_input(self.prefill_chunk)
+                if isinstance(step, Exception):
+                    raise step
+                tokens, start, all_rows = gen.take_step(step, waited)
             except Exception as exc:  # its source failed: this generation ends, the batch goes on
                 events.append(self._fail(gen, exc))
                 continue
+            inputs.append((gen, list(tokens), start, all_rows))
+            budget -= len(tokens)
+        for gen in [g for g in self.running if g.prefilling]:
+            if inputs and budget < min(self.prefill_chunk, gen.prefill_left):
+                continue
+            tokens, start, all_rows = gen.next_input(self.prefill_chunk)
             inputs.append((gen, list(tokens), start, all_rows))
             budget -= len(tokens)
         if not inputs:

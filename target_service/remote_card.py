@@ -29,11 +29,11 @@ import grpc
 
 from card.v1 import cache_pb2, cache_pb2_grpc
 from card_common.convert import chain_policy_to_msg, correction_to_msg, stats_to_msg, step_result_from_msg
-from card_common.status import error_from_rpc
+from card_common.status import error_from_rpc, error_from_status, status_from_value
 from card_common.tensors import ids_to_msg
 from engine.chain_source import SourceStats, StepResult
 from engine.config import ChainPolicy
-from engine.errors import CardError
+from engine.errors import CardError, InvalidArgument
 from engine.stats import GenerationStats
 from engine.tree import Chain, Correction
 from target_service import metrics
@@ -93,6 +93,42 @@ class RemoteCard:
                         self.cache_addr, error_from_rpc(err, self.cache_addr))
 
     def step(self, correction: Correction) -> StepResult:
+        return RemoteCard.step_batch([self], [correction])[0]
+
+    @staticmethod
+    def step_batch(sources: Sequence[RemoteCard], corrections: Sequence[Correction]) -> list[StepResult]:
+        """Step every source, those with a live session in one StepBatch round trip per cache
+        channel (one target iteration: one round trip, whatever the load)."""
+        results: list[StepResult | None] = [None] * len(sources)
+        by_stub: dict[int, list[tuple[int, cache_pb2.StepRequest]]] = {}
+        for i, (src, correction) in enumerate(zip(sources, corrections, strict=True)):
+            request = src._request(correction)
+            if isinstance(request, StepResult):
+                results[i] = request
+            else:
+                by_stub.setdefault(id(src.stub), []).append((i, request))
+        for batch in by_stub.values():
+            stub, timeout = sources[batch[0][0]].stub, sources[batch[0][0]].step_timeout_s
+            t0 = time.perf_counter()
+            try:
+                if len(batch) == 1:  # a lone session: the plain Step, one message less
+                    replies = [cache_pb2.StepResult(ok=stub.Step(batch[0][1], timeout=timeout))]
+                else:
+                    replies = list(stub.StepBatch(cache_pb2.StepBatchRequest(steps=[r for _, r in batch]),
+                                                  timeout=timeout).results)
+            except grpc.RpcError as err:
+                code = _code(err) or grpc.StatusCode.UNKNOWN
+                for i, _ in batch:
+                    results[i] = sources[i]._failed(code, error_from_rpc(err, sources[i].cache_addr), t0)
+                continue
+            if len(replies) != len(batch):
+                replies = [cache_pb2.StepResult()] * len(batch)  # malformed: each ends its session below
+            for (i, _), reply in zip(batch, replies, strict=True):
+                results[i] = sources[i]._answer(reply, t0)
+        return results  # type: ignore[return-value]
+
+    def _request(self, correction: Correction) -> cache_pb2.StepRequest | StepResult:
+        """The Step to send for ``correction``, or the plain result when there is no session."""
         if self._degraded:
             return self._plain()
         if not self.session_id:
@@ -104,19 +140,17 @@ class RemoteCard:
         else:
             correction = Correction(self.epoch, correction.accepted_tokens,
                                     correction.accepted_node_ids, correction.next_token)
-        t0 = time.perf_counter()
+        return correction_to_msg(self.session_id, correction)
+
+    def _answer(self, reply: cache_pb2.StepResult, t0: float) -> StepResult:
+        kind = reply.WhichOneof("result")
+        if kind == "error":
+            code = status_from_value(reply.error.code)
+            return self._failed(code, error_from_status(code, reply.error.message, self.cache_addr), t0)
         try:
-            reply = self.stub.Step(correction_to_msg(self.session_id, correction),
-                                   timeout=self.step_timeout_s)
-            result = step_result_from_msg(reply)
-        except grpc.RpcError as err:
-            self._record_rtt(t0)
-            metrics.STEP_FAILURES.labels(code=(_code(err) or grpc.StatusCode.UNKNOWN).name).inc()
-            log.warning("Step failed for session %s, plain decoding until it is re-opened: %s",
-                        self.session_id, error_from_rpc(err, self.cache_addr),
-                        extra={"session_id": self.session_id})
-            self._abandon(close=_code(err) is not grpc.StatusCode.NOT_FOUND)
-            return self._plain()
+            if kind != "ok":
+                raise InvalidArgument("a StepBatch result holds neither a response nor an error")
+            result = step_result_from_msg(reply.ok)
         except CardError as exc:  # a malformed reply: a bug on the other side, not the user's
             log.error("bad Step reply for session %s: %s", self.session_id, exc)
             self._abandon(close=True)
@@ -124,6 +158,14 @@ class RemoteCard:
         self._record_rtt(t0)
         self.epoch = result.chain.epoch
         return result
+
+    def _failed(self, code: grpc.StatusCode, error: CardError, t0: float) -> StepResult:
+        self._record_rtt(t0)
+        metrics.STEP_FAILURES.labels(code=code.name).inc()
+        log.warning("Step failed for session %s, plain decoding until it is re-opened: %s",
+                    self.session_id, error, extra={"session_id": self.session_id})
+        self._abandon(close=code is not grpc.StatusCode.NOT_FOUND)
+        return self._plain()
 
     def close(self, stats: GenerationStats) -> SourceStats:
         if self.session_id:

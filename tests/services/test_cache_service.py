@@ -577,3 +577,33 @@ def test_port_conflict_fails_at_startup(cache: Cache) -> None:
     config = cache.server.config
     with pytest.raises(InvalidArgument, match="cannot listen on"):
         create_server(cache.addr, config)
+
+
+def test_step_batch_answers_each_session_on_its_own(cache: Cache) -> None:
+    """One StepBatch round trip for several sessions: each result is what its own Step would
+    have returned; an unknown session's NOT_FOUND and a stale epoch's ABORTED leave the rest be."""
+    from card_common.convert import correction_to_msg, step_result_from_msg
+    from engine.tree import Correction
+
+    draft = cache.draft("d0")
+    a = cache.target.open(PROMPT).session_id
+    b = cache.target.open(PROMPT).session_id
+    for sid in (a, b):
+        assert expect_start(draft).session_id in (a, b)
+        root = virtual_root_id(0)
+        draft.publish(sid, layer([root], [0], [10], [0.6], b=[(root, 10, 0.6)]))
+        draft.publish(sid, layer([0], [1], [20], [0.7], b=[(0, 20, 0.7)]))
+    request = cache_pb2.StepBatchRequest(steps=[
+        correction_to_msg(a, Correction(0, (), (), 10)),   # hit on node 0
+        correction_to_msg("nobody", Correction(0, (), (), 10)),
+        correction_to_msg(b, Correction(5, (), (), 10)),   # stale epoch
+    ])
+    reply = cache.target.stub.StepBatch(request, timeout=TIMEOUT)
+    kinds = [r.WhichOneof("result") for r in reply.results]
+    assert kinds == ["ok", "error", "error"]
+    ok = step_result_from_msg(reply.results[0].ok)
+    assert ok.outcome is Outcome.HIT and ok.chain.tokens == (20,)
+    assert reply.results[1].error.code == grpc.StatusCode.NOT_FOUND.value[0]
+    assert reply.results[2].error.code == grpc.StatusCode.ABORTED.value[0]
+    # b was untouched by its failed step: its own Step at the right epoch still hits
+    assert cache.target.step(b, 0, 10).outcome is Outcome.HIT

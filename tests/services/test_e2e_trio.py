@@ -111,6 +111,9 @@ def test_seeded_sampling_equals_seeded_vanilla(trio, reference):
 
 # ---- (2) concurrency -----------------------------------------------------------------------
 def test_four_concurrent_generations_are_each_exact(trio, reference):
+    """Four requests in one engine batch (joining as they arrive), each exactly what it gets alone;
+    their Steps travel to the cache together (StepBatch), one round trip per target forward."""
+    batches = metric(scrape(trio.metrics_ports["card-cache"]), "card_cache_step_batches_total")
     base = reference(PROMPTS[3], GREEDY, StopParams(40, ignore_eos=True)).text
     stop_string = base[len(base) // 2: len(base) // 2 + 3].strip() or base[-2:]
     jobs = [
@@ -129,6 +132,7 @@ def test_four_concurrent_generations_are_each_exact(trio, reference):
         assert remote.token_ids == ref.token_ids
         assert remote.text == ref.text and remote.finish_reason == ref.finish_reason
     assert results[3].finish_reason == "stop"
+    assert metric(scrape(trio.metrics_ports["card-cache"]), "card_cache_step_batches_total") > batches
 
 
 # ---- (4) several drafts, routed by name ----------------------------------------------------

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from card.v1 import common_pb2 as card_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13\x63\x61rd/v1/cache.proto\x12\x07\x63\x61rd.v1\x1a\x14\x63\x61rd/v1/common.proto\"\xa2\x01\n\x12OpenSessionRequest\x12#\n\nprompt_ids\x18\x01 \x01(\x0b\x32\x0f.card.v1.Tensor\x12\x1d\n\x15tokenizer_fingerprint\x18\x02 \x01(\t\x12\x14\n\x0ctarget_model\x18\x03 \x01(\t\x12\r\n\x05\x64raft\x18\x04 \x01(\t\x12#\n\x05\x63hain\x18\x05 \x01(\x0b\x32\x14.card.v1.ChainPolicy\"8\n\x13OpenSessionResponse\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\r\n\x05\x64raft\x18\x02 \x01(\t\"\x9a\x01\n\x0bStepRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12(\n\x0f\x61\x63\x63\x65pted_tokens\x18\x03 \x01(\x0b\x32\x0f.card.v1.Tensor\x12*\n\x11\x61\x63\x63\x65pted_node_ids\x18\x04 \x01(\x0b\x32\x0f.card.v1.Tensor\x12\x12\n\nnext_token\x18\x05 \x01(\x03\"\x90\x01\n\x0cStepResponse\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12%\n\x0c\x63hain_tokens\x18\x02 \x01(\x0b\x32\x0f.card.v1.Tensor\x12\'\n\x0e\x63hain_node_ids\x18\x03 \x01(\x0b\x32\x0f.card.v1.Tensor\x12!\n\x07outcome\x18\x04 \x01(\x0e\x32\x10.card.v1.Outcome\"R\n\x13\x43loseSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\'\n\x05stats\x18\x02 \x01(\x0b\x32\x18.card.v1.GenerationStats\"D\n\x14\x43loseSessionResponse\x12\x16\n\x0e\x64raft_forwards\x18\x01 \x01(\x05\x12\x14\n\x0c\x64raft_idle_s\x18\x02 \x01(\x01\"\x87\x01\n\x14RegisterDraftRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x1d\n\x15tokenizer_fingerprint\x18\x03 \x01(\t\x12\x10\n\x08\x63\x61pacity\x18\x04 \x01(\x05J\x04\x08\x05\x10\x06J\x04\x08\x06\x10\x07R\ntree_widthR\tmax_depth\"H\n\x15RegisterDraftResponse\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x1c\n\x14heartbeat_interval_s\x18\x02 \x01(\x01\"$\n\x0f\x43ommandsRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\"\x93\x01\n\x0c\x44raftCommand\x12&\n\x05start\x18\x01 \x01(\x0b\x32\x15.card.v1.StartSessionH\x00\x12*\n\x07\x61\x64vance\x18\x02 \x01(\x0b\x32\x17.card.v1.AdvanceSessionH\x00\x12$\n\x04stop\x18\x03 \x01(\x0b\x32\x14.card.v1.StopSessionH\x00\x42\t\n\x07\x63ommand\"Y\n\x0cStartSession\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12&\n\rcommitted_ids\x18\x02 \x01(\x0b\x32\x0f.card.v1.Tensor\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\"\xd5\x01\n\x0e\x41\x64vanceSession\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12(\n\x0f\x61\x63\x63\x65pted_tokens\x18\x03 \x01(\x0b\x32\x0f.card.v1.Tensor\x12*\n\x11\x61\x63\x63\x65pted_node_ids\x18\x04 \x01(\x0b\x32\x0f.card.v1.Tensor\x12\x12\n\nnext_token\x18\x05 \x01(\x03\x12!\n\x07outcome\x18\x06 \x01(\x0e\x32\x10.card.v1.Outcome\x12\x13\n\x0bhit_node_id\x18\x07 \x01(\x03\"!\n\x0bStopSession\x12\x12\n\nsession_id\x18\x01 \x01(\t\"\xeb\x02\n\x0cLayerMessage\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x12\n\nsession_id\x18\x02 \x01(\t\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\x12#\n\nparent_ids\x18\x04 \x01(\x0b\x32\x0f.card.v1.Tensor\x12!\n\x08node_ids\x18\x05 \x01(\x0b\x32\x0f.card.v1.Tensor\x12\x1f\n\x06tokens\x18\x06 \x01(\x0b\x32\x0f.card.v1.Tensor\x12#\n\nlocal_logp\x18\x07 \x01(\x0b\x32\x0f.card.v1.Tensor\x12%\n\x0c\x62_parent_ids\x18\x08 \x01(\x0b\x32\x0f.card.v1.Tensor\x12!\n\x08\x62_tokens\x18\t \x01(\x0b\x32\x0f.card.v1.Tensor\x12\x1f\n\x06\x62_logp\x18\n \x01(\x0b\x32\x0f.card.v1.Tensor\x12\x16\n\x0e\x64raft_forwards\x18\x0b \x01(\x05\x12\x14\n\x0c\x64raft_idle_s\x18\x0c \x01(\x01\"0\n\x15PublishLayersResponse\x12\x17\n\x0flayers_received\x18\x01 \x01(\x03\">\n\x10HeartbeatRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x17\n\x0f\x61\x63tive_sessions\x18\x02 \x01(\x05\"\x13\n\x11HeartbeatResponse\"\x0f\n\rStatusRequest\"\x8f\x01\n\tDraftInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x1d\n\x15tokenizer_fingerprint\x18\x03 \x01(\t\x12\x10\n\x08\x63\x61pacity\x18\x04 \x01(\x05\x12\x17\n\x0f\x61\x63tive_sessions\x18\x05 \x01(\x05\x12\x1b\n\x13last_heartbeat_unix\x18\x06 \x01(\x01\"\x83\x01\n\x0bSessionInfo\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x14\n\x0ctarget_model\x18\x02 \x01(\t\x12\r\n\x05\x64raft\x18\x03 \x01(\t\x12\r\n\x05\x65poch\x18\x04 \x01(\x04\x12\x18\n\x10\x63ommitted_tokens\x18\x05 \x01(\x05\x12\x12\n\ntree_nodes\x18\x06 \x01(\x05\"\xef\x01\n\x0eStatusResponse\x12\"\n\x06\x64rafts\x18\x01 \x03(\x0b\x32\x12.card.v1.DraftInfo\x12&\n\x08sessions\x18\x02 \x03(\x0b\x32\x14.card.v1.SessionInfo\x12\x33\n\x06totals\x18\x03 \x03(\x0b\x32#.card.v1.StatusResponse.TotalsEntry\x12\x14\n\x0c\x63\x61\x63he_device\x18\x04 \x01(\t\x12\x17\n\x0fredis_connected\x18\x05 \x01(\x08\x1a-\n\x0bTotalsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x32\xb2\x04\n\x0c\x43\x61\x63heService\x12H\n\x0bOpenSession\x12\x1b.card.v1.OpenSessionRequest\x1a\x1c.card.v1.OpenSessionResponse\x12\x33\n\x04Step\x12\x14.card.v1.StepRequest\x1a\x15.card.v1.StepResponse\x12K\n\x0c\x43loseSession\x12\x1c.card.v1.CloseSessionRequest\x1a\x1d.card.v1.CloseSessionResponse\x12N\n\rRegisterDraft\x12\x1d.card.v1.RegisterDraftRequest\x1a\x1e.card.v1.RegisterDraftResponse\x12=\n\x08\x43ommands\x12\x18.card.v1.CommandsRequest\x1a\x15.card.v1.DraftCommand0\x01\x12H\n\rPublishLayers\x12\x15.card.v1.LayerMessage\x1a\x1e.card.v1.PublishLayersResponse(\x01\x12\x42\n\tHeartbeat\x12\x19.card.v1.HeartbeatRequest\x1a\x1a.card.v1.HeartbeatResponse\x12\x39\n\x06Status\x12\x16.card.v1.StatusRequest\x1a\x17.card.v1.StatusResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13\x63\x61rd/v1/cache.proto\x12\x07\x63\x61rd.v1\x1a\x14\x63\x61rd/v1/common.proto\"\xa2\x01\n\x12OpenSessionRequest\x12#\n\nprompt_ids\x18\x01 \x01(\x0b\x32\x0f.card.v1.Tensor\x12\x1d\n\x15tokenizer_fingerprint\x18\x02 \x01(\t\x12\x14\n\x0ctarget_model\x18\x03 \x01(\t\x12\r\n\x05\x64raft\x18\x04 \x01(\t\x12#\n\x05\x63hain\x18\x05 \x01(\x0b\x32\x14.card.v1.ChainPolicy\"8\n\x13OpenSessionResponse\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\r\n\x05\x64raft\x18\x02 \x01(\t\"\x9a\x01\n\x0bStepRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12(\n\x0f\x61\x63\x63\x65pted_tokens\x18\x03 \x01(\x0b\x32\x0f.card.v1.Tensor\x12*\n\x11\x61\x63\x63\x65pted_node_ids\x18\x04 \x01(\x0b\x32\x0f.card.v1.Tensor\x12\x12\n\nnext_token\x18\x05 \x01(\x03\"\x90\x01\n\x0cStepResponse\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12%\n\x0c\x63hain_tokens\x18\x02 \x01(\x0b\x32\x0f.card.v1.Tensor\x12\'\n\x0e\x63hain_node_ids\x18\x03 \x01(\x0b\x32\x0f.card.v1.Tensor\x12!\n\x07outcome\x18\x04 \x01(\x0e\x32\x10.card.v1.Outcome\"7\n\x10StepBatchRequest\x12#\n\x05steps\x18\x01 \x03(\x0b\x32\x14.card.v1.StepRequest\"*\n\tStepError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\"`\n\nStepResult\x12#\n\x02ok\x18\x01 \x01(\x0b\x32\x15.card.v1.StepResponseH\x00\x12#\n\x05\x65rror\x18\x02 \x01(\x0b\x32\x12.card.v1.StepErrorH\x00\x42\x08\n\x06result\"9\n\x11StepBatchResponse\x12$\n\x07results\x18\x01 \x03(\x0b\x32\x13.card.v1.StepResult\"R\n\x13\x43loseSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\'\n\x05stats\x18\x02 \x01(\x0b\x32\x18.card.v1.GenerationStats\"D\n\x14\x43loseSessionResponse\x12\x16\n\x0e\x64raft_forwards\x18\x01 \x01(\x05\x12\x14\n\x0c\x64raft_idle_s\x18\x02 \x01(\x01\"\x87\x01\n\x14RegisterDraftRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x1d\n\x15tokenizer_fingerprint\x18\x03 \x01(\t\x12\x10\n\x08\x63\x61pacity\x18\x04 \x01(\x05J\x04\x08\x05\x10\x06J\x04\x08\x06\x10\x07R\ntree_widthR\tmax_depth\"H\n\x15RegisterDraftResponse\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x1c\n\x14heartbeat_interval_s\x18\x02 \x01(\x01\"$\n\x0f\x43ommandsRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\"\x93\x01\n\x0c\x44raftCommand\x12&\n\x05start\x18\x01 \x01(\x0b\x32\x15.card.v1.StartSessionH\x00\x12*\n\x07\x61\x64vance\x18\x02 \x01(\x0b\x32\x17.card.v1.AdvanceSessionH\x00\x12$\n\x04stop\x18\x03 \x01(\x0b\x32\x14.card.v1.StopSessionH\x00\x42\t\n\x07\x63ommand\"Y\n\x0cStartSession\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12&\n\rcommitted_ids\x18\x02 \x01(\x0b\x32\x0f.card.v1.Tensor\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\"\xd5\x01\n\x0e\x41\x64vanceSession\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12(\n\x0f\x61\x63\x63\x65pted_tokens\x18\x03 \x01(\x0b\x32\x0f.card.v1.Tensor\x12*\n\x11\x61\x63\x63\x65pted_node_ids\x18\x04 \x01(\x0b\x32\x0f.card.v1.Tensor\x12\x12\n\nnext_token\x18\x05 \x01(\x03\x12!\n\x07outcome\x18\x06 \x01(\x0e\x32\x10.card.v1.Outcome\x12\x13\n\x0bhit_node_id\x18\x07 \x01(\x03\"!\n\x0bStopSession\x12\x12\n\nsession_id\x18\x01 \x01(\t\"\xeb\x02\n\x0cLayerMessage\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x12\n\nsession_id\x18\x02 \x01(\t\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\x12#\n\nparent_ids\x18\x04 \x01(\x0b\x32\x0f.card.v1.Tensor\x12!\n\x08node_ids\x18\x05 \x01(\x0b\x32\x0f.card.v1.Tensor\x12\x1f\n\x06tokens\x18\x06 \x01(\x0b\x32\x0f.card.v1.Tensor\x12#\n\nlocal_logp\x18\x07 \x01(\x0b\x32\x0f.card.v1.Tensor\x12%\n\x0c\x62_parent_ids\x18\x08 \x01(\x0b\x32\x0f.card.v1.Tensor\x12!\n\x08\x62_tokens\x18\t \x01(\x0b\x32\x0f.card.v1.Tensor\x12\x1f\n\x06\x62_logp\x18\n \x01(\x0b\x32\x0f.card.v1.Tensor\x12\x16\n\x0e\x64raft_forwards\x18\x0b \x01(\x05\x12\x14\n\x0c\x64raft_idle_s\x18\x0c \x01(\x01\"0\n\x15PublishLayersResponse\x12\x17\n\x0flayers_received\x18\x01 \x01(\x03\">\n\x10HeartbeatRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x17\n\x0f\x61\x63tive_sessions\x18\x02 \x01(\x05\"\x13\n\x11HeartbeatResponse\"\x0f\n\rStatusRequest\"\x8f\x01\n\tDraftInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x1d\n\x15tokenizer_fingerprint\x18\x03 \x01(\t\x12\x10\n\x08\x63\x61pacity\x18\x04 \x01(\x05\x12\x17\n\x0f\x61\x63tive_sessions\x18\x05 \x01(\x05\x12\x1b\n\x13last_heartbeat_unix\x18\x06 \x01(\x01\"\x83\x01\n\x0bSessionInfo\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x14\n\x0ctarget_model\x18\x02 \x01(\t\x12\r\n\x05\x64raft\x18\x03 \x01(\t\x12\r\n\x05\x65poch\x18\x04 \x01(\x04\x12\x18\n\x10\x63ommitted_tokens\x18\x05 \x01(\x05\x12\x12\n\ntree_nodes\x18\x06 \x01(\x05\"\xef\x01\n\x0eStatusResponse\x12\"\n\x06\x64rafts\x18\x01 \x03(\x0b\x32\x12.card.v1.DraftInfo\x12&\n\x08sessions\x18\x02 \x03(\x0b\x32\x14.card.v1.SessionInfo\x12\x33\n\x06totals\x18\x03 \x03(\x0b\x32#.card.v1.StatusResponse.TotalsEntry\x12\x14\n\x0c\x63\x61\x63he_device\x18\x04 \x01(\t\x12\x17\n\x0fredis_connected\x18\x05 \x01(\x08\x1a-\n\x0bTotalsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x32\xf6\x04\n\x0c\x43\x61\x63heService\x12H\n\x0bOpenSession\x12\x1b.card.v1.OpenSessionRequest\x1a\x1c.card.v1.OpenSessionResponse\x12\x33\n\x04Step\x12\x14.card.v1.StepRequest\x1a\x15.card.v1.StepResponse\x12\x42\n\tStepBatch\x12\x19.card.v1.StepBatchRequest\x1a\x1a.card.v1.StepBatchResponse\x12K\n\x0c\x43loseSession\x12\x1c.card.v1.CloseSessionRequest\x1a\x1d.card.v1.CloseSessionResponse\x12N\n\rRegisterDraft\x12\x1d.card.v1.RegisterDraftRequest\x1a\x1e.card.v1.RegisterDraftResponse\x12=\n\x08\x43ommands\x12\x18.card.v1.CommandsRequest\x1a\x15.card.v1.DraftCommand0\x01\x12H\n\rPublishLayers\x12\x15.card.v1.LayerMessage\x1a\x1e.card.v1.PublishLayersResponse(\x01\x12\x42\n\tHeartbeat\x12\x19.card.v1.HeartbeatRequest\x1a\x1a.card.v1.HeartbeatResponse\x12\x39\n\x06Status\x12\x16.card.v1.StatusRequest\x1a\x17.card.v1.StatusResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -42,42 +42,50 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_STEPREQUEST']._serialized_end=432
   _globals['_STEPRESPONSE']._serialized_start=435
   _globals['_STEPRESPONSE']._serialized_end=579
-  _globals['_CLOSESESSIONREQUEST']._serialized_start=581
-  _globals['_CLOSESESSIONREQUEST']._serialized_end=663
-  _globals['_CLOSESESSIONRESPONSE']._serialized_start=665
-  _globals['_CLOSESESSIONRESPONSE']._serialized_end=733
-  _globals['_REGISTERDRAFTREQUEST']._serialized_start=736
-  _globals['_REGISTERDRAFTREQUEST']._serialized_end=871
-  _globals['_REGISTERDRAFTRESPONSE']._serialized_start=873
-  _globals['_REGISTERDRAFTRESPONSE']._serialized_end=945
-  _globals['_COMMANDSREQUEST']._serialized_start=947
-  _globals['_COMMANDSREQUEST']._serialized_end=983
-  _globals['_DRAFTCOMMAND']._serialized_start=986
-  _globals['_DRAFTCOMMAND']._serialized_end=1133
-  _globals['_STARTSESSION']._serialized_start=1135
-  _globals['_STARTSESSION']._serialized_end=1224
-  _globals['_ADVANCESESSION']._serialized_start=1227
-  _globals['_ADVANCESESSION']._serialized_end=1440
-  _globals['_STOPSESSION']._serialized_start=1442
-  _globals['_STOPSESSION']._serialized_end=1475
-  _globals['_LAYERMESSAGE']._serialized_start=1478
-  _globals['_LAYERMESSAGE']._serialized_end=1841
-  _globals['_PUBLISHLAYERSRESPONSE']._serialized_start=1843
-  _globals['_PUBLISHLAYERSRESPONSE']._serialized_end=1891
-  _globals['_HEARTBEATREQUEST']._serialized_start=1893
-  _globals['_HEARTBEATREQUEST']._serialized_end=1955
-  _globals['_HEARTBEATRESPONSE']._serialized_start=1957
-  _globals['_HEARTBEATRESPONSE']._serialized_end=1976
-  _globals['_STATUSREQUEST']._serialized_start=1978
-  _globals['_STATUSREQUEST']._serialized_end=1993
-  _globals['_DRAFTINFO']._serialized_start=1996
-  _globals['_DRAFTINFO']._serialized_end=2139
-  _globals['_SESSIONINFO']._serialized_start=2142
-  _globals['_SESSIONINFO']._serialized_end=2273
-  _globals['_STATUSRESPONSE']._serialized_start=2276
-  _globals['_STATUSRESPONSE']._serialized_end=2515
-  _globals['_STATUSRESPONSE_TOTALSENTRY']._serialized_start=2470
-  _globals['_STATUSRESPONSE_TOTALSENTRY']._serialized_end=2515
-  _globals['_CACHESERVICE']._serialized_start=2518
-  _globals['_CACHESERVICE']._serialized_end=3080
+  _globals['_STEPBATCHREQUEST']._serialized_start=581
+  _globals['_STEPBATCHREQUEST']._serialized_end=636
+  _globals['_STEPERROR']._serialized_start=638
+  _globals['_STEPERROR']._serialized_end=680
+  _globals['_STEPRESULT']._serialized_start=682
+  _globals['_STEPRESULT']._serialized_end=778
+  _globals['_STEPBATCHRESPONSE']._serialized_start=780
+  _globals['_STEPBATCHRESPONSE']._serialized_end=837
+  _globals['_CLOSESESSIONREQUEST']._serialized_start=839
+  _globals['_CLOSESESSIONREQUEST']._serialized_end=921
+  _globals['_CLOSESESSIONRESPONSE']._serialized_start=923
+  _globals['_CLOSESESSIONRESPONSE']._serialized_end=991
+  _globals['_REGISTERDRAFTREQUEST']._serialized_start=994
+  _globals['_REGISTERDRAFTREQUEST']._serialized_end=1129
+  _globals['_REGISTERDRAFTRESPONSE']._serialized_start=1131
+  _globals['_REGISTERDRAFTRESPONSE']._serialized_end=1203
+  _globals['_COMMANDSREQUEST']._serialized_start=1205
+  _globals['_COMMANDSREQUEST']._serialized_end=1241
+  _globals['_DRAFTCOMMAND']._serialized_start=1244
+  _globals['_DRAFTCOMMAND']._serialized_end=1391
+  _globals['_STARTSESSION']._serialized_start=1393
+  _globals['_STARTSESSION']._serialized_end=1482
+  _globals['_ADVANCESESSION']._serialized_start=1485
+  _globals['_ADVANCESESSION']._serialized_end=1698
+  _globals['_STOPSESSION']._serialized_start=1700
+  _globals['_STOPSESSION']._serialized_end=1733
+  _globals['_LAYERMESSAGE']._serialized_start=1736
+  _globals['_LAYERMESSAGE']._serialized_end=2099
+  _globals['_PUBLISHLAYERSRESPONSE']._serialized_start=2101
+  _globals['_PUBLISHLAYERSRESPONSE']._serialized_end=2149
+  _globals['_HEARTBEATREQUEST']._serialized_start=2151
+  _globals['_HEARTBEATREQUEST']._serialized_end=2213
+  _globals['_HEARTBEATRESPONSE']._serialized_start=2215
+  _globals['_HEARTBEATRESPONSE']._serialized_end=2234
+  _globals['_STATUSREQUEST']._serialized_start=2236
+  _globals['_STATUSREQUEST']._serialized_end=2251
+  _globals['_DRAFTINFO']._serialized_start=2254
+  _globals['_DRAFTINFO']._serialized_end=2397
+  _globals['_SESSIONINFO']._serialized_start=2400
+  _globals['_SESSIONINFO']._serialized_end=2531
+  _globals['_STATUSRESPONSE']._serialized_start=2534
+  _globals['_STATUSRESPONSE']._serialized_end=2773
+  _globals['_STATUSRESPONSE_TOTALSENTRY']._serialized_start=2728
+  _globals['_STATUSRESPONSE_TOTALSENTRY']._serialized_end=2773
+  _globals['_CACHESERVICE']._serialized_start=2776
+  _globals['_CACHESERVICE']._serialized_end=3406
 # @@protoc_insertion_point(module_scope)

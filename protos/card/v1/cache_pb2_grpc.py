@@ -46,6 +46,11 @@ class CacheServiceStub:
                 request_serializer=card_dot_v1_dot_cache__pb2.StepRequest.SerializeToString,
                 response_deserializer=card_dot_v1_dot_cache__pb2.StepResponse.FromString,
                 _registered_method=True)
+        self.StepBatch = channel.unary_unary(
+                '/card.v1.CacheService/StepBatch',
+                request_serializer=card_dot_v1_dot_cache__pb2.StepBatchRequest.SerializeToString,
+                response_deserializer=card_dot_v1_dot_cache__pb2.StepBatchResponse.FromString,
+                _registered_method=True)
         self.CloseSession = channel.unary_unary(
                 '/card.v1.CacheService/CloseSession',
                 request_serializer=card_dot_v1_dot_cache__pb2.CloseSessionRequest.SerializeToString,
@@ -97,6 +102,15 @@ class CacheServiceServicer:
     def Step(self, request, context):
         """Target: apply a correction and return the next chain at once (possibly empty); never blocks
         on the draft. Errors: NOT_FOUND (unknown session), ABORTED (stale epoch).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def StepBatch(self, request, context):
+        """Target: the Steps of every session in one target iteration, in one round trip, so the
+        network cost stays one round trip per target forward whatever the load. Each result is its
+        Step's response or its error; one session's error leaves the others' results alone.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -158,6 +172,11 @@ def add_CacheServiceServicer_to_server(servicer, server):
                     servicer.Step,
                     request_deserializer=card_dot_v1_dot_cache__pb2.StepRequest.FromString,
                     response_serializer=card_dot_v1_dot_cache__pb2.StepResponse.SerializeToString,
+            ),
+            'StepBatch': grpc.unary_unary_rpc_method_handler(
+                    servicer.StepBatch,
+                    request_deserializer=card_dot_v1_dot_cache__pb2.StepBatchRequest.FromString,
+                    response_serializer=card_dot_v1_dot_cache__pb2.StepBatchResponse.SerializeToString,
             ),
             'CloseSession': grpc.unary_unary_rpc_method_handler(
                     servicer.CloseSession,
@@ -246,6 +265,33 @@ class CacheService:
             '/card.v1.CacheService/Step',
             card_dot_v1_dot_cache__pb2.StepRequest.SerializeToString,
             card_dot_v1_dot_cache__pb2.StepResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StepBatch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/card.v1.CacheService/StepBatch',
+            card_dot_v1_dot_cache__pb2.StepBatchRequest.SerializeToString,
+            card_dot_v1_dot_cache__pb2.StepBatchResponse.FromString,
             options,
             channel_credentials,
             insecure,
