@@ -72,17 +72,22 @@ def serve(config: DraftConfig) -> None:
         help="k: secondary children kept per expanded node (default: 4 on CPU, K on GPU).")
 @option("--max-depth", default=None, type=int, help="Layers grown below the root before idling (default 8).")
 @option("--threads", default=None, type=int, help="torch threads (default: torch's choice).")
+@option("--nice", default=10, type=click.IntRange(0, 19),
+        help="Scheduling niceness of this process: a draft that shares cores with a target, its cache or "
+             "their clients yields the CPU to them first (0: as they are).")
 @option("--host", default="127.0.0.1", help="Interface of the health port (0.0.0.0 in containers).")
 @option("--port", default=50053, type=int, help="gRPC health port (0 = OS-chosen).")
 @option("--metrics-port", default=9093, type=int, help="Prometheus port (0 = disabled).")
 @logging_options
 def main(cache_addr: str, model: str, quantize: str, dtype: str, device: str, name: str | None,
          capacity: int, tree_width: int | None, branch: int | None, max_depth: int | None,
-         threads: int | None, host: str,
+         threads: int | None, nice: int, host: str,
          port: int, metrics_port: int, log_level: str, json_logs: bool) -> None:
     """Run a CARD draft worker for the cache service at --cache."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     setup_logging(log_level, json_logs)
+    if nice:
+        os.nice(nice)  # every thread of this process, the draft worker's torch threads included
     with exit_on_error("card-draft"):
         config = DraftConfig(
             cache_addr=cache_addr,

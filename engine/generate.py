@@ -117,6 +117,10 @@ class Generation:
 
     # ---- driven by the engine ----------------------------------------------------------------
     def open(self) -> None:
+        """Open the chain source (idempotent: a server may open it before the engine admits the
+        generation, so that a remote session's round trip is not on the engine's loop)."""
+        if self._t0:
+            return
         self._t0 = time.perf_counter()
         # the committed sequence has one owner, the target state; the source may read it
         self.source.open(self.target.committed)

@@ -82,6 +82,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         source = self._source(mode, request.draft, gen_request.chain)
         gen = Generation(model.model, gen_request, source, eos_ids=model.eos_ids, decode=model.decode,
                          context_window=self.context_window, mode=mode, model_name=model.name)
+        gen.open()  # the cache session opens here, off the engine's loop (NOT_FOUND etc. raise here)
         box = loop.submit(gen)
         context.add_callback(lambda: loop.cancel(gen))  # the client went away: stop within a forward
         t0 = time.monotonic()

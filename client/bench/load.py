@@ -51,13 +51,16 @@ def one_request(addr: str, prompt: str | Sequence[int], mode: str, max_new_token
 
 
 def run_level(addr: str, mode: str, prompts: Sequence[str | Sequence[int]], concurrency: int,
-              max_new_tokens: int, ignore_eos: bool) -> tuple[list[dict], float]:
-    """Every one of ``concurrency`` clients sends every prompt; records and the load's wall time."""
+              max_new_tokens: int, ignore_eos: bool, ramp_s: float = 0.0) -> tuple[list[dict], float]:
+    """Every one of ``concurrency`` clients sends every prompt, client c starting ``c * ramp_s``
+    after the first (so that equal requests do not arrive, and end, in waves); records and the
+    load's wall time."""
     records: list[dict] = []
     errors: list[BaseException] = []
     lock = threading.Lock()
 
     def client(c: int) -> None:
+        time.sleep(c * ramp_s)
         order = [(c + k) % len(prompts) for k in range(len(prompts))]
         for i in order:
             try:
@@ -85,9 +88,13 @@ def run_load(addr: str, modes: Sequence[str], prompts: Sequence[str | Sequence[i
              max_new_tokens: int, ignore_eos: bool, log=print) -> tuple[list[dict], list[dict]]:
     records: list[dict] = []
     walls: dict[tuple[str, int], float] = {}
+    alone: dict[str, float] = {}
     for level in sorted(levels):
         for mode in modes:
-            recs, wall = run_level(addr, mode, prompts, level, max_new_tokens, ignore_eos)
+            # clients start spread over one request's time alone (measured at the lowest level)
+            ramp = alone.get(mode, 0.0) / level
+            recs, wall = run_level(addr, mode, prompts, level, max_new_tokens, ignore_eos, ramp)
+            alone.setdefault(mode, statistics.median(r["wall_s"] for r in recs))
             records += recs
             walls[(mode, level)] = wall
             log(f"load: {mode} x{level}: {sum(r['new_tokens'] for r in recs) / wall:.2f} tok/s")

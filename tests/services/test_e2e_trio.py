@@ -12,6 +12,7 @@ import json
 import os
 import signal
 import subprocess
+import threading
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -240,22 +241,29 @@ def test_status_and_drafts_commands_show_the_live_trio(trio, checkpoints):
 
 # ---- (3) a draft worker dies mid-generation ------------------------------------------------
 def test_killing_the_draft_mid_generation_changes_nothing(trio, reference, checkpoints):
+    """Six requests in flight on one draft; the draft is SIGKILLed mid-generation: all finish, all
+    exact (each equals the same request served alone)."""
     victim = next(p for p in trio.drafts if p.name == "card-draft-same")
-    stop = StopParams(400, ignore_eos=True)
+    stops = [StopParams(400 - 40 * i, ignore_eos=True) for i in range(6)]
     chunks: list[str] = []
+    lock = threading.Lock()
 
     def on_text(text: str) -> None:
-        chunks.append(text)
-        if len(chunks) == 10:
-            victim.proc.send_signal(signal.SIGKILL)
-            victim.proc.wait(10)
+        with lock:
+            chunks.append(text)
+            if len(chunks) == 30:
+                victim.proc.send_signal(signal.SIGKILL)
+                victim.proc.wait(10)
 
-    remote = generate_remote(trio.target_addr, PROMPTS[3], sampling=GREEDY, stop=stop, draft="same",
-                             on_text=on_text, timeout_s=120)
+    with ThreadPoolExecutor(6) as pool:
+        futures = [pool.submit(generate_remote, trio.target_addr, PROMPTS[i % 4], sampling=GREEDY, stop=stop,
+                               draft="same", on_text=on_text, timeout_s=240) for i, stop in enumerate(stops)]
+        results = [f.result() for f in futures]
     assert victim.proc.returncode == -signal.SIGKILL
-    assert len(chunks) > 10  # the kill landed mid-generation
-    assert remote.token_ids == reference(PROMPTS[3], GREEDY, stop).token_ids
-    assert remote.finish_reason == "length" and remote.stats.new_tokens == 400
+    assert len(chunks) > 30  # the kill landed mid-generation
+    for i, (stop, remote) in enumerate(zip(stops, results, strict=True)):
+        assert remote.token_ids == reference(PROMPTS[i % 4], GREEDY, stop).token_ids
+        assert remote.finish_reason == "length" and remote.stats.new_tokens == stop.max_new_tokens
 
     # a new worker under the same name: the next requests speculate again. The draft here costs
     # as much as the target, so whether it gets ahead enough to hit is a race on any one request;
