@@ -37,7 +37,8 @@ class PackedLinear(torch.nn.Module):
         self.out_features = linear.out_features
         weight = linear.weight.detach()
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, _BATCH_HINT)  # opaque [out, in]
-        self.bias = None if linear.bias is None else linear.bias.detach()
+        # a copy: the checkpoint may be memory-mapped, and a view would keep the whole file resident
+        self.bias = None if linear.bias is None else linear.bias.detach().clone()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")

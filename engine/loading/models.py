@@ -18,6 +18,8 @@ forwards and batch-invariant logits, on by default).
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import gc
 import io
 import logging
 import os
@@ -199,6 +201,8 @@ def load_model(config: ModelConfig) -> LoadedModel:
             model = torch.ao.quantization.quantize_dynamic(model, {torch.nn.Linear}, dtype=torch.qint8)
     elif config.prepack and can_pack(model):
         pack_linears(model)
+    if device.type == "cpu":
+        own_memory(model)
     return LoadedModel(
         name=config.label,
         model=model,
@@ -207,6 +211,26 @@ def load_model(config: ModelConfig) -> LoadedModel:
         eos_ids=eos_ids_of(model, tokenizer),
         context_window=int(getattr(model.config, "max_position_embeddings", 0) or 2048),
     )
+
+
+def own_memory(model: torch.nn.Module) -> None:
+    """Give every parameter and buffer memory of its own, one tensor at a time.
+
+    A safetensors checkpoint is memory-mapped, and a tensor that is still a view of the file (the
+    embeddings, the norms, an LM head beside its packed copy) keeps the whole mapping alive, so
+    every page read while loading and packing stays resident: a Qwen2.5-1.5B target held 13.7 GiB
+    for 6.6 GiB of weights, 7.1 GiB after this. Then the C heap gives back what loading freed (an
+    int8 draft's quantization leaves ~1.5 GiB of freed fp32 copies in glibc's arenas: 2.98 GiB
+    resident for 1 GiB of weights, 1.47 GiB after the trim)."""
+    with torch.no_grad():
+        for module in model.modules():
+            for p in module.parameters(recurse=False):
+                p.data = p.data.clone()
+            for name, b in list(module.named_buffers(recurse=False)):
+                module._buffers[name] = b.clone()
+    gc.collect()
+    with contextlib.suppress(OSError, AttributeError):  # glibc only
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
 def export_checkpoint(spec: str, dest: Path, dtype: str = "float32") -> LoadedModel:
