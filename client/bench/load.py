@@ -20,6 +20,7 @@ from pathlib import Path
 from card.v1 import target_pb2, target_pb2_grpc
 from card_common.channels import channel
 from card_common.tensors import ids_from_msg, ids_to_msg
+from client.bench import report
 from client.bench.report import percentile
 
 REFERENCE = "svc-vanilla"
@@ -141,18 +142,7 @@ _COLUMNS = (("mode", "mode", "s"), ("conc", "concurrency", "d"), ("reqs", "reque
 
 
 def table(rows: list[dict]) -> str:
-    def cell(value: object, spec: str) -> str:
-        if value is None:
-            return "-"
-        if isinstance(value, bool):
-            return "yes" if value else "NO"
-        return format(value, spec)
-
-    cells = [[h for h, _, _ in _COLUMNS]] + [[cell(r[k], s) for _, k, s in _COLUMNS] for r in rows]
-    widths = [max(len(c[i]) for c in cells) for i in range(len(_COLUMNS))]
-    lines = ["  ".join(c.rjust(w) for c, w in zip(line, widths, strict=True)) for line in cells]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines) + "\n(ms columns: time to first token and inter-token latency)"
+    return report.table(rows, _COLUMNS) + "\n(ms columns: time to first token and inter-token latency)"
 
 
 def write_chart(path: Path, rows: list[dict], title: str) -> None:

@@ -133,10 +133,11 @@ COLUMNS = (
 )
 
 
-def table(rows: list[dict]) -> str:
-    cells = [[head for head, _, _ in COLUMNS]]
-    cells += [[_fmt(row[key], spec) for _, key, spec in COLUMNS] for row in rows]
-    widths = [max(len(c[i]) for c in cells) for i in range(len(COLUMNS))]
+def table(rows: list[dict], columns: tuple[tuple[str, str, str], ...] = COLUMNS) -> str:
+    """A text table: (header, key, format spec) per column; the first two columns left-aligned."""
+    cells = [[head for head, _, _ in columns]]
+    cells += [[_fmt(row[key], spec) for _, key, spec in columns] for row in rows]
+    widths = [max(len(c[i]) for c in cells) for i in range(len(columns))]
     lines = ["  ".join(c.rjust(w) if i > 1 else c.ljust(w)
                        for i, (c, w) in enumerate(zip(line, widths, strict=True)))
              for line in cells]
