@@ -150,6 +150,11 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
                                       f"[0, {self.vocab_size}), e.g. {bad[0]}")
         else:
             raise InvalidArgument("the request has no prompt: set prompt, messages or prompt_ids")
+        if len(prompt_ids) >= self.context_window and self.context_window < self.model.context_window:
+            raise InvalidArgument(
+                f"the prompt has {len(prompt_ids)} tokens but this card-target holds {self.context_window} "
+                f"tokens per request (--max-model-len; the context window of {self.model.name} is "
+                f"{self.model.context_window}); room is needed for at least one new token")
         check_prompt(prompt_ids, self.context_window, self.model.name)
         sampling = sampling_from_msg(request.sampling) if request.HasField("sampling") else SamplingParams()
         stop = StopParams(request.max_new_tokens or self.config.default_max_new_tokens,

@@ -58,7 +58,9 @@ def trio(checkpoints, redis_server, prefix, tmp_path_factory):
                      draft_name="same", target_threads=1, draft_threads=1, dtype="float64",
                      log_dir=tmp_path_factory.mktemp("e2e-logs"), redis_url=redis_server.url,
                      metrics=True, start_timeout_s=240,
-                     extra_args={"cache": ["--redis-prefix", prefix]})
+                     extra_args={"cache": ["--redis-prefix", prefix],
+                                 # KV slots of 480 rows, below the tiny model's 512-token window
+                                 "target": ["--max-model-len", "480"]})
     with trio:
         extra = [trio.start_draft(str(checkpoints[name]), name=name, wait=False)
                  for name in ("pert", "foreign")]
@@ -173,6 +175,8 @@ def test_bad_inputs_are_invalid_argument(trio):
         generate_remote(trio.target_addr, "", stop=StopParams(4), timeout_s=30)
     with pytest.raises(InvalidArgument, match="context window"):
         generate_remote(trio.target_addr, [100] * 600, stop=StopParams(4), timeout_s=30)
+    with pytest.raises(InvalidArgument, match="--max-model-len"):  # fits the model, not the KV slots
+        generate_remote(trio.target_addr, [100] * 490, stop=StopParams(4), timeout_s=30)
     with pytest.raises(InvalidArgument, match="context window"):
         generate_remote(trio.target_addr, "word " * 700, stop=StopParams(4), timeout_s=30)
     with pytest.raises(InvalidArgument, match="mode"):
