@@ -1,8 +1,9 @@
 """Forward costs that decide the tree shape on a machine: ``python -m client.bench.costs``.
 
-Measures, with the engine's own forwards (engine/kv.py) on a real prompt's KV cache:
+Measures, with the engine's own forwards on a real prompt's KV cache:
     target  one verification of ``[next_token, *chain]`` for chain lengths 0..N, per thread count
-    draft   one tree layer of K nodes (tree-attention mask) for K in the given widths
+            (engine/target_kv.py: the forward card-target and every in-process mode run)
+    draft   one tree layer of K nodes (tree-attention mask) for K in the given widths (engine/kv.py)
     --beside-draft: the target's verifies on one thread again, while a thread forwards the draft
             on the other core, as in-process card runs them (the two share caches, memory
             bandwidth and the GIL)
@@ -25,7 +26,9 @@ import click
 import torch
 
 from engine import kv as kvops
+from engine import target_kv
 from engine.loading.models import ModelConfig, load_model
+from engine.target_kv import KVPool, Segment
 
 
 def _time(fn, reps: int) -> tuple[float, float]:
@@ -40,17 +43,19 @@ def _time(fn, reps: int) -> tuple[float, float]:
 
 def verify_costs(model: torch.nn.Module, prompt: list[int], lengths: range, threads: int,
                  reps: int) -> dict[int, tuple[float, float]]:
+    """ms (min, median) of one target verification of 1 + L tokens on top of ``prompt``."""
     torch.set_num_threads(threads)
-    cache = kvops.new_cache()
-    kvops.forward(model, cache, torch.tensor(prompt), torch.arange(len(prompt)))
     n = len(prompt)
+    pool = KVPool(model, slots=1, max_len=n + max(lengths, default=0) + 1)
+    no_rows = torch.empty(0, dtype=torch.int64)
+    target_kv.forward(model, pool, [Segment(0, 0, n)], torch.tensor(prompt), no_rows)
     out = {}
     for length in lengths:
         tokens = torch.tensor(prompt[-(length + 1):])
+        rows = torch.arange(tokens.numel())
 
-        def once(tokens=tokens):
-            kvops.forward(model, cache, tokens, torch.arange(n, n + tokens.numel()))
-            kvops.kv_crop(cache, n)
+        def once(tokens=tokens, rows=rows):  # rows past the prompt are simply overwritten next time
+            target_kv.forward(model, pool, [Segment(0, n, tokens.numel())], tokens, rows)
 
         out[length] = _time(once, reps)
     return out
