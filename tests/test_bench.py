@@ -103,6 +103,8 @@ def test_load_through_the_services_alone(pair, tmp_path):
     assert all(r["matches_reference"] for r in payload["records"])
     assert all(r["new_tokens"] == 8 and r["ttft_s"] > 0 for r in payload["records"])
     assert rows[("svc-vanilla", 3)]["x_vs_one_at_a_time"] > 0
+    assert rows[("svc-vanilla", 1)]["mean_accepted_length"] == 1.0  # no speculation: one token a forward
+    assert rows[("svc-vanilla", 1)]["hit_rate"] is None and rows[("svc-card", 1)]["hit_rate"] is not None
     assert (tmp_path / "r-load.png").stat().st_size > 0
     assert "ttft p50" in result.output
 

@@ -38,6 +38,7 @@ def one_request(addr: str, prompt: str | Sequence[int], mode: str, max_new_token
     t0 = time.perf_counter()
     stamps: list[tuple[float, int]] = []
     tokens: list[int] = []
+    stats = None
     with channel(addr) as ch:
         for msg in target_pb2_grpc.TargetServiceStub(ch).Generate(request, timeout=timeout_s):
             if msg.WhichOneof("kind") == "chunk":
@@ -45,10 +46,12 @@ def one_request(addr: str, prompt: str | Sequence[int], mode: str, max_new_token
                     stamps.append((time.perf_counter() - t0, len(msg.chunk.token_ids)))
             else:
                 tokens = ids_from_msg(msg.final.token_ids)
+                stats = msg.final.stats
     wall = time.perf_counter() - t0
     gaps = [(b - a) / n for (a, _), (b, n) in itertools.pairwise(stamps)]
     return {"token_ids": tokens, "wall_s": wall, "ttft_s": stamps[0][0] if stamps else wall,
-            "itl_s": gaps, "new_tokens": len(tokens)}
+            "itl_s": gaps, "new_tokens": len(tokens), "target_forwards": stats.target_forwards,
+            "hits": stats.hits, "corrections": stats.hits + stats.secondary_hits + stats.misses}
 
 
 def run_level(addr: str, mode: str, prompts: Sequence[str | Sequence[int]], concurrency: int,
@@ -114,10 +117,13 @@ def summarize(records: list[dict], walls: dict[tuple[str, int], float]) -> list[
         tokens = sum(r["new_tokens"] for r in rs)
         ttft = [r["ttft_s"] * 1e3 for r in rs]
         itl = [g * 1e3 for r in rs for g in r["itl_s"]]
+        forwards, corrections = sum(r["target_forwards"] for r in rs), sum(r["corrections"] for r in rs)
         rows.append({
             "mode": mode, "concurrency": level, "requests": len(rs), "new_tokens": tokens, "wall_s": wall,
             "tokens_per_s": tokens / wall if wall else 0.0,
             "request_tokens_per_s_p50": statistics.median(r["new_tokens"] / r["wall_s"] for r in rs),
+            "mean_accepted_length": tokens / forwards if forwards else None,
+            "hit_rate": sum(r["hits"] for r in rs) / corrections if corrections else None,
             "ttft_p50_ms": percentile(ttft, 50), "ttft_p99_ms": percentile(ttft, 99),
             "itl_p50_ms": percentile(itl, 50), "itl_p99_ms": percentile(itl, 99),
             "exact": all(r["matches_reference"] is not False for r in rs),
@@ -136,7 +142,8 @@ def summarize(records: list[dict], walls: dict[tuple[str, int], float]) -> list[
 _COLUMNS = (("mode", "mode", "s"), ("conc", "concurrency", "d"), ("reqs", "requests", "d"),
             ("tok/s", "tokens_per_s", ".2f"), ("x vs 1", "x_vs_one_at_a_time", ".2f"),
             ("x vs vanilla", "x_vs_vanilla_same_load", ".2f"),
-            ("req tok/s", "request_tokens_per_s_p50", ".2f"),
+            ("req tok/s", "request_tokens_per_s_p50", ".2f"), ("acc len", "mean_accepted_length", ".2f"),
+            ("hit", "hit_rate", ".0%"),
             ("ttft p50", "ttft_p50_ms", ".0f"), ("ttft p99", "ttft_p99_ms", ".0f"),
             ("itl p50", "itl_p50_ms", ".1f"), ("itl p99", "itl_p99_ms", ".1f"), ("exact", "exact", "s"))
 
