@@ -89,6 +89,7 @@ class Generation:
         self.stats = GenerationStats(mode=mode, prompt_tokens=len(request.prompt_ids))
         self.target = TargetState(request.prompt_ids, request.sampling)
         self.acceptance = Acceptance()  # how often this generation's drafted tokens are accepted
+        self._vocab = int(getattr(getattr(model, "config", None), "vocab_size", 0) or 2**62)
         self.result: GenerationResult | None = None
         self.slot: int | None = None  # the engine's KV slot while it runs
         self._t0 = 0.0
@@ -154,7 +155,11 @@ class Generation:
             self.request.stop.max_new_tokens - len(self.tracker.token_ids),
             self.context_window - len(committed),
         ) - 1
-        self._pending = chain.tokens[: max(room, 0)]
+        tokens = chain.tokens[: max(room, 0)]
+        # a chain comes from another process: a token outside the vocabulary (a broken or hostile
+        # draft) would fail the whole batch's forward, so the chain stops before it
+        bad = next((i for i, t in enumerate(tokens) if not 0 <= t < self._vocab), None)
+        self._pending = tokens if bad is None else tokens[:bad]
         self._pending_ids = chain.node_ids[: len(self._pending)]
         return [token, *self._pending], len(committed) - 1, True
 

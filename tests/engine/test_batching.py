@@ -129,3 +129,31 @@ def test_a_failing_or_cancelled_generation_leaves_the_others_alone() -> None:
     assert got == alone
     assert errors == [(bad, "the chain source broke")] and bad.result is not None
     assert engine.pool.free_slots == 3
+
+
+class _Rogue(NoDraft):
+    """A source whose chains hold a token far outside the vocabulary after a real-looking one."""
+
+    def step(self, correction):
+        from engine.chain_source import StepResult
+        from engine.tree import Chain
+
+        return StepResult(Chain((5, 10**9, 7), (0, 1, 2), correction.epoch))
+
+
+def test_a_chain_token_outside_the_vocabulary_fails_nobody() -> None:
+    """One request's source hands out a token no embedding row has: that chain is cut before it,
+    and neither that request nor its neighbour in the same forward fails or changes."""
+    model = target_model("llama")
+    stop = StopParams(max_new_tokens=20, ignore_eos=True)
+    requests = [GenerationRequest(r.prompt_ids, r.sampling, stop)
+                for r in _requests(2, seed=6, sampled=False)]
+
+    def gen(r: GenerationRequest, source: NoDraft) -> Generation:
+        return Generation(model, r, source, eos_ids=frozenset(), decode=letters, context_window=512,
+                          mode="vanilla")
+
+    alone = [gen(r, NoDraft()).run().token_ids for r in requests]
+    engine = TargetEngine(model, KVPool(model, slots=2, max_len=512))
+    batched = _run_batched(engine, [gen(requests[0], _Rogue()), gen(requests[1], NoDraft())], join_every=1)
+    assert [batched[0], batched[1]] == alone
