@@ -9,7 +9,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from engine.config import TreeParams
+from engine.drafter import tree_rows
 from engine.errors import InvalidArgument
+from engine.kv_pool import DEFAULT_MAX_MODEL_LEN, pool_shape
 from engine.loading.models import ModelConfig
 
 
@@ -26,11 +28,18 @@ def default_worker_name(model_spec: str, quantize: str = "none") -> str:
 
 @dataclass(frozen=True)
 class DraftConfig:
+    """capacity: most sessions grown at once, all in one forward per round (KV slots, unless
+    kv_cache_gb holds fewer; the registry hears the slots). max_model_len: committed tokens per
+    slot (a longer session is not drafted; the target decodes it alone); None = the model's
+    context window, at most 4096. Each slot also holds its tree (tree width x max depth rows)."""
+
     cache_addr: str
     model: ModelConfig
     name: str
     tree: TreeParams = field(default_factory=TreeParams)
     capacity: int = 8
+    max_model_len: int | None = None
+    kv_cache_gb: float | None = None
     threads: int | None = None
     host: str = "127.0.0.1"
     port: int = 50053
@@ -49,7 +58,19 @@ class DraftConfig:
             raise InvalidArgument("the worker name must not be empty")
         if self.capacity < 1:
             raise InvalidArgument(f"capacity must be >= 1, got {self.capacity}")
+        if self.kv_cache_gb is not None and not self.kv_cache_gb > 0:
+            raise InvalidArgument(f"kv-cache-gb must be > 0, got {self.kv_cache_gb}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise InvalidArgument(f"max-model-len must be >= 2, got {self.max_model_len}")
         if self.threads is not None and self.threads < 1:
             raise InvalidArgument(f"threads must be >= 1, got {self.threads}")
         if not 0 <= self.port <= 65535 or not 0 <= self.metrics_port <= 65535:
             raise InvalidArgument("ports must be in [0, 65535]")
+
+    def kv_shape(self, context_window: int, bytes_per_token: int) -> tuple[int, int]:
+        """(slots, committed rows per slot) of the worker's KV cache; the tree's rows come on top,
+        within the budget."""
+        max_len = min(self.max_model_len or DEFAULT_MAX_MODEL_LEN, context_window)
+        rows = max_len + tree_rows(self.tree)
+        slots, _ = pool_shape(self.capacity, rows, bytes_per_token, self.kv_cache_gb)
+        return slots, max_len

@@ -30,7 +30,9 @@ from card_common.status import error_from_rpc
 from draft_service import metrics
 from draft_service.config import DraftConfig
 from engine.draft_commands import StartDraft, StopDraft
+from engine.drafter import tree_rows
 from engine.errors import CardError
+from engine.kv_pool import KVPool
 from engine.loading.models import LoadedModel
 from engine.tree import Layer
 from engine.worker import DraftWorker
@@ -72,8 +74,11 @@ class CacheLink:
         self.config = config
         self.model = model
         self.on_serving = on_serving
-        self.worker = DraftWorker(model.model, config.tree, self._publish, threads=config.threads,
-                                  name=config.name)
+        slots, max_len = config.kv_shape(model.context_window, KVPool.bytes_per_token(model.model))
+        self.worker = DraftWorker(model.model, config.tree, self._publish, slots=slots, max_len=max_len,
+                                  threads=config.threads, name=config.name)
+        log.info("draft KV cache: %d sessions x %d committed tokens (+%d tree rows), %.2f GB at most", slots,
+                 max_len, tree_rows(config.tree), self.worker.pool.nbytes / 2**30)
         self._sessions: set[str] = set()
         self._lock = threading.Lock()
         self._conn: _Connection | None = None
@@ -137,7 +142,7 @@ class CacheLink:
             reply = stub.RegisterDraft(
                 cache_pb2.RegisterDraftRequest(
                     name=cfg.name, model=cfg.model.label, tokenizer_fingerprint=self.model.fingerprint,
-                    capacity=cfg.capacity,
+                    capacity=self.worker.pool.slots,
                 ),
                 timeout=RPC_TIMEOUT_S,
             )

@@ -65,7 +65,13 @@ def serve(config: DraftConfig) -> None:
 @option("--dtype", default="auto", help="auto, float32, bfloat16, float16.")
 @option("--device", default="auto", help="auto (cuda if available), cpu, cuda, cuda:N.")
 @option("--name", default=None, help="Worker name targets select it by (default: <model>-<host>-<pid>).")
-@option("--capacity", default=8, type=int, help="Most concurrent sessions.")
+@option("--capacity", default=8, type=int,
+        help="Most concurrent sessions, all grown in one forward per round (KV slots).")
+@option("--max-model-len", default=None, type=int,
+        help="Committed tokens per session the KV cache holds (default: the context window, at most 4096); "
+             "a longer session is not drafted.")
+@option("--kv-cache-gb", default=None, type=float,
+        help="Memory for keys and values (default: --capacity slots); fewer slots where it holds fewer.")
 @option("--tree-width", "-K", default=None, type=int,
         help="K: primary nodes per layer (default: 3 on CPU, 4 on GPU).")
 @option("--branch", default=None, type=int,
@@ -80,7 +86,8 @@ def serve(config: DraftConfig) -> None:
 @option("--metrics-port", default=9093, type=int, help="Prometheus port (0 = disabled).")
 @logging_options
 def main(cache_addr: str, model: str, quantize: str, dtype: str, device: str, name: str | None,
-         capacity: int, tree_width: int | None, branch: int | None, max_depth: int | None,
+         capacity: int, max_model_len: int | None, kv_cache_gb: float | None, tree_width: int | None,
+         branch: int | None, max_depth: int | None,
          threads: int | None, nice: int, host: str,
          port: int, metrics_port: int, log_level: str, json_logs: bool) -> None:
     """Run a CARD draft worker for the cache service at --cache."""
@@ -95,6 +102,8 @@ def main(cache_addr: str, model: str, quantize: str, dtype: str, device: str, na
             name=name or default_worker_name(model, quantize),
             tree=tree_params(device, width=tree_width, branch=branch, max_depth=max_depth),
             capacity=capacity,
+            max_model_len=max_model_len,
+            kv_cache_gb=kv_cache_gb,
             threads=threads,
             host=host,
             port=port,

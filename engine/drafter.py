@@ -1,41 +1,77 @@
-"""The drafter: grows the candidate tree one layer of K nodes per forward, never waiting.
+"""The drafter: grows one session's candidate tree one layer of K nodes per forward, never waiting.
 
-State, for one session:
-    KV cache  = committed tokens the drafter has forwarded (``n_committed``), then one slot per
+State, for one session, in one slot of a KV pool (engine.kv_pool.KVPool) shared with every other
+session of its worker:
+    KV rows   = committed tokens the drafter has forwarded (``n_committed``), then one row per
                 *expanded* tree node (a node whose own forward has run), in expansion order.
     pending   = committed tokens not yet forwarded (the prompt at start, the unseen tail after a
-                miss); they are forwarded before any tree work.
+                miss); they are forwarded, in chunks of PREFILL_CHUNK, before any tree work.
     frontier  = primary nodes not yet expanded; always the newest layer below the root.
-    ancestors = ``anc[i, j]``: tree slot j is slot i or one of its ancestors (the tree mask rows).
+    ancestors = ``anc[i, j]``: tree row j is row i or one of its ancestors (the tree mask rows).
 
-``step()`` does exactly one thing: forward pending tokens (root children), expand the frontier
-(one batched tree-attention forward over its K nodes), or regrow a frontier from tier B without a
-forward; it returns the new layer, or None when the tree is at ``max_depth``.
-``advance()`` applies the cache's verdict on a correction: on a hit it compacts the KV cache to
-committed + surviving subtree, on a miss it keeps what the committed text already covers.
+A round is split in two so that a worker can run every session's round in one forward:
+``plan()`` says what this session needs next: a ``DraftWork`` (a prefill chunk, or the frontier's
+K nodes with their tree mask), a ``Layer`` grown without a forward (a regrow from tier B), or None
+(the tree is at ``max_depth``, or the slot is full); ``finish(work, logits)`` turns the forward's
+logits into the next layer. ``step()`` does both with a forward of its own (classic sd, tests).
+``advance()`` applies the cache's verdict on a correction: on a hit it moves the surviving rows
+(committed + accepted path + surviving subtree) to the front of the slot, on a miss it keeps what
+the committed text already covers.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
-from engine import kv as kvops
 from engine.config import TreeParams
-from engine.errors import Aborted
+from engine.errors import Aborted, InvalidArgument, ResourceExhausted
+from engine.kv_pool import PREFILL_CHUNK, KVPool, Segment, forward
 from engine.tree import NO_NODE, Advance, Layer, TwoTierTree
 
 _CPU = torch.device("cpu")
 
 
+@dataclass(eq=False)
+class DraftWork:
+    """One session's part of a draft forward.
+
+    segment:    where its tokens go in the pool (tree nodes carry positions and a tree mask).
+    tokens:     [n] the tokens to forward.
+    logit_rows: [r] rows of ``tokens`` whose logits ``finish`` needs.
+    frontier:   [F] tree rows being expanded; None for a prefill chunk.
+    """
+
+    segment: Segment
+    tokens: torch.Tensor
+    logit_rows: torch.Tensor
+    frontier: torch.Tensor | None = None
+
+
+def tree_rows(params: TreeParams) -> int:
+    """KV rows a session's tree can hold beyond its committed text: K expanded nodes per layer."""
+    return params.width * params.max_depth
+
+
 class Drafter:
-    def __init__(self, model: torch.nn.Module, params: TreeParams) -> None:
+    """One session of a draft model. ``pool`` is the worker's (one slot is taken at ``start``
+    and given back at ``release``); without one the drafter owns a pool of one slot of
+    ``max_len`` committed tokens plus its tree (classic sd, tests)."""
+
+    def __init__(self, model: torch.nn.Module, params: TreeParams, pool: KVPool | None = None,
+                 max_len: int | None = None) -> None:
         self.model = model
         self.params = params
+        if pool is None:
+            rows = (max_len or model.config.max_position_embeddings) + tree_rows(params)
+            pool = KVPool(model, slots=1, max_len=rows)
+        self.pool = pool
+        self.vocab = model.get_input_embeddings().num_embeddings
+        self.slot: int | None = None
         self.forwards = 0
         self.tree = TwoTierTree(_CPU)
-        self.cache = kvops.new_cache()
         self.n_committed = 0
         self.pending: list[int] = []
         self.kv_slot = torch.empty(0, dtype=torch.int64)  # [N] per tree row, -1 = not expanded
@@ -44,22 +80,40 @@ class Drafter:
 
     # ---- session lifecycle -------------------------------------------------------------------
     def start(self, committed: Sequence[int], epoch: int = 0) -> None:
-        """(Re)start from the committed text at ``epoch`` with an empty tree."""
+        """(Re)start from the committed text at ``epoch`` with an empty tree, in a slot of the pool."""
+        self._check_tokens(committed)
+        self._check_room(len(committed))
+        if self.slot is None:
+            self.slot = self.pool.acquire()
+            if self.slot is None:
+                raise ResourceExhausted(f"the draft's KV cache has no free slot (all {self.pool.slots} held)")
         self.tree.reset(epoch)
-        self.cache = kvops.new_cache()
         self.n_committed = 0
         self.pending = list(committed)
         self.kv_slot = torch.empty(0, dtype=torch.int64)
         self.anc = torch.zeros(0, 0, dtype=torch.bool)
 
     def release(self) -> None:
-        """Free the KV cache and the tree (session ended)."""
-        self.cache = kvops.new_cache()
+        """Give the slot back and drop the tree (session ended)."""
+        if self.slot is not None:
+            self.pool.release(self.slot)
+            self.slot = None
         self.tree.reset(self.tree.epoch)
         self.pending = []
         self.n_committed = 0
         self.kv_slot = torch.empty(0, dtype=torch.int64)
         self.anc = torch.zeros(0, 0, dtype=torch.bool)
+
+    def _check_tokens(self, tokens: Sequence[int]) -> None:
+        # one bad id would fail the whole worker's forward (an embedding IndexError): refuse it here
+        if tokens and not (min(tokens) >= 0 and max(tokens) < self.vocab):
+            raise InvalidArgument(f"a token id is outside the draft's vocabulary [0, {self.vocab})")
+
+    def _check_room(self, committed: int) -> None:
+        if committed + tree_rows(self.params) > self.pool.max_len:
+            raise ResourceExhausted(
+                f"the session needs {committed} committed rows, the draft's KV slots hold "
+                f"{self.pool.max_len - tree_rows(self.params)} (card-draft --max-model-len)")
 
     @property
     def epoch(self) -> int:
@@ -70,18 +124,57 @@ class Drafter:
         return int(self.anc.shape[0])
 
     def kv_length(self) -> int:
-        return kvops.kv_length(self.cache)
+        """KV rows this session holds now (committed + expanded tree nodes)."""
+        return self.n_committed + self.n_tree_slots if self.slot is not None else 0
 
     # ---- growing -----------------------------------------------------------------------------
-    def step(self) -> Layer | None:
+    def plan(self) -> DraftWork | Layer | None:
+        """What this session needs next (see the module docstring); None: nothing until the
+        next correction."""
+        if self.slot is None:
+            return None
         if self.pending:
-            return self._expand_root()
+            return self._plan_chunk()
         frontier = torch.nonzero(self.kv_slot < 0).flatten()
         if frontier.numel():
             if int(self.tree.depth[frontier].max().item()) >= self.params.max_depth:
                 return None
-            return self._expand(frontier)
+            if self.n_committed + self.n_tree_slots + frontier.numel() > self.pool.max_len:
+                return None  # the slot is full: the tree stays as deep as it is
+            return self._plan_expand(frontier)
         return self._regrow()
+
+    def finish(self, work: DraftWork, logits: torch.Tensor) -> Layer | None:
+        """Apply the forward's ``logits`` [r, V] (rows ``work.logit_rows``); the new layer, or
+        None after a prefill chunk that is not the prompt's last."""
+        self.forwards += 1
+        if work.frontier is None:
+            self.n_committed += work.tokens.numel()
+            del self.pending[: work.tokens.numel()]
+            if self.pending:
+                return None
+            root = torch.tensor([self.tree.root_id], dtype=torch.int64)
+            return self._top_children(logits[-1:], root, torch.zeros(1))
+        frontier, t, f = work.frontier, self.n_tree_slots, work.frontier.numel()
+        visible = work.segment.visible[:, self.n_committed:].cpu()  # [F, T+F] tree part
+        anc = torch.zeros(t + f, t + f, dtype=torch.bool)
+        anc[:t, :t] = self.anc
+        anc[t:] = visible
+        self.anc = anc
+        self.kv_slot[frontier] = torch.arange(t, t + f)
+        tree = self.tree
+        return self._top_children(logits, tree.ids[frontier], tree.path_logp[frontier])
+
+    def step(self) -> Layer | None:
+        """One layer with a forward of this session's own (prefill chunks included)."""
+        while True:
+            work = self.plan()
+            if not isinstance(work, DraftWork):
+                return work
+            logits = forward(self.model, self.pool, [work.segment], work.tokens, work.logit_rows)
+            layer = self.finish(work, logits)
+            if layer is not None:
+                return layer
 
     def _new_ids(self, n: int) -> torch.Tensor:
         ids = torch.arange(self.next_id, self.next_id + n, dtype=torch.int64)
@@ -112,37 +205,29 @@ class Drafter:
         return self._publish(b_parents[best], toks.reshape(-1)[best], local.reshape(-1)[best],
                              b_parents, toks.reshape(-1), local.reshape(-1))
 
-    def _expand_root(self) -> Layer:
-        tokens = torch.tensor(self.pending, dtype=torch.int64)
-        positions = torch.arange(self.n_committed, self.n_committed + tokens.numel())
-        logits = kvops.forward(self.model, self.cache, tokens, positions)  # causal, no tree slots
-        self.forwards += 1
-        self.n_committed += tokens.numel()
-        self.pending = []
-        root = torch.tensor([self.tree.root_id], dtype=torch.int64)
-        return self._top_children(logits[-1:], root, torch.zeros(1))
+    def _plan_chunk(self) -> DraftWork:
+        if self.n_tree_slots:  # pending tokens come only with an empty tree (advance keeps that)
+            raise Aborted("drafter has pending tokens and tree rows at once")
+        n = min(len(self.pending), PREFILL_CHUNK)
+        self._check_room(self.n_committed + len(self.pending))
+        tokens = torch.tensor(self.pending[:n], dtype=torch.int64)
+        rows = torch.tensor([n - 1] if n == len(self.pending) else [], dtype=torch.int64)
+        return DraftWork(Segment(self.slot, self.n_committed, n), tokens, rows)  # causal
 
-    def _expand(self, frontier: torch.Tensor) -> Layer:
+    def _plan_expand(self, frontier: torch.Tensor) -> DraftWork:
         tree = self.tree
-        f, t = frontier.numel(), self.n_tree_slots
+        f, t, c = frontier.numel(), self.n_tree_slots, self.n_committed
         prow, _ = tree.rows_of(tree.parents[frontier])  # 0 = root
         parent_slot = torch.where(prow > 0, self.kv_slot[(prow - 1).clamp(min=0)], -1)
-        visible = torch.zeros(f, t + f, dtype=torch.bool)  # [F, T+F]
+        visible = torch.zeros(f, c + t + f, dtype=torch.bool)  # [F, committed + T + F]
+        visible[:, :c] = True
         has_parent = parent_slot >= 0
         if t and bool(has_parent.any()):
-            visible[has_parent, :t] = self.anc[parent_slot[has_parent]]
-        visible[:, t:] = torch.eye(f, dtype=torch.bool)
-        dtype = next(self.model.parameters()).dtype
-        mask = kvops.tree_mask(self.n_committed, visible, dtype, self.model.device)
-        positions = self.n_committed - 1 + tree.depth[frontier]
-        logits = kvops.forward(self.model, self.cache, tree.tokens[frontier], positions, mask)
-        self.forwards += 1
-        anc = torch.zeros(t + f, t + f, dtype=torch.bool)
-        anc[:t, :t] = self.anc
-        anc[t:] = visible
-        self.anc = anc
-        self.kv_slot[frontier] = torch.arange(t, t + f)
-        return self._top_children(logits, tree.ids[frontier], tree.path_logp[frontier])
+            visible[has_parent, c:c + t] = self.anc[parent_slot[has_parent]]
+        visible[:, c + t:] = torch.eye(f, dtype=torch.bool)
+        positions = c - 1 + tree.depth[frontier]
+        segment = Segment(self.slot, c + t, f, positions=positions, visible=visible)
+        return DraftWork(segment, tree.tokens[frontier], torch.arange(f), frontier)
 
     def _regrow(self) -> Layer | None:
         """Every node is expanded but the newest C layer was pruned: promote B children."""
@@ -182,15 +267,13 @@ class Drafter:
                 break
             path_slots.append(int(self.kv_slot[r].item()))
         new_tokens = [*adv.accepted_tokens, adv.next_token]
+        self._check_tokens(new_tokens)
         rows = tree.reroot(adv)
         kept_slots = self.kv_slot[rows] if rows.numel() else torch.empty(0, dtype=torch.int64)
         desc_slots = kept_slots[kept_slots >= 0]
-        keep = torch.cat([
-            torch.arange(self.n_committed),
-            self.n_committed + torch.tensor(path_slots, dtype=torch.int64),
-            self.n_committed + desc_slots,
-        ])
-        kvops.kv_select(self.cache, keep)
+        moved = self.n_committed + torch.cat([torch.tensor(path_slots, dtype=torch.int64), desc_slots])
+        if self.slot is not None:
+            self.pool.keep(self.slot, self.n_committed, moved)  # committed rows stay where they are
         self.n_committed += len(path_slots)
         self.pending = self.pending + new_tokens[len(path_slots):]
         self.anc = self.anc[desc_slots][:, desc_slots]

@@ -100,8 +100,12 @@ class Generation:
 
     @property
     def kv_len(self) -> int:
-        """KV rows this generation can ever write: prompt + budget, within the context window."""
-        return min(self.context_window, len(self.request.prompt_ids) + self.request.stop.max_new_tokens)
+        return self.kv_rows(self.request, self.context_window)
+
+    @staticmethod
+    def kv_rows(request: GenerationRequest, context_window: int) -> int:
+        """KV rows a generation can ever write: prompt + budget, within the context window."""
+        return min(context_window, len(request.prompt_ids) + request.stop.max_new_tokens)
 
     @property
     def done(self) -> bool:

@@ -44,12 +44,15 @@ class RunnerConfig:
     lend_cores: bool = True
     backoff: bool = True
     calibration_steps: int = 4
+    draft_slots: int = 8  # card: sessions the draft worker grows at once (one forward per round)
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise InvalidArgument(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")
         if self.gamma < 1:
             raise InvalidArgument(f"gamma must be >= 1, got {self.gamma}")
+        if self.draft_slots < 1:
+            raise InvalidArgument(f"draft_slots must be >= 1, got {self.draft_slots}")
         if self.calibration_steps < 0:
             raise InvalidArgument(f"calibration_steps must be >= 0, got {self.calibration_steps}")
 
@@ -77,16 +80,19 @@ class InProcessRunner:
         if config.target_threads:
             torch.set_num_threads(config.target_threads)
 
-    def _source(self) -> ChainSource:
+    def _source(self, kv_len: int) -> ChainSource:
         cfg = self.config
         if cfg.mode == "vanilla":
             return NoDraft()
         assert self.draft is not None
         if cfg.mode == "sd":
-            return SyncDraft(self.draft.model, cfg.gamma)
+            return SyncDraft(self.draft.model, cfg.gamma, kv_len)
         if self.worker is None:
-            self.worker = DraftWorker(self.draft.model, cfg.tree, self._publish,
-                                      threads=cfg.draft_threads, name=self.draft.name)
+            # rows per slot: the target's whole context window. On the CPU a slot's pages are
+            # touched only as far as its session writes (engine.kv_pool), so this costs nothing.
+            self.worker = DraftWorker(self.draft.model, cfg.tree, self._publish, slots=cfg.draft_slots,
+                                      max_len=self.target.context_window, threads=cfg.draft_threads,
+                                      name=self.draft.name)
             self.worker.start()
         source = self._new_card()
         self._cards.add(source)
@@ -113,7 +119,7 @@ class InProcessRunner:
         return Generation(
             self.target.model,
             request,
-            self._source(),
+            self._source(Generation.kv_rows(request, self.target.context_window)),
             eos_ids=self.target.eos_ids,
             decode=self.target.decode,
             context_window=self.target.context_window,

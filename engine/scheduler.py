@@ -1,12 +1,12 @@
 """The target engine: one loop owns the model; each iteration is one forward over every live
 generation (continuous batching, nano-vllm's shape).
 
-    admit    waiting generations take a free KV slot (engine.target_kv.KVPool), in arrival order
+    admit    waiting generations take a free KV slot (engine.kv_pool.KVPool), in arrival order
     plan     each running generation gives its next input: a prefill chunk, or [t_next, *chain]
              after its chain source's step; steps first, then prefill chunks while the iteration
              has token budget (``max_batch_tokens``; the first input always goes)
     budget   each chain is cut to what pays at this iteration's measured cost (engine.speculation)
-    forward  one flattened forward over all of them (engine.target_kv.forward), timed
+    forward  one flattened forward over all of them (engine.kv_pool.forward), timed
     commit   each generation absorbs its rows' logits and streams what it committed; finished
              ones close and give their slot back
 
@@ -29,14 +29,11 @@ import torch
 
 from engine.chain_source import step_all
 from engine.generate import Chunk, Generation
+from engine.kv_pool import PREFILL_CHUNK, KVPool, Segment, forward
 from engine.speculation import CostModel, chain_lengths
-from engine.target_kv import KVPool, Segment, forward
 
 log = logging.getLogger(__name__)
 
-# Prompt tokens per prefill chunk. Fixed for every entry point: the chunking is part of a
-# generation's arithmetic (in-process reference runs and card-target must chunk alike).
-PREFILL_CHUNK = 256
 
 
 @dataclass

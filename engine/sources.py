@@ -45,9 +45,10 @@ class NoDraft:
 class SyncDraft:
     """Classic speculative decoding: draft ``gamma`` tokens, then verify, in turn."""
 
-    def __init__(self, model: torch.nn.Module, gamma: int = 4) -> None:
+    def __init__(self, model: torch.nn.Module, gamma: int = 4, kv_len: int | None = None) -> None:
         self.gamma = gamma
-        self.drafter = Drafter(model, TreeParams(width=1, branch=1, max_depth=gamma, max_chain=gamma))
+        self.drafter = Drafter(model, TreeParams(width=1, branch=1, max_depth=gamma, max_chain=gamma),
+                               max_len=kv_len)
 
     def open(self, committed: Sequence[int]) -> None:
         self.drafter.start(committed)

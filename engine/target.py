@@ -1,7 +1,7 @@
 """The target's side of one generation: the committed sequence and the acceptance rule.
 
 Committed sequence = prompt + every token the target emitted; it has one owner per process, this
-object. The KV cache (engine.target_kv, filled by the engine's batched forwards) covers every
+object. The KV cache (engine.kv_pool, filled by the engine's batched forwards) covers every
 committed token but the last one (the *next token*), which rides at the head of the next
 verification: a step forwards ``[next_token, *chain]`` at positions ``len(committed) - 1 ...``.
 """

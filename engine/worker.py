@@ -1,10 +1,15 @@
-"""A draft worker: one draft model serving any number of sessions from one thread.
+"""A draft worker: one draft model serving up to ``slots`` sessions from one thread, all of them
+in one forward per round.
 
 The worker never waits for the target. Each round it applies every queued command (start,
-advance, stop), then gives each session with work one ``Drafter.step()`` in turn (fair
-interleaving), handing each new layer to ``publish``. It sleeps only when no session has anything
-to grow (all trees at max depth), until the next command arrives. Drafters are touched by the
-worker thread alone; other threads talk to it through the command queue.
+advance, stop), asks every session what it needs next (``Drafter.plan``: a prefill chunk, its
+frontier's K nodes, or a layer regrown without a forward), runs **one** forward over all of them
+on the shared KV pool (engine.kv_pool: flattened rows, attention per session under its own tree
+mask), and hands each session's new layer to ``publish``. A round with 8 sessions costs about what
+one session's forward costs where the forward is bound by reading the weights, which is what
+makes drafting affordable under load. It sleeps only when no session has anything to grow (all
+trees at max depth), until the next command arrives. Drafters are touched by the worker thread
+alone; other threads talk to it through the command queue.
 
 ``idle`` is set while the worker sleeps with no command pending and cleared by the thread that
 queues a command, before the worker can wake: a target thread that sees it set may borrow the
@@ -24,8 +29,9 @@ import torch
 
 from engine.config import TreeParams
 from engine.draft_commands import AdvanceDraft, DraftCommand, StartDraft, StopDraft
-from engine.drafter import Drafter
+from engine.drafter import Drafter, DraftWork, tree_rows
 from engine.errors import CardError
+from engine.kv_pool import KVPool, forward
 from engine.tree import Advance, Layer
 
 log = logging.getLogger(__name__)
@@ -48,10 +54,16 @@ class _Session:
 
 
 class DraftWorker:
-    def __init__(self, model: torch.nn.Module, params: TreeParams, publish: Publish,
-                 threads: int | None = None, name: str = "draft") -> None:
+    """``slots`` sessions at most, each of up to ``max_len`` committed tokens (plus its tree's
+    rows); their keys and values live in one KVPool allocated here."""
+
+    def __init__(self, model: torch.nn.Module, params: TreeParams, publish: Publish, *, slots: int,
+                 max_len: int, threads: int | None = None, name: str = "draft") -> None:
         self.model = model
         self.params = params
+        self.pool = KVPool(model, slots, max_len + tree_rows(params))
+        self.forwards = 0  # draft forwards run (each for every session that had work that round)
+        self.batch_rows = 0  # sessions those forwards served, summed (mean batch = rows / forwards)
         self.publish = publish
         self.threads = threads
         self.name = name
@@ -128,7 +140,8 @@ class DraftWorker:
         now = time.perf_counter()
         if kind == "start":
             sid, committed, epoch = args
-            drafter = Drafter(self.model, self.params)
+            self._drop(sid)  # a restart gives its slot back first
+            drafter = Drafter(self.model, self.params, self.pool)
             drafter.start(committed, epoch)
             with self._stats_lock:
                 self._sessions[sid] = _Session(drafter)
@@ -183,29 +196,78 @@ class DraftWorker:
             torch.set_num_threads(self.threads)
         while self._running:
             self._drain(block=False)
-            progressed = False
-            for sid, s in list(self._sessions.items()):
-                before = s.drafter.forwards
-                try:
-                    layer = s.drafter.step()
-                except Exception:  # a broken session must not take the worker down with it
-                    log.exception("draft session %s failed; dropping it", sid)
-                    self._drop(sid)
-                    continue
-                if layer is None:
-                    if s.idle_since is None:
-                        with self._stats_lock:
-                            s.idle_since = time.perf_counter()
-                    continue
-                s.stats.forwards += s.drafter.forwards - before
-                s.stats.layers += 1
-                progressed = True
-                self.publish(sid, layer)
-                self._drain(block=False)  # a correction may have landed during the forward
-                if sid not in self._sessions:
-                    continue
-            if not progressed:
+            if not self._round():
                 with self._idle_lock:
                     if self._commands.empty():
                         self.idle.set()
                 self._drain(block=True)
+
+    def _round(self) -> bool:
+        """Grow every session that can grow by one layer; False when none could."""
+        works: list[tuple[str, _Session, DraftWork]] = []
+        progressed = False
+        for sid, s in list(self._sessions.items()):
+            try:
+                plan = s.drafter.plan()
+            except Exception as exc:  # a broken session must not take the worker down with it
+                self._fail(sid, exc)
+                continue
+            if isinstance(plan, DraftWork):
+                works.append((sid, s, plan))
+            elif isinstance(plan, Layer):  # regrown from tier B, no forward
+                self._published(sid, s, plan)
+                progressed = True
+            elif s.idle_since is None:
+                with self._stats_lock:
+                    s.idle_since = time.perf_counter()
+        if not works:
+            return progressed
+        for (sid, s, work), logits in zip(works, self._forward([w for _, _, w in works]), strict=True):
+            if logits is None:  # its forward failed alone (see _forward)
+                self._fail(sid, RuntimeError("draft forward failed"))
+                continue
+            s.stats.forwards += 1
+            try:
+                layer = s.drafter.finish(work, logits)
+            except Exception as exc:
+                self._fail(sid, exc)
+                continue
+            if layer is not None:
+                self._published(sid, s, layer)
+        return True
+
+    def _forward(self, works: list[DraftWork]) -> list[torch.Tensor | None]:
+        """One forward over every session's work; each session's logits rows. Should the shared
+        forward fail, each work is retried alone so that only the sessions that fail alone drop."""
+        segments = [w.segment for w in works]
+        tokens = torch.cat([w.tokens for w in works])
+        offsets = [0]
+        for w in works:
+            offsets.append(offsets[-1] + w.tokens.numel())
+        rows = torch.cat([o + w.logit_rows for o, w in zip(offsets, works, strict=False)])
+        try:
+            logits = forward(self.model, self.pool, segments, tokens, rows)
+            self.forwards += 1
+            self.batch_rows += len(works)
+        except Exception:
+            if len(works) == 1:
+                log.exception("draft forward failed")
+                return [None]
+            return [self._forward([w])[0] for w in works]
+        out, r = [], 0
+        for w in works:
+            n = w.logit_rows.numel()
+            out.append(logits[r:r + n])
+            r += n
+        return out
+
+    def _published(self, sid: str, s: _Session, layer: Layer) -> None:
+        s.stats.layers += 1
+        self.publish(sid, layer)
+
+    def _fail(self, sid: str, exc: BaseException) -> None:
+        if isinstance(exc, CardError):
+            log.warning("draft session %s dropped: %s", sid, exc)
+        else:
+            log.error("draft session %s failed; dropping it", sid, exc_info=exc)
+        self._drop(sid)

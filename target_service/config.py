@@ -4,11 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.errors import InvalidArgument, ResourceExhausted
+from engine.errors import InvalidArgument
+from engine.kv_pool import DEFAULT_MAX_MODEL_LEN, pool_shape
 from engine.loading.models import ModelConfig
-
-DEFAULT_MAX_MODEL_LEN = 4096
-
 
 
 @dataclass(frozen=True)
@@ -58,12 +56,4 @@ class TargetConfig:
         """(slots, rows per slot) of the KV cache for a model with this context window and
         keys + values of ``bytes_per_token`` bytes per token."""
         max_len = min(self.max_model_len or DEFAULT_MAX_MODEL_LEN, context_window)
-        per_slot = bytes_per_token * max_len
-        if self.kv_cache_gb is None:
-            return self.max_batch_size, max_len
-        slots = min(int(self.kv_cache_gb * 2**30 // per_slot), self.max_batch_size)
-        if slots < 1:
-            raise ResourceExhausted(
-                f"--kv-cache-gb {self.kv_cache_gb:g} holds no sequence of {max_len} tokens "
-                f"({per_slot / 2**30:.3f} GB each); raise it or lower --max-model-len")
-        return slots, max_len
+        return pool_shape(self.max_batch_size, max_len, bytes_per_token, self.kv_cache_gb)

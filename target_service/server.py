@@ -29,9 +29,9 @@ from card_common.serving import (
     start_metrics_server,
 )
 from engine.errors import Unavailable
+from engine.kv_pool import KVPool
 from engine.loading.models import ModelConfig, load_model
 from engine.scheduler import TargetEngine
-from engine.target_kv import KVPool
 from target_service.config import TargetConfig
 from target_service.engine_loop import EngineLoop
 from target_service.servicer import TargetServicer

@@ -2,8 +2,8 @@
 
 Measures, with the engine's own forwards on a real prompt's KV cache:
     target  one verification of ``[next_token, *chain]`` for chain lengths 0..N, per thread count
-            (engine/target_kv.py: the forward card-target and every in-process mode run)
-    draft   one tree layer of K nodes (tree-attention mask) for K in the given widths (engine/kv.py)
+            (engine/kv_pool.py: the forward card-target and every in-process mode run)
+    draft   one tree layer of K nodes (tree-attention mask) for K in the given widths (engine/kv_pool.py)
     --beside-draft: the target's verifies on one thread again, while a thread forwards the draft
             on the other core, as in-process card runs them (the two share caches, memory
             bandwidth and the GIL)
@@ -25,10 +25,9 @@ from pathlib import Path
 import click
 import torch
 
-from engine import kv as kvops
-from engine import target_kv
+from engine import kv_pool
+from engine.kv_pool import Segment, prefilled, siblings
 from engine.loading.models import ModelConfig, load_model
-from engine.target_kv import KVPool, Segment
 
 
 def _time(fn, reps: int) -> tuple[float, float]:
@@ -46,16 +45,14 @@ def verify_costs(model: torch.nn.Module, prompt: list[int], lengths: range, thre
     """ms (min, median) of one target verification of 1 + L tokens on top of ``prompt``."""
     torch.set_num_threads(threads)
     n = len(prompt)
-    pool = KVPool(model, slots=1, max_len=n + max(lengths, default=0) + 1)
-    no_rows = torch.empty(0, dtype=torch.int64)
-    target_kv.forward(model, pool, [Segment(0, 0, n)], torch.tensor(prompt), no_rows)
+    pool = prefilled(model, prompt, max(lengths, default=0) + 1)
     out = {}
     for length in lengths:
         tokens = torch.tensor(prompt[-(length + 1):])
         rows = torch.arange(tokens.numel())
 
         def once(tokens=tokens, rows=rows):  # rows past the prompt are simply overwritten next time
-            target_kv.forward(model, pool, [Segment(0, n, tokens.numel())], tokens, rows)
+            kv_pool.forward(model, pool, [Segment(0, n, tokens.numel())], tokens, rows)
 
         out[length] = _time(once, reps)
     return out
@@ -64,18 +61,14 @@ def verify_costs(model: torch.nn.Module, prompt: list[int], lengths: range, thre
 def layer_costs(model: torch.nn.Module, prompt: list[int], widths: tuple[int, ...], threads: int,
                 reps: int) -> dict[int, tuple[float, float]]:
     torch.set_num_threads(threads)
-    cache = kvops.new_cache()
-    kvops.forward(model, cache, torch.tensor(prompt), torch.arange(len(prompt)))
     n = len(prompt)
-    dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
+    pool = prefilled(model, prompt, max(widths, default=1))
     out = {}
     for k in widths:
-        tokens = torch.tensor(prompt[-k:])
-        mask = kvops.tree_mask(n, torch.eye(k, dtype=torch.bool), dtype, model.device)
+        tokens, segment, rows = torch.tensor(prompt[-k:]), siblings(n, k), torch.arange(k)
 
-        def once(tokens=tokens, mask=mask):
-            kvops.forward(model, cache, tokens, torch.full((tokens.numel(),), n), mask)
-            kvops.kv_crop(cache, n)
+        def once(tokens=tokens, segment=segment, rows=rows):  # rows past the prompt: overwritten
+            kv_pool.forward(model, pool, [segment], tokens, rows)
 
         out[k] = _time(once, reps)
     return out
@@ -87,16 +80,14 @@ def draft_beside(model: torch.nn.Module, prompt: list[int]) -> Iterator[list[flo
     worker does, for as long as the block runs; yields the list of its forward times (s)."""
     times: list[float] = []
     stop = threading.Event()
-    cache = kvops.new_cache()
-    kvops.forward(model, cache, torch.tensor(prompt), torch.arange(len(prompt)))
-    n, token = len(prompt), torch.tensor(prompt[-1:])
+    pool = prefilled(model, prompt, 1)
+    n, token, row = len(prompt), torch.tensor(prompt[-1:]), torch.zeros(1, dtype=torch.int64)
 
     def loop() -> None:
         torch.set_num_threads(1)
         while not stop.is_set():
             t = time.perf_counter()
-            kvops.forward(model, cache, token, torch.arange(n, n + 1))
-            kvops.kv_crop(cache, n)
+            kv_pool.forward(model, pool, [Segment(0, n, 1)], token, row)
             times.append(time.perf_counter() - t)
 
     worker = threading.Thread(target=loop, name="draft-beside", daemon=True)

@@ -25,8 +25,9 @@ from pathlib import Path
 import torch
 
 from client.bench import data
-from engine import kv as kvops
+from engine import kv_pool
 from engine.config import GenerationRequest, StopParams
+from engine.kv_pool import Segment, prefilled, siblings
 from engine.loading.draft_variants import truncate_layers
 from engine.loading.models import ModelConfig, load_model
 from engine.runner import InProcessRunner, RunnerConfig
@@ -55,14 +56,16 @@ def make_draft(target: torch.nn.Module, name: str) -> torch.nn.Module:
 
 @torch.inference_mode()
 def greedy(model: torch.nn.Module, ids: list[int], n: int) -> list[int]:
-    cache = kvops.new_cache()
-    logits = kvops.forward(model, cache, torch.tensor(ids), torch.arange(len(ids)))
+    pool = kv_pool.KVPool(model, slots=1, max_len=len(ids) + n)
+    last = torch.tensor([len(ids) - 1])
+    logits = kv_pool.forward(model, pool, [Segment(0, 0, len(ids))], torch.tensor(ids), last)
     out: list[int] = []
     for _ in range(n):
         token = int(logits[-1].argmax())
         out.append(token)
         pos = len(ids) + len(out) - 1
-        logits = kvops.forward(model, cache, torch.tensor([token]), torch.tensor([pos]))
+        row = torch.zeros(1, dtype=torch.int64)
+        logits = kv_pool.forward(model, pool, [Segment(0, pos, 1)], torch.tensor([token]), row)
     return out
 
 
@@ -78,18 +81,14 @@ def agreement(model: torch.nn.Module, prompt: list[int], cont: list[int]) -> tup
 @torch.inference_mode()
 def forward_ms(model: torch.nn.Module, prefix: list[int], q: int, reps: int) -> float:
     """Median ms of one forward of ``q`` sibling tokens (tree-layer mask) over a ``prefix`` KV cache."""
-    cache = kvops.new_cache()
     n = len(prefix)
-    kvops.forward(model, cache, torch.tensor(prefix), torch.arange(n))
-    tokens = torch.tensor(prefix[-q:])
-    positions = torch.full((q,), n)
-    mask = kvops.tree_mask(n, torch.eye(q, dtype=torch.bool), torch.float32, model.device) if q > 1 else None
+    pool = prefilled(model, prefix, q)
+    tokens, segment, rows = torch.tensor(prefix[-q:]), siblings(n, q), torch.arange(q)
     times = []
-    for _ in range(reps):
+    for _ in range(reps):  # rows past the prefix are simply overwritten next time
         t0 = time.perf_counter()
-        kvops.forward(model, cache, tokens, positions, mask)
+        kv_pool.forward(model, pool, [segment], tokens, rows)
         times.append(time.perf_counter() - t0)
-        kvops.kv_crop(cache, n)
     return 1000 * statistics.median(times)
 
 

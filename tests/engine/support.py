@@ -199,7 +199,7 @@ def card_source(draft: torch.nn.Module, params: TreeParams, lockstep_depth: int 
     on exit the worker must hold nothing."""
     card = (LockstepCard(None, params, depth=lockstep_depth) if lockstep_depth
             else LocalCard(None, params))
-    worker = DraftWorker(draft, params, card.publish, name="test")
+    worker = DraftWorker(draft, params, card.publish, slots=8, max_len=512, name="test")
     card.worker = worker
     worker.start()
     try:
@@ -328,15 +328,17 @@ class DraftSession:
         assert d.kv_length() == n + slots.numel()
         if n == 0:
             return
+        # the session's rows of the pool: [kv_heads, rows, head_dim] per layer
+        keys = [k[d.slot] for k in d.pool.keys]
+        values = [v[d.slot] for v in d.pool.values]
         _, ref = plain_forward(self.model, self.committed[:n])
-        for got, want in zip(d.cache.layers, ref.layers, strict=True):
-            torch.testing.assert_close(got.keys[..., :n, :], want.keys, rtol=0, atol=1e-9)
-            torch.testing.assert_close(got.values[..., :n, :], want.values, rtol=0, atol=1e-9)
+        for k, v, want in zip(keys, values, ref.layers, strict=True):
+            torch.testing.assert_close(k[:, :n], want.keys[0], rtol=0, atol=1e-9)
+            torch.testing.assert_close(v[:, :n], want.values[0], rtol=0, atol=1e-9)
         tree = d.tree
         for row in torch.nonzero(d.kv_slot >= 0).flatten().tolist():
             slot = n + int(d.kv_slot[row])
             _, ref = plain_forward(self.model, self.committed[:n] + path_tokens(tree, int(tree.ids[row])))
-            for got, want in zip(d.cache.layers, ref.layers, strict=True):
-                torch.testing.assert_close(got.keys[..., slot, :], want.keys[..., -1, :], rtol=0, atol=1e-9)
-                torch.testing.assert_close(got.values[..., slot, :], want.values[..., -1, :],
-                                           rtol=0, atol=1e-9)
+            for k, v, want in zip(keys, values, ref.layers, strict=True):
+                torch.testing.assert_close(k[:, slot], want.keys[0, :, -1], rtol=0, atol=1e-9)
+                torch.testing.assert_close(v[:, slot], want.values[0, :, -1], rtol=0, atol=1e-9)

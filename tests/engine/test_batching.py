@@ -9,11 +9,11 @@ import torch
 
 from engine.config import GenerationRequest, SamplingParams, StopParams, TreeParams
 from engine.generate import Generation
+from engine.kv_pool import PREFILL_CHUNK, KVPool
 from engine.loading.models import LoadedModel
 from engine.runner import InProcessRunner, RunnerConfig
-from engine.scheduler import PREFILL_CHUNK, TargetEngine
+from engine.scheduler import TargetEngine
 from engine.sources import NoDraft
-from engine.target_kv import KVPool
 from tests.engine.support import draft_model, letters, prompt_cases, target_model
 from tests.engine.test_core_lending import LetterTokenizer
 

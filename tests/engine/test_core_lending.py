@@ -25,7 +25,8 @@ def packed(seed: int, perturb: float = 0.0) -> torch.nn.Module:
 @torch.inference_mode()
 def test_the_target_borrows_only_while_the_worker_idles() -> None:
     target, draft = packed(0), packed(0, perturb=0.02)
-    worker = DraftWorker(draft, TreeParams(width=1, branch=2, max_depth=3), lambda *_: None, threads=1)
+    worker = DraftWorker(draft, TreeParams(width=1, branch=2, max_depth=3), lambda *_: None, slots=2,
+                         max_len=512, threads=1)
     worker.start()
     lender = CoreLender(target, own_threads=1, lent_threads=1, idle=worker.idle)
     seen: list[int] = []

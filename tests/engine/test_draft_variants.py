@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import kv as kvops
+from engine import kv_pool
 from engine.config import GenerationRequest, StopParams, TreeParams
 from engine.errors import InvalidArgument
+from engine.kv_pool import KVPool, Segment
 from engine.loading.draft_variants import truncate_layers
 from engine.loading.models import LoadedModel, ModelConfig, load_model
 from engine.runner import InProcessRunner, RunnerConfig
@@ -30,11 +31,11 @@ def test_truncated_logits_are_the_head_read_out_after_layer_n(n):
 def test_truncated_model_runs_incrementally_with_a_kv_cache():
     draft = truncate_layers(tiny_model(layers=4, seed=5), 2)
     ids = torch.arange(10) * 7 % 97
-    whole = kvops.forward(draft, kvops.new_cache(), ids, torch.arange(10))
-    cache = kvops.new_cache()
-    kvops.forward(draft, cache, ids[:6], torch.arange(6))
-    tail = kvops.forward(draft, cache, ids[6:], torch.arange(6, 10))
-    assert kvops.kv_length(cache) == 10 and len(cache.layers) == 2
+    whole = kv_pool.forward(draft, KVPool(draft, 1, 10), [Segment(0, 0, 10)], ids, torch.arange(10))
+    pool = KVPool(draft, 1, 10)
+    kv_pool.forward(draft, pool, [Segment(0, 0, 6)], ids[:6], torch.arange(0))
+    tail = kv_pool.forward(draft, pool, [Segment(0, 6, 4)], ids[6:], torch.arange(4))
+    assert len(pool.keys) == 2  # one KV layer per kept layer
     torch.testing.assert_close(tail, whole[6:], rtol=0, atol=1e-10)
 
 

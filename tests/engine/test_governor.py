@@ -148,7 +148,7 @@ def test_calibration_steps_decode_alone_then_the_draft_starts_and_output_is_unch
     prompt, budget = [3, 14, 15, 92, 65], 40
     want = generate(model, NoDraft(), prompt, max_new_tokens=budget).tokens
     card = LocalCard(None, params, calibration_steps=4)
-    card.worker = worker = DraftWorker(model, params, card.publish, name="test")
+    card.worker = worker = DraftWorker(model, params, card.publish, slots=8, max_len=512, name="test")
     started: list[int] = []  # committed length at each draft session start
     start_session = worker.start_session
     worker.start_session = lambda sid, ids, epoch: (started.append(len(ids)), start_session(sid, ids, epoch))

@@ -49,7 +49,8 @@ class Hub:
 @pytest.fixture
 def hub_worker():
     hub = Hub()
-    worker = DraftWorker(draft_model("llama", "perturbed"), PARAMS, hub.publish, name="t")
+    worker = DraftWorker(draft_model("llama", "perturbed"), PARAMS, hub.publish, slots=8, max_len=512,
+                         name="t")
     worker.start()
     yield hub, worker
     worker.close()
@@ -176,7 +177,7 @@ def test_a_session_that_breaks_is_dropped_and_the_worker_keeps_serving() -> None
 
     layers: list[str] = []
     worker = DraftWorker(tiny_model("llama", seed=0), TreeParams(width=2, max_depth=2),
-                         lambda sid, layer: layers.append(sid))
+                         lambda sid, layer: layers.append(sid), slots=4, max_len=64)
     worker.start()
     try:
         worker.start_session("good", [1, 2, 3])
@@ -194,5 +195,65 @@ def test_a_session_that_breaks_is_dropped_and_the_worker_keeps_serving() -> None
         while len(layers) == n and time.monotonic() < deadline:
             time.sleep(0.05)
         assert len(layers) > n, "the worker stopped serving the healthy session"
+    finally:
+        worker.close()
+
+
+def test_one_forward_grows_every_session_as_it_grows_alone() -> None:
+    """Sessions of different prompt lengths (one longer than a prefill chunk) share each draft
+    forward, and each gets the very layers its drafter grows by itself."""
+    from engine.drafter import Drafter
+    from engine.kv_pool import PREFILL_CHUNK
+
+    model = draft_model("llama", "perturbed")
+    long = [(i * 7) % 90 + 1 for i in range(PREFILL_CHUNK + 30)]
+    prompts = {"a": [5, 6, 7], "b": list(range(1, 40)), "c": long, "d": [11]}
+    got: dict[str, list[Layer]] = {sid: [] for sid in prompts}
+    lock = threading.Lock()
+
+    def publish(sid: str, layer: Layer) -> None:
+        with lock:
+            got[sid].append(layer)
+
+    worker = DraftWorker(model, PARAMS, publish, slots=4, max_len=512, name="batch")
+    for sid, prompt in prompts.items():  # queued before the thread runs: all start together
+        worker.start_session(sid, prompt)
+    worker.start()
+    try:
+        assert wait_until(lambda: all(len(v) >= PARAMS.max_depth for v in got.values()))
+        assert wait_until(lambda: worker.idle.is_set())
+    finally:
+        worker.close()
+    session_forwards = sum(len(v) for v in got.values()) + 1  # + the long prompt's first chunk
+    assert worker.forwards < session_forwards and worker.batch_rows == session_forwards
+    for sid, prompt in prompts.items():
+        alone = Drafter(model, PARAMS, max_len=512)
+        alone.start(prompt)
+        want = []
+        while (layer := alone.step()) is not None:
+            want.append(layer)
+        assert [lay.tokens.tolist() for lay in got[sid]] == [lay.tokens.tolist() for lay in want]
+        for g, w in zip(got[sid], want, strict=True):
+            torch.testing.assert_close(g.local_logp, w.local_logp, rtol=0, atol=1e-9)
+            assert g.b_tokens.tolist() == w.b_tokens.tolist()
+
+
+def test_a_session_beyond_the_kv_slots_is_not_drafted_and_frees_nothing_else() -> None:
+    """More sessions than slots, or a prompt longer than a slot: that session is dropped (the
+    target decodes it alone), the others grow on."""
+    model = draft_model("llama", "perturbed")
+    seen: set[str] = set()
+    worker = DraftWorker(model, PARAMS, lambda sid, layer: seen.add(sid), slots=2, max_len=32, name="full")
+    worker.start()
+    try:
+        worker.start_session("long", list(range(1, 40)))  # 39 committed rows > 32
+        worker.start_session("a", [1, 2, 3])
+        worker.start_session("b", [4, 5, 6])
+        worker.start_session("c", [7, 8, 9])  # no slot left
+        assert wait_until(lambda: {"a", "b"} <= seen and worker.active_sessions == 2)
+        assert seen == {"a", "b"} and worker.pool.free_slots == 0
+        worker.stop_session("a")
+        worker.start_session("c", [7, 8, 9])  # a slot came back
+        assert wait_until(lambda: "c" in seen)
     finally:
         worker.close()

@@ -39,7 +39,7 @@ class WorkerLink:
         stub = cache_pb2_grpc.CacheServiceStub(self.channel)
         self.worker_id = stub.RegisterDraft(cache_pb2.RegisterDraftRequest(
             name=name, model=name, tokenizer_fingerprint=FP_A, capacity=4), timeout=TIMEOUT).worker_id
-        self.worker = DraftWorker(model, TREE, self._publish, threads=1, name=name)
+        self.worker = DraftWorker(model, TREE, self._publish, slots=8, max_len=512, threads=1, name=name)
         self.layers: queue.Queue[cache_pb2.LayerMessage | None] = queue.Queue()
         self.publish = stub.PublishLayers.future(iter(self.layers.get, None))
         self.commands = stub.Commands(cache_pb2.CommandsRequest(worker_id=self.worker_id))

@@ -1,4 +1,5 @@
-"""The target's KV cache and its one forward: allocated once, written by index, many sessions.
+"""The KV cache of a model serving many sessions, and its one forward: allocated once, written
+by index. The target (engine.scheduler) and the draft worker (engine.worker) both run on it.
 
     keys[layer], values[layer]: [slots, kv_heads, max_len, head_dim]
 
@@ -6,9 +7,13 @@ A session owns one slot while it lives (gpt-fast's static cache, with a slot dim
 runs the new tokens of every session in the iteration as one flattened row of ``T`` tokens
 (vLLM / nano-vllm's layout): every linear layer, norm and rotary embedding sees ``[T, hidden]``, and
 only attention is per session, over that session's own slot. Each token's key and value are
-written at ``(slot, position)``; accepting a chain keeps its rows where they are, rows past the
-committed length are junk that the next forward overwrites, and no query ever reads them (each
-query sees positions <= its own). No compaction, no concatenation, nothing allocated per step.
+written at ``(slot, row)``; no concatenation, nothing allocated per step.
+
+Target segments are causal: row = position, a query sees rows <= its own, so accepting a chain
+keeps its rows where they are and rejected rows are junk the next forward overwrites. Draft tree
+segments carry their own rotary ``positions`` (a node at depth d sits at position committed-1+d,
+whatever row it is written to) and a ``visible`` mask (its ancestors and itself, engine.drafter);
+after a correction the drafter moves the rows it keeps to the front (``KVPool.keep``).
 
 Exactness under batching: a session's attention has the same shapes and inputs whatever runs
 beside it, and the CPU's prepacked linears (engine.loading.cpu_linear) are row-invariant, so a
@@ -33,14 +38,29 @@ from engine.errors import FailedPrecondition, ResourceExhausted
 
 ATTN = "card_slots"
 
+# Rows per slot when no --max-model-len is given (and the model's context window is longer).
+DEFAULT_MAX_MODEL_LEN = 4096
 
-@dataclass(frozen=True)
+# Prompt tokens per prefill chunk. Fixed for every entry point: the chunking is part of a
+# generation's arithmetic (in-process reference runs and card-target must chunk alike), and a long
+# prompt in chunks does not stall the sessions decoding beside it (target and draft alike).
+PREFILL_CHUNK = 256
+
+
+@dataclass(frozen=True, eq=False)
 class Segment:
-    """One session's part of a forward: ``length`` tokens at positions ``start...`` in ``slot``."""
+    """One session's part of a forward: ``length`` tokens written at rows ``start...`` of ``slot``.
+
+    positions: [length] rotary positions; None = the rows (start, start+1, ...).
+    visible:   [length, start+length] bool, the rows each query attends to; None = causal
+               (every row up to the query's own).
+    """
 
     slot: int
     start: int
     length: int
+    positions: torch.Tensor | None = None
+    visible: torch.Tensor | None = None
 
     @property
     def end(self) -> int:
@@ -60,8 +80,10 @@ class KVPool:
         shape = (slots, kv_heads, max_len, head_dim)
         dtype = _kv_dtype(model)
         layers = range(cfg.num_hidden_layers)
-        self.keys = [torch.zeros(shape, dtype=dtype, device=param.device) for _ in layers]
-        self.values = [torch.zeros(shape, dtype=dtype, device=param.device) for _ in layers]
+        # torch.empty: on the CPU, pages become resident only when a session first writes them, so
+        # a generous max_len costs address space, not memory. No query ever reads an unwritten row.
+        self.keys = [torch.empty(shape, dtype=dtype, device=param.device) for _ in layers]
+        self.values = [torch.empty(shape, dtype=dtype, device=param.device) for _ in layers]
         self.slots = slots
         self.max_len = max_len
         self.device = param.device
@@ -90,6 +112,30 @@ class KVPool:
             raise ValueError(f"slot {slot} is not held")
         self._free.append(slot)
 
+    def keep(self, slot: int, first: int, rows: torch.Tensor) -> None:
+        """Move ``rows`` [n] of ``slot`` (any order, any rows) to rows ``first...first+n-1``."""
+        if not rows.numel():
+            return
+        rows = rows.to(self.device)
+        end = first + rows.numel()
+        for t in (*self.keys, *self.values):
+            t[slot, :, first:end] = t[slot, :, rows]  # the gather copies before the write
+
+
+def pool_shape(max_slots: int, max_len: int, bytes_per_token: int,
+               kv_cache_gb: float | None) -> tuple[int, int]:
+    """(slots, rows per slot): ``max_slots`` sequences of ``max_len`` rows, fewer where
+    ``kv_cache_gb`` (None = no cap) holds fewer."""
+    per_slot = bytes_per_token * max_len
+    if kv_cache_gb is None:
+        return max_slots, max_len
+    slots = min(int(kv_cache_gb * 2**30 // per_slot), max_slots)
+    if slots < 1:
+        raise ResourceExhausted(
+            f"--kv-cache-gb {kv_cache_gb:g} holds no sequence of {max_len} tokens "
+            f"({per_slot / 2**30:.3f} GB each); raise it or lower --max-model-len")
+    return slots, max_len
+
 
 def _kv_shape(cfg: object) -> tuple[int, int]:
     heads = cfg.num_attention_heads
@@ -113,19 +159,22 @@ class _Batch:
         dev = pool.device
         self.slot_index = torch.cat(
             [torch.full((s.length,), s.slot, dtype=torch.int64) for s in segments]).to(dev)
-        self.positions = torch.cat([torch.arange(s.start, s.end) for s in segments]).to(dev)
+        self.rows = torch.cat([torch.arange(s.start, s.end) for s in segments]).to(dev)
+        self.positions = torch.cat([torch.arange(s.start, s.end) if s.positions is None else s.positions
+                                    for s in segments]).to(dev)
         self.offsets = [0]
         for s in segments:
             self.offsets.append(self.offsets[-1] + s.length)
-        # per segment: None (every key up to its end is visible to every query: one query, or a
-        # causal block from position 0) or a boolean mask [length, end]
-        self.masks = [None if s.length == 1 else _causal(s, dev) for s in segments]
+        # per segment: None (every row up to its end is visible to every query: one query, or a
+        # causal block from row 0) or a boolean mask [length, end]
+        self.masks = [s.visible.to(dev) if s.visible is not None
+                      else None if s.length == 1 else _causal(s, dev) for s in segments]
 
     def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int,
                cache_kwargs: object = None) -> tuple[torch.Tensor, torch.Tensor]:
-        # key, value: [1, kv_heads, T, head_dim] -> rows (slot_t, :, position_t)
-        self.pool.keys[layer_idx][self.slot_index, :, self.positions] = key[0].transpose(0, 1)
-        self.pool.values[layer_idx][self.slot_index, :, self.positions] = value[0].transpose(0, 1)
+        # key, value: [1, kv_heads, T, head_dim] -> rows (slot_t, :, row_t)
+        self.pool.keys[layer_idx][self.slot_index, :, self.rows] = key[0].transpose(0, 1)
+        self.pool.values[layer_idx][self.slot_index, :, self.rows] = value[0].transpose(0, 1)
         return key, value
 
 
@@ -137,8 +186,8 @@ def _causal(seg: Segment, device: torch.device) -> torch.Tensor:
 def _slot_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                     attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
                     card_batch: _Batch | None = None, **kwargs: object) -> tuple[torch.Tensor, None]:
-    """Attention per session over its own slot; any other forward (the drafter's, a plain HF
-    call on the same model object) takes transformers' SDPA path unchanged."""
+    """Attention per session over its own slot; any other forward (a plain HF call on the same
+    model object, a reference in the tests) takes transformers' SDPA path unchanged."""
     if card_batch is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, **kwargs)
@@ -166,11 +215,11 @@ def enable(model: torch.nn.Module) -> None:
     if not all(hasattr(inner, a) for a in ("embed_tokens", "layers", "norm", "rotary_emb")) or not hasattr(
             model, "lm_head"):
         raise FailedPrecondition(
-            f"{type(model).__name__} is not a supported target architecture (a decoder-only model "
+            f"{type(model).__name__} is not a supported architecture (a decoder-only model "
             "with model.embed_tokens/layers/norm/rotary_emb and lm_head, e.g. Llama or Qwen2)")
     if getattr(model.config, "sliding_window", None) and getattr(model.config, "use_sliding_window", False):
-        raise FailedPrecondition(f"{type(model).__name__} uses a sliding window, which the target's "
-                                 "KV cache does not support")
+        raise FailedPrecondition(f"{type(model).__name__} uses a sliding window, which the KV "
+                                 "cache does not support")
     if not _registered:
         AttentionInterface.register(ATTN, _slot_attention)
         AttentionMaskInterface.register(ATTN, sdpa_mask)
@@ -196,3 +245,18 @@ def forward(model: torch.nn.Module, pool: KVPool, segments: Sequence[Segment], t
         return hidden.new_empty(0, 0)
     hidden = inner.norm(hidden[:, logit_rows.to(pool.device)])  # per-row: select first, then norm
     return model.lm_head(hidden)[0]  # [R, vocab]
+
+
+def prefilled(model: torch.nn.Module, tokens: Sequence[int], room: int) -> KVPool:
+    """A pool of one slot holding ``tokens`` with ``room`` rows after them (tools, benchmarks)."""
+    pool = KVPool(model, slots=1, max_len=len(tokens) + max(room, 1))
+    no_rows = torch.empty(0, dtype=torch.int64)
+    forward(model, pool, [Segment(0, 0, len(tokens))], torch.tensor(list(tokens)), no_rows)
+    return pool
+
+
+def siblings(n: int, k: int) -> Segment:
+    """``k`` children of the last of ``n`` committed tokens, as a draft tree layer lays them out
+    (slot 0): rows n..n+k-1, all at position n, each seeing the prefix and itself."""
+    visible = torch.cat([torch.ones(k, n, dtype=torch.bool), torch.eye(k, dtype=torch.bool)], dim=1)
+    return Segment(0, n, k, positions=torch.full((k,), n), visible=visible)
