@@ -1,4 +1,5 @@
-"""Domain errors <-> gRPC status codes: the one table (DESIGN.md §7), both directions.
+"""Domain errors <-> gRPC status codes (both directions) and HTTP statuses: the one table
+(DESIGN.md §7).
 
 Servicers raise ``engine.errors`` classes; ``grpc_errors`` turns them into a status with the
 error's message. Clients turn a failed call back into the same class with ``error_from_rpc``, so
@@ -27,14 +28,16 @@ from engine.errors import (
 
 log = logging.getLogger(__name__)
 
-STATUS_CODES: dict[type[CardError], grpc.StatusCode] = {
-    InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,
-    NotFound: grpc.StatusCode.NOT_FOUND,
-    FailedPrecondition: grpc.StatusCode.FAILED_PRECONDITION,
-    Aborted: grpc.StatusCode.ABORTED,
-    ResourceExhausted: grpc.StatusCode.RESOURCE_EXHAUSTED,
-    Unavailable: grpc.StatusCode.UNAVAILABLE,
+# error class: (gRPC status, HTTP status); anything else is INTERNAL / 500
+_TABLE: dict[type[CardError], tuple[grpc.StatusCode, int]] = {
+    InvalidArgument: (grpc.StatusCode.INVALID_ARGUMENT, 400),
+    NotFound: (grpc.StatusCode.NOT_FOUND, 404),
+    FailedPrecondition: (grpc.StatusCode.FAILED_PRECONDITION, 400),
+    Aborted: (grpc.StatusCode.ABORTED, 409),
+    ResourceExhausted: (grpc.StatusCode.RESOURCE_EXHAUSTED, 429),
+    Unavailable: (grpc.StatusCode.UNAVAILABLE, 503),
 }
+STATUS_CODES: dict[type[CardError], grpc.StatusCode] = {cls: codes[0] for cls, codes in _TABLE.items()}
 
 _ERRORS: dict[grpc.StatusCode, type[CardError]] = {code: cls for cls, code in STATUS_CODES.items()}
 # a peer that does not answer in time is as good as down for the caller
@@ -47,6 +50,14 @@ def status_code(err: BaseException) -> grpc.StatusCode:
         if cls in STATUS_CODES:
             return STATUS_CODES[cls]
     return grpc.StatusCode.INTERNAL
+
+
+def http_status(err: BaseException) -> int:
+    """The HTTP status a front reports for ``err``; 500 for anything that is not a CardError."""
+    for cls in type(err).__mro__:
+        if cls in _TABLE:
+            return _TABLE[cls][1]
+    return 500
 
 
 def error_from_rpc(err: grpc.RpcError, peer: str = "") -> CardError:

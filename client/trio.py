@@ -36,6 +36,7 @@ from engine.config import TreeParams
 from engine.errors import Unavailable
 
 LISTENING = re.compile(r"^(card-\w+) listening on (\S+):(\d+)\s*$", re.MULTILINE)
+HTTP_LISTENING = re.compile(r"^card-target http listening on (\S+):(\d+)\s*$", re.MULTILINE)
 
 
 def _ephemeral_range() -> tuple[int, int]:
@@ -98,19 +99,22 @@ class ServiceProcess:
         return Unavailable(f"{self.name} exited with code {self.proc.returncode} while starting; "
                            f"its log ({self.log_path}) ends with:\n{self.log_tail()}")
 
-    def wait_listening(self, timeout_s: float) -> str:
-        """The address from the ``listening on`` line (loopback when it bound every interface)."""
+    def wait_listening(self, timeout_s: float, line: re.Pattern = LISTENING) -> str:
+        """The address from the ``listening on`` line (loopback when it bound every interface);
+        ``line``: another announcement (HTTP_LISTENING), whose address is returned, not kept."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             try:
-                match = LISTENING.search(self.log_path.read_text(errors="replace"))
+                match = line.search(self.log_path.read_text(errors="replace"))
             except OSError:
                 match = None
             if match:
-                host = match.group(2)
+                host, port = match.group(match.lastindex - 1), match.group(match.lastindex)
                 if host in ("0.0.0.0", "[::]", "::", ""):
                     host = "127.0.0.1"
-                self.addr = f"{host}:{match.group(3)}"
+                if line is not LISTENING:
+                    return f"{host}:{port}"
+                self.addr = f"{host}:{port}"
                 return self.addr
             if self.proc.poll() is not None:
                 raise self._died()
@@ -183,6 +187,7 @@ class LocalTrio:
     dtype: str = "auto"
     device: str = "auto"
     metrics: bool = False
+    http: bool = False  # the target's OpenAI-compatible front on an OS-chosen port (``http_addr``)
     start_timeout_s: float = 600.0
     grace_s: float = 10.0
     tree: TreeParams | None = None
@@ -201,7 +206,7 @@ class LocalTrio:
         self.redis: subprocess.Popen | None = None
         self.warnings: list[str] = []
         self._own_log_dir = self.log_dir is None
-        self.target_addr = self.cache_addr = self.draft_addr = ""
+        self.target_addr = self.cache_addr = self.draft_addr = self.http_addr = ""
 
     # ---- context manager -------------------------------------------------------------------
     def __enter__(self) -> LocalTrio:
@@ -233,11 +238,13 @@ class LocalTrio:
         target = self._spawn("card-target", [
             "--model", self.target_model, "--cache", self.cache_addr, "--port", str(self.target_port),
             "--threads", str(self.target_threads), "--dtype", self.dtype, "--device", self.device,
-            *self.extra_args.get("target", ()),
+            *(["--http-port", "0"] if self.http else []), *self.extra_args.get("target", ()),
         ])
         # both load their models at once; wait for each
         self.draft_addr = draft.wait_listening(self.start_timeout_s)
         self.target_addr = target.wait_listening(self.start_timeout_s)
+        if self.http:
+            self.http_addr = target.wait_listening(self.start_timeout_s, HTTP_LISTENING)
         draft.wait_serving(self.start_timeout_s)
         target.wait_serving(self.start_timeout_s)
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from engine.errors import InvalidArgument
 from engine.kv_pool import DEFAULT_MAX_MODEL_LEN, pool_shape
@@ -31,6 +31,9 @@ class TargetConfig:
     default_max_new_tokens: int = 128
     step_timeout_ms: int = 1000
     metrics_port: int = 9091
+    http_port: int | None = None  # the OpenAI-compatible HTTP front; None: off
+    http_host: str = "127.0.0.1"
+    api_key: str | None = field(default=None, repr=False)  # a secret: never in a log line
     log_level: str = "INFO"
     json_logs: bool = False
 
@@ -49,7 +52,8 @@ class TargetConfig:
             raise InvalidArgument(f"step-timeout-ms must be >= 1, got {self.step_timeout_ms}")
         if self.threads is not None and self.threads < 1:
             raise InvalidArgument(f"threads must be >= 1, got {self.threads}")
-        if not 0 <= self.port <= 65535 or not 0 <= self.metrics_port <= 65535:
+        ports = (self.port, self.metrics_port, 0 if self.http_port is None else self.http_port)
+        if not all(0 <= p <= 65535 for p in ports):
             raise InvalidArgument("ports must be in [0, 65535]")
 
     def kv_shape(self, context_window: int, bytes_per_token: int) -> tuple[int, int]:

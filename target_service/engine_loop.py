@@ -1,8 +1,9 @@
 """The thread that owns the target model: it runs engine.scheduler.TargetEngine iterations while
 there is work, and sleeps when there is none.
 
-gRPC threads never touch the model: ``submit`` queues a generation and returns the queue its
-events arrive on; ``cancel`` asks for it to end (applied between iterations, so a cancelled
+Fronts (gRPC and HTTP threads) never touch the model: ``submit`` queues a generation with the
+sink its events go to (a queue's ``put``, or a hand-off to an asyncio loop); ``cancel`` asks for it
+to end (applied between iterations, so a cancelled
 request stops within one forward and gives back its KV slot, its cache session and its draft
 session at once).
 """
@@ -10,8 +11,8 @@ session at once).
 from __future__ import annotations
 
 import logging
-import queue
 import threading
+from collections.abc import Callable
 
 import torch
 
@@ -29,7 +30,7 @@ class EngineLoop:
         self._cv = threading.Condition()
         self._inbox: list[Generation] = []
         self._cancels: list[Generation] = []
-        self._outboxes: dict[Generation, queue.Queue[Event]] = {}
+        self._sinks: dict[Generation, Callable[[Event], None]] = {}
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="target-engine", daemon=True)
         metrics.KV_SLOTS.set(engine.pool.slots)
@@ -46,17 +47,17 @@ class EngineLoop:
             self._cv.notify()
         self._thread.join(timeout_s)
 
-    def submit(self, gen: Generation) -> queue.Queue[Event]:
-        box: queue.Queue[Event] = queue.Queue()
+    def submit(self, gen: Generation, sink: Callable[[Event], None]) -> None:
+        """Queue ``gen``; each of its events is handed to ``sink`` on the engine's thread (it must
+        not block)."""
         with self._cv:
-            self._outboxes[gen] = box
+            self._sinks[gen] = sink
             self._inbox.append(gen)
             self._cv.notify()
-        return box
 
     def cancel(self, gen: Generation) -> None:
         with self._cv:
-            if gen in self._outboxes:
+            if gen in self._sinks:
                 self._cancels.append(gen)
                 self._cv.notify()
 
@@ -97,8 +98,11 @@ class EngineLoop:
 
     def _deliver(self, event: Event) -> None:
         with self._cv:
-            box = self._outboxes.get(event.generation)
+            sink = self._sinks.get(event.generation)
             if event.done:
-                self._outboxes.pop(event.generation, None)
-        if box is not None:
-            box.put(event)
+                self._sinks.pop(event.generation, None)
+        if sink is not None:
+            try:
+                sink(event)
+            except Exception:  # a front that cannot take its event must not stop the engine
+                log.exception("delivering a generation's event failed")

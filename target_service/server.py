@@ -34,6 +34,8 @@ from engine.loading.models import ModelConfig, load_model
 from engine.scheduler import TargetEngine
 from target_service.config import TargetConfig
 from target_service.engine_loop import EngineLoop
+from target_service.frontend import Frontend
+from target_service.openai_api import HttpServer, create_app
 from target_service.servicer import TargetServicer
 
 log = logging.getLogger("target_service")
@@ -57,10 +59,17 @@ def serve(config: TargetConfig) -> None:
     if config.cache_addr:
         cache_channel = channel(config.cache_addr)
         stub = cache_pb2_grpc.CacheServiceStub(cache_channel)
-    servicer = TargetServicer(config, stub)
-    target_pb2_grpc.add_TargetServiceServicer_to_server(servicer, server)
+    front = Frontend(config, stub)
+    target_pb2_grpc.add_TargetServiceServicer_to_server(TargetServicer(front), server)
     server.start()
     print(f"card-target listening on {config.host}:{port}", flush=True)
+    http = None
+    if config.http_port is not None:
+        http = HttpServer(create_app(front, config.api_key), config.http_host, config.http_port, GRACE_S)
+        http.start()
+        print(f"card-target http listening on {config.http_host}:{http.port}", flush=True)
+    elif config.api_key:
+        log.warning("--api-key is set but the HTTP front is off (--http-port): the key guards nothing")
     start_metrics_server(config.metrics_port)
     if config.threads:
         torch.set_num_threads(config.threads)
@@ -81,12 +90,14 @@ def serve(config: TargetConfig) -> None:
     engine = TargetEngine(model.model, pool, config.max_batch_tokens, adaptive=config.adaptive_chains)
     loop = EngineLoop(engine, threads=config.threads)
     loop.start()
-    servicer.ready(model, loop)
+    front.ready(model, loop)
     set_serving(health, True, [SERVICE_NAME])
     log.info("serving %s", model.name)
 
     def shutdown() -> None:
         # running generations finish (and close their cache sessions) before the channel goes
+        if http is not None:
+            http.stop(GRACE_S + 1)
         server.stop(GRACE_S).wait()
         loop.stop()
         if cache_channel is not None:
@@ -119,11 +130,18 @@ def serve(config: TargetConfig) -> None:
 @option("--host", default="127.0.0.1", help="Interface to listen on (0.0.0.0 in containers).")
 @option("--port", default=50051, type=int, help="gRPC port (0 = OS-chosen).")
 @option("--metrics-port", default=9091, type=int, help="Prometheus port (0 = disabled).")
+@option("--http-port", default=None, type=int,
+        help="Serve the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models, "
+             "/health, /metrics) on this port (0 = OS-chosen; default: off).")
+@option("--http-host", default="127.0.0.1", help="Interface of the HTTP API (0.0.0.0 in containers).")
+@option("--api-key", default=None,
+        help="Require 'Authorization: Bearer <key>' on the HTTP API's /v1 routes (401 otherwise).")
 @logging_options
 def main(model: str, cache_addr: str | None, dtype: str, device: str, threads: int | None,
          max_batch_size: int, kv_cache_gb: float | None, max_model_len: int | None,
          max_batch_tokens: int, adaptive_chains: bool, default_max_new_tokens: int, step_timeout_ms: int,
-         host: str, port: int, metrics_port: int, log_level: str, json_logs: bool) -> None:
+         host: str, port: int, metrics_port: int, http_port: int | None, http_host: str, api_key: str | None,
+         log_level: str, json_logs: bool) -> None:
     """Run the CARD target service."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     setup_logging(log_level, json_logs)
@@ -142,6 +160,9 @@ def main(model: str, cache_addr: str | None, dtype: str, device: str, threads: i
             default_max_new_tokens=default_max_new_tokens,
             step_timeout_ms=step_timeout_ms,
             metrics_port=metrics_port,
+            http_port=http_port,
+            http_host=http_host,
+            api_key=api_key or None,
             log_level=log_level,
             json_logs=json_logs,
         )

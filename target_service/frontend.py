@@ -1,0 +1,191 @@
+"""What every front of card-target does with a request, whatever its wire: gRPC (servicer.py) and
+OpenAI-compatible HTTP (openai_api.py) both come here with engine types.
+
+    prompt_ids(prompt, chat)        text, a conversation or token ids -> validated token ids
+    request(ids, sampling, stop)    -> a GenerationRequest that fits this target (context window,
+                                       sampling and chain values checked)
+    start(request, mode, draft)     build the Generation with its chain source (RemoteCard or
+                                       NoDraft), open it (the cache session opens here, off the
+                                       engine's thread), submit it to the engine loop
+    Running.next_event(timeout)     its events, in order; a request that is not admitted (no free
+                                       KV slot) before its deadline gets RESOURCE_EXHAUSTED
+    Running.cancel()                the client went away or its deadline passed: the generation
+                                       leaves the batch at the next iteration, its cache session
+                                       closes and the draft drops its tree and KV
+
+The engine loop owns the model; fronts never touch it.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import time
+from collections.abc import Callable, Sequence
+
+from card.v1 import cache_pb2_grpc
+from engine.chain_source import ChainSource
+from engine.config import ChainPolicy, GenerationRequest, SamplingParams, StopParams, TreeParams
+from engine.errors import InvalidArgument, NotFound, ResourceExhausted, Unavailable
+from engine.generate import Generation, GenerationResult, check_prompt
+from engine.loading.models import LoadedModel
+from engine.scheduler import Event
+from engine.sources import NoDraft
+from target_service import metrics
+from target_service.config import TargetConfig
+from target_service.engine_loop import EngineLoop
+from target_service.remote_card import RemoteCard
+
+log = logging.getLogger(__name__)
+
+MODES = ("card", "vanilla")
+
+Prompt = str | Sequence[dict] | Sequence[int]  # text, a conversation ({role, content}), token ids
+
+
+class Running:
+    """One submitted generation, seen from its front."""
+
+    def __init__(self, gen: Generation, source: ChainSource, loop: EngineLoop,
+                 sink: Callable[[Event], None] | None) -> None:
+        self.gen = gen
+        self.source = source
+        self.loop = loop
+        self.t0 = time.monotonic()
+        self._box: queue.Queue[Event] | None = None if sink else queue.Queue()
+        loop.submit(gen, sink or self._box.put)  # type: ignore[union-attr]
+
+    @property
+    def admitted(self) -> bool:
+        return self.loop.admitted(self.gen)
+
+    @property
+    def result(self) -> GenerationResult | None:
+        return self.gen.result
+
+    @property
+    def draft_name(self) -> str:
+        return self.source.draft_name if isinstance(self.source, RemoteCard) else ""
+
+    def next_event(self, deadline_s: float | None) -> Event:
+        """The next event (blocking; without a sink). ``deadline_s``: seconds this request may
+        still wait for a KV slot (None: as long as it takes)."""
+        assert self._box is not None, "events go to the sink given at start"
+        while True:
+            try:
+                return self._box.get(timeout=None if self.admitted else deadline_s)
+            except queue.Empty:
+                if self.admitted:
+                    continue
+                self.cancel()
+                metrics.REFUSED.labels(code="RESOURCE_EXHAUSTED").inc()
+                raise ResourceExhausted(
+                    f"all {self.loop.engine.pool.slots} KV slots stayed busy for "
+                    f"{time.monotonic() - self.t0:.1f}s (the request's deadline); retry later, or give "
+                    "card-target more KV cache (--kv-cache-gb, --max-batch-size)") from None
+
+    def cancel(self) -> None:
+        if self.gen.result is None:
+            self.loop.cancel(self.gen)
+
+    def finished(self) -> GenerationResult:
+        """Count a generation that ended normally in the metrics; its result."""
+        result = self.gen.result
+        assert result is not None
+        stats = result.stats
+        metrics.GENERATIONS.labels(mode=stats.mode, finish_reason=result.finish_reason).inc()
+        metrics.TOKENS.inc(stats.new_tokens)
+        metrics.TOKENS_PER_S.observe(stats.tokens_per_s)
+        log.info("generation done: %s", stats.summary())
+        return result
+
+
+class Frontend:
+    """Registered before the model loads (every call is UNAVAILABLE until ``ready``)."""
+
+    def __init__(self, config: TargetConfig, cache: cache_pb2_grpc.CacheServiceStub | None) -> None:
+        self.config = config
+        self.cache = cache
+        self._model: LoadedModel | None = None
+        self.loop: EngineLoop | None = None
+        self.vocab_size = 0
+        self.context_window = 0
+
+    def ready(self, model: LoadedModel, loop: EngineLoop) -> None:
+        self.vocab_size = int(getattr(model.model.config, "vocab_size", 0) or 0)
+        # a generation's keys and values live in one KV slot: its rows bound the context
+        self.context_window = min(model.context_window, loop.engine.pool.max_len)
+        self.loop = loop
+        self._model = model
+
+    @property
+    def is_ready(self) -> bool:
+        return self._model is not None
+
+    @property
+    def model(self) -> LoadedModel:
+        if self._model is None:
+            raise Unavailable("the target model is still loading; retry in a moment")
+        return self._model
+
+    def prompt_ids(self, prompt: Prompt, chat: bool | None) -> list[int]:
+        """Token ids of a text (chat template per ``chat``: None = the model's default), a
+        conversation (template on unless ``chat`` is False) or ids (checked against the vocabulary)."""
+        if isinstance(prompt, str):
+            return self.model.encode_prompt(prompt, chat)
+        items = list(prompt)
+        if items and all(isinstance(m, dict) for m in items):
+            return self.model.encode_prompt(items, True if chat is None else chat)
+        if not items:
+            raise InvalidArgument("the prompt is empty")
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in items):
+            raise InvalidArgument("a prompt is text, a list of messages, or a list of token ids")
+        bad = [t for t in items if t < 0 or (self.vocab_size and t >= self.vocab_size)]
+        if bad:
+            raise InvalidArgument(f"the prompt holds {len(bad)} token id(s) outside the vocabulary "
+                                  f"[0, {self.vocab_size}), e.g. {bad[0]}")
+        return items
+
+    def request(self, prompt_ids: Sequence[int], sampling: SamplingParams, max_new_tokens: int | None,
+                stop: Sequence[str] = (), ignore_eos: bool = False,
+                chain: ChainPolicy | None = None) -> GenerationRequest:
+        model = self.model
+        if len(prompt_ids) >= self.context_window and self.context_window < model.context_window:
+            raise InvalidArgument(
+                f"the prompt has {len(prompt_ids)} tokens but this card-target holds {self.context_window} "
+                f"tokens per request (--max-model-len; the context window of {model.name} is "
+                f"{model.context_window}); room is needed for at least one new token")
+        check_prompt(prompt_ids, self.context_window, model.name)
+        if max_new_tokens is not None and max_new_tokens < 1:
+            raise InvalidArgument(f"the token budget must be >= 1, got {max_new_tokens}")
+        chain = chain or ChainPolicy()
+        chain.over(TreeParams())  # refuse bad values here, not at the cache mid-request
+        budget = StopParams(max_new_tokens or self.config.default_max_new_tokens, tuple(stop), ignore_eos)
+        return GenerationRequest(tuple(prompt_ids), sampling, budget, chain)
+
+    def start(self, request: GenerationRequest, mode: str, draft: str = "",
+              sink: Callable[[Event], None] | None = None) -> Running:
+        """Open and submit one generation. Events go to ``sink`` (called on the engine's thread)
+        or, without one, to ``Running.next_event``."""
+        if mode not in MODES:
+            raise InvalidArgument(f"mode must be one of {', '.join(MODES)}, got {mode!r} "
+                                  "(sd runs in-process only: card-client generate --inprocess --mode sd)")
+        model, loop = self.model, self.loop
+        assert loop is not None
+        source = self._source(mode, draft, request.chain)
+        gen = Generation(model.model, request, source, eos_ids=model.eos_ids, decode=model.decode,
+                         context_window=self.context_window, mode=mode, model_name=model.name)
+        gen.open()  # the cache session opens here, off the engine's loop (NOT_FOUND etc. raise here)
+        return Running(gen, source, loop, sink)
+
+    def _source(self, mode: str, draft: str, chain: ChainPolicy) -> ChainSource:
+        if mode == "vanilla":
+            return NoDraft()
+        if self.cache is None:
+            if draft:
+                raise NotFound(f"draft {draft!r} is not available: this target runs without a cache "
+                               "service (start it with --cache HOST:PORT)")
+            return NoDraft()
+        return RemoteCard(self.cache, cache_addr=self.config.cache_addr or "", target_model=self.model.name,
+                          fingerprint=self.model.fingerprint, draft=draft, chain=chain,
+                          step_timeout_s=self.config.step_timeout_ms / 1000.0)

@@ -1,0 +1,473 @@
+"""OpenAI-compatible HTTP front of card-target (``--http-port``): FastAPI on uvicorn.
+
+    GET  /v1/models              the served model
+    POST /v1/completions         raw text (or token ids) in, text out
+    POST /v1/chat/completions    a conversation through the model's chat template
+    GET  /health                 200 once the model serves, 503 before
+    GET  /metrics                Prometheus, the same registry as --metrics-port
+
+``stream: true`` answers with server-sent events in OpenAI's chunk shapes, then ``data: [DONE]``;
+``stream_options.include_usage`` adds the usage chunk. Every request's ``usage`` carries a ``card``
+object (this request's mode, draft, target forwards, accepted draft tokens, mean accepted length,
+hit rate), an extension as vLLM's per-request metrics are. Fields that would change the output and
+are not served here (``n > 1``, ``logprobs``, tools, penalties, ``logit_bias``, ...) are refused with
+400 in OpenAI's error shape, never ignored; so is any field this server does not know.
+Extensions: ``mode`` ("card" or "vanilla"), ``draft`` (a worker name), ``top_k``, ``ignore_eos``.
+
+Defaults follow OpenAI's API, not card-client's: ``temperature`` 1.0 and ``top_p`` 1.0; ``seed``
+makes sampling reproducible (default 0). A client that disconnects ends its generation within one
+target forward, prefill included; its cache session and draft state go with it.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import hmac
+import json
+import logging
+import socket
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any, Literal
+
+import uvicorn
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import BaseModel, ConfigDict, Field
+
+from card_common.status import http_status
+from engine.config import GenerationRequest, SamplingParams
+from engine.errors import CardError, InvalidArgument, NotFound
+from engine.generate import GenerationResult
+from engine.scheduler import Event
+from engine.stats import GenerationStats
+from target_service import metrics
+from target_service.frontend import Frontend, Running
+
+log = logging.getLogger(__name__)
+
+_FINISH = {"eos": "stop", "stop": "stop", "length": "length"}
+
+
+# ---- request bodies -------------------------------------------------------------------------
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    include_usage: bool = False
+
+
+class _Common(BaseModel):
+    """Fields both endpoints take; unknown fields are an error (extra="forbid")."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None  # an end-user id for the operator's logs; never changes output
+    # extensions
+    mode: Literal["card", "vanilla"] = "card"
+    draft: str = ""
+    top_k: int | None = None
+    ignore_eos: bool = False
+
+    def refusals(self) -> list[str]:
+        out = []
+        if self.n not in (None, 1):
+            out.append("n > 1")
+        if self.presence_penalty:
+            out.append("presence_penalty")
+        if self.frequency_penalty:
+            out.append("frequency_penalty")
+        if self.logit_bias:
+            out.append("logit_bias")
+        return out
+
+
+class CompletionBody(_Common):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+    logprobs: int | None = None
+
+    def refusals(self) -> list[str]:
+        out = super().refusals()
+        if self.echo:
+            out.append("echo")
+        if self.best_of not in (None, 1):
+            out.append("best_of > 1")
+        if self.suffix:
+            out.append("suffix")
+        if self.logprobs is not None:
+            out.append("logprobs")
+        return out
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text"]
+    text: str
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart]
+    name: str | None = None
+
+    @property
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
+class ChatBody(_Common):
+    messages: list[Message] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    response_format: dict[str, Any] | None = None
+
+    def refusals(self) -> list[str]:
+        out = super().refusals()
+        if self.logprobs or self.top_logprobs:
+            out.append("logprobs")
+        if self.tools or self.tool_choice not in (None, "none"):
+            out.append("tools")
+        if self.response_format and self.response_format.get("type") != "text":
+            out.append("response_format")
+        return out
+
+
+# ---- errors in OpenAI's shape ---------------------------------------------------------------
+def _error(status: int, message: str, code: str | None, param: str | None = None) -> dict:
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def error_response(status: int, message: str, code: str | None = None, param: str | None = None
+                   ) -> JSONResponse:
+    return JSONResponse(_error(status, message, code, param), status_code=status)
+
+
+def _error_json(exc: BaseException) -> dict:
+    return _error(http_status(exc), str(exc), exc.code if isinstance(exc, CardError) else "INTERNAL")
+
+
+# ---- the app --------------------------------------------------------------------------------
+def create_app(front: Frontend, api_key: str | None = None) -> FastAPI:
+    app = FastAPI(title="card-target", description="OpenAI-compatible API of a CARD target",
+                  docs_url=None, redoc_url=None)
+
+    async def authorized(request: Request) -> None:
+        if not api_key:
+            return
+        header = request.headers.get("authorization", "")
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), api_key.encode()):
+            raise _UnauthorizedError
+
+    @app.exception_handler(_UnauthorizedError)
+    async def _unauthorized(request: Request, exc: Exception) -> JSONResponse:
+        return error_response(401, "a valid API key is required (Authorization: Bearer <key>)",
+                              code="invalid_api_key")
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        first = exc.errors()[0] if exc.errors() else {}
+        where = ".".join(str(p) for p in first.get("loc", ())[1:])
+        if first.get("type") == "extra_forbidden":
+            message = f"unsupported field {where!r}: card-target does not serve it"
+        else:
+            message = f"{where or 'body'}: {first.get('msg', 'invalid request')}"
+        return error_response(400, message, code="invalid_request", param=where or None)
+
+    @app.exception_handler(CardError)
+    async def _card_error(request: Request, exc: CardError) -> JSONResponse:
+        metrics.REFUSED.labels(code=exc.code).inc()
+        return JSONResponse(_error_json(exc), status_code=http_status(exc))
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        if front.is_ready:
+            return JSONResponse({"status": "ok", "model": front.model.name})
+        return JSONResponse({"status": "loading"}, status_code=503)
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models", dependencies=[Depends(authorized)])
+    async def models() -> dict:
+        model = front.model
+        return {"object": "list", "data": [{"id": model.name, "object": "model", "created": _STARTED,
+                                            "owned_by": "card", "max_model_len": front.context_window}]}
+
+    @app.post("/v1/completions", dependencies=[Depends(authorized)])
+    async def completions(body: CompletionBody, request: Request) -> Any:
+        prompt: Any = body.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+            if len(prompt) != 1:
+                raise InvalidArgument("one prompt per request (a batch of prompts is n requests)")
+            prompt = prompt[0]
+        gen_request = await asyncio.to_thread(_request, front, body, prompt, False, body.max_tokens)
+        return await _serve(front, body, gen_request, request, _CompletionShape(front.model.name))
+
+    @app.post("/v1/chat/completions", dependencies=[Depends(authorized)])
+    async def chat_completions(body: ChatBody, request: Request) -> Any:
+        messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text}
+                    for m in body.messages]
+        budget = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        gen_request = await asyncio.to_thread(_request, front, body, messages, True, budget)
+        return await _serve(front, body, gen_request, request, _ChatShape(front.model.name))
+
+    return app
+
+
+class _UnauthorizedError(Exception):
+    """No or a wrong API key (answered 401 in OpenAI's shape)."""
+
+
+_STARTED = int(time.time())
+
+
+def _request(front: Frontend, body: _Common, prompt: Any, chat: bool,
+             budget: int | None) -> GenerationRequest:
+    refused = body.refusals()
+    if refused:
+        raise InvalidArgument(f"{', '.join(refused)}: not served by card-target (it would change the output)")
+    if body.model != front.model.name:
+        raise NotFound(f"model {body.model!r} is not served here; GET /v1/models lists {front.model.name!r}")
+    if isinstance(body.stop, str):
+        stop: tuple[str, ...] = (body.stop,)
+    else:
+        stop = tuple(body.stop or ())
+    if len(stop) > 4:
+        raise InvalidArgument("stop: at most 4 sequences")
+    sampling = SamplingParams(
+        temperature=1.0 if body.temperature is None else body.temperature,
+        top_k=body.top_k or 0,
+        top_p=1.0 if body.top_p is None else body.top_p,
+        seed=body.seed or 0,
+    )
+    ids = front.prompt_ids(prompt, chat)
+    return front.request(ids, sampling, budget, stop, body.ignore_eos)
+
+
+async def _serve(front: Frontend, body: _Common, gen_request: GenerationRequest, request: Request,
+                 shape: _Shape) -> Any:
+    loop = asyncio.get_running_loop()
+    events: asyncio.Queue[Event] = asyncio.Queue()
+
+    def sink(event: Event) -> None:  # on the engine's thread
+        loop.call_soon_threadsafe(events.put_nowait, event)
+
+    running = await asyncio.to_thread(front.start, gen_request, body.mode, body.draft, sink)
+    watcher = asyncio.create_task(_cancel_on_disconnect(request, running))
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return StreamingResponse(_sse(running, events, watcher, shape, include_usage),
+                                 media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    try:
+        while True:
+            event = await events.get()
+            if event.error is not None:
+                raise event.error
+            if event.done:
+                break
+    finally:
+        watcher.cancel()
+        running.cancel()
+    if running.result is None:  # cancelled: the client is gone, nobody reads this
+        return error_response(499, "client closed the request")
+    result = running.finished()
+    return shape.whole(result, running.draft_name)
+
+
+async def _cancel_on_disconnect(request: Request, running: Running) -> None:
+    """The client went away: end the generation now (between two forwards), not at its next token."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            running.cancel()
+            return
+
+
+async def _sse(running: Running, events: asyncio.Queue[Event], watcher: asyncio.Task, shape: _Shape,
+               include_usage: bool) -> AsyncIterator[str]:
+    try:
+        yield _data(shape.chunk(shape.first_delta(), None))
+        while True:
+            event = await events.get()
+            if event.chunk is not None and event.chunk.text:
+                yield _data(shape.chunk(shape.delta(event.chunk.text), None))
+            if event.error is not None:
+                yield _data(_error_json(event.error))
+                break
+            if event.done:
+                if running.result is None:
+                    return  # cancelled
+                result = running.finished()
+                yield _data(shape.chunk(shape.last_delta(), _FINISH.get(result.finish_reason, "stop")))
+                if include_usage:
+                    yield _data({**shape.chunk(None, None), "choices": [],
+                                 "usage": usage(result.stats, running.draft_name)})
+                break
+        yield "data: [DONE]\n\n"
+    finally:
+        watcher.cancel()
+        running.cancel()
+
+
+def _data(obj: dict) -> str:
+    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
+
+
+def usage(stats: GenerationStats, draft: str) -> dict:
+    return {
+        "prompt_tokens": stats.prompt_tokens,
+        "completion_tokens": stats.new_tokens,
+        "total_tokens": stats.prompt_tokens + stats.new_tokens,
+        "card": {  # speculation, visible per request
+            "mode": stats.mode,
+            "draft": draft,
+            "target_forwards": stats.target_forwards,
+            # each forward commits its accepted draft tokens + one of the target's own
+            "accepted_draft_tokens": sum(max(n - 1, 0) for n in stats.accepted_lengths),
+            "mean_accepted_length": round(stats.mean_accepted_length, 4),
+            "hit_rate": round(stats.hit_rate, 4),
+        },
+    }
+
+
+# ---- response shapes ------------------------------------------------------------------------
+class _Shape(abc.ABC):
+    """How one endpoint's responses look; ``id`` and ``created`` are fixed per request."""
+
+    object_whole = ""
+    object_chunk = ""
+
+    def __init__(self, model: str, prefix: str) -> None:
+        self.model = model
+        self.id = f"{prefix}-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+
+    def _head(self, obj: str) -> dict:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
+
+    def chunk(self, delta: Any, finish: str | None) -> dict:
+        choices = [] if delta is None else [self.choice_chunk(delta, finish)]
+        return {**self._head(self.object_chunk), "choices": choices}
+
+    @abc.abstractmethod
+    def choice_chunk(self, delta: Any, finish: str | None) -> dict: ...
+
+    @abc.abstractmethod
+    def first_delta(self) -> Any: ...
+
+    @abc.abstractmethod
+    def delta(self, text: str) -> Any: ...
+
+    @abc.abstractmethod
+    def last_delta(self) -> Any: ...
+
+    @abc.abstractmethod
+    def whole(self, result: GenerationResult, draft: str) -> dict: ...
+
+
+class _CompletionShape(_Shape):
+    object_whole = object_chunk = "text_completion"
+
+    def __init__(self, model: str) -> None:
+        super().__init__(model, "cmpl")
+
+    def choice_chunk(self, delta: str, finish: str | None) -> dict:
+        return {"index": 0, "text": delta, "logprobs": None, "finish_reason": finish}
+
+    def first_delta(self) -> str:
+        return ""
+
+    def delta(self, text: str) -> str:
+        return text
+
+    def last_delta(self) -> str:
+        return ""
+
+    def whole(self, result: GenerationResult, draft: str) -> dict:
+        return {**self._head(self.object_whole),
+                "choices": [{"index": 0, "text": result.text, "logprobs": None,
+                             "finish_reason": _FINISH.get(result.finish_reason, "stop")}],
+                "usage": usage(result.stats, draft)}
+
+
+class _ChatShape(_Shape):
+    object_whole = "chat.completion"
+    object_chunk = "chat.completion.chunk"
+
+    def __init__(self, model: str) -> None:
+        super().__init__(model, "chatcmpl")
+
+    def choice_chunk(self, delta: dict, finish: str | None) -> dict:
+        return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+
+    def first_delta(self) -> dict:
+        return {"role": "assistant", "content": ""}
+
+    def delta(self, text: str) -> dict:
+        return {"content": text}
+
+    def last_delta(self) -> dict:
+        return {}
+
+    def whole(self, result: GenerationResult, draft: str) -> dict:
+        return {**self._head(self.object_whole),
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": result.text},
+                             "logprobs": None, "finish_reason": _FINISH.get(result.finish_reason, "stop")}],
+                "usage": usage(result.stats, draft)}
+
+
+# ---- the listener ---------------------------------------------------------------------------
+class HttpServer:
+    """uvicorn on its own thread, on a socket bound here (so port 0 gives the OS-chosen port)."""
+
+    def __init__(self, app: FastAPI, host: str, port: int, grace_s: float) -> None:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self.sock = socket.socket(family, socket.SOCK_STREAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            self.sock.bind((host, port))
+        except OSError as exc:
+            self.sock.close()
+            raise InvalidArgument(f"cannot serve HTTP on {host}:{port} ({exc.strerror or exc}); choose "
+                                  "another --http-port") from None
+        self.port = self.sock.getsockname()[1]
+        config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
+                                timeout_graceful_shutdown=int(grace_s))
+        self.server = uvicorn.Server(config)
+        self._thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
+                                        name="http", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout_s: float) -> None:
+        """Stop accepting; requests under way get ``grace_s`` to finish."""
+        self.server.should_exit = True
+        self._thread.join(timeout_s)

@@ -1,0 +1,287 @@
+"""The OpenAI-compatible front and cancellation, end to end: redis-server, card-cache, card-draft and
+card-target (``--http-port 0 --api-key``) as subprocesses on loopback; the official ``openai``
+package and curl as clients; tiny float64 checkpoints sharing the SmolLM2 tokenizer."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import threading
+import time
+import uuid
+
+import grpc
+import httpx
+import openai
+import pytest
+
+from card.v1 import cache_pb2, cache_pb2_grpc, target_pb2, target_pb2_grpc
+from client.remote import generate_remote
+from client.trio import LocalTrio, console_script
+from engine.config import SamplingParams, StopParams
+from tests.services.e2e_support import metric, scrape, wait_until
+from tests.tiny_models import save_tiny_checkpoint
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+KEY = "sk-test-" + uuid.uuid4().hex
+PROMPT = "Write a haiku about the sea."
+LONG = 400  # new tokens of a request that is cancelled long before it ends
+
+
+@pytest.fixture(scope="module")
+def trio(redis_server, tmp_path_factory):
+    root = tmp_path_factory.mktemp("http-models")
+    target = str(save_tiny_checkpoint(root / "target", seed=0))
+    prefix = f"http-{uuid.uuid4().hex[:8]}:"
+    trio = LocalTrio(target_model=target, draft_model=target, draft_name="same", target_threads=1,
+                     draft_threads=1, dtype="float64", log_dir=tmp_path_factory.mktemp("http-logs"),
+                     redis_url=redis_server.url, metrics=True, http=True, start_timeout_s=240,
+                     extra_args={"cache": ["--redis-prefix", prefix],
+                                 "target": ["--max-model-len", "480", "--api-key", KEY]})
+    with trio:
+        trio.prefix = prefix
+        yield trio
+
+
+@pytest.fixture(scope="module")
+def api(trio) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"http://{trio.http_addr}/v1", api_key=KEY, max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def model_id(api) -> str:
+    (model,) = api.models.list().data
+    return model.id
+
+
+def card_client_json(trio, *args: str) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CARD_")}
+    out = subprocess.run([console_script("card-client"), "generate", "--target", trio.target_addr, "--json",
+                          *args], capture_output=True, text=True, env=env, timeout=120, check=True)
+    return json.loads(out.stdout)
+
+
+# ---- the same text as card-client -----------------------------------------------------------
+def test_chat_completion_equals_card_client_streaming_and_not(trio, api, model_id):
+    want = card_client_json(trio, "--chat", "--max-new-tokens", "24", "--ignore-eos", PROMPT)
+    messages = [{"role": "user", "content": PROMPT}]
+    whole = api.chat.completions.create(model=model_id, messages=messages, max_completion_tokens=24,
+                                        temperature=0, extra_body={"ignore_eos": True})
+    assert whole.choices[0].message.content == want["text"]
+    assert whole.choices[0].finish_reason == "length"
+    assert whole.usage.completion_tokens == 24
+    pieces, usage = [], None
+    for chunk in api.chat.completions.create(model=model_id, messages=messages, max_tokens=24, temperature=0,
+                                             stream=True, stream_options={"include_usage": True},
+                                             extra_body={"ignore_eos": True}):
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for choice in chunk.choices:
+            pieces.append(choice.delta.content or "")
+    assert "".join(pieces) == want["text"]
+    assert usage is not None and usage.completion_tokens == 24
+
+
+def test_completion_is_raw_text_and_speculation_shows_in_usage(trio, api, model_id):
+    want = generate_remote(trio.target_addr, PROMPT, chat=False, sampling=SamplingParams(),
+                           stop=StopParams(32, ignore_eos=True), draft="same")
+    got = api.completions.create(model=model_id, prompt=PROMPT, max_tokens=32, temperature=0,
+                                 extra_body={"ignore_eos": True, "draft": "same"})
+    assert got.choices[0].text == want.text
+    card = got.usage.model_extra["card"]
+    assert card["mode"] == "card" and card["draft"] == "same"
+    assert card["accepted_draft_tokens"] == 32 - card["target_forwards"]  # one prefill forward
+    # the draft is the target itself, as costly as it: whether it gets ahead is a race on any one
+    # request; a few requests must show speculation in their usage
+    cards = []
+    for n in (64, 96, 128):
+        reply = api.completions.create(model=model_id, prompt=PROMPT, max_tokens=n, temperature=0,
+                                       extra_body={"ignore_eos": True, "draft": "same"})
+        card = reply.usage.model_extra["card"]
+        assert card["accepted_draft_tokens"] == n - card["target_forwards"]
+        assert card["mean_accepted_length"] == pytest.approx(n / card["target_forwards"], abs=1e-4)
+        cards.append(card)
+        if card["hit_rate"] > 0:
+            break
+    assert card["hit_rate"] > 0, cards
+    plain = api.completions.create(model=model_id, prompt=PROMPT, max_tokens=16, temperature=0,
+                                   extra_body={"ignore_eos": True, "mode": "vanilla"})
+    card = plain.usage.model_extra["card"]
+    assert card["mode"] == "vanilla" and card["draft"] == "" and card["target_forwards"] == 16
+    assert card["accepted_draft_tokens"] == 0 and card["hit_rate"] == 0
+    ids = api.completions.create(model=model_id, prompt=want.token_ids[:5], max_tokens=4, temperature=0)
+    assert ids.usage.prompt_tokens == 5
+
+
+def test_seeded_sampling_and_stop_equal_card_client(trio, api, model_id):
+    want = card_client_json(trio, "--no-chat", "--max-new-tokens", "30", "--temperature", "0.9", "--top-p",
+                            "0.95", "--seed", "7", "--ignore-eos", PROMPT)
+    got = api.completions.create(model=model_id, prompt=PROMPT, max_tokens=30, temperature=0.9, top_p=0.95,
+                                 seed=7, extra_body={"ignore_eos": True})
+    assert got.choices[0].text == want["text"]
+    stop = want["text"][10:14]
+    assert stop.strip()
+    cut = api.completions.create(model=model_id, prompt=PROMPT, max_tokens=30, temperature=0.9, top_p=0.95,
+                                 seed=7, stop=[stop], extra_body={"ignore_eos": True})
+    assert cut.choices[0].finish_reason == "stop"
+    assert cut.choices[0].text == want["text"][:want["text"].index(stop)]
+
+
+def test_curl_streams_server_sent_events(trio, model_id):
+    curl = shutil.which("curl")
+    if curl is None:
+        pytest.skip("curl is not installed")
+    body = json.dumps({"model": model_id, "prompt": PROMPT, "max_tokens": 12, "temperature": 0,
+                       "stream": True, "ignore_eos": True})
+    cmd = [curl, "-sN", f"http://{trio.http_addr}/v1/completions", "-H", f"Authorization: Bearer {KEY}",
+           "-H", "Content-Type: application/json", "-d", body]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=60, check=True).stdout
+    events = [line[len("data: "):] for line in out.splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert all(c["object"] == "text_completion" for c in chunks)
+    texts = [c["choices"][0]["text"] for c in chunks if c["choices"]]
+    assert sum(1 for t in texts if t) >= 6  # token by token (a piece per forward), not one blob
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+
+
+# ---- refusals, auth, health --------------------------------------------------------------------
+@pytest.mark.parametrize("extra", [{"n": 2}, {"logprobs": True}, {"tools": [{"type": "function", "function": {
+    "name": "f", "parameters": {}}}]}, {"presence_penalty": 0.5}, {"top_p": 0}, {"no_such_field": 1},
+    {"stop": ["a", "b", "c", "d", "e"]}])
+def test_fields_that_would_change_output_are_refused(api, model_id, extra):
+    with pytest.raises(openai.BadRequestError) as err:
+        api.chat.completions.create(model=model_id, messages=[{"role": "user", "content": "hi"}],
+                                    max_tokens=4, extra_body=extra)
+    assert err.value.status_code == 400 and err.value.body["message"]
+
+
+def test_unknown_model_is_404(api):
+    with pytest.raises(openai.NotFoundError):
+        api.completions.create(model="no-such-model", prompt="hi", max_tokens=2)
+
+
+def test_api_key_is_required_on_v1_only(trio, model_id):
+    for key in ("wrong", None):
+        client = openai.OpenAI(base_url=f"http://{trio.http_addr}/v1", api_key=key or "x", max_retries=0,
+                               default_headers={} if key else {"Authorization": ""})
+        with pytest.raises(openai.AuthenticationError) as err:
+            client.models.list()
+        assert err.value.status_code == 401 and err.value.body["code"] == "invalid_api_key"
+    health = httpx.get(f"http://{trio.http_addr}/health", timeout=10)
+    assert health.status_code == 200 and health.json()["status"] == "ok"
+    page = httpx.get(f"http://{trio.http_addr}/metrics", timeout=10).text
+    assert "card_target_generations_total" in page
+
+
+# ---- cancellation ------------------------------------------------------------------------------
+def cache_sessions(trio) -> int:
+    with grpc.insecure_channel(trio.cache_addr) as ch:
+        status = cache_pb2_grpc.CacheServiceStub(ch).Status(cache_pb2.StatusRequest(), timeout=5)
+    return len(status.sessions)
+
+
+def draft_sessions(trio) -> float:
+    return metric(scrape(trio.drafts[0].metrics_port), "card_draft_active_sessions")
+
+
+def rss_mib(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        return int(re.search(r"VmRSS:\s+(\d+)", f.read()).group(1)) / 1024
+
+
+def http_cancel(trio, model_id: str) -> None:
+    """Open a long streaming generation, read its first pieces, drop the connection."""
+    body = {"model": model_id, "prompt": PROMPT, "max_tokens": LONG, "temperature": 0, "stream": True,
+            "ignore_eos": True}
+    with httpx.stream("POST", f"http://{trio.http_addr}/v1/completions", json=body, timeout=60,
+                      headers={"Authorization": f"Bearer {KEY}"}) as reply:
+        lines = reply.iter_lines()
+        for _ in range(3):
+            next(lines)
+    # leaving the block closes the connection mid-stream
+
+
+def grpc_cancel(trio, *, deadline: bool) -> None:
+    request = target_pb2.GenerateRequest(prompt=PROMPT, max_new_tokens=LONG, ignore_eos=True)
+    with grpc.insecure_channel(trio.target_addr) as ch:
+        stream = target_pb2_grpc.TargetServiceStub(ch).Generate(request, timeout=0.4 if deadline else 60)
+        if deadline:
+            with pytest.raises(grpc.RpcError) as err:
+                for _ in stream:
+                    pass
+            assert err.value.code() is grpc.StatusCode.DEADLINE_EXCEEDED
+        else:
+            next(stream)
+            stream.cancel()
+
+
+def background_load(trio, model_id: str, n: int, stop: threading.Event) -> list[threading.Thread]:
+    """``n`` clients generating back to back until ``stop``: the batch a cancelled request leaves."""
+    api = openai.OpenAI(base_url=f"http://{trio.http_addr}/v1", api_key=KEY, max_retries=0, timeout=120)
+
+    def client() -> None:
+        while not stop.is_set():
+            api.completions.create(model=model_id, prompt=PROMPT, max_tokens=60, temperature=0,
+                                   extra_body={"ignore_eos": True})
+
+    threads = [threading.Thread(target=client, daemon=True) for _ in range(n)]
+    for t in threads:
+        t.start()
+    return threads
+
+
+@pytest.mark.parametrize("how", ["http", "grpc-cancel", "grpc-deadline"])
+def test_a_cancelled_request_frees_its_session_within_a_second_under_load(trio, model_id, how):
+    stop = threading.Event()
+    threads = background_load(trio, model_id, 2, stop)
+    try:
+        wait_until(lambda: cache_sessions(trio) == 2, what="the load to run")
+        done = threading.Event()
+
+        def cancelled() -> None:
+            if how == "http":
+                http_cancel(trio, model_id)
+            else:
+                grpc_cancel(trio, deadline=how == "grpc-deadline")
+            done.set()
+
+        worker = threading.Thread(target=cancelled)
+        worker.start()
+        wait_until(lambda: cache_sessions(trio) == 3 or done.is_set(), what="the request to start")
+        assert done.wait(30)
+        t0 = time.monotonic()
+        # the load's two sessions stay; the cancelled one is gone from cache and draft within 1 s
+        wait_until(lambda: cache_sessions(trio) <= 2 and draft_sessions(trio) <= 2, timeout_s=1.0,
+                   what="the cancelled request's session and draft state to go")
+        assert time.monotonic() - t0 <= 1.0
+        worker.join()
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(120)
+
+
+def test_fifty_cancelled_requests_leave_nothing(trio, model_id, redis_server):
+    target = next(p for p in trio.processes if p.name == "card-target")
+    ways = [lambda: http_cancel(trio, model_id), lambda: grpc_cancel(trio, deadline=False),
+            lambda: grpc_cancel(trio, deadline=True)]
+    for i in range(10):  # warm-up: allocator pools, KV slot pages, thread pools
+        ways[i % 3]()
+    wait_until(lambda: cache_sessions(trio) == 0, what="no session after the warm-up")
+    before = rss_mib(target.proc.pid), rss_mib(trio.drafts[0].proc.pid)
+    for i in range(50):
+        ways[i % 3]()
+    wait_until(lambda: cache_sessions(trio) == 0 and draft_sessions(trio) == 0, timeout_s=5,
+               what="no live session in the cache or the draft")
+    assert metric(scrape(trio.drafts[0].metrics_port), "card_draft_kv_slots") == 0
+    assert metric(scrape(trio.metrics_ports["card-cache"]), "card_cache_sessions_open") == 0
+    client = redis_server.client()
+    assert list(client.scan_iter(f"{trio.prefix}session:*")) == []
+    after = rss_mib(target.proc.pid), rss_mib(trio.drafts[0].proc.pid)
+    for b, a in zip(before, after, strict=True):
+        assert a - b < 48, f"resident memory grew from {b:.0f} to {a:.0f} MiB over 50 cancelled requests"
