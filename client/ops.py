@@ -51,6 +51,8 @@ def _table(rows: Sequence[Sequence[str]], header: Sequence[str]) -> str:
 @option("--target-port", default=50051, show_default=True, type=int, help="0 = OS-chosen.")
 @option("--cache-port", default=50052, show_default=True, type=int, help="0 = OS-chosen.")
 @option("--draft-port", default=50053, show_default=True, type=int, help="0 = OS-chosen.")
+@option("--http-port", default=None, type=int,
+        help="Also serve the target's OpenAI-compatible HTTP API on this port (0 = OS-chosen; default: off).")
 @option("--target-threads", type=int, default=None, help="torch threads of the target.")
 @option("--draft-threads", type=int, default=None, help="torch threads of the draft.")
 @option("--redis-url", default=None, envvar="CARD_CLIENT_REDIS_URL",
@@ -61,7 +63,7 @@ def _table(rows: Sequence[Sequence[str]], header: Sequence[str]) -> str:
 @option("--device", default="auto", show_default=True)
 @exits_on_error("card-client")
 def up(target_model: str, draft_model: str, draft_quantize: str | None, draft_name: str | None,
-       target_port: int, cache_port: int, draft_port: int, target_threads: int | None,
+       target_port: int, cache_port: int, draft_port: int, http_port: int | None, target_threads: int | None,
        draft_threads: int | None, redis_url: str | None, log_dir: Path | None, dtype: str,
        device: str) -> None:
     """Start redis, card-cache, card-draft and card-target here; Ctrl-C stops them all."""
@@ -71,12 +73,15 @@ def up(target_model: str, draft_model: str, draft_quantize: str | None, draft_na
     click.echo(f"starting the trio (logs in {log_dir}) ...", err=True)
     trio = LocalTrio(target_model=target_model, draft_model=draft_model, draft_quantize=draft_quantize,
                      draft_name=draft_name, target_port=target_port, cache_port=cache_port,
-                     draft_port=draft_port, target_threads=target_threads, draft_threads=draft_threads,
+                     draft_port=draft_port, http_port=http_port, target_threads=target_threads,
+                     draft_threads=draft_threads,
                      redis_url=redis_url, log_dir=log_dir, dtype=dtype, device=device)
     with trio:  # Ctrl-C while starting: KeyboardInterrupt stops whatever started
         click.echo(f"target  {trio.target_addr}  ({target_model})")
         click.echo(f"cache   {trio.cache_addr}  (redis {trio.redis_url})")
         click.echo(f"draft   {trio.draft_addr}  ({draft_model}, quantize {draft_quantize})")
+        if trio.http_addr:
+            click.echo(f"http    http://{trio.http_addr}/v1  (OpenAI-compatible)")
         click.echo(f"export CARD_CLIENT_TARGET_ADDR={trio.target_addr} "
                    f"CARD_CLIENT_CACHE_ADDR={trio.cache_addr} CARD_CLIENT_DRAFT_ADDR={trio.draft_addr}")
         click.echo("serving; Ctrl-C stops everything", err=True)

@@ -187,7 +187,7 @@ class LocalTrio:
     dtype: str = "auto"
     device: str = "auto"
     metrics: bool = False
-    http: bool = False  # the target's OpenAI-compatible front on an OS-chosen port (``http_addr``)
+    http_port: int | None = None  # the target's OpenAI-compatible front (0 = OS-chosen; ``http_addr``)
     start_timeout_s: float = 600.0
     grace_s: float = 10.0
     tree: TreeParams | None = None
@@ -238,12 +238,13 @@ class LocalTrio:
         target = self._spawn("card-target", [
             "--model", self.target_model, "--cache", self.cache_addr, "--port", str(self.target_port),
             "--threads", str(self.target_threads), "--dtype", self.dtype, "--device", self.device,
-            *(["--http-port", "0"] if self.http else []), *self.extra_args.get("target", ()),
+            *([] if self.http_port is None else ["--http-port", str(self.http_port)]),
+            *self.extra_args.get("target", ()),
         ])
         # both load their models at once; wait for each
         self.draft_addr = draft.wait_listening(self.start_timeout_s)
         self.target_addr = target.wait_listening(self.start_timeout_s)
-        if self.http:
+        if self.http_port is not None:
             self.http_addr = target.wait_listening(self.start_timeout_s, HTTP_LISTENING)
         draft.wait_serving(self.start_timeout_s)
         target.wait_serving(self.start_timeout_s)

@@ -86,6 +86,12 @@ class CacheLink:
         self._thread: threading.Thread | None = None
         metrics.ACTIVE_SESSIONS.set_function(lambda: self.worker.active_sessions)
         metrics.KV_SLOTS.set_function(self.worker.kv_slots_held)
+        self.worker.on_forward = self._on_forward
+
+    @staticmethod
+    def _on_forward(sessions: int) -> None:
+        metrics.FORWARDS.inc()
+        metrics.BATCH_SESSIONS.inc(sessions)
 
     # ---- lifecycle ---------------------------------------------------------------------------
     def start(self) -> None:

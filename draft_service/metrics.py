@@ -7,6 +7,9 @@ from prometheus_client import Counter, Gauge
 REGISTERED = Gauge("card_draft_registered", "1 while registered with the cache service, else 0")
 ACTIVE_SESSIONS = Gauge("card_draft_active_sessions", "Sessions the worker is drafting for")
 KV_SLOTS = Gauge("card_draft_kv_slots", "KV cache slots held by all sessions (0 when none is live)")
+FORWARDS = Counter("card_draft_forwards", "Draft forwards run (each grows every session that had work)")
+BATCH_SESSIONS = Counter("card_draft_batch_sessions",
+                         "Sessions served by draft forwards, summed (per forward: over forwards_total)")
 COMMANDS = Counter("card_draft_commands_total", "Commands received from the cache", ["kind"])
 LAYERS = Counter("card_draft_layers_published_total", "Layers published to the cache")
 LAYERS_DROPPED = Counter("card_draft_layers_dropped_total",

@@ -64,6 +64,7 @@ class DraftWorker:
         self.pool = KVPool(model, slots, max_len + tree_rows(params))
         self.forwards = 0  # draft forwards run (each for every session that had work that round)
         self.batch_rows = 0  # sessions those forwards served, summed (mean batch = rows / forwards)
+        self.on_forward: Callable[[int], None] = lambda sessions: None  # after each forward (metrics)
         self.publish = publish
         self.threads = threads
         self.name = name
@@ -249,6 +250,7 @@ class DraftWorker:
             logits = forward(self.model, self.pool, segments, tokens, rows)
             self.forwards += 1
             self.batch_rows += len(works)
+            self.on_forward(len(works))
         except Exception:
             if len(works) == 1:
                 log.exception("draft forward failed")

@@ -110,6 +110,7 @@ class Frontend:
         self.loop: EngineLoop | None = None
         self.vocab_size = 0
         self.context_window = 0
+        self.draining = False  # shutdown began: health says so, requests under way finish
 
     def ready(self, model: LoadedModel, loop: EngineLoop) -> None:
         self.vocab_size = int(getattr(model.model.config, "vocab_size", 0) or 0)

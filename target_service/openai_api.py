@@ -3,7 +3,7 @@
     GET  /v1/models              the served model
     POST /v1/completions         raw text (or token ids) in, text out
     POST /v1/chat/completions    a conversation through the model's chat template
-    GET  /health                 200 once the model serves, 503 before
+    GET  /health                 200 once the model serves; 503 before, and once shutdown begins
     GET  /metrics                Prometheus, the same registry as --metrics-port
 
 ``stream: true`` answers with server-sent events in OpenAI's chunk shapes, then ``data: [DONE]``;
@@ -205,6 +205,8 @@ def create_app(front: Frontend, api_key: str | None = None) -> FastAPI:
 
     @app.get("/health")
     async def health() -> JSONResponse:
+        if front.draining:
+            return JSONResponse({"status": "draining"}, status_code=503)
         if front.is_ready:
             return JSONResponse({"status": "ok", "model": front.model.name})
         return JSONResponse({"status": "loading"}, status_code=503)

@@ -96,6 +96,7 @@ def serve(config: TargetConfig) -> None:
 
     def shutdown() -> None:
         # running generations finish (and close their cache sessions) before the channel goes
+        front.draining = True
         if http is not None:
             http.stop(GRACE_S + 1)
         server.stop(GRACE_S).wait()

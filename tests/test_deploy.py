@@ -330,6 +330,13 @@ def test_probes_are_grpc_health_checks_on_the_port_the_service_listens_on(
             probe = c.container.get(kind)
             assert probe, f"{c.script}: no {kind}"
             handlers = {"grpc", "exec", "httpGet", "tcpSocket"} & set(probe)
+            if c.script == "card-target" and kind == "readinessProbe":
+                # ready = the OpenAI-compatible front's /health, on the port card-target serves it
+                http = c.port("http")
+                assert effective(command_for(c.script), c.env, "--http-port") == str(http)
+                assert effective(command_for(c.script), c.env, "--http-host") == "0.0.0.0"
+                assert probe["httpGet"]["path"] == "/health" and probe["httpGet"]["port"] in ("http", http)
+                continue
             assert handlers == {"grpc"}, f"{c.script} {kind}: must be a grpc probe, has {handlers}"
             # Kubernetes' grpc probe takes a number only, so it is checked against the named port.
             assert probe["grpc"] == {"port": grpc_port, "service": ""}, f"{c.script} {kind}"

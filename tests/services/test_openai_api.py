@@ -39,7 +39,7 @@ def trio(redis_server, tmp_path_factory):
     prefix = f"http-{uuid.uuid4().hex[:8]}:"
     trio = LocalTrio(target_model=target, draft_model=target, draft_name="same", target_threads=1,
                      draft_threads=1, dtype="float64", log_dir=tmp_path_factory.mktemp("http-logs"),
-                     redis_url=redis_server.url, metrics=True, http=True, start_timeout_s=240,
+                     redis_url=redis_server.url, metrics=True, http_port=0, start_timeout_s=240,
                      extra_args={"cache": ["--redis-prefix", prefix],
                                  "target": ["--max-model-len", "480", "--api-key", KEY]})
     with trio:
