@@ -40,6 +40,9 @@ class CacheConfig:
     health_check_interval_s: float = 2.0
     tree: TreeParams = field(default_factory=TreeParams)
     grpc_threads: int = 64
+    # who may call what (card_common.auth.CACHE_ROLES); None = that role's RPCs are open
+    draft_token: str | None = field(default=None, repr=False)
+    target_token: str | None = field(default=None, repr=False)
     log_level: str = "INFO"
     json_logs: bool = False
 

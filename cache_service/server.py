@@ -23,6 +23,7 @@ from cache_service.servicer import CacheServicer
 from cache_service.sessions import SessionTable
 from cache_service.store import MetadataStore, open_store
 from card.v1 import cache_pb2, cache_pb2_grpc
+from card_common.auth import CACHE_ROLES, TokenAuth
 from card_common.cli import exit_on_error, logging_options, option, service_command
 from card_common.serving import (
     add_health,
@@ -47,7 +48,8 @@ class CacheServer:
     def __init__(self, config: CacheConfig, store: MetadataStore, max_workers: int) -> None:
         self.config = config
         self.store = store
-        self.grpc = make_server(max_workers)
+        auth = TokenAuth(CACHE_ROLES, {"draft": config.draft_token, "target": config.target_token})
+        self.grpc = make_server(max_workers, [auth])
         self.health = add_health(self.grpc)
         self.registry = Registry()
         self.sessions = SessionTable(config, store, self.registry)
@@ -129,11 +131,17 @@ def create_server(addr: str, config: CacheConfig, store: MetadataStore | None = 
 @option("--min-path-prob", type=click.FloatRange(0.0, 1.0), default=None,
         help="Cut chains where the draft's prefix probability falls below this (default: 0, never).")
 @option("--grpc-threads", type=int, default=64, help="Server threads; every open draft stream holds one.")
+@option("--draft-token", default=None,
+        help="Drafts must present it (authorization: Bearer) to RegisterDraft, Commands, PublishLayers, "
+             "Heartbeat; UNAUTHENTICATED otherwise (default: open).")
+@option("--target-token", default=None,
+        help="Targets and operators must present it to OpenSession, Step, StepBatch, CloseSession, Status "
+             "(default: open).")
 @logging_options
 def main(host: str, port: int, redis_url: str, redis_prefix: str, allow_memory_fallback: bool, device: str,
          metrics_port: int, session_ttl_s: int, session_idle_timeout_s: float, heartbeat_interval_s: float,
          max_chain: int | None, b_extension: bool | None, min_path_prob: float | None, grpc_threads: int,
-         log_level: str, json_logs: bool) -> None:
+         draft_token: str | None, target_token: str | None, log_level: str, json_logs: bool) -> None:
     """Serve the CARD cache: the authority on every session's candidate tree."""
     setup_logging(log_level, json_logs)
     with exit_on_error("card-cache"):
@@ -146,7 +154,8 @@ def main(host: str, port: int, redis_url: str, redis_prefix: str, allow_memory_f
             health_check_interval_s=min(2.0, heartbeat_interval_s),
             tree=tree_params(device, max_chain=max_chain, min_path_prob=min_path_prob,
                              b_extension=b_extension),
-            grpc_threads=grpc_threads, log_level=log_level, json_logs=json_logs,
+            grpc_threads=grpc_threads, draft_token=draft_token or None, target_token=target_token or None,
+            log_level=log_level, json_logs=json_logs,
         )
         server, bound = create_server(config.addr, config)
         start_metrics_server(config.metrics_port)

@@ -8,6 +8,7 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from card_common.auth import PresentToken
 from card_common.serving import MAX_MESSAGE_BYTES
 from engine.errors import Unavailable
 
@@ -26,9 +27,11 @@ CHANNEL_OPTIONS: tuple[tuple[str, Any], ...] = (
 )
 
 
-def channel(addr: str) -> grpc.Channel:
-    """An insecure channel to ``addr`` ("host:port"); the cluster network is trusted (see docs)."""
-    return grpc.insecure_channel(addr, options=list(CHANNEL_OPTIONS))
+def channel(addr: str, token: str | None = None) -> grpc.Channel:
+    """A channel to ``addr`` ("host:port"); with ``token``, every call presents it
+    (``authorization: Bearer``, card_common.auth)."""
+    ch = grpc.insecure_channel(addr, options=list(CHANNEL_OPTIONS))
+    return grpc.intercept_channel(ch, PresentToken(token)) if token else ch
 
 
 def health_status(addr: str, service: str = "", timeout_s: float = 2.0) -> str:

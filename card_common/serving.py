@@ -37,9 +37,10 @@ SERVER_OPTIONS: tuple[tuple[str, Any], ...] = (
 )
 
 
-def make_server(max_workers: int = 32) -> grpc.Server:
+def make_server(max_workers: int = 32, interceptors: Sequence[grpc.ServerInterceptor] = ()) -> grpc.Server:
     """A thread-pool gRPC server with the shared options. Each open stream holds one thread."""
-    return grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=list(SERVER_OPTIONS))
+    return grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=list(SERVER_OPTIONS),
+                       interceptors=list(interceptors))
 
 
 def bind(server: grpc.Server, addr: str) -> int:

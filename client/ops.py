@@ -135,10 +135,11 @@ def _target_info(addr: str) -> str:
             f"context {info.context_window}")
 
 
-def cache_status(addr: str) -> cache_pb2.StatusResponse:
-    """The cache's Status (registered drafts, live sessions, totals); CardError when it fails."""
+def cache_status(addr: str, token: str | None = None) -> cache_pb2.StatusResponse:
+    """The cache's Status (registered drafts, live sessions, totals); CardError when it fails.
+    ``token``: the cache's target token, where it requires one."""
     try:
-        with channel(addr) as ch:
+        with channel(addr, token) as ch:
             stub = cache_pb2_grpc.CacheServiceStub(ch)
             return stub.Status(cache_pb2.StatusRequest(), timeout=RPC_TIMEOUT_S)
     except grpc.RpcError as err:
@@ -164,8 +165,10 @@ def _totals_line(totals: dict[str, float]) -> str:
         show_default=True)
 @option("--draft", "draft_addr", envvar="CARD_CLIENT_DRAFT_ADDR", default=DEFAULT_DRAFT_ADDR,
         show_default=True, help="Health address of one draft worker.")
+@option("--target-token", envvar="CARD_CLIENT_TARGET_TOKEN", default=None,
+        help="The cache's target token, where card-cache requires one (--target-token).")
 @exits_on_error("card-client")
-def status(target_addr: str, cache_addr: str, draft_addr: str) -> None:
+def status(target_addr: str, cache_addr: str, draft_addr: str, target_token: str | None) -> None:
     """Health of each service, registered drafts, live sessions and totals from the cache."""
     rows = []
     health = {name: _health(addr) for name, addr in
@@ -175,7 +178,7 @@ def status(target_addr: str, cache_addr: str, draft_addr: str) -> None:
     reply: cache_pb2.StatusResponse | None = None
     if health["cache"] != "unreachable":
         try:
-            reply = cache_status(cache_addr)
+            reply = cache_status(cache_addr, target_token)
             cache_detail = (f"device {reply.cache_device}, redis "
                             f"{'connected' if reply.redis_connected else 'NOT connected'}, "
                             f"{len(reply.drafts)} draft(s), {len(reply.sessions)} live session(s)")
@@ -208,7 +211,9 @@ def _drafts_table(reply: cache_pb2.StatusResponse) -> str:
 @click.command()
 @option("--cache", "cache_addr", envvar="CARD_CLIENT_CACHE_ADDR", default=DEFAULT_CACHE_ADDR,
         show_default=True)
+@option("--target-token", envvar="CARD_CLIENT_TARGET_TOKEN", default=None,
+        help="The cache's target token, where card-cache requires one (--target-token).")
 @exits_on_error("card-client")
-def drafts(cache_addr: str) -> None:
+def drafts(cache_addr: str, target_token: str | None) -> None:
     """Draft workers registered with the cache service."""
-    click.echo(_drafts_table(cache_status(cache_addr)))
+    click.echo(_drafts_table(cache_status(cache_addr, target_token)))

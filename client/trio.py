@@ -188,6 +188,9 @@ class LocalTrio:
     device: str = "auto"
     metrics: bool = False
     http_port: int | None = None  # the target's OpenAI-compatible front (0 = OS-chosen; ``http_addr``)
+    # the cache's tokens (card_common.auth), handed to the side that presents each; None = open
+    draft_token: str | None = field(default=None, repr=False)
+    target_token: str | None = field(default=None, repr=False)
     start_timeout_s: float = 600.0
     grace_s: float = 10.0
     tree: TreeParams | None = None
@@ -240,7 +243,7 @@ class LocalTrio:
             "--threads", str(self.target_threads), "--dtype", self.dtype, "--device", self.device,
             *([] if self.http_port is None else ["--http-port", str(self.http_port)]),
             *self.extra_args.get("target", ()),
-        ])
+        ], env={"CARD_TARGET_TARGET_TOKEN": self.target_token})
         # both load their models at once; wait for each
         self.draft_addr = draft.wait_listening(self.start_timeout_s)
         self.target_addr = target.wait_listening(self.start_timeout_s)
@@ -252,7 +255,9 @@ class LocalTrio:
     def _start_cache(self, port: int) -> ServiceProcess:
         assert self.redis_url is not None
         cache = self._spawn("card-cache", ["--port", str(port), "--redis-url", self.redis_url,
-                                           *self.extra_args.get("cache", ())])
+                                           *self.extra_args.get("cache", ())],
+                            env={"CARD_CACHE_DRAFT_TOKEN": self.draft_token,
+                                 "CARD_CACHE_TARGET_TOKEN": self.target_token})
         self.cache_addr = cache.wait_listening(self.start_timeout_s)
         cache.wait_serving(self.start_timeout_s)
         return cache
@@ -277,14 +282,18 @@ class LocalTrio:
                *self.extra_args.get("draft", ()), *args]
         if name:
             cmd += ["--name", name]
-        proc = self._spawn("card-draft", cmd, label=f"card-draft-{name or len(self.drafts)}")
+        proc = self._spawn("card-draft", cmd, label=f"card-draft-{name or len(self.drafts)}",
+                           env={"CARD_DRAFT_DRAFT_TOKEN": self.draft_token})
         self.drafts.append(proc)
         if wait:
             proc.wait_listening(self.start_timeout_s)
             proc.wait_serving(self.start_timeout_s)
         return proc
 
-    def _spawn(self, script: str, args: list[str], label: str | None = None) -> ServiceProcess:
+    def _spawn(self, script: str, args: list[str], label: str | None = None,
+               env: dict[str, str | None] | None = None) -> ServiceProcess:
+        """Start ``script``; ``env``: extra variables (None values are left out), the way secrets
+        travel (a command line is visible to every local user in ps)."""
         label = label or script
         assert self.log_dir is not None
         log_path = self.log_dir / f"{label}.log"
@@ -294,7 +303,8 @@ class LocalTrio:
             log_path = self.log_dir / f"{label}-{n}.log"
         metrics_port = free_port() if self.metrics else 0
         cmd = [console_script(script), *args, "--metrics-port", str(metrics_port)]
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false",
+               **{k: v for k, v in (env or {}).items() if v is not None}}
         with open(log_path, "wb") as log:
             proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                     env=env, start_new_session=True)

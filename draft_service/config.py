@@ -41,6 +41,7 @@ class DraftConfig:
     max_model_len: int | None = None
     kv_cache_gb: float | None = None
     threads: int | None = None
+    draft_token: str | None = field(default=None, repr=False)  # presented to the cache (a secret)
     host: str = "127.0.0.1"
     port: int = 50053
     metrics_port: int = 9093

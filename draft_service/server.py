@@ -78,6 +78,9 @@ def serve(config: DraftConfig) -> None:
         help="k: secondary children kept per expanded node (default: 4 on CPU, K on GPU).")
 @option("--max-depth", default=None, type=int, help="Layers grown below the root before idling (default 8).")
 @option("--threads", default=None, type=int, help="torch threads (default: torch's choice).")
+@option("--draft-token", default=None,
+        help="Present this token to the cache (authorization: Bearer), where card-cache requires one "
+             "(its --draft-token).")
 @option("--nice", default=10, type=click.IntRange(0, 19),
         help="Scheduling niceness of this process: a draft that shares cores with a target, its cache or "
              "their clients yields the CPU to them first (0: as they are).")
@@ -88,7 +91,7 @@ def serve(config: DraftConfig) -> None:
 def main(cache_addr: str, model: str, quantize: str, dtype: str, device: str, name: str | None,
          capacity: int, max_model_len: int | None, kv_cache_gb: float | None, tree_width: int | None,
          branch: int | None, max_depth: int | None,
-         threads: int | None, nice: int, host: str,
+         threads: int | None, draft_token: str | None, nice: int, host: str,
          port: int, metrics_port: int, log_level: str, json_logs: bool) -> None:
     """Run a CARD draft worker for the cache service at --cache."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -105,6 +108,7 @@ def main(cache_addr: str, model: str, quantize: str, dtype: str, device: str, na
             max_model_len=max_model_len,
             kv_cache_gb=kv_cache_gb,
             threads=threads,
+            draft_token=draft_token or None,
             host=host,
             port=port,
             metrics_port=metrics_port,

@@ -34,6 +34,7 @@ class TargetConfig:
     http_port: int | None = None  # the OpenAI-compatible HTTP front; None: off
     http_host: str = "127.0.0.1"
     api_key: str | None = field(default=None, repr=False)  # a secret: never in a log line
+    target_token: str | None = field(default=None, repr=False)  # presented to the cache (a secret)
     log_level: str = "INFO"
     json_logs: bool = False
 

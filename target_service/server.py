@@ -57,7 +57,7 @@ def serve(config: TargetConfig) -> None:
     cache_channel = None
     stub = None
     if config.cache_addr:
-        cache_channel = channel(config.cache_addr)
+        cache_channel = channel(config.cache_addr, config.target_token)
         stub = cache_pb2_grpc.CacheServiceStub(cache_channel)
     front = Frontend(config, stub)
     target_pb2_grpc.add_TargetServiceServicer_to_server(TargetServicer(front), server)
@@ -135,13 +135,17 @@ def serve(config: TargetConfig) -> None:
         help="Serve the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models, "
              "/health, /metrics) on this port (0 = OS-chosen; default: off).")
 @option("--http-host", default="127.0.0.1", help="Interface of the HTTP API (0.0.0.0 in containers).")
+@option("--target-token", default=None,
+        help="Present this token to the cache (authorization: Bearer), where card-cache requires one "
+             "(its --target-token).")
 @option("--api-key", default=None,
         help="Require 'Authorization: Bearer <key>' on the HTTP API's /v1 routes (401 otherwise).")
 @logging_options
 def main(model: str, cache_addr: str | None, dtype: str, device: str, threads: int | None,
          max_batch_size: int, kv_cache_gb: float | None, max_model_len: int | None,
          max_batch_tokens: int, adaptive_chains: bool, default_max_new_tokens: int, step_timeout_ms: int,
-         host: str, port: int, metrics_port: int, http_port: int | None, http_host: str, api_key: str | None,
+         host: str, port: int, metrics_port: int, http_port: int | None, http_host: str,
+         target_token: str | None, api_key: str | None,
          log_level: str, json_logs: bool) -> None:
     """Run the CARD target service."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -164,6 +168,7 @@ def main(model: str, cache_addr: str | None, dtype: str, device: str, threads: i
             http_port=http_port,
             http_host=http_host,
             api_key=api_key or None,
+            target_token=target_token or None,
             log_level=log_level,
             json_logs=json_logs,
         )

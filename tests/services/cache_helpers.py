@@ -61,8 +61,8 @@ class HandDraft:
     service does, with ``command_from_msg``), publishes layers."""
 
     def __init__(self, addr: str, name: str, fingerprint: str = FP_A, model: str = "draft-model",
-                 capacity: int = 4) -> None:
-        self.channel = channel(addr)
+                 capacity: int = 4, token: str | None = None) -> None:
+        self.channel = channel(addr, token)
         self.stub = cache_pb2_grpc.CacheServiceStub(self.channel)
         self.name = name
         resp = self.stub.RegisterDraft(cache_pb2.RegisterDraftRequest(
@@ -126,8 +126,8 @@ class HandDraft:
 class HandTarget:
     """The target side: OpenSession / Step / CloseSession with hand-made corrections."""
 
-    def __init__(self, addr: str) -> None:
-        self.channel = channel(addr)
+    def __init__(self, addr: str, token: str | None = None) -> None:
+        self.channel = channel(addr, token)
         self.stub = cache_pb2_grpc.CacheServiceStub(self.channel)
 
     def open(self, prompt: Sequence[int], fingerprint: str = FP_A, draft: str = "",

@@ -1,0 +1,120 @@
+"""Tokens on the cache (card_common.auth): each RPC needs its role's token, health stays open.
+
+A real card-cache server (in-process, on a loopback port) with Redis; clients over real channels;
+then a trio started from the entry points with tokens on, served exactly, and the operator CLI.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import uuid
+from collections.abc import Iterator
+
+import grpc
+import pytest
+
+from cache_service.config import CacheConfig
+from cache_service.server import create_server
+from card.v1 import cache_pb2, cache_pb2_grpc
+from card_common.channels import channel, health_status, wait_serving
+from client.remote import generate_remote
+from client.trio import LocalTrio, console_script
+from engine.config import SamplingParams, StopParams
+from tests.services.cache_helpers import FP_A, TIMEOUT, HandDraft, HandTarget
+
+DRAFT_TOKEN = "draft-" + uuid.uuid4().hex
+TARGET_TOKEN = "target-" + uuid.uuid4().hex
+
+# every CacheService RPC with a harmless request; the role whose token it needs
+CALLS = {
+    "OpenSession": ("target", lambda s: s.OpenSession(cache_pb2.OpenSessionRequest(), timeout=TIMEOUT)),
+    "Step": ("target", lambda s: s.Step(cache_pb2.StepRequest(), timeout=TIMEOUT)),
+    "StepBatch": ("target", lambda s: s.StepBatch(cache_pb2.StepBatchRequest(), timeout=TIMEOUT)),
+    "CloseSession": ("target", lambda s: s.CloseSession(cache_pb2.CloseSessionRequest(), timeout=TIMEOUT)),
+    "Status": ("target", lambda s: s.Status(cache_pb2.StatusRequest(), timeout=TIMEOUT)),
+    "RegisterDraft": ("draft", lambda s: s.RegisterDraft(cache_pb2.RegisterDraftRequest(), timeout=TIMEOUT)),
+    "Commands": ("draft", lambda s: next(s.Commands(cache_pb2.CommandsRequest(), timeout=TIMEOUT))),
+    "PublishLayers": ("draft", lambda s: s.PublishLayers(iter([cache_pb2.LayerMessage()]), timeout=TIMEOUT)),
+    "Heartbeat": ("draft", lambda s: s.Heartbeat(cache_pb2.HeartbeatRequest(), timeout=TIMEOUT)),
+}
+
+
+@pytest.fixture
+def guarded(redis_url: str, redis_prefix: str) -> Iterator[str]:
+    config = CacheConfig(host="127.0.0.1", port=0, redis_url=redis_url, redis_prefix=redis_prefix,
+                         metrics_port=0, heartbeat_interval_s=30.0, health_check_interval_s=0.1,
+                         draft_token=DRAFT_TOKEN, target_token=TARGET_TOKEN)
+    server, port = create_server(config.addr, config)
+    server.start()
+    addr = f"127.0.0.1:{port}"
+    wait_serving(addr, TIMEOUT)
+    yield addr
+    server.stop(1.0).wait()
+
+
+def code_of(fn, stub) -> grpc.StatusCode:
+    try:
+        fn(stub)
+    except grpc.RpcError as err:
+        return err.code()
+    return grpc.StatusCode.OK
+
+
+@pytest.mark.parametrize("token", [None, "wrong", DRAFT_TOKEN, TARGET_TOKEN])
+def test_every_rpc_needs_its_roles_token(guarded: str, token: str | None) -> None:
+    role_of = {DRAFT_TOKEN: "draft", TARGET_TOKEN: "target"}.get(token or "")
+    with channel(guarded, token) as ch:
+        stub = cache_pb2_grpc.CacheServiceStub(ch)
+        for name, (role, call) in CALLS.items():
+            code = code_of(call, stub)
+            if role == role_of:  # let through: whatever the servicer makes of the empty request
+                assert code is not grpc.StatusCode.UNAUTHENTICATED, name
+            else:
+                assert code is grpc.StatusCode.UNAUTHENTICATED, f"{name} with {token!r}: {code}"
+    assert health_status(guarded) == "SERVING"  # probes need no token
+
+
+def test_token_holders_serve_a_session(guarded: str) -> None:
+    draft = HandDraft(guarded, "w1", token=DRAFT_TOKEN)
+    target = HandTarget(guarded, token=TARGET_TOKEN)
+    try:
+        opened = target.open([1, 2, 3], fingerprint=FP_A)
+        assert opened.session_id and opened.draft == "w1"
+        with pytest.raises(grpc.RpcError) as err:  # a draft token opens no session
+            HandTarget(guarded, token=DRAFT_TOKEN).open([1, 2, 3])
+        assert err.value.code() is grpc.StatusCode.UNAUTHENTICATED
+        assert "target token" in err.value.details()
+    finally:
+        draft.close()
+        target.close()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_trio_with_tokens_is_exact_and_refuses_strangers(redis_server, tmp_path):
+    from tests.tiny_models import save_tiny_checkpoint
+
+    model = str(save_tiny_checkpoint(tmp_path / "target", seed=0))
+    trio = LocalTrio(target_model=model, draft_model=model, draft_name="same", target_threads=1,
+                     draft_threads=1, dtype="float64", log_dir=tmp_path / "logs", redis_url=redis_server.url,
+                     draft_token=DRAFT_TOKEN, target_token=TARGET_TOKEN, start_timeout_s=240,
+                     extra_args={"cache": ["--redis-prefix", f"auth-{uuid.uuid4().hex[:8]}:"]})
+    with trio:
+        stop = StopParams(32, ignore_eos=True)
+        card = generate_remote(trio.target_addr, "Name three colours.", sampling=SamplingParams(), stop=stop,
+                               draft="same")
+        plain = generate_remote(trio.target_addr, "Name three colours.", sampling=SamplingParams(), stop=stop,
+                                mode="vanilla")
+        assert card.draft == "same" and card.token_ids == plain.token_ids  # the draft registered: tokens work
+        with channel(trio.cache_addr) as ch:
+            stub = cache_pb2_grpc.CacheServiceStub(ch)
+            for name, (_, call) in CALLS.items():
+                assert code_of(call, stub) is grpc.StatusCode.UNAUTHENTICATED, name
+        env = {k: v for k, v in os.environ.items() if not k.startswith("CARD_")}
+        cmd = [console_script("card-client"), "drafts", "--cache", trio.cache_addr]
+        refused = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=60)
+        assert refused.returncode == 2 and "UNAUTHENTICATED" in refused.stderr
+        shown = subprocess.run(cmd, capture_output=True, text=True, timeout=60,
+                               env={**env, "CARD_CLIENT_TARGET_TOKEN": TARGET_TOKEN})
+        assert shown.returncode == 0 and "same" in shown.stdout
