@@ -78,7 +78,8 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
         self._require_store()
         session = self.sessions.open(ids_from_msg(request.prompt_ids), request.tokenizer_fingerprint,
                                      request.target_model, request.draft,
-                                     chain_policy_from_msg(request.chain))
+                                     chain_policy_from_msg(request.chain), request.vocab_size,
+                                     request.context_window)
         return cache_pb2.OpenSessionResponse(session_id=session.session_id, draft=session.draft)
 
     @grpc_errors
@@ -168,20 +169,21 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
     @grpc_errors
     def PublishLayers(self, request_iterator: Iterator[cache_pb2.LayerMessage],
                       context: grpc.ServicerContext) -> cache_pb2.PublishLayersResponse:
-        received = 0
+        received = malformed = 0
         try:
             for msg in request_iterator:
                 received += 1
                 metrics.LAYERS.inc()
                 try:
-                    layer = layer_from_msg(msg)
-                except CardError as exc:  # a draft's bug: drop the layer, keep the stream
+                    self.sessions.apply_layer(msg.session_id, msg.worker_id, layer_from_msg(msg),
+                                              msg.draft_forwards, msg.draft_idle_s)
+                except CardError as exc:  # a draft's bug (or worse): drop the layer, keep the stream
                     metrics.LAYERS_MALFORMED.inc()
-                    log.warning("dropped a malformed layer from worker %s for session %s: %s",
-                                msg.worker_id, msg.session_id, exc, extra={"session_id": msg.session_id})
-                    continue
-                self.sessions.apply_layer(msg.session_id, msg.worker_id, layer, msg.draft_forwards,
-                                          msg.draft_idle_s)
+                    malformed += 1
+                    if malformed == 1 or malformed % 1000 == 0:  # one line, not one per message
+                        log.warning("dropped %d malformed layer(s) from worker %s so far, latest for "
+                                    "session %s: %s", malformed, msg.worker_id, msg.session_id, exc,
+                                    extra={"session_id": msg.session_id})
         except grpc.RpcError:  # the worker went away mid-stream: a peer leaving, not a bug
             log.info("layer stream ended by its draft worker after %d layers (peer %s)", received,
                      context.peer())

@@ -52,6 +52,7 @@ class Session:
     committed: list[int]
     prompt_tokens: int
     params: TreeParams  # the chain fields are this session's: the cache's, its ChainPolicy over them
+    vocab_size: int = 0  # the target's (OpenSession); layers' tokens must lie below it
     opened_unix: float = field(default_factory=time.time)
     last_active: float = field(default_factory=time.monotonic)  # open or last Step
     worker: Worker | None = None
@@ -186,20 +187,29 @@ class SessionTable:
 
     # ---- target side --------------------------------------------------------------------------
     def open(self, prompt_ids: Sequence[int], fingerprint: str, target_model: str,
-             draft: str = "", chain: ChainPolicy | None = None) -> Session:
-        """``chain`` goes over the configured chain settings for this session (None: keep them).
-        InvalidArgument: an empty prompt, no fingerprint, or a chain policy out of range."""
+             draft: str = "", chain: ChainPolicy | None = None, vocab_size: int = 0,
+             context_window: int = 0) -> Session:
+        """``chain`` goes over the configured chain settings for this session (None: keep them);
+        ``vocab_size`` / ``context_window``: the target's (0 = not told). InvalidArgument: an empty
+        prompt, one at or past the context window, a token outside the vocabulary, no fingerprint,
+        or a chain policy out of range."""
         if self.closing:
             raise Unavailable("the cache service is shutting down; retry against another replica")
         if not prompt_ids:
             raise InvalidArgument("the prompt is empty")
+        if context_window and len(prompt_ids) >= context_window:
+            raise InvalidArgument(f"the prompt has {len(prompt_ids)} tokens, the target's context window "
+                                  f"is {context_window}")
+        if min(prompt_ids) < 0 or (vocab_size and max(prompt_ids) >= vocab_size):
+            raise InvalidArgument(
+                f"the prompt holds a token outside the vocabulary [0, {vocab_size or '...'})")
         if not fingerprint:
             raise InvalidArgument("tokenizer_fingerprint is required to match a draft to the target")
         params = chain.over(self.config.tree) if chain is not None else self.config.tree
         session = Session(
             session_id=uuid.uuid4().hex, target_model=target_model or "unknown", fingerprint=fingerprint,
             draft_name=draft, tree=TwoTierTree(self.device), committed=list(prompt_ids),
-            prompt_tokens=len(prompt_ids), params=params,
+            prompt_tokens=len(prompt_ids), params=params, vocab_size=vocab_size,
         )
         with self.lock:
             worker = self.registry.pick(fingerprint, draft, session.target_model)
@@ -307,11 +317,13 @@ class SessionTable:
                     draft_idle_s: float = 0.0) -> bool:
         """Add a layer that worker ``worker_id`` grew to its session's tree, with the worker's
         counters for the session so far; False when it was dropped (session gone, sent by a
-        worker that no longer serves the session)."""
+        worker that no longer serves the session). InvalidArgument: a layer no drafter grows
+        (``Layer.check`` against the session's vocabulary), dropped whole."""
         with self.lock:
             session = self._sessions.get(session_id)
         if session is None:
             return False
+        layer.check(session.vocab_size)
         with session.lock:
             worker = session.worker
             if session.closed or worker is None or worker.worker_id != worker_id:

@@ -29,6 +29,10 @@ import torch
 from engine.errors import Aborted, InvalidArgument
 
 NO_NODE = -1  # node id of a chain token taken from tier B (it has no node)
+# What a cache accepts in one layer (K is 3-8 in practice; the bounds only stop abuse)
+MAX_LAYER_NODES = 1024
+MAX_LAYER_SECONDARY = 16384
+LOGP_SLACK = 1e-4  # a log-softmax can round a hair above 0
 
 
 def virtual_root_id(epoch: int) -> int:
@@ -71,6 +75,29 @@ class Layer:
     @property
     def size(self) -> int:
         return int(self.node_ids.numel())
+
+    def check(self, vocab_size: int = 0) -> None:
+        """InvalidArgument unless the layer is one a drafter can have grown: columns of equal
+        length, at most MAX_LAYER_NODES primary and MAX_LAYER_SECONDARY secondary entries, unique
+        node ids, tokens in [0, vocab_size) (0: no upper bound), log-probs finite and <= 0.
+        The cache applies it to every layer it receives (a draft is not trusted with a tree)."""
+        n, m = self.size, int(self.b_tokens.numel())
+        if not (self.parent_ids.numel() == self.tokens.numel() == self.local_logp.numel() == n):
+            raise InvalidArgument("the layer's primary columns differ in length")
+        if not (self.b_parent_ids.numel() == self.b_logp.numel() == m):
+            raise InvalidArgument("the layer's secondary columns differ in length")
+        if n > MAX_LAYER_NODES or m > MAX_LAYER_SECONDARY:
+            raise InvalidArgument(f"the layer has {n} nodes and {m} secondary entries (at most "
+                                  f"{MAX_LAYER_NODES} and {MAX_LAYER_SECONDARY})")
+        if torch.unique(self.node_ids).numel() != n:
+            raise InvalidArgument("the layer repeats a node id")
+        for tokens in (self.tokens, self.b_tokens):
+            if tokens.numel() and (int(tokens.min()) < 0 or (vocab_size and int(tokens.max()) >= vocab_size)):
+                raise InvalidArgument(
+                    f"the layer holds a token outside the vocabulary [0, {vocab_size or '...'})")
+        for logp in (self.local_logp, self.b_logp):
+            if logp.numel() and not bool((torch.isfinite(logp) & (logp <= LOGP_SLACK)).all()):
+                raise InvalidArgument("the layer holds a log-probability that is not finite or is above 0")
 
 
 @dataclass(frozen=True)

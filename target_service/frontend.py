@@ -189,4 +189,5 @@ class Frontend:
             return NoDraft()
         return RemoteCard(self.cache, cache_addr=self.config.cache_addr or "", target_model=self.model.name,
                           fingerprint=self.model.fingerprint, draft=draft, chain=chain,
+                          vocab_size=self.vocab_size, context_window=self.context_window,
                           step_timeout_s=self.config.step_timeout_ms / 1000.0)

@@ -54,7 +54,7 @@ class RemoteCard:
 
     def __init__(self, stub: cache_pb2_grpc.CacheServiceStub, *, cache_addr: str, target_model: str,
                  fingerprint: str, draft: str = "", chain: ChainPolicy | None = None,
-                 step_timeout_s: float = 1.0,
+                 vocab_size: int = 0, context_window: int = 0, step_timeout_s: float = 1.0,
                  open_timeout_s: float = 5.0, retry_initial_s: float = 0.5,
                  retry_max_s: float = 5.0) -> None:
         self.stub = stub
@@ -63,6 +63,8 @@ class RemoteCard:
         self.fingerprint = fingerprint
         self.draft = draft
         self.chain = chain or ChainPolicy()
+        self.vocab_size = vocab_size  # told to the cache, which checks the draft's layers against it
+        self.context_window = context_window
         self.step_timeout_s = step_timeout_s
         self.open_timeout_s = open_timeout_s
         self.retry_initial_s = retry_initial_s
@@ -176,7 +178,8 @@ class RemoteCard:
     # ---- sessions ----------------------------------------------------------------------------
     def _open_session(self, committed: list[int], timeout_s: float | None = None) -> None:
         reply = self.stub.OpenSession(
-            cache_pb2.OpenSessionRequest(prompt_ids=ids_to_msg(committed),
+            cache_pb2.OpenSessionRequest(prompt_ids=ids_to_msg(committed), vocab_size=self.vocab_size,
+                                         context_window=self.context_window,
                                          tokenizer_fingerprint=self.fingerprint,
                                          target_model=self.target_model, draft=self.draft,
                                          chain=chain_policy_to_msg(self.chain)),

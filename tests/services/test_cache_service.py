@@ -180,7 +180,8 @@ def test_malformed_layers_are_dropped_and_the_stream_goes_on(cache: Cache, caplo
     assert received == 3
     assert REGISTRY.get_sample_value("card_cache_layers_malformed_total") == before + 2
     dropped = [r for r in caplog.records if "malformed layer" in r.getMessage()]
-    assert len(dropped) == 2 and all(r.exc_info is None and "\n" not in r.getMessage() for r in dropped)
+    # one line for the stream, not one per message (a fuzzing peer must not fill the log)
+    assert len(dropped) == 1 and all(r.exc_info is None and "\n" not in r.getMessage() for r in dropped)
     assert all(sid in r.getMessage() and draft.worker_id in r.getMessage() for r in dropped)
     # the good layer after them was applied
     assert {s.session_id: s for s in cache.target.status().sessions}[sid].tree_nodes == 1

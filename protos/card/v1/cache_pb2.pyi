@@ -8,18 +8,22 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class OpenSessionRequest(_message.Message):
-    __slots__ = ("prompt_ids", "tokenizer_fingerprint", "target_model", "draft", "chain")
+    __slots__ = ("prompt_ids", "tokenizer_fingerprint", "target_model", "draft", "chain", "vocab_size", "context_window")
     PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     TARGET_MODEL_FIELD_NUMBER: _ClassVar[int]
     DRAFT_FIELD_NUMBER: _ClassVar[int]
     CHAIN_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    CONTEXT_WINDOW_FIELD_NUMBER: _ClassVar[int]
     prompt_ids: _common_pb2.Tensor
     tokenizer_fingerprint: str
     target_model: str
     draft: str
     chain: _common_pb2.ChainPolicy
-    def __init__(self, prompt_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., tokenizer_fingerprint: _Optional[str] = ..., target_model: _Optional[str] = ..., draft: _Optional[str] = ..., chain: _Optional[_Union[_common_pb2.ChainPolicy, _Mapping]] = ...) -> None: ...
+    vocab_size: int
+    context_window: int
+    def __init__(self, prompt_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., tokenizer_fingerprint: _Optional[str] = ..., target_model: _Optional[str] = ..., draft: _Optional[str] = ..., chain: _Optional[_Union[_common_pb2.ChainPolicy, _Mapping]] = ..., vocab_size: _Optional[int] = ..., context_window: _Optional[int] = ...) -> None: ...
 
 class OpenSessionResponse(_message.Message):
     __slots__ = ("session_id", "draft")
