@@ -40,6 +40,8 @@ log = logging.getLogger(__name__)
 
 MODES = ("card", "vanilla")
 
+_NO_DEADLINE_S = 10 * 365 * 86400.0
+
 Prompt = str | Sequence[dict] | Sequence[int]  # text, a conversation ({role, content}), token ids
 
 
@@ -71,6 +73,8 @@ class Running:
         """The next event (blocking; without a sink). ``deadline_s``: seconds this request may
         still wait for a KV slot (None: as long as it takes)."""
         assert self._box is not None, "events go to the sink given at start"
+        if deadline_s is not None and deadline_s > _NO_DEADLINE_S:
+            deadline_s = None  # gRPC reports a call without a deadline as ~forever, past what a wait takes
         while True:
             try:
                 return self._box.get(timeout=None if self.admitted else deadline_s)

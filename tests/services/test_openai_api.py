@@ -149,6 +149,14 @@ def test_curl_streams_server_sent_events(trio, model_id):
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"
 
 
+def test_a_grpc_call_without_a_deadline_is_served(trio):
+    """A call with no deadline (time_remaining() ~ forever) waits for its KV slot without limit."""
+    request = target_pb2.GenerateRequest(prompt=PROMPT, max_new_tokens=4, mode="vanilla")
+    with grpc.insecure_channel(trio.target_addr) as ch:
+        replies = list(target_pb2_grpc.TargetServiceStub(ch).Generate(request))
+    assert replies[-1].final.stats.new_tokens == 4
+
+
 # ---- refusals, auth, health --------------------------------------------------------------------
 @pytest.mark.parametrize("extra", [{"n": 2}, {"logprobs": True}, {"tools": [{"type": "function", "function": {
     "name": "f", "parameters": {}}}]}, {"presence_penalty": 0.5}, {"top_p": 0}, {"no_such_field": 1},
