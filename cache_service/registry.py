@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import queue
+import re
 import threading
 import time
 import uuid
@@ -10,6 +11,9 @@ from dataclasses import dataclass, field
 
 from engine.draft_commands import DraftCommand
 from engine.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
+
+NAME = re.compile(r"[A-Za-z0-9._-]{1,128}")
+MAX_CAPACITY = 4096  # sessions per worker: a bound, not a target
 
 
 @dataclass(frozen=True)
@@ -19,13 +23,19 @@ class DraftRegistration:
     name: str  # unique; registering a name again replaces the worker that holds it
     model: str
     fingerprint: str  # of its tokenizer; only sessions of targets with the same one are served
-    capacity: int  # most concurrent sessions; <= 0 = unlimited
+    capacity: int  # most concurrent sessions, in [1, MAX_CAPACITY]
 
     def __post_init__(self) -> None:
-        if not self.name:
-            raise InvalidArgument("a draft worker needs a name")
-        if not self.fingerprint:
-            raise InvalidArgument(f"draft {self.name!r} sent no tokenizer fingerprint")
+        if not NAME.fullmatch(self.name or ""):
+            raise InvalidArgument("a draft worker's name is 1-128 characters of A-Z a-z 0-9 . _ -, got "
+                                  f"{self.name[:40]!r}{'...' if len(self.name) > 40 else ''}")
+        if not self.fingerprint or len(self.fingerprint) > 128:
+            raise InvalidArgument(f"draft {self.name!r} sent no (or an oversized) tokenizer fingerprint")
+        if len(self.model) > 512:
+            raise InvalidArgument(f"draft {self.name!r}: model id of {len(self.model)} characters (max 512)")
+        if not 1 <= self.capacity <= MAX_CAPACITY:
+            raise InvalidArgument(
+                f"draft {self.name!r}: capacity must be in [1, {MAX_CAPACITY}], got {self.capacity}")
 
 
 @dataclass(eq=False)
@@ -36,7 +46,7 @@ class Worker:
     name: str
     model: str
     fingerprint: str
-    capacity: int  # most concurrent sessions; <= 0 = unlimited
+    capacity: int  # most concurrent sessions
     registered_unix: float = field(default_factory=time.time)
     last_heartbeat: float = field(default_factory=time.monotonic)
     last_heartbeat_unix: float = field(default_factory=time.time)

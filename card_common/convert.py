@@ -181,8 +181,9 @@ def sampling_to_msg(params: SamplingParams) -> common_pb2.SamplingParams:
 
 
 def sampling_from_msg(msg: common_pb2.SamplingParams) -> SamplingParams:
-    """Validated params (InvalidArgument on bad values). An unset top_p (0) means 1.0."""
-    top_p = _f32(msg.top_p) if msg.top_p != 0.0 else 1.0
+    """Validated params (InvalidArgument on bad values). An unset top_p means 1.0; a set one,
+    0 included, is checked as given."""
+    top_p = _f32(msg.top_p) if msg.HasField("top_p") else 1.0
     return SamplingParams(temperature=_f32(msg.temperature), top_k=msg.top_k, top_p=top_p, seed=msg.seed)
 
 

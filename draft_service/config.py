@@ -18,7 +18,7 @@ from engine.loading.models import ModelConfig
 def default_worker_name(model_spec: str, quantize: str = "none") -> str:
     """``<model>-<host>-<pid>``: unique per process, readable in ``card-client drafts``."""
     base = Path(model_spec.rstrip("/")).name or model_spec
-    base = re.sub(r"\.gguf$", "", base)
+    base = re.sub(r"\.gguf$", "", base)[:80]  # the registry takes names of <= 128 characters
     if quantize != "none":
         base = f"{base}-{quantize}"
     host = socket.gethostname().split(".")[0]

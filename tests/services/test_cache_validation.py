@@ -77,3 +77,16 @@ def test_layer_check_names_the_fault(name: str) -> None:
     with pytest.raises(InvalidArgument):
         BAD[name].check(VOCAB)
     layer([ROOT], [0], [5], [0.5]).check(VOCAB)  # a well-formed layer passes
+
+
+@pytest.mark.parametrize(("name", "capacity", "fault"), [
+    ("x" * (1 << 20), 4, "name"), ("bad name/", 4, "name"), ("", 4, "name"),
+    ("w", 0, "capacity"), ("w", -1, "capacity"), ("w", 10**6, "capacity"),
+])
+def test_registrations_are_bounded(cache, name: str, capacity: int, fault: str) -> None:  # noqa: F811
+    from card.v1 import cache_pb2
+
+    err = rpc_error(cache.target.stub.RegisterDraft, cache_pb2.RegisterDraftRequest(
+        name=name, model="m", tokenizer_fingerprint="fp", capacity=capacity), timeout=10)
+    assert err.code() is grpc.StatusCode.INVALID_ARGUMENT and fault in err.details()
+    assert len(err.details()) < 300  # the message does not echo a megabyte back

@@ -247,3 +247,13 @@ def test_log_formatters() -> None:
     assert entry["level"] == "WARNING" and entry["logger"] == "card.x" and entry["msg"] == "session s1 ended"
     assert entry["session_id"] == "s1" and entry["ts"].endswith("+00:00")
     assert TextFormatter().format(record).endswith("card.x: session s1 ended session_id=s1")
+
+
+def test_top_p_zero_is_refused_not_taken_as_one() -> None:
+    from card.v1 import common_pb2
+    from card_common.convert import sampling_from_msg
+    from engine.errors import InvalidArgument
+
+    assert sampling_from_msg(common_pb2.SamplingParams(temperature=0.5)).top_p == 1.0  # unset
+    with pytest.raises(InvalidArgument, match="top_p"):
+        sampling_from_msg(common_pb2.SamplingParams(temperature=0.5, top_p=0.0))
