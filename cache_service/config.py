@@ -34,6 +34,7 @@ class CacheConfig:
     allow_memory_fallback: bool = False
     device: str = "cpu"
     metrics_port: int = 9092
+    metrics_host: str = "127.0.0.1"
     session_ttl_s: int = 86400
     session_idle_timeout_s: float = 600.0
     heartbeat_interval_s: float = 2.0

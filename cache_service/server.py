@@ -118,6 +118,8 @@ def create_server(addr: str, config: CacheConfig, store: MetadataStore | None = 
         help="Use the in-process store when Redis is unreachable at startup.")
 @option("--device", default="auto", help="Where the trees live: auto (cuda if available), cpu, cuda, cuda:N.")
 @option("--metrics-port", type=int, default=9092, help="Prometheus /metrics port; 0 disables.")
+@option("--metrics-host", default="127.0.0.1",
+        help="Interface of the metrics port (0.0.0.0 in containers, where Prometheus scrapes the pod).")
 @option("--session-ttl-s", type=int, default=86400, help="How long finished-session records stay in Redis.")
 @option("--session-idle-timeout-s", type=float, default=600.0,
         help="Close a session with no Step for this long (its target died); 0 = never.")
@@ -139,7 +141,8 @@ def create_server(addr: str, config: CacheConfig, store: MetadataStore | None = 
              "(default: open).")
 @logging_options
 def main(host: str, port: int, redis_url: str, redis_prefix: str, allow_memory_fallback: bool, device: str,
-         metrics_port: int, session_ttl_s: int, session_idle_timeout_s: float, heartbeat_interval_s: float,
+         metrics_port: int, metrics_host: str, session_ttl_s: int, session_idle_timeout_s: float,
+         heartbeat_interval_s: float,
          max_chain: int | None, b_extension: bool | None, min_path_prob: float | None, grpc_threads: int,
          draft_token: str | None, target_token: str | None, log_level: str, json_logs: bool) -> None:
     """Serve the CARD cache: the authority on every session's candidate tree."""
@@ -149,7 +152,7 @@ def main(host: str, port: int, redis_url: str, redis_prefix: str, allow_memory_f
         config = CacheConfig(
             host=host, port=port, redis_url=redis_url, redis_prefix=redis_prefix,
             allow_memory_fallback=allow_memory_fallback, device=str(resolve_device(device)),
-            metrics_port=metrics_port, session_ttl_s=session_ttl_s,
+            metrics_port=metrics_port, metrics_host=metrics_host, session_ttl_s=session_ttl_s,
             session_idle_timeout_s=session_idle_timeout_s, heartbeat_interval_s=heartbeat_interval_s,
             health_check_interval_s=min(2.0, heartbeat_interval_s),
             tree=tree_params(device, max_chain=max_chain, min_path_prob=min_path_prob,
@@ -158,7 +161,7 @@ def main(host: str, port: int, redis_url: str, redis_prefix: str, allow_memory_f
             log_level=log_level, json_logs=json_logs,
         )
         server, bound = create_server(config.addr, config)
-        start_metrics_server(config.metrics_port)
+        start_metrics_server(config.metrics_port, config.metrics_host)
         server.start()
     log.info("cache service on %s:%d (device %s, store %s)", host, bound, config.device, server.store.url)
     print(f"card-cache listening on {host}:{bound}", flush=True)

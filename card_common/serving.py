@@ -71,8 +71,9 @@ def set_serving(servicer: health.HealthServicer, serving: bool, services: Sequen
 
 
 # ---- metrics --------------------------------------------------------------------------------
-def start_metrics_server(port: int, addr: str = "0.0.0.0") -> int:
-    """Serve Prometheus metrics over HTTP on ``port`` (0 = disabled); returns the port or 0.
+def start_metrics_server(port: int, addr: str = "127.0.0.1") -> int:
+    """Serve Prometheus metrics over HTTP on ``addr:port`` (0 = disabled; loopback unless the
+    service's ``--metrics-host`` says otherwise); returns the port or 0.
 
     InvalidArgument when the port cannot be bound (e.g. a second local instance on the default).
     """

@@ -45,6 +45,7 @@ class DraftConfig:
     host: str = "127.0.0.1"
     port: int = 50053
     metrics_port: int = 9093
+    metrics_host: str = "127.0.0.1"
     log_level: str = "INFO"
     json_logs: bool = False
     # reconnect backoff after the cache goes away (seconds, doubling up to the max)

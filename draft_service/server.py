@@ -45,7 +45,7 @@ def serve(config: DraftConfig) -> None:
     health = add_health(server)
     server.start()
     print(f"card-draft listening on {config.host}:{port}", flush=True)
-    start_metrics_server(config.metrics_port)
+    start_metrics_server(config.metrics_port, config.metrics_host)
     if config.threads:
         torch.set_num_threads(config.threads)
     log.info("loading draft model %s", config.model.label)
@@ -87,12 +87,14 @@ def serve(config: DraftConfig) -> None:
 @option("--host", default="127.0.0.1", help="Interface of the health port (0.0.0.0 in containers).")
 @option("--port", default=50053, type=int, help="gRPC health port (0 = OS-chosen).")
 @option("--metrics-port", default=9093, type=int, help="Prometheus port (0 = disabled).")
+@option("--metrics-host", default="127.0.0.1",
+        help="Interface of the metrics port (0.0.0.0 in containers, where Prometheus scrapes the pod).")
 @logging_options
 def main(cache_addr: str, model: str, quantize: str, dtype: str, device: str, name: str | None,
          capacity: int, max_model_len: int | None, kv_cache_gb: float | None, tree_width: int | None,
          branch: int | None, max_depth: int | None,
          threads: int | None, draft_token: str | None, nice: int, host: str,
-         port: int, metrics_port: int, log_level: str, json_logs: bool) -> None:
+         port: int, metrics_port: int, metrics_host: str, log_level: str, json_logs: bool) -> None:
     """Run a CARD draft worker for the cache service at --cache."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     setup_logging(log_level, json_logs)
@@ -112,6 +114,7 @@ def main(cache_addr: str, model: str, quantize: str, dtype: str, device: str, na
             host=host,
             port=port,
             metrics_port=metrics_port,
+            metrics_host=metrics_host,
             log_level=log_level,
             json_logs=json_logs,
         )

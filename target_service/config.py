@@ -31,6 +31,7 @@ class TargetConfig:
     default_max_new_tokens: int = 128
     step_timeout_ms: int = 1000
     metrics_port: int = 9091
+    metrics_host: str = "127.0.0.1"
     http_port: int | None = None  # the OpenAI-compatible HTTP front; None: off
     http_host: str = "127.0.0.1"
     api_key: str | None = field(default=None, repr=False)  # a secret: never in a log line

@@ -70,7 +70,7 @@ def serve(config: TargetConfig) -> None:
         print(f"card-target http listening on {config.http_host}:{http.port}", flush=True)
     elif config.api_key:
         log.warning("--api-key is set but the HTTP front is off (--http-port): the key guards nothing")
-    start_metrics_server(config.metrics_port)
+    start_metrics_server(config.metrics_port, config.metrics_host)
     if config.threads:
         torch.set_num_threads(config.threads)
     log.info("loading target model %s", config.model.label)
@@ -131,6 +131,8 @@ def serve(config: TargetConfig) -> None:
 @option("--host", default="127.0.0.1", help="Interface to listen on (0.0.0.0 in containers).")
 @option("--port", default=50051, type=int, help="gRPC port (0 = OS-chosen).")
 @option("--metrics-port", default=9091, type=int, help="Prometheus port (0 = disabled).")
+@option("--metrics-host", default="127.0.0.1",
+        help="Interface of the metrics port (0.0.0.0 in containers, where Prometheus scrapes the pod).")
 @option("--http-port", default=None, type=int,
         help="Serve the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models, "
              "/health, /metrics) on this port (0 = OS-chosen; default: off).")
@@ -144,7 +146,7 @@ def serve(config: TargetConfig) -> None:
 def main(model: str, cache_addr: str | None, dtype: str, device: str, threads: int | None,
          max_batch_size: int, kv_cache_gb: float | None, max_model_len: int | None,
          max_batch_tokens: int, adaptive_chains: bool, default_max_new_tokens: int, step_timeout_ms: int,
-         host: str, port: int, metrics_port: int, http_port: int | None, http_host: str,
+         host: str, port: int, metrics_port: int, metrics_host: str, http_port: int | None, http_host: str,
          target_token: str | None, api_key: str | None,
          log_level: str, json_logs: bool) -> None:
     """Run the CARD target service."""
@@ -165,6 +167,7 @@ def main(model: str, cache_addr: str | None, dtype: str, device: str, threads: i
             default_max_new_tokens=default_max_new_tokens,
             step_timeout_ms=step_timeout_ms,
             metrics_port=metrics_port,
+            metrics_host=metrics_host,
             http_port=http_port,
             http_host=http_host,
             api_key=api_key or None,

@@ -347,6 +347,9 @@ def test_metrics_port_matches_container_port_and_scrape_annotations(variant: tup
     for c in card_containers(rendered):
         metrics = c.port("metrics")
         assert effective(command_for(c.script), c.env, "--metrics-port") == str(metrics), c.script
+        # loopback by default (a service run by hand exposes nothing); the pod's IP in the cluster
+        assert effective(command_for(c.script), {}, "--metrics-host") == "127.0.0.1", c.script
+        assert effective(command_for(c.script), c.env, "--metrics-host") == "0.0.0.0", c.script
         annotations = c.pod["metadata"].get("annotations", {})
         assert annotations.get("prometheus.io/scrape") == "true", c.script
         assert annotations.get("prometheus.io/port") == str(metrics), c.script
