@@ -11,7 +11,7 @@ from pathlib import Path
 from engine.config import TreeParams
 from engine.drafter import tree_rows
 from engine.errors import InvalidArgument
-from engine.kv_pool import DEFAULT_MAX_MODEL_LEN, pool_shape
+from engine.kv_pool import check_sizing, pool_shape
 from engine.loading.models import ModelConfig
 
 
@@ -60,10 +60,7 @@ class DraftConfig:
             raise InvalidArgument("the worker name must not be empty")
         if self.capacity < 1:
             raise InvalidArgument(f"capacity must be >= 1, got {self.capacity}")
-        if self.kv_cache_gb is not None and not self.kv_cache_gb > 0:
-            raise InvalidArgument(f"kv-cache-gb must be > 0, got {self.kv_cache_gb}")
-        if self.max_model_len is not None and self.max_model_len < 2:
-            raise InvalidArgument(f"max-model-len must be >= 2, got {self.max_model_len}")
+        check_sizing(self.kv_cache_gb, self.max_model_len)
         if self.threads is not None and self.threads < 1:
             raise InvalidArgument(f"threads must be >= 1, got {self.threads}")
         if not 0 <= self.port <= 65535 or not 0 <= self.metrics_port <= 65535:
@@ -72,7 +69,5 @@ class DraftConfig:
     def kv_shape(self, context_window: int, bytes_per_token: int) -> tuple[int, int]:
         """(slots, committed rows per slot) of the worker's KV cache; the tree's rows come on top,
         within the budget."""
-        max_len = min(self.max_model_len or DEFAULT_MAX_MODEL_LEN, context_window)
-        rows = max_len + tree_rows(self.tree)
-        slots, _ = pool_shape(self.capacity, rows, bytes_per_token, self.kv_cache_gb)
-        return slots, max_len
+        return pool_shape(self.capacity, self.max_model_len, context_window, bytes_per_token,
+                          self.kv_cache_gb, extra_rows=tree_rows(self.tree))

@@ -34,7 +34,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from engine.errors import FailedPrecondition, ResourceExhausted
+from engine.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 
 ATTN = "card_slots"
 
@@ -122,11 +122,21 @@ class KVPool:
             t[slot, :, first:end] = t[slot, :, rows]  # the gather copies before the write
 
 
-def pool_shape(max_slots: int, max_len: int, bytes_per_token: int,
-               kv_cache_gb: float | None) -> tuple[int, int]:
-    """(slots, rows per slot): ``max_slots`` sequences of ``max_len`` rows, fewer where
-    ``kv_cache_gb`` (None = no cap) holds fewer."""
-    per_slot = bytes_per_token * max_len
+def check_sizing(kv_cache_gb: float | None, max_model_len: int | None) -> None:
+    """The sizing flags every service with a KV cache takes (--kv-cache-gb, --max-model-len)."""
+    if kv_cache_gb is not None and not kv_cache_gb > 0:
+        raise InvalidArgument(f"kv-cache-gb must be > 0, got {kv_cache_gb}")
+    if max_model_len is not None and max_model_len < 2:
+        raise InvalidArgument(f"max-model-len must be >= 2, got {max_model_len}")
+
+
+def pool_shape(max_slots: int, max_model_len: int | None, context_window: int, bytes_per_token: int,
+               kv_cache_gb: float | None, extra_rows: int = 0) -> tuple[int, int]:
+    """(slots, tokens per slot): ``max_slots`` sequences of ``max_model_len`` tokens (None: the
+    context window, at most DEFAULT_MAX_MODEL_LEN), fewer slots where ``kv_cache_gb`` (None = no
+    cap) holds fewer; each slot also holds ``extra_rows`` (a draft's tree)."""
+    max_len = min(max_model_len or DEFAULT_MAX_MODEL_LEN, context_window)
+    per_slot = bytes_per_token * (max_len + extra_rows)
     if kv_cache_gb is None:
         return max_slots, max_len
     slots = min(int(kv_cache_gb * 2**30 // per_slot), max_slots)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from engine.errors import InvalidArgument
-from engine.kv_pool import DEFAULT_MAX_MODEL_LEN, pool_shape
+from engine.kv_pool import check_sizing, pool_shape
 from engine.loading.models import ModelConfig
 
 
@@ -42,10 +42,7 @@ class TargetConfig:
     def __post_init__(self) -> None:
         if self.max_batch_size < 1:
             raise InvalidArgument(f"max-batch-size must be >= 1, got {self.max_batch_size}")
-        if self.kv_cache_gb is not None and not self.kv_cache_gb > 0:
-            raise InvalidArgument(f"kv-cache-gb must be > 0, got {self.kv_cache_gb}")
-        if self.max_model_len is not None and self.max_model_len < 2:
-            raise InvalidArgument(f"max-model-len must be >= 2, got {self.max_model_len}")
+        check_sizing(self.kv_cache_gb, self.max_model_len)
         if self.max_batch_tokens < 1:
             raise InvalidArgument(f"max-batch-tokens must be >= 1, got {self.max_batch_tokens}")
         if self.default_max_new_tokens < 1:
@@ -61,5 +58,5 @@ class TargetConfig:
     def kv_shape(self, context_window: int, bytes_per_token: int) -> tuple[int, int]:
         """(slots, rows per slot) of the KV cache for a model with this context window and
         keys + values of ``bytes_per_token`` bytes per token."""
-        max_len = min(self.max_model_len or DEFAULT_MAX_MODEL_LEN, context_window)
-        return pool_shape(self.max_batch_size, max_len, bytes_per_token, self.kv_cache_gb)
+        return pool_shape(self.max_batch_size, self.max_model_len, context_window, bytes_per_token,
+                          self.kv_cache_gb)
