@@ -14,6 +14,8 @@ so sessions end and workers unregister while the cache still runs), SIGKILL afte
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import functools
 import os
 import random
 import re
@@ -65,6 +67,23 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _die_with_parent(parent: int) -> None:
+    """In the child, before exec: SIGTERM when the process that started the trio dies, however it
+    dies (SIGKILL, the OOM killer), so no service outlives it as an orphan. Linux only (prctl
+    PR_SET_PDEATHSIG); elsewhere a no-op. The signal follows the *thread* that forked: start trios
+    from a thread that lives as long as they should (the main thread, as card-client and
+    card-bench do)."""
+    if not sys.platform.startswith("linux"):
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() != parent:  # the parent died before prctl took effect
+        os._exit(1)
+
+
+PR_SET_PDEATHSIG = 1
 
 
 def console_script(name: str) -> str:
@@ -307,7 +326,8 @@ class LocalTrio:
                **{k: v for k, v in (env or {}).items() if v is not None}}
         with open(log_path, "wb") as log:
             proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                    env=env, start_new_session=True)
+                                    env=env, start_new_session=True,
+                                    preexec_fn=functools.partial(_die_with_parent, os.getpid()))
         service = ServiceProcess(label, proc, log_path, metrics_port=metrics_port)
         self.processes.append(service)
         return service
@@ -329,6 +349,7 @@ class LocalTrio:
                 [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
                  "--dir", str(self.log_dir)],
                 stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+                preexec_fn=functools.partial(_die_with_parent, os.getpid()),
             )
         deadline = time.monotonic() + 20
         while time.monotonic() < deadline:

@@ -5,8 +5,11 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -186,3 +189,26 @@ def test_export_turns_a_gguf_into_a_checkpoint_with_the_same_outputs(tmp_path):
     assert outputs[0] == outputs[1]
     again = run_cli("export", str(gguf), str(dest))  # never overwrites
     assert again.returncode == 2 and "not empty" in again.stderr
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or shutil.which("redis-server") is None,
+                    reason="parent-death signal is Linux's; needs redis-server")
+def test_a_local_trio_does_not_outlive_the_process_that_started_it(tmp_path) -> None:
+    """The starter is SIGKILLed (as the OOM killer does): what it started goes with it."""
+    code = ("import sys, time; from pathlib import Path; from client.trio import LocalTrio; "
+            "t = LocalTrio(log_dir=Path(sys.argv[1])); t._start_redis(); print(t.redis.pid, flush=True); "
+            "time.sleep(600)")
+    starter = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    redis_pid = int(starter.stdout.readline())
+    os.kill(redis_pid, 0)  # alive
+    starter.kill()
+    starter.wait(10)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            os.kill(redis_pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.1)
+    os.kill(redis_pid, signal.SIGKILL)
+    pytest.fail("redis-server outlived the process that started it")
