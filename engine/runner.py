@@ -18,6 +18,7 @@ from engine.config import GenerationRequest, TreeParams
 from engine.core_lending import CoreLender
 from engine.errors import FailedPrecondition, InvalidArgument
 from engine.generate import Generation
+from engine.kv_pool import DEFAULT_MAX_MODEL_LEN
 from engine.loading.models import LoadedModel
 from engine.sources import LocalCard, NoDraft, SyncDraft
 from engine.tree import Layer
@@ -88,11 +89,14 @@ class InProcessRunner:
         if cfg.mode == "sd":
             return SyncDraft(self.draft.model, cfg.gamma, kv_len)
         if self.worker is None:
-            # rows per slot: the target's whole context window. On the CPU a slot's pages are
-            # touched only as far as its session writes (engine.kv_pool), so this costs nothing.
+            # rows per slot: on the CPU the target's whole context window (a slot's pages are
+            # touched only as far as its session writes, engine.kv_pool); on an accelerator, where
+            # the allocation is real, the services' default (a longer session is not drafted)
+            window = self.target.context_window
+            on_cpu = next(self.draft.model.parameters()).device.type == "cpu"
             self.worker = DraftWorker(self.draft.model, cfg.tree, self._publish, slots=cfg.draft_slots,
-                                      max_len=self.target.context_window, threads=cfg.draft_threads,
-                                      name=self.draft.name)
+                                      max_len=window if on_cpu else min(window, DEFAULT_MAX_MODEL_LEN),
+                                      threads=cfg.draft_threads, name=self.draft.name)
             self.worker.start()
         source = self._new_card()
         self._cards.add(source)
