@@ -30,6 +30,7 @@ class TargetConfig:
     adaptive_chains: bool = True
     default_max_new_tokens: int = 128
     step_timeout_ms: int = 1000
+    shutdown_grace_s: float = 30.0  # SIGTERM: how long running generations get to finish
     metrics_port: int = 9091
     metrics_host: str = "127.0.0.1"
     http_port: int | None = None  # the OpenAI-compatible HTTP front; None: off
@@ -47,6 +48,8 @@ class TargetConfig:
             raise InvalidArgument(f"max-batch-tokens must be >= 1, got {self.max_batch_tokens}")
         if self.default_max_new_tokens < 1:
             raise InvalidArgument(f"default-max-new-tokens must be >= 1, got {self.default_max_new_tokens}")
+        if not self.shutdown_grace_s >= 0:
+            raise InvalidArgument(f"shutdown-grace-s must be >= 0, got {self.shutdown_grace_s}")
         if self.step_timeout_ms < 1:
             raise InvalidArgument(f"step-timeout-ms must be >= 1, got {self.step_timeout_ms}")
         if self.threads is not None and self.threads < 1:

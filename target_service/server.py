@@ -41,7 +41,6 @@ from target_service.servicer import TargetServicer
 log = logging.getLogger("target_service")
 
 SERVICE_NAME = "card.v1.TargetService"
-GRACE_S = 10.0  # running generations get this long to finish on SIGTERM
 
 
 def create_server(addr: str, max_workers: int = 16) -> tuple[grpc.Server, int]:
@@ -65,7 +64,8 @@ def serve(config: TargetConfig) -> None:
     print(f"card-target listening on {config.host}:{port}", flush=True)
     http = None
     if config.http_port is not None:
-        http = HttpServer(create_app(front, config.api_key), config.http_host, config.http_port, GRACE_S)
+        http = HttpServer(create_app(front, config.api_key), config.http_host, config.http_port,
+                          config.shutdown_grace_s)
         http.start()
         print(f"card-target http listening on {config.http_host}:{http.port}", flush=True)
     elif config.api_key:
@@ -95,16 +95,20 @@ def serve(config: TargetConfig) -> None:
     log.info("serving %s", model.name)
 
     def shutdown() -> None:
-        # running generations finish (and close their cache sessions) before the channel goes
+        # Both fronts stop taking requests at once; running generations get the grace to finish
+        # (gRPC and HTTP drain side by side), then whatever is left is cancelled by the engine
+        # loop, which closes its cache sessions while the cache channel is still open.
+        grace = config.shutdown_grace_s
         front.draining = True
+        stopped = server.stop(grace)
         if http is not None:
-            http.stop(GRACE_S + 1)
-        server.stop(GRACE_S).wait()
+            http.stop(grace + 1)
+        stopped.wait(grace + 1)
         loop.stop()
         if cache_channel is not None:
             cache_channel.close()
 
-    serve_until_signal(server, shutdown, grace_s=GRACE_S, health_servicer=health)
+    serve_until_signal(server, shutdown, grace_s=config.shutdown_grace_s, health_servicer=health)
 
 
 @service_command("CARD_TARGET")
@@ -128,6 +132,9 @@ def serve(config: TargetConfig) -> None:
              "each request's acceptance; off: verify every chain the cache hands out.")
 @option("--default-max-new-tokens", default=128, type=int)
 @option("--step-timeout-ms", default=1000, type=int, help="Deadline of each Step call to the cache.")
+@option("--shutdown-grace-s", default=30.0, type=float,
+        help="On SIGTERM, running generations get this long to finish (keep it below the pod's "
+             "terminationGracePeriodSeconds); the rest are ended and their cache sessions closed.")
 @option("--host", default="127.0.0.1", help="Interface to listen on (0.0.0.0 in containers).")
 @option("--port", default=50051, type=int, help="gRPC port (0 = OS-chosen).")
 @option("--metrics-port", default=9091, type=int, help="Prometheus port (0 = disabled).")
@@ -146,7 +153,8 @@ def serve(config: TargetConfig) -> None:
 def main(model: str, cache_addr: str | None, dtype: str, device: str, threads: int | None,
          max_batch_size: int, kv_cache_gb: float | None, max_model_len: int | None,
          max_batch_tokens: int, adaptive_chains: bool, default_max_new_tokens: int, step_timeout_ms: int,
-         host: str, port: int, metrics_port: int, metrics_host: str, http_port: int | None, http_host: str,
+         shutdown_grace_s: float, host: str, port: int, metrics_port: int, metrics_host: str,
+         http_port: int | None, http_host: str,
          target_token: str | None, api_key: str | None,
          log_level: str, json_logs: bool) -> None:
     """Run the CARD target service."""
@@ -166,6 +174,7 @@ def main(model: str, cache_addr: str | None, dtype: str, device: str, threads: i
             adaptive_chains=adaptive_chains,
             default_max_new_tokens=default_max_new_tokens,
             step_timeout_ms=step_timeout_ms,
+            shutdown_grace_s=shutdown_grace_s,
             metrics_port=metrics_port,
             metrics_host=metrics_host,
             http_port=http_port,
