@@ -179,12 +179,8 @@ class DraftWorker:
         sid = cmd[1] if len(cmd) > 1 else "?"
         try:
             self._apply(cmd)
-        except CardError as exc:
-            log.warning("draft session %s dropped: %s", sid, exc)
-            self._drop(sid)
-        except Exception:  # one broken session must not take the worker (and every session) down
-            log.exception("draft session %s failed applying %s; dropping it", sid, cmd[0])
-            self._drop(sid)
+        except Exception as exc:  # one broken session must not take the worker (and every session) down
+            self._fail(sid, exc)
 
     def _drop(self, session_id: str) -> None:
         with self._stats_lock:
