@@ -66,6 +66,7 @@ class CacheServer:
         return self.grpc.add_insecure_port(addr)
 
     def start(self) -> None:
+        self.sessions.retire_predecessors()  # before serving: every live record now is ours
         self.grpc.start()
         self.monitor.start()
 

@@ -305,6 +305,24 @@ class SessionTable:
         metrics.SESSIONS_OPEN.dec()
         return session
 
+    def retire_predecessors(self) -> int:
+        """At start: every live record under this prefix belongs to a cache that is gone (one
+        cache per prefix; trees live in its memory), e.g. one that was SIGKILLed. Each becomes a
+        finished record, ``abandoned``, instead of staying live until its TTL. Best effort: with
+        Redis down it is left to a later start. Returns how many were retired."""
+        try:
+            stale = [sid for sid in self.store.live_session_ids() if sid not in self._sessions]
+            for sid in stale:
+                self.store.finish_session(sid, {"status": "abandoned", "closed_unix": time.time(),
+                                                "reason": "its cache service stopped without closing it"},
+                                          self.config.session_ttl_s)
+        except Unavailable as exc:
+            log.warning("live records of a previous cache not retired: %s", exc)
+            return 0
+        if stale:
+            log.warning("retired %d live session record(s) left by a previous cache service", len(stale))
+        return len(stale)
+
     def close_all(self, status: str) -> None:
         """End every session and refuse new ones from now on (shutdown)."""
         self.closing = True

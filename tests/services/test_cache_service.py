@@ -521,6 +521,38 @@ def test_card_cache_process(redis_url: str, redis_prefix: str) -> None:
         proc.stderr.close()
 
 
+def test_a_restarted_cache_retires_live_records_of_a_killed_one(redis_url: str, redis_prefix: str) -> None:
+    """SIGKILL leaves the session's live record behind; the next cache on the prefix retires it at
+    start (abandoned), instead of it staying 'live' for a day."""
+    procs = []
+    try:
+        for _ in range(2):
+            proc = _card_cache("--port", "0", "--metrics-port", "0", "--device", "cpu",
+                               CARD_CACHE_REDIS_URL=redis_url, CARD_CACHE_REDIS_PREFIX=redis_prefix)
+            procs.append(proc)
+            line = proc.stdout.readline().strip()
+            addr = line.rsplit(" ", 1)[1]
+            wait_serving(addr, TIMEOUT)
+            if len(procs) == 1:
+                target = HandTarget(addr)
+                sid = target.open(PROMPT).session_id
+                target.close()
+                proc.kill()
+                proc.wait(10)
+                assert rkeys(redis_url, f"{redis_prefix}session:*") == [f"{redis_prefix}session:{sid}"]
+        assert rkeys(redis_url, f"{redis_prefix}session:*") == []
+        with redis.Redis.from_url(redis_url, decode_responses=True) as r:
+            assert r.hget(f"{redis_prefix}finished:{sid}", "status") == "abandoned"
+            assert r.ttl(f"{redis_prefix}finished:{sid}") > 0
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait(10)
+            proc.stdout.close()
+            proc.stderr.close()
+
+
 def test_card_cache_help_names_its_variables() -> None:
     proc = _card_cache("--help")
     out, _ = proc.communicate(timeout=60)
