@@ -203,6 +203,12 @@ def create_app(front: Frontend, api_key: str | None = None) -> FastAPI:
         metrics.REFUSED.labels(code=exc.code).inc()
         return JSONResponse(_error_json(exc), status_code=http_status(exc))
 
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, exc: Exception) -> JSONResponse:
+        # a bug, not the caller's fault: logged with its traceback, answered in OpenAI's shape
+        log.error("internal error on %s", request.url.path, exc_info=exc)
+        return JSONResponse(_error_json(exc), status_code=500)
+
     @app.get("/health")
     async def health() -> JSONResponse:
         if front.draining:
