@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from card_common.tls import TlsConfig
 from engine.config import TreeParams
 from engine.errors import InvalidArgument
 
@@ -25,6 +26,7 @@ class CacheConfig:
         target (engine.tree.best_chain); a session's ChainPolicy goes over them. The tree's shape
         (width, branch, depth) is the draft workers' and unused here.
     grpc_threads: server threads; every open draft stream holds one.
+    tls: the certificate served on the gRPC port (card_common.tls; none = plaintext).
     """
 
     host: str = "127.0.0.1"
@@ -44,6 +46,7 @@ class CacheConfig:
     # who may call what (card_common.auth.CACHE_ROLES); None = that role's RPCs are open
     draft_token: str | None = field(default=None, repr=False)
     target_token: str | None = field(default=None, repr=False)
+    tls: TlsConfig = field(default_factory=TlsConfig)
     log_level: str = "INFO"
     json_logs: bool = False
 

@@ -24,17 +24,20 @@ from cache_service.sessions import SessionTable
 from cache_service.store import MetadataStore, open_store
 from card.v1 import cache_pb2, cache_pb2_grpc
 from card_common.auth import CACHE_ROLES, TokenAuth
-from card_common.cli import exit_on_error, logging_options, option, service_command
+from card_common.cli import exit_on_error, logging_options, option, service_command, tls_options
 from card_common.serving import (
     add_health,
+    bind,
     make_server,
     serve_until_signal,
     set_serving,
     setup_logging,
+    start_health_port,
     start_metrics_server,
 )
+from card_common.tls import TlsConfig
 from engine.config import tree_params
-from engine.errors import InvalidArgument
+from engine.errors import InvalidArgument, Unavailable
 from engine.loading.devices import resolve_device
 
 log = logging.getLogger(__name__)
@@ -62,8 +65,8 @@ class CacheServer:
         if not self._stopped:
             set_serving(self.health, serving, [SERVICE_NAME])
 
-    def add_insecure_port(self, addr: str) -> int:
-        return self.grpc.add_insecure_port(addr)
+    def bind(self, addr: str) -> int:
+        return bind(self.grpc, addr, self.config.tls)
 
     def start(self) -> None:
         self.sessions.retire_predecessors()  # before serving: every live record now is ours
@@ -100,12 +103,10 @@ def create_server(addr: str, config: CacheConfig, store: MetadataStore | None = 
         store = open_store(config.redis_url, config.redis_prefix, config.allow_memory_fallback)
     server = CacheServer(config, store, config.grpc_threads)
     try:
-        port = server.add_insecure_port(addr)
-    except RuntimeError as exc:  # grpc raises when the address is taken or invalid
+        port = server.bind(addr)
+    except Unavailable as exc:
         store.close()
-        raise InvalidArgument(
-            f"cannot listen on {addr} ({exc}); is another card-cache running there?"
-        ) from None
+        raise InvalidArgument(f"{exc}; is another card-cache running there?") from None
     return server, port
 
 
@@ -140,12 +141,14 @@ def create_server(addr: str, config: CacheConfig, store: MetadataStore | None = 
 @option("--target-token", default=None,
         help="Targets and operators must present it to OpenSession, Step, StepBatch, CloseSession, Status "
              "(default: open).")
+@tls_options("card-cache", dials=False)
 @logging_options
 def main(host: str, port: int, redis_url: str, redis_prefix: str, allow_memory_fallback: bool, device: str,
          metrics_port: int, metrics_host: str, session_ttl_s: int, session_idle_timeout_s: float,
          heartbeat_interval_s: float,
          max_chain: int | None, b_extension: bool | None, min_path_prob: float | None, grpc_threads: int,
-         draft_token: str | None, target_token: str | None, log_level: str, json_logs: bool) -> None:
+         draft_token: str | None, target_token: str | None, tls: TlsConfig, health_port: int | None,
+         log_level: str, json_logs: bool) -> None:
     """Serve the CARD cache: the authority on every session's candidate tree."""
     setup_logging(log_level, json_logs)
     with exit_on_error("card-cache"):
@@ -159,14 +162,17 @@ def main(host: str, port: int, redis_url: str, redis_prefix: str, allow_memory_f
             tree=tree_params(device, max_chain=max_chain, min_path_prob=min_path_prob,
                              b_extension=b_extension),
             grpc_threads=grpc_threads, draft_token=draft_token or None, target_token=target_token or None,
-            log_level=log_level, json_logs=json_logs,
+            tls=tls, log_level=log_level, json_logs=json_logs,
         )
         server, bound = create_server(config.addr, config)
         start_metrics_server(config.metrics_port, config.metrics_host)
         server.start()
-    log.info("cache service on %s:%d (device %s, store %s)", host, bound, config.device, server.store.url)
+        health_server, _ = start_health_port(server.health, host, health_port)
+    log.info("cache service on %s:%d (%s, device %s, store %s)", host, bound, tls.describe(), config.device,
+             server.store.url)
     print(f"card-cache listening on {host}:{bound}", flush=True)
-    serve_until_signal(server, server.shutdown_sessions, grace_s=5.0, health_servicer=server.health)
+    serve_until_signal(server, server.shutdown_sessions, grace_s=5.0, health_servicer=server.health,
+                       health_server=health_server)
     sys.stdout.flush()
 
 

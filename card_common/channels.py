@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any
 
@@ -10,7 +11,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from card_common.auth import PresentToken
 from card_common.serving import MAX_MESSAGE_BYTES
+from card_common.tls import PLAINTEXT, TlsConfig
 from engine.errors import Unavailable
+
+log = logging.getLogger(__name__)
 
 CHANNEL_OPTIONS: tuple[tuple[str, Any], ...] = (
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
@@ -27,27 +31,39 @@ CHANNEL_OPTIONS: tuple[tuple[str, Any], ...] = (
 )
 
 
-def channel(addr: str, token: str | None = None) -> grpc.Channel:
+def channel(addr: str, token: str | None = None, tls: TlsConfig = PLAINTEXT) -> grpc.Channel:
     """A channel to ``addr`` ("host:port"); with ``token``, every call presents it
-    (``authorization: Bearer``, card_common.auth)."""
-    ch = grpc.insecure_channel(addr, options=list(CHANNEL_OPTIONS))
+    (``authorization: Bearer``, card_common.auth); TLS when ``tls`` dials with it (card_common.tls)."""
+    if tls.dials:
+        ch = grpc.secure_channel(addr, tls.channel_credentials(), options=[*CHANNEL_OPTIONS,
+                                                                            *tls.channel_options()])
+    else:
+        ch = grpc.insecure_channel(addr, options=list(CHANNEL_OPTIONS))
     return grpc.intercept_channel(ch, PresentToken(token)) if token else ch
 
 
-def health_status(addr: str, service: str = "", timeout_s: float = 2.0) -> str:
+def warn_if_cleartext(addr: str, token: str | None, tls: TlsConfig, what: str) -> None:
+    """One warning at start when a token would cross a network in clear (TLS off, peer not loopback)."""
+    host = addr.rsplit(":", 1)[0].strip("[]")
+    if token and not tls.dials and host not in ("127.0.0.1", "::1", "localhost"):
+        log.warning("the %s token goes to %s without TLS: anyone on the path can read it (--tls-ca)",
+                    what, addr)
+
+
+def health_status(addr: str, service: str = "", timeout_s: float = 2.0, tls: TlsConfig = PLAINTEXT) -> str:
     """The peer's health status name ("SERVING", "NOT_SERVING", ...); raises grpc.RpcError."""
-    with channel(addr) as ch:
+    with channel(addr, tls=tls) as ch:
         resp = health_pb2_grpc.HealthStub(ch).Check(
             health_pb2.HealthCheckRequest(service=service), timeout=timeout_s
         )
     return health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
 
 
-def wait_serving(addr: str, timeout_s: float = 30.0, service: str = "") -> None:
+def wait_serving(addr: str, timeout_s: float = 30.0, service: str = "", tls: TlsConfig = PLAINTEXT) -> None:
     """Poll the health service of ``addr`` until SERVING; Unavailable after ``timeout_s``."""
     deadline = time.monotonic() + timeout_s
     last = "no answer"
-    with channel(addr) as ch:
+    with channel(addr, tls=tls) as ch:
         stub = health_pb2_grpc.HealthStub(ch)
         while True:
             remaining = deadline - time.monotonic()

@@ -16,6 +16,7 @@ import click
 import grpc
 
 from card_common.status import error_from_rpc
+from card_common.tls import TlsConfig
 from engine.errors import CardError
 
 EXIT_USER_ERROR = 2
@@ -73,5 +74,56 @@ def exits_on_error(program: str) -> Callable[[Callable[..., Any]], Callable[...,
                 return fn(*args, **kwargs)
 
         return wrapper
+
+    return decorate
+
+
+def tls_options(program: str, *, serves: bool = True, dials: bool = True,
+                envvar_prefix: str | None = None) -> Callable[[Callable[..., Any]], Any]:
+    """The TLS flags (card_common.tls), the same on every command; the command receives one
+    ``tls: TlsConfig`` (and ``health_port`` where it serves) instead of the separate flags.
+    A file that cannot be read exits 2 with one line, like every other startup error.
+    ``envvar_prefix``: for commands without ``auto_envvar_prefix`` (card-client's CARD_CLIENT)."""
+
+    def option(*decls: str, **kw: Any) -> Callable[[Callable[..., Any]], Any]:
+        if envvar_prefix:
+            kw["envvar"] = f"{envvar_prefix}_{decls[0].lstrip('-').replace('-', '_').upper()}"
+        return click.option(*decls, show_envvar=True, **kw)
+
+    def decorate(fn: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(fn)
+        def wrapper(*args: Any, tls_cert: str | None, tls_key: str | None, tls_ca: str | None,
+                    tls_client_auth: bool = False, tls_server_name: str | None = None, **kw: Any) -> Any:
+            with exit_on_error(program):
+                tls = TlsConfig(cert=tls_cert or None, key=tls_key or None, ca=tls_ca or None,
+                                client_auth=tls_client_auth, server_name=tls_server_name or None)
+            return fn(*args, tls=tls, **kw)
+
+        path = click.Path(dir_okay=False)
+        if serves:
+            wrapper = option("--health-port", type=int, default=None,
+                             help="Also serve grpc.health.v1 alone, in plaintext, on this port (same "
+                                  "--host): for probes that cannot speak TLS, such as the kubelet's "
+                                  "gRPC probe. "
+                                  "Default: off.")(wrapper)
+            wrapper = option("--tls-client-auth", is_flag=True,
+                             help="Mutual TLS: refuse clients without a certificate signed by "
+                                  "--tls-ca.")(wrapper)
+        if dials:
+            wrapper = option("--tls-server-name", default=None,
+                             help="Name to check in the certificate of the server this process dials, where "
+                                  "the address is not that name (an IP, a port-forward).")(wrapper)
+        role = ("serves (TLS on its gRPC port) and presents where a server asks for a client "
+                "certificate" if serves and dials else "serves (TLS on its gRPC port)" if serves
+                else "presents to servers that ask for a client certificate (mutual TLS)")
+        wrapper = option("--tls-ca", type=path, default=None,
+                         help="PEM bundle of the CA that signed the peers: verifies "
+                              + ("the servers this process dials (TLS on; without it, the system's roots "
+                                 "if --tls-cert is set)" if dials else "")
+                              + (" and " if dials and serves else "")
+                              + ("client certificates (--tls-client-auth)" if serves else ""))(wrapper)
+        wrapper = option("--tls-key", type=path, default=None, help="PEM private key of --tls-cert.")(wrapper)
+        return option("--tls-cert", type=path, default=None,
+                      help=f"PEM certificate chain this process {role}. Default: plaintext.")(wrapper)
 
     return decorate

@@ -15,6 +15,7 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from card_common.tls import PLAINTEXT, TlsConfig
 from engine.errors import InvalidArgument, Unavailable
 
 log = logging.getLogger(__name__)
@@ -43,10 +44,12 @@ def make_server(max_workers: int = 32, interceptors: Sequence[grpc.ServerInterce
                        interceptors=list(interceptors))
 
 
-def bind(server: grpc.Server, addr: str) -> int:
-    """Listen on ``addr`` ("host:port", port 0 = OS-chosen); the bound port, or Unavailable."""
+def bind(server: grpc.Server, addr: str, tls: TlsConfig = PLAINTEXT) -> int:
+    """Listen on ``addr`` ("host:port", port 0 = OS-chosen), with TLS when ``tls`` has a
+    certificate; the bound port, or Unavailable."""
     try:
-        port = server.add_insecure_port(addr)
+        port = (server.add_secure_port(addr, tls.server_credentials()) if tls.serves
+                else server.add_insecure_port(addr))
     except RuntimeError as exc:  # grpc raises this when the address is taken or invalid
         raise Unavailable(f"cannot bind {addr}: {exc} (is the port in use?)") from None
     if port == 0:
@@ -61,6 +64,21 @@ def add_health(server: grpc.Server) -> health.HealthServicer:
     health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
     servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
     return servicer
+
+
+def start_health_port(servicer: health.HealthServicer, host: str, port: int | None
+                      ) -> tuple[grpc.Server | None, int]:
+    """Serve ``servicer`` alone, in plaintext, on ``host:port`` ((None, 0) when port is None): for
+    probes that cannot speak TLS (the kubelet's gRPC probe) when the service port does. It carries
+    no request data, only SERVING / NOT_SERVING. Returns the started server and its port."""
+    if port is None:
+        return None, 0
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=list(SERVER_OPTIONS))
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    bound = bind(server, f"{host}:{port}")
+    server.start()
+    log.info("plaintext health on %s:%d", host, bound)
+    return server, bound
 
 
 def set_serving(servicer: health.HealthServicer, serving: bool, services: Sequence[str] = ()) -> None:
@@ -147,7 +165,8 @@ def setup_logging(level: str = "INFO", json_logs: bool = False) -> None:
 
 # ---- shutdown -------------------------------------------------------------------------------
 def serve_until_signal(server: grpc.Server, on_shutdown: Callable[[], None], grace_s: float = 5.0,
-                       health_servicer: health.HealthServicer | None = None) -> None:
+                       health_servicer: health.HealthServicer | None = None,
+                       health_server: grpc.Server | None = None) -> None:
     """Block until SIGTERM/SIGINT, then drain: NOT_SERVING, ``on_shutdown()``, ``server.stop(grace)``.
 
     Health flips first so load balancers and probes stop routing here while sessions end cleanly.
@@ -173,4 +192,6 @@ def serve_until_signal(server: grpc.Server, on_shutdown: Callable[[], None], gra
         except Exception:  # shutdown must reach server.stop whatever the cleanup did
             log.exception("error during shutdown")
         server.stop(grace_s).wait()
+        if health_server is not None:  # probes see NOT_SERVING until the very end
+            health_server.stop(0)
         log.info("server stopped")

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import click
 
-from card_common.cli import exits_on_error, option
+from card_common.cli import exits_on_error, option, tls_options
+from card_common.tls import TlsConfig
 from client import ops
 from client.options import DEFAULT_DRAFT, GenerateOptions
 from engine.config import ChainPolicy, SamplingParams, StopParams, tree_params
@@ -72,6 +73,7 @@ def cli(log_level: str) -> None:
 @option("--target-threads", type=int, default=None, help="torch threads of the target.")
 @option("--draft-threads", type=int, default=None, help="torch threads of the draft.")
 @option("--json", "as_json", is_flag=True, help="Print one JSON object: text, token_ids, stats.")
+@tls_options("card-client", serves=False, envvar_prefix="CARD_CLIENT")
 @exits_on_error("card-client")
 def generate(prompt: str, inprocess: bool, target_addr: str | None, draft_name: str | None, mode: str,
              target_model: str, draft_model: str, draft_quantize: str | None, dtype: str, device: str,
@@ -80,7 +82,7 @@ def generate(prompt: str, inprocess: bool, target_addr: str | None, draft_name: 
              max_depth: int | None, max_chain: int | None, min_path_prob: float | None,
              backoff: bool, gamma: int, chat: bool | None, target_threads: int | None,
              draft_threads: int | None,
-             as_json: bool) -> None:
+             as_json: bool, tls: TlsConfig) -> None:
     """Generate text for PROMPT, streaming it as the target commits it; a stats line follows."""
     if draft_quantize is None:
         draft_quantize = DEFAULT_DRAFT.quantize if draft_model == DEFAULT_DRAFT.spec else "none"
@@ -112,7 +114,7 @@ def generate(prompt: str, inprocess: bool, target_addr: str | None, draft_name: 
     else:
         from client.services import generate_via_services
 
-        result = generate_via_services(opts, target_addr, on_text)
+        result = generate_via_services(opts, target_addr, on_text, tls)
     if as_json:
         click.echo(json.dumps(result.to_dict()))
     else:

@@ -20,8 +20,9 @@ import grpc
 
 from card.v1 import cache_pb2, cache_pb2_grpc, target_pb2, target_pb2_grpc
 from card_common.channels import channel, health_status
-from card_common.cli import exits_on_error, option
+from card_common.cli import exits_on_error, option, tls_options
 from card_common.status import error_from_rpc
+from card_common.tls import PLAINTEXT, TlsConfig
 from client.trio import LocalTrio
 from engine.errors import CardError
 from engine.loading.models import DEFAULT_MODEL, QUANTIZE
@@ -116,18 +117,18 @@ def _watch(trio: LocalTrio, stop: threading.Event) -> str:
 
 
 # ---- status -----------------------------------------------------------------------------------
-def _health(addr: str) -> str:
+def _health(addr: str, tls: TlsConfig) -> str:
     try:
-        return health_status(addr, timeout_s=RPC_TIMEOUT_S)
+        return health_status(addr, timeout_s=RPC_TIMEOUT_S, tls=tls)
     except grpc.RpcError as err:
         code = err.code() if isinstance(err, grpc.Call) else None
         return "unreachable" if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED) \
             else f"error {code.name if code else err}"
 
 
-def _target_info(addr: str) -> str:
+def _target_info(addr: str, tls: TlsConfig) -> str:
     try:
-        with channel(addr) as ch:
+        with channel(addr, tls=tls) as ch:
             info = target_pb2_grpc.TargetServiceStub(ch).Info(target_pb2.InfoRequest(), timeout=RPC_TIMEOUT_S)
     except grpc.RpcError as err:
         return str(error_from_rpc(err, addr))
@@ -135,11 +136,11 @@ def _target_info(addr: str) -> str:
             f"context {info.context_window}")
 
 
-def cache_status(addr: str, token: str | None = None) -> cache_pb2.StatusResponse:
+def cache_status(addr: str, token: str | None = None, tls: TlsConfig = PLAINTEXT) -> cache_pb2.StatusResponse:
     """The cache's Status (registered drafts, live sessions, totals); CardError when it fails.
     ``token``: the cache's target token, where it requires one."""
     try:
-        with channel(addr, token) as ch:
+        with channel(addr, token, tls) as ch:
             stub = cache_pb2_grpc.CacheServiceStub(ch)
             return stub.Status(cache_pb2.StatusRequest(), timeout=RPC_TIMEOUT_S)
     except grpc.RpcError as err:
@@ -167,18 +168,20 @@ def _totals_line(totals: dict[str, float]) -> str:
         show_default=True, help="Health address of one draft worker.")
 @option("--target-token", envvar="CARD_CLIENT_TARGET_TOKEN", default=None,
         help="The cache's target token, where card-cache requires one (--target-token).")
+@tls_options("card-client", serves=False, envvar_prefix="CARD_CLIENT")
 @exits_on_error("card-client")
-def status(target_addr: str, cache_addr: str, draft_addr: str, target_token: str | None) -> None:
+def status(target_addr: str, cache_addr: str, draft_addr: str, target_token: str | None,
+           tls: TlsConfig) -> None:
     """Health of each service, registered drafts, live sessions and totals from the cache."""
     rows = []
-    health = {name: _health(addr) for name, addr in
+    health = {name: _health(addr, tls) for name, addr in
               (("target", target_addr), ("cache", cache_addr), ("draft", draft_addr))}
-    target_detail = _target_info(target_addr) if health["target"] != "unreachable" else ""
+    target_detail = _target_info(target_addr, tls) if health["target"] != "unreachable" else ""
     cache_detail = ""
     reply: cache_pb2.StatusResponse | None = None
     if health["cache"] != "unreachable":
         try:
-            reply = cache_status(cache_addr, target_token)
+            reply = cache_status(cache_addr, target_token, tls)
             cache_detail = (f"device {reply.cache_device}, redis "
                             f"{'connected' if reply.redis_connected else 'NOT connected'}, "
                             f"{len(reply.drafts)} draft(s), {len(reply.sessions)} live session(s)")
@@ -213,7 +216,8 @@ def _drafts_table(reply: cache_pb2.StatusResponse) -> str:
         show_default=True)
 @option("--target-token", envvar="CARD_CLIENT_TARGET_TOKEN", default=None,
         help="The cache's target token, where card-cache requires one (--target-token).")
+@tls_options("card-client", serves=False, envvar_prefix="CARD_CLIENT")
 @exits_on_error("card-client")
-def drafts(cache_addr: str, target_token: str | None) -> None:
+def drafts(cache_addr: str, target_token: str | None, tls: TlsConfig) -> None:
     """Draft workers registered with the cache service."""
-    click.echo(_drafts_table(cache_status(cache_addr, target_token)))
+    click.echo(_drafts_table(cache_status(cache_addr, target_token, tls)))

@@ -18,6 +18,7 @@ from card_common.channels import channel
 from card_common.convert import chain_policy_to_msg, sampling_to_msg, stats_from_msg
 from card_common.status import error_from_rpc
 from card_common.tensors import ids_from_msg, ids_to_msg
+from card_common.tls import PLAINTEXT, TlsConfig
 from engine.config import ChainPolicy, SamplingParams, StopParams
 from engine.errors import InvalidArgument, Unavailable
 from engine.generate import GenerationResult
@@ -60,8 +61,8 @@ def build_request(prompt: str | Sequence[int], *, chat: bool | None, sampling: S
 def generate_remote(addr: str, prompt: str | Sequence[int], *, chat: bool | None = None,
                     sampling: SamplingParams | None = None, stop: StopParams | None = None,
                     draft: str | None = None, mode: str = "card", chain: ChainPolicy | None = None,
-                    timeout_s: float = 600.0,
-                    on_text: Callable[[str], None] | None = None) -> RemoteGenerationResult:
+                    timeout_s: float = 600.0, on_text: Callable[[str], None] | None = None,
+                    tls: TlsConfig = PLAINTEXT) -> RemoteGenerationResult:
     """Stream one generation from the target at ``addr``; ``prompt`` is text or token ids.
 
     ``on_text`` gets each piece of text as the target commits it. Raises ``engine.errors``
@@ -74,7 +75,7 @@ def generate_remote(addr: str, prompt: str | Sequence[int], *, chat: bool | None
                             stop=stop or StopParams(), draft=draft, mode=mode, chain=chain)
     received = False
     try:
-        with channel(addr) as ch:
+        with channel(addr, tls=tls) as ch:
             stream = target_pb2_grpc.TargetServiceStub(ch).Generate(request, timeout=timeout_s)
             for message in stream:
                 received = True

@@ -6,6 +6,7 @@ from collections.abc import Callable
 
 import click
 
+from card_common.tls import PLAINTEXT, TlsConfig
 from client.options import GenerateOptions
 from client.remote import generate_remote
 from client.trio import LocalTrio
@@ -14,20 +15,22 @@ from engine.generate import GenerationResult
 
 
 def generate_via_services(opts: GenerateOptions, target_addr: str | None,
-                          on_text: Callable[[str], None] | None) -> GenerationResult:
+                          on_text: Callable[[str], None] | None,
+                          tls: TlsConfig = PLAINTEXT) -> GenerationResult:
     """Use the target at ``target_addr`` (an error if it is unreachable); with none configured,
     start a local trio (redis-server, card-cache, card-draft, card-target) for this command.
 
     Every tree flag reaches the services: a local trio is started with all of them
     (``client.trio.service_args``); a running target gets the chain flags with the request, and
-    the draft-shape flags, which only the running draft worker could honour, are refused."""
+    the draft-shape flags, which only the running draft worker could honour, are refused. ``tls``:
+    how to dial the running target (a local trio is loopback plaintext)."""
     if target_addr:
         if opts.draft_shape:
             raise InvalidArgument(
                 f"{', '.join(opts.draft_shape)} shape(s) the draft worker's tree and cannot travel with a "
                 f"request to --target {target_addr}; set it where card-draft runs (card-draft "
                 f"{opts.draft_shape[0]} N), or drop --target to start a local trio")
-        return _remote(opts, target_addr, on_text)
+        return _remote(opts, target_addr, on_text, tls)
     click.echo(
         "no card-target configured (--target / CARD_CLIENT_TARGET_ADDR): starting a local trio for this "
         "command; `card-client up` keeps one running",
@@ -47,7 +50,8 @@ def generate_via_services(opts: GenerateOptions, target_addr: str | None,
         return _remote(opts, trio.target_addr, on_text)
 
 
-def _remote(opts: GenerateOptions, addr: str, on_text: Callable[[str], None] | None) -> GenerationResult:
+def _remote(opts: GenerateOptions, addr: str, on_text: Callable[[str], None] | None,
+            tls: TlsConfig = PLAINTEXT) -> GenerationResult:
     if opts.mode == "sd":
         raise InvalidArgument("--mode sd (classic draft-then-verify) runs in-process only: add --inprocess")
     return generate_remote(
@@ -60,4 +64,5 @@ def _remote(opts: GenerateOptions, addr: str, on_text: Callable[[str], None] | N
         mode="vanilla" if opts.mode == "vanilla" else "card",
         chain=opts.chain,
         on_text=on_text,
+        tls=tls,
     )

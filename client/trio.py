@@ -33,6 +33,7 @@ from pathlib import Path
 import grpc
 
 from card_common.channels import health_status
+from card_common.tls import PLAINTEXT, TlsConfig
 from client.options import default_thread_split
 from engine.config import TreeParams
 from engine.errors import Unavailable
@@ -106,6 +107,7 @@ class ServiceProcess:
     log_path: Path
     addr: str = ""
     metrics_port: int = 0
+    tls: TlsConfig = PLAINTEXT  # how to dial its health service
 
     def log_tail(self, lines: int = 15) -> str:
         try:
@@ -148,7 +150,7 @@ class ServiceProcess:
             if self.proc.poll() is not None:
                 raise self._died()
             try:
-                last = health_status(self.addr, timeout_s=1.0)
+                last = health_status(self.addr, timeout_s=1.0, tls=self.tls)
                 if last == "SERVING":
                     return
             except grpc.RpcError as err:
@@ -170,6 +172,13 @@ class ServiceProcess:
             return self.proc.wait(timeout_s)
         except subprocess.TimeoutExpired:
             return None
+
+
+def tls_env(prefix: str, tls: TlsConfig) -> dict[str, str | None]:
+    """``tls`` as the CARD_<SERVICE>_TLS_* variables of one service (card_common.cli.tls_options)."""
+    return {f"{prefix}_TLS_CERT": tls.cert, f"{prefix}_TLS_KEY": tls.key, f"{prefix}_TLS_CA": tls.ca,
+            f"{prefix}_TLS_CLIENT_AUTH": "1" if tls.client_auth else None,
+            f"{prefix}_TLS_SERVER_NAME": tls.server_name}
 
 
 def service_args(tree: TreeParams) -> dict[str, list[str]]:
@@ -210,6 +219,8 @@ class LocalTrio:
     # the cache's tokens (card_common.auth), handed to the side that presents each; None = open
     draft_token: str | None = field(default=None, repr=False)
     target_token: str | None = field(default=None, repr=False)
+    # every gRPC link (card_common.tls): each service serves this certificate and dials with it
+    tls: TlsConfig = PLAINTEXT
     start_timeout_s: float = 600.0
     grace_s: float = 10.0
     tree: TreeParams | None = None
@@ -262,7 +273,7 @@ class LocalTrio:
             "--threads", str(self.target_threads), "--dtype", self.dtype, "--device", self.device,
             *([] if self.http_port is None else ["--http-port", str(self.http_port)]),
             *self.extra_args.get("target", ()),
-        ], env={"CARD_TARGET_TARGET_TOKEN": self.target_token})
+        ], env={"CARD_TARGET_TARGET_TOKEN": self.target_token, **tls_env("CARD_TARGET", self.tls)})
         # both load their models at once; wait for each
         self.draft_addr = draft.wait_listening(self.start_timeout_s)
         self.target_addr = target.wait_listening(self.start_timeout_s)
@@ -276,7 +287,7 @@ class LocalTrio:
         cache = self._spawn("card-cache", ["--port", str(port), "--redis-url", self.redis_url,
                                            *self.extra_args.get("cache", ())],
                             env={"CARD_CACHE_DRAFT_TOKEN": self.draft_token,
-                                 "CARD_CACHE_TARGET_TOKEN": self.target_token})
+                                 "CARD_CACHE_TARGET_TOKEN": self.target_token, **tls_env("CARD_CACHE", self.tls)})
         self.cache_addr = cache.wait_listening(self.start_timeout_s)
         cache.wait_serving(self.start_timeout_s)
         return cache
@@ -302,7 +313,7 @@ class LocalTrio:
         if name:
             cmd += ["--name", name]
         proc = self._spawn("card-draft", cmd, label=f"card-draft-{name or len(self.drafts)}",
-                           env={"CARD_DRAFT_DRAFT_TOKEN": self.draft_token})
+                           env={"CARD_DRAFT_DRAFT_TOKEN": self.draft_token, **tls_env("CARD_DRAFT", self.tls)})
         self.drafts.append(proc)
         if wait:
             proc.wait_listening(self.start_timeout_s)
@@ -328,7 +339,7 @@ class LocalTrio:
             proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                     env=env, start_new_session=True,
                                     preexec_fn=functools.partial(_die_with_parent, os.getpid()))
-        service = ServiceProcess(label, proc, log_path, metrics_port=metrics_port)
+        service = ServiceProcess(label, proc, log_path, metrics_port=metrics_port, tls=self.tls)
         self.processes.append(service)
         return service
 

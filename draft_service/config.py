@@ -8,6 +8,7 @@ import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from card_common.tls import TlsConfig
 from engine.config import TreeParams
 from engine.drafter import tree_rows
 from engine.errors import InvalidArgument
@@ -42,6 +43,8 @@ class DraftConfig:
     kv_cache_gb: float | None = None
     threads: int | None = None
     draft_token: str | None = field(default=None, repr=False)  # presented to the cache (a secret)
+    tls: TlsConfig = field(default_factory=TlsConfig)  # dials the cache with it; serves the health port
+    health_port: int | None = None  # plaintext grpc.health.v1 alone, for probes that cannot speak TLS
     host: str = "127.0.0.1"
     port: int = 50053
     metrics_port: int = 9093

@@ -143,7 +143,7 @@ class CacheLink:
     def _serve_once(self) -> bool:
         """Register and serve commands until the cache goes away; True once registered."""
         cfg = self.config
-        with channel(cfg.cache_addr, cfg.draft_token) as ch:
+        with channel(cfg.cache_addr, cfg.draft_token, cfg.tls) as ch:
             stub = cache_pb2_grpc.CacheServiceStub(ch)
             reply = stub.RegisterDraft(
                 cache_pb2.RegisterDraftRequest(

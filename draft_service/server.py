@@ -16,7 +16,8 @@ import click
 import grpc
 import torch
 
-from card_common.cli import exit_on_error, logging_options, option, service_command
+from card_common.channels import warn_if_cleartext
+from card_common.cli import exit_on_error, logging_options, option, service_command, tls_options
 from card_common.serving import (
     add_health,
     bind,
@@ -24,8 +25,10 @@ from card_common.serving import (
     serve_until_signal,
     set_serving,
     setup_logging,
+    start_health_port,
     start_metrics_server,
 )
+from card_common.tls import PLAINTEXT, TlsConfig
 from draft_service.config import DraftConfig, default_worker_name
 from draft_service.link import CacheLink
 from engine.config import tree_params
@@ -34,16 +37,18 @@ from engine.loading.models import QUANTIZE, ModelConfig, load_model
 log = logging.getLogger("draft_service")
 
 
-def create_server(addr: str) -> tuple[grpc.Server, int]:
+def create_server(addr: str, tls: TlsConfig = PLAINTEXT) -> tuple[grpc.Server, int]:
     """A health-only gRPC server bound to ``addr`` ("host:port", port 0 = OS-chosen)."""
     server = make_server(max_workers=4)
-    return server, bind(server, addr)
+    return server, bind(server, addr, tls)
 
 
 def serve(config: DraftConfig) -> None:
-    server, port = create_server(f"{config.host}:{config.port}")
+    server, port = create_server(f"{config.host}:{config.port}", config.tls)
     health = add_health(server)
     server.start()
+    health_server, _ = start_health_port(health, config.host, config.health_port)
+    warn_if_cleartext(config.cache_addr, config.draft_token, config.tls, "draft")
     print(f"card-draft listening on {config.host}:{port}", flush=True)
     start_metrics_server(config.metrics_port, config.metrics_host)
     if config.threads:
@@ -53,7 +58,7 @@ def serve(config: DraftConfig) -> None:
     log.info("loaded %s (tokenizer %s); worker name %s", model.name, model.fingerprint, config.name)
     link = CacheLink(config, model, on_serving=lambda serving: set_serving(health, serving))
     link.start()
-    serve_until_signal(server, link.close, grace_s=2.0, health_servicer=health)
+    serve_until_signal(server, link.close, grace_s=2.0, health_servicer=health, health_server=health_server)
 
 
 @service_command("CARD_DRAFT")
@@ -89,12 +94,14 @@ def serve(config: DraftConfig) -> None:
 @option("--metrics-port", default=9093, type=int, help="Prometheus port (0 = disabled).")
 @option("--metrics-host", default="127.0.0.1",
         help="Interface of the metrics port (0.0.0.0 in containers, where Prometheus scrapes the pod).")
+@tls_options("card-draft")
 @logging_options
 def main(cache_addr: str, model: str, quantize: str, dtype: str, device: str, name: str | None,
          capacity: int, max_model_len: int | None, kv_cache_gb: float | None, tree_width: int | None,
          branch: int | None, max_depth: int | None,
          threads: int | None, draft_token: str | None, nice: int, host: str,
-         port: int, metrics_port: int, metrics_host: str, log_level: str, json_logs: bool) -> None:
+         port: int, metrics_port: int, metrics_host: str, tls: TlsConfig, health_port: int | None,
+         log_level: str, json_logs: bool) -> None:
     """Run a CARD draft worker for the cache service at --cache."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     setup_logging(log_level, json_logs)
@@ -111,6 +118,8 @@ def main(cache_addr: str, model: str, quantize: str, dtype: str, device: str, na
             kv_cache_gb=kv_cache_gb,
             threads=threads,
             draft_token=draft_token or None,
+            tls=tls,
+            health_port=health_port,
             host=host,
             port=port,
             metrics_port=metrics_port,

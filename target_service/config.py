@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from card_common.tls import TlsConfig
 from engine.errors import InvalidArgument
 from engine.kv_pool import check_sizing, pool_shape
 from engine.loading.models import ModelConfig
@@ -37,6 +38,8 @@ class TargetConfig:
     http_host: str = "127.0.0.1"
     api_key: str | None = field(default=None, repr=False)  # a secret: never in a log line
     target_token: str | None = field(default=None, repr=False)  # presented to the cache (a secret)
+    tls: TlsConfig = field(default_factory=TlsConfig)  # served on the gRPC port, used to dial the cache
+    health_port: int | None = None  # plaintext grpc.health.v1 alone, for probes that cannot speak TLS
     log_level: str = "INFO"
     json_logs: bool = False
 

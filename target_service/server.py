@@ -17,8 +17,8 @@ import grpc
 import torch
 
 from card.v1 import cache_pb2_grpc, target_pb2_grpc
-from card_common.channels import channel, wait_serving
-from card_common.cli import exit_on_error, logging_options, option, service_command
+from card_common.channels import channel, wait_serving, warn_if_cleartext
+from card_common.cli import exit_on_error, logging_options, option, service_command, tls_options
 from card_common.serving import (
     add_health,
     bind,
@@ -26,8 +26,10 @@ from card_common.serving import (
     serve_until_signal,
     set_serving,
     setup_logging,
+    start_health_port,
     start_metrics_server,
 )
+from card_common.tls import PLAINTEXT, TlsConfig
 from engine.errors import Unavailable
 from engine.kv_pool import KVPool
 from engine.loading.models import ModelConfig, load_model
@@ -43,24 +45,28 @@ log = logging.getLogger("target_service")
 SERVICE_NAME = "card.v1.TargetService"
 
 
-def create_server(addr: str, max_workers: int = 16) -> tuple[grpc.Server, int]:
+def create_server(addr: str, max_workers: int = 16, tls: TlsConfig = PLAINTEXT) -> tuple[grpc.Server, int]:
     """A gRPC server bound to ``addr`` ("host:port", port 0 = OS-chosen); not started."""
     server = make_server(max_workers=max_workers)
-    return server, bind(server, addr)
+    return server, bind(server, addr, tls)
 
 
 def serve(config: TargetConfig) -> None:
     # every streaming Generate holds a server thread, waiting ones too; health and Info need some
-    server, port = create_server(f"{config.host}:{config.port}", max_workers=4 * config.max_batch_size + 16)
+    server, port = create_server(f"{config.host}:{config.port}", max_workers=4 * config.max_batch_size + 16,
+                                 tls=config.tls)
     health = add_health(server)
     cache_channel = None
     stub = None
     if config.cache_addr:
-        cache_channel = channel(config.cache_addr, config.target_token)
+        warn_if_cleartext(config.cache_addr, config.target_token, config.tls, "target")
+        cache_channel = channel(config.cache_addr, config.target_token, config.tls)
         stub = cache_pb2_grpc.CacheServiceStub(cache_channel)
     front = Frontend(config, stub)
     target_pb2_grpc.add_TargetServiceServicer_to_server(TargetServicer(front), server)
     server.start()
+    health_server, _ = start_health_port(health, config.host, config.health_port)
+    log.info("gRPC on %s:%d (%s)", config.host, port, config.tls.describe())
     print(f"card-target listening on {config.host}:{port}", flush=True)
     http = None
     if config.http_port is not None:
@@ -79,7 +85,7 @@ def serve(config: TargetConfig) -> None:
              model.context_window)
     if config.cache_addr:
         try:
-            wait_serving(config.cache_addr, timeout_s=5.0)
+            wait_serving(config.cache_addr, timeout_s=5.0, tls=config.tls)
         except Unavailable as exc:
             log.warning("%s; serving plain decoding until it answers", exc)
     else:
@@ -108,7 +114,8 @@ def serve(config: TargetConfig) -> None:
         if cache_channel is not None:
             cache_channel.close()
 
-    serve_until_signal(server, shutdown, grace_s=config.shutdown_grace_s, health_servicer=health)
+    serve_until_signal(server, shutdown, grace_s=config.shutdown_grace_s, health_servicer=health,
+                       health_server=health_server)
 
 
 @service_command("CARD_TARGET")
@@ -149,13 +156,14 @@ def serve(config: TargetConfig) -> None:
              "(its --target-token).")
 @option("--api-key", default=None,
         help="Require 'Authorization: Bearer <key>' on the HTTP API's /v1 routes (401 otherwise).")
+@tls_options("card-target")
 @logging_options
 def main(model: str, cache_addr: str | None, dtype: str, device: str, threads: int | None,
          max_batch_size: int, kv_cache_gb: float | None, max_model_len: int | None,
          max_batch_tokens: int, adaptive_chains: bool, default_max_new_tokens: int, step_timeout_ms: int,
          shutdown_grace_s: float, host: str, port: int, metrics_port: int, metrics_host: str,
          http_port: int | None, http_host: str,
-         target_token: str | None, api_key: str | None,
+         target_token: str | None, api_key: str | None, tls: TlsConfig, health_port: int | None,
          log_level: str, json_logs: bool) -> None:
     """Run the CARD target service."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -181,6 +189,8 @@ def main(model: str, cache_addr: str | None, dtype: str, device: str, threads: i
             http_host=http_host,
             api_key=api_key or None,
             target_token=target_token or None,
+            tls=tls,
+            health_port=health_port,
             log_level=log_level,
             json_logs=json_logs,
         )

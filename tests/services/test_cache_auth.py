@@ -1,7 +1,8 @@
 """Tokens on the cache (card_common.auth): each RPC needs its role's token, health stays open.
 
 A real card-cache server (in-process, on a loopback port) with Redis; clients over real channels;
-then a trio started from the entry points with tokens on, served exactly, and the operator CLI.
+then a trio started from the entry points with tokens and mutual TLS on every link (certificates
+made at test time), served exactly, and the operator CLI.
 """
 
 from __future__ import annotations
@@ -21,7 +22,10 @@ from card_common.channels import channel, health_status, wait_serving
 from client.remote import generate_remote
 from client.trio import LocalTrio, console_script
 from engine.config import SamplingParams, StopParams
+from engine.errors import Unavailable
+from card_common.tls import TlsConfig
 from tests.services.cache_helpers import FP_A, TIMEOUT, HandDraft, HandTarget
+from tests.services.certs import make_pki
 
 DRAFT_TOKEN = "draft-" + uuid.uuid4().hex
 TARGET_TOKEN = "target-" + uuid.uuid4().hex
@@ -92,29 +96,42 @@ def test_token_holders_serve_a_session(guarded: str) -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_a_trio_with_tokens_is_exact_and_refuses_strangers(redis_server, tmp_path):
+def test_a_trio_with_tokens_and_mutual_tls_is_exact_and_refuses_strangers(redis_server, tmp_path):
     from tests.tiny_models import save_tiny_checkpoint
 
     model = str(save_tiny_checkpoint(tmp_path / "target", seed=0))
+    pki = make_pki(tmp_path / "pki")
+    tls = pki.tls(client_auth=True)
     trio = LocalTrio(target_model=model, draft_model=model, draft_name="same", target_threads=1,
                      draft_threads=1, dtype="float64", log_dir=tmp_path / "logs", redis_url=redis_server.url,
-                     draft_token=DRAFT_TOKEN, target_token=TARGET_TOKEN, start_timeout_s=240,
+                     draft_token=DRAFT_TOKEN, target_token=TARGET_TOKEN, tls=tls, start_timeout_s=240,
                      extra_args={"cache": ["--redis-prefix", f"auth-{uuid.uuid4().hex[:8]}:"]})
     with trio:
         stop = StopParams(32, ignore_eos=True)
         card = generate_remote(trio.target_addr, "Name three colours.", sampling=SamplingParams(), stop=stop,
-                               draft="same")
+                               draft="same", tls=tls)
         plain = generate_remote(trio.target_addr, "Name three colours.", sampling=SamplingParams(), stop=stop,
-                                mode="vanilla")
-        assert card.draft == "same" and card.token_ids == plain.token_ids  # the draft registered: tokens work
-        with channel(trio.cache_addr) as ch:
+                                mode="vanilla", tls=tls)
+        # the draft registered and the target reached the cache over TLS with their tokens
+        assert card.draft == "same" and card.token_ids == plain.token_ids
+        assert card.stats.step_rtt_ms  # Steps were answered over the TLS link
+        with channel(trio.cache_addr, tls=tls) as ch:  # a certificate is not a token
             stub = cache_pb2_grpc.CacheServiceStub(ch)
             for name, (_, call) in CALLS.items():
                 assert code_of(call, stub) is grpc.StatusCode.UNAUTHENTICATED, name
+        for addr in (trio.cache_addr, trio.target_addr, trio.draft_addr):  # plaintext reaches nothing
+            with channel(addr, TARGET_TOKEN) as ch, pytest.raises(grpc.RpcError) as err:
+                cache_pb2_grpc.CacheServiceStub(ch).Status(cache_pb2.StatusRequest(), timeout=TIMEOUT)
+            assert err.value.code() is grpc.StatusCode.UNAVAILABLE, addr
+        server_only = TlsConfig(ca=str(pki.ca))  # trusts the server, shows no client certificate
+        with pytest.raises(Unavailable):
+            generate_remote(trio.target_addr, "Hi", stop=StopParams(2), tls=server_only, timeout_s=10)
         env = {k: v for k, v in os.environ.items() if not k.startswith("CARD_")}
+        tls_env = {"CARD_CLIENT_TLS_CA": str(pki.ca), "CARD_CLIENT_TLS_CERT": str(pki.cert),
+                   "CARD_CLIENT_TLS_KEY": str(pki.key)}
         cmd = [console_script("card-client"), "drafts", "--cache", trio.cache_addr]
-        refused = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=60)
+        refused = subprocess.run(cmd, capture_output=True, text=True, env={**env, **tls_env}, timeout=60)
         assert refused.returncode == 2 and "UNAUTHENTICATED" in refused.stderr
         shown = subprocess.run(cmd, capture_output=True, text=True, timeout=60,
-                               env={**env, "CARD_CLIENT_TARGET_TOKEN": TARGET_TOKEN})
+                               env={**env, **tls_env, "CARD_CLIENT_TARGET_TOKEN": TARGET_TOKEN})
         assert shown.returncode == 0 and "same" in shown.stdout
