@@ -10,7 +10,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from engine.draft_commands import DraftCommand
-from engine.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
+from engine.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 
 NAME = re.compile(r"[A-Za-z0-9._-]{1,128}")
 MAX_CAPACITY = 4096  # sessions per worker: a bound, not a target
@@ -20,7 +20,7 @@ MAX_CAPACITY = 4096  # sessions per worker: a bound, not a target
 class DraftRegistration:
     """What a draft worker says about itself when it registers."""
 
-    name: str  # unique; registering a name again replaces the worker that holds it
+    name: str  # unique; a name is taken over only from a worker that is gone (Registry.register)
     model: str
     fingerprint: str  # of its tokenizer; only sessions of targets with the same one are served
     capacity: int  # most concurrent sessions, in [1, MAX_CAPACITY]
@@ -92,8 +92,15 @@ class Registry:
         self._by_id: dict[str, Worker] = {}
         self._by_name: dict[str, Worker] = {}
 
-    def register(self, reg: DraftRegistration) -> tuple[Worker, Worker | None]:
-        """Add a worker; returns it and the worker it replaced (same name), which is now removed."""
+    def register(self, reg: DraftRegistration, live_s: float) -> tuple[Worker, Worker | None]:
+        """Add a worker; returns it and the worker it replaced (same name), which is now removed.
+
+        A name is replaced only when its holder is gone: no Commands stream open and no heartbeat
+        for ``live_s``. Otherwise AlreadyExists: a second registration (a misconfigured twin, or
+        someone holding a stolen draft token) cannot evict a live worker and start a name war. A
+        worker that restarts under its name gets it back once the old stream has ended (at once
+        when its connection closed, else after ``live_s``); the draft link retries with backoff.
+        """
         worker = Worker(worker_id=uuid.uuid4().hex, name=reg.name, model=reg.model,
                         fingerprint=reg.fingerprint, capacity=reg.capacity)
         with self.lock:
@@ -101,6 +108,11 @@ class Registry:
             if old is None and len(self._by_id) >= self.max_workers:
                 raise ResourceExhausted(f"the registry is full ({self.max_workers} draft workers)")
             if old is not None:
+                if old.streaming or time.monotonic() - old.last_heartbeat <= live_s:
+                    raise AlreadyExists(
+                        f"draft name {reg.name!r} is held by a live worker (registered "
+                        f"{time.time() - old.registered_unix:.0f}s ago); give this worker another --name, "
+                        f"or retry once that one has stopped")
                 self._remove(old)
             self._by_id[worker.worker_id] = worker
             self._by_name[worker.name] = worker

@@ -115,7 +115,7 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
         registration = DraftRegistration(name=request.name, model=request.model,
                                          fingerprint=request.tokenizer_fingerprint, capacity=request.capacity)
         self._require_store()
-        worker, replaced = self.registry.register(registration)
+        worker, replaced = self.registry.register(registration, self.config.worker_ttl_s)
         try:
             self.store.put_draft(worker.name, worker.record(), self.config.worker_ttl_s)
         except Unavailable:

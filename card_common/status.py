@@ -18,6 +18,7 @@ import grpc
 
 from engine.errors import (
     Aborted,
+    AlreadyExists,
     CardError,
     FailedPrecondition,
     InvalidArgument,
@@ -34,6 +35,7 @@ _TABLE: dict[type[CardError], tuple[grpc.StatusCode, int]] = {
     NotFound: (grpc.StatusCode.NOT_FOUND, 404),
     FailedPrecondition: (grpc.StatusCode.FAILED_PRECONDITION, 400),
     Aborted: (grpc.StatusCode.ABORTED, 409),
+    AlreadyExists: (grpc.StatusCode.ALREADY_EXISTS, 409),
     ResourceExhausted: (grpc.StatusCode.RESOURCE_EXHAUSTED, 429),
     Unavailable: (grpc.StatusCode.UNAVAILABLE, 503),
 }

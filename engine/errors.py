@@ -31,6 +31,12 @@ class FailedPrecondition(CardError):
     code = "FAILED_PRECONDITION"
 
 
+class AlreadyExists(CardError):
+    """A name another live party holds, e.g. a draft worker's name while its worker is connected."""
+
+    code = "ALREADY_EXISTS"
+
+
 class Aborted(CardError):
     """A message carried a stale epoch: the tree moved on since it was sent."""
 

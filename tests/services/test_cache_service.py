@@ -311,9 +311,12 @@ def test_named_draft_waits_for_its_worker_and_replacement(cache: Cache) -> None:
     sid = cache.target.open(PROMPT, draft="named").session_id
     d1.next_command()
     other = cache.draft("other")  # same tokenizer, but the session asked for "named"
-    d2 = cache.draft("named")  # re-registering the name replaces d1
-    d1.stream_ended.wait(TIMEOUT)
-    assert d1.stream_ended.is_set() and d1.stream_error is None  # the stream ended cleanly
+    # a second registration cannot take a live worker's name (no eviction, no name war)
+    err = rpc_error(cache.draft, "named")
+    assert err.code() is grpc.StatusCode.ALREADY_EXISTS and "held by a live worker" in err.details()
+    assert not d1.stream_ended.is_set()
+    d1.leave()  # the worker stops: its name is free for its successor
+    d2 = cache.draft("named")
     assert expect_start(d2).session_id == sid
     assert other.no_command()
     names = sorted(d.name for d in cache.target.status().drafts)
