@@ -29,3 +29,7 @@ test: setup
 
 lint: setup
 	$(BIN)/ruff check .
+
+# regenerate protos/card/v1/*_pb2*.py after editing a .proto (tests/services/test_protos.py checks)
+proto:
+	$(BIN)/python -m grpc_tools.protoc -I protos --python_out=protos --grpc_python_out=protos --pyi_out=protos protos/card/v1/*.proto

@@ -18,8 +18,9 @@ class CacheConfig:
     allow_memory_fallback: use the in-process store when Redis is unreachable at startup.
     device: where the trees live (resolved, never ``auto``), e.g. "cpu", "cuda:0".
     session_ttl_s: how long finished-session records stay in Redis.
-    session_idle_timeout_s: a session with no Step for this long is closed as abandoned (its
-        target died without closing it); 0 disables.
+    session_idle_timeout_s: a session with no Step or keepalive for this long is closed as
+        abandoned (its target died without closing it); a target's own (OpenSession) is shorter,
+        this caps it; 0 = no cap.
     heartbeat_interval_s: how often draft workers heartbeat; a worker expires after 3 missed.
     health_check_interval_s: how often Redis is pinged (health follows it).
     tree: its chain fields (max_chain, b_extension, min_path_prob) shape the chains handed to the

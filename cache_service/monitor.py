@@ -68,8 +68,7 @@ class Monitor:
                             extra={"draft": worker.name})
                 self.sessions.worker_left(worker)
         metrics.DRAFTS.set(len(self.registry.workers()))
-        if self.config.session_idle_timeout_s > 0:
-            self.sessions.close_idle(self.config.session_idle_timeout_s)
+        self.sessions.close_idle(self.config.session_idle_timeout_s)
         if up:
             try:
                 # a restarted Redis has lost every record: rewrite them all

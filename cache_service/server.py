@@ -106,7 +106,7 @@ def create_server(addr: str, config: CacheConfig, store: MetadataStore | None = 
         port = server.bind(addr)
     except Unavailable as exc:
         store.close()
-        raise InvalidArgument(f"{exc}; is another card-cache running there?") from None
+        raise InvalidArgument(f"cannot listen on {addr}; is another card-cache running there? ({exc})") from None
     return server, port
 
 
@@ -124,7 +124,9 @@ def create_server(addr: str, config: CacheConfig, store: MetadataStore | None = 
         help="Interface of the metrics port (0.0.0.0 in containers, where Prometheus scrapes the pod).")
 @option("--session-ttl-s", type=int, default=86400, help="How long finished-session records stay in Redis.")
 @option("--session-idle-timeout-s", type=float, default=600.0,
-        help="Close a session with no Step for this long (its target died); 0 = never.")
+        help="Close a session with no Step or keepalive for this long (its target died); each target asks "
+             "for less at OpenSession (ten of its Step deadlines, at least 5 s) and keeps the sessions it "
+             "still serves alive. This is the cap, and the timeout of targets that ask nothing; 0 = none.")
 @option("--heartbeat-interval-s", type=float, default=2.0,
         help="Draft heartbeat period; a worker expires after 3 missed.")
 @option("--max-chain", type=int, default=None,

@@ -79,7 +79,7 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
         session = self.sessions.open(ids_from_msg(request.prompt_ids), request.tokenizer_fingerprint,
                                      request.target_model, request.draft,
                                      chain_policy_from_msg(request.chain), request.vocab_size,
-                                     request.context_window)
+                                     request.context_window, request.idle_timeout_ms / 1000.0)
         return cache_pb2.OpenSessionResponse(session_id=session.session_id, draft=session.draft)
 
     @grpc_errors
@@ -91,6 +91,7 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
     def StepBatch(self, request: cache_pb2.StepBatchRequest, context: grpc.ServicerContext
                   ) -> cache_pb2.StepBatchResponse:
         metrics.STEP_BATCHES.inc()
+        self.sessions.keep_alive(request.keepalive_session_ids)
         results = []
         for step in request.steps:
             try:
@@ -174,6 +175,9 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
             for msg in request_iterator:
                 received += 1
                 metrics.LAYERS.inc()
+                if msg.dropped:
+                    self.sessions.draft_dropped(msg.session_id, msg.worker_id)
+                    continue
                 try:
                     self.sessions.apply_layer(msg.session_id, msg.worker_id, layer_from_msg(msg),
                                               msg.draft_forwards, msg.draft_idle_s)

@@ -54,7 +54,9 @@ class Session:
     params: TreeParams  # the chain fields are this session's: the cache's, its ChainPolicy over them
     vocab_size: int = 0  # the target's (OpenSession); layers' tokens must lie below it
     opened_unix: float = field(default_factory=time.time)
-    last_active: float = field(default_factory=time.monotonic)  # open or last Step
+    last_active: float = field(default_factory=time.monotonic)  # open, last Step or keepalive
+    idle_timeout_s: float = 0.0  # the target's (OpenSession); 0 = the cache's
+    draft_refused: bool = False  # a worker dropped it (LayerMessage.dropped): no worker is tried again
     worker: Worker | None = None
     restart_pending: bool = False
     closed: bool = False
@@ -158,7 +160,7 @@ class SessionTable:
     def _rebalance(self) -> None:
         """Give every session without a worker one, where a matching worker has room."""
         for session in self._sessions.values():
-            if session.worker is not None:
+            if session.worker is not None or session.draft_refused:
                 continue
             try:
                 worker = self.registry.pick(session.fingerprint, session.draft_name, session.target_model)
@@ -188,9 +190,11 @@ class SessionTable:
     # ---- target side --------------------------------------------------------------------------
     def open(self, prompt_ids: Sequence[int], fingerprint: str, target_model: str,
              draft: str = "", chain: ChainPolicy | None = None, vocab_size: int = 0,
-             context_window: int = 0) -> Session:
+             context_window: int = 0, idle_timeout_s: float = 0.0) -> Session:
         """``chain`` goes over the configured chain settings for this session (None: keep them);
-        ``vocab_size`` / ``context_window``: the target's (0 = not told). InvalidArgument: an empty
+        ``vocab_size`` / ``context_window``: the target's (0 = not told); ``idle_timeout_s``: how
+        long the session lives without a Step or keepalive (0 = the cache's; it is also the cap).
+        InvalidArgument: an empty
         prompt, one at or past the context window, a token outside the vocabulary, no fingerprint,
         or a chain policy out of range."""
         if self.closing:
@@ -210,6 +214,7 @@ class SessionTable:
             session_id=uuid.uuid4().hex, target_model=target_model or "unknown", fingerprint=fingerprint,
             draft_name=draft, tree=TwoTierTree(self.device), committed=list(prompt_ids),
             prompt_tokens=len(prompt_ids), params=params, vocab_size=vocab_size,
+            idle_timeout_s=idle_timeout_s,
         )
         with self.lock:
             worker = self.registry.pick(fingerprint, draft, session.target_model)
@@ -354,6 +359,23 @@ class SessionTable:
             session.draft_idle_s = draft_idle_s
         return True
 
+    def draft_dropped(self, session_id: str, worker_id: str) -> bool:
+        """Worker ``worker_id`` gave the session up: free its place in the worker's capacity (a
+        waiting session may take it). The session goes on with the chains its tree still holds,
+        then without a draft; a worker that could not hold it once is not asked again. False when
+        the worker does not serve the session (anymore)."""
+        with self.lock:
+            session = self._sessions.get(session_id)
+            if session is None or session.worker is None or session.worker.worker_id != worker_id:
+                return False
+            worker = session.worker
+            self._detach(session)
+            session.draft_refused = True
+            self._rebalance()
+        log.warning("draft %s dropped session %s; it goes on without a draft", worker.name, session_id,
+                    extra={"session_id": session_id, "draft": worker.name})
+        return True
+
     # ---- records ------------------------------------------------------------------------------
     def flush_records(self, everything: bool = False) -> None:
         """Write live sessions' records to the store (background; off the Step path): those that
@@ -368,14 +390,29 @@ class SessionTable:
                 self.store.put_session(session.session_id, session.record(), self.config.session_ttl_s)
                 session.flushed_epoch = epoch
 
-    def close_idle(self, idle_s: float) -> list[str]:
-        """Close sessions with no Step for ``idle_s`` (their target died without closing them)."""
+    def keep_alive(self, session_ids: Sequence[str]) -> None:
+        """The target still serves these sessions, which have no Step now (prefill, a KV-slot wait)."""
         now = time.monotonic()
-        idle = [s.session_id for s in self.sessions() if now - s.last_active > idle_s]
-        for session_id in idle:
+        with self.lock:
+            for session_id in session_ids:
+                session = self._sessions.get(session_id)
+                if session is not None:
+                    session.last_active = now
+
+    def close_idle(self, idle_s: float) -> list[str]:
+        """Close sessions with no Step or keepalive for their idle timeout (the target's, at most
+        ``idle_s``; 0 = no cap): their target died without closing them. Its capacity on the draft
+        is free again at once."""
+        now = time.monotonic()
+        idle = []
+        for s in self.sessions():
+            limit = min(x for x in (s.idle_timeout_s, idle_s) if x > 0) if (s.idle_timeout_s or idle_s) else 0
+            if limit and now - s.last_active > limit:
+                idle.append((s.session_id, limit))
+        for session_id, limit in idle:
             with contextlib.suppress(NotFound):  # closed concurrently
                 self.close(session_id, status="abandoned")
-                log.warning("session %s had no step for %.0fs; closed as abandoned", session_id, idle_s,
-                            extra={"session_id": session_id})
-        return idle
+                log.warning("session %s had no step or keepalive for %.1fs; closed as abandoned", session_id,
+                            limit, extra={"session_id": session_id})
+        return [sid for sid, _ in idle]
 

@@ -287,7 +287,8 @@ class LocalTrio:
         cache = self._spawn("card-cache", ["--port", str(port), "--redis-url", self.redis_url,
                                            *self.extra_args.get("cache", ())],
                             env={"CARD_CACHE_DRAFT_TOKEN": self.draft_token,
-                                 "CARD_CACHE_TARGET_TOKEN": self.target_token, **tls_env("CARD_CACHE", self.tls)})
+                                 "CARD_CACHE_TARGET_TOKEN": self.target_token,
+                                 **tls_env("CARD_CACHE", self.tls)})
         self.cache_addr = cache.wait_listening(self.start_timeout_s)
         cache.wait_serving(self.start_timeout_s)
         return cache
@@ -313,7 +314,8 @@ class LocalTrio:
         if name:
             cmd += ["--name", name]
         proc = self._spawn("card-draft", cmd, label=f"card-draft-{name or len(self.drafts)}",
-                           env={"CARD_DRAFT_DRAFT_TOKEN": self.draft_token, **tls_env("CARD_DRAFT", self.tls)})
+                           env={"CARD_DRAFT_DRAFT_TOKEN": self.draft_token,
+                                **tls_env("CARD_DRAFT", self.tls)})
         self.drafts.append(proc)
         if wait:
             proc.wait_listening(self.start_timeout_s)

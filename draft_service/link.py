@@ -87,6 +87,7 @@ class CacheLink:
         metrics.ACTIVE_SESSIONS.set_function(lambda: self.worker.active_sessions)
         metrics.KV_SLOTS.set_function(self.worker.kv_slots_held)
         self.worker.on_forward = self._on_forward
+        self.worker.on_drop = self._dropped
 
     @staticmethod
     def _on_forward(sessions: int) -> None:
@@ -226,6 +227,16 @@ class CacheLink:
             self.worker.stop_session(sid)
         if dropped:
             log.warning("dropped %d session(s): %s", len(dropped), why)
+
+    def _dropped(self, session_id: str) -> None:
+        """The worker gave ``session_id`` up: tell the cache, which frees its place in our capacity."""
+        with self._lock:
+            held = session_id in self._sessions
+            self._sessions.discard(session_id)
+            conn = self._conn
+        if held and conn is not None and not conn.closed.is_set():
+            conn.layers.put(cache_pb2.LayerMessage(worker_id=conn.worker_id, session_id=session_id,
+                                                   dropped=True))
 
     # ---- layers (worker thread) --------------------------------------------------------------
     def _publish(self, session_id: str, layer: Layer) -> None:

@@ -65,6 +65,8 @@ class DraftWorker:
         self.forwards = 0  # draft forwards run (each for every session that had work that round)
         self.batch_rows = 0  # sessions those forwards served, summed (mean batch = rows / forwards)
         self.on_forward: Callable[[int], None] = lambda sessions: None  # after each forward (metrics)
+        # a session this worker gave up on its own (not told to stop): whoever assigned it frees its place
+        self.on_drop: Callable[[str], None] = lambda session_id: None
         self.publish = publish
         self.threads = threads
         self.name = name
@@ -269,3 +271,4 @@ class DraftWorker:
         else:
             log.error("draft session %s failed; dropping it", sid, exc_info=exc)
         self._drop(sid)
+        self.on_drop(sid)

@@ -34,7 +34,7 @@ from engine.sources import NoDraft
 from target_service import metrics
 from target_service.config import TargetConfig
 from target_service.engine_loop import EngineLoop
-from target_service.remote_card import RemoteCard
+from target_service.remote_card import RemoteCard, SessionKeeper, session_idle_timeout_s
 
 log = logging.getLogger(__name__)
 
@@ -115,6 +115,8 @@ class Frontend:
         self.vocab_size = 0
         self.context_window = 0
         self.draining = False  # shutdown began: health says so, requests under way finish
+        self.keeper = (SessionKeeper(cache, session_idle_timeout_s(config.step_timeout_ms / 1000.0),
+                                     config.cache_addr or "") if cache is not None else None)
 
     def ready(self, model: LoadedModel, loop: EngineLoop) -> None:
         self.vocab_size = int(getattr(model.model.config, "vocab_size", 0) or 0)
@@ -194,4 +196,4 @@ class Frontend:
         return RemoteCard(self.cache, cache_addr=self.config.cache_addr or "", target_model=self.model.name,
                           fingerprint=self.model.fingerprint, draft=draft, chain=chain,
                           vocab_size=self.vocab_size, context_window=self.context_window,
-                          step_timeout_s=self.config.step_timeout_ms / 1000.0)
+                          step_timeout_s=self.config.step_timeout_ms / 1000.0, keeper=self.keeper)

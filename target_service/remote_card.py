@@ -22,7 +22,9 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 import time
+import weakref
 from collections.abc import Sequence
 
 import grpc
@@ -48,6 +50,59 @@ def _code(err: grpc.RpcError) -> grpc.StatusCode | None:
     return err.code() if isinstance(err, grpc.Call) else None
 
 
+def session_idle_timeout_s(step_timeout_s: float) -> float:
+    """How long the cache keeps one of this target's sessions without a Step or keepalive: ten
+    Step deadlines, at least 5 s. A target that died frees its sessions' draft capacity this soon;
+    a live one keeps every session it still serves alive (SessionKeeper), however long its prefill
+    or its wait for a KV slot."""
+    return max(5.0, 10.0 * step_timeout_s)
+
+
+class SessionKeeper:
+    """Sends the cache, every quarter of the idle timeout, the ids of this target's open sessions
+    that had no Step or open in that time (one StepBatch with keepalive ids, no steps): a session
+    is closed for idleness only when its target is gone."""
+
+    def __init__(self, stub: cache_pb2_grpc.CacheServiceStub, idle_timeout_s: float, cache_addr: str) -> None:
+        self.stub = stub
+        self.period_s = idle_timeout_s / 4.0
+        self.cache_addr = cache_addr
+        self._sources: weakref.WeakSet[RemoteCard] = weakref.WeakSet()
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="session-keeper", daemon=True)
+        self._thread.start()
+
+    def add(self, source: RemoteCard) -> None:
+        with self._lock:
+            self._sources.add(source)
+
+    def discard(self, source: RemoteCard) -> None:
+        with self._lock:
+            self._sources.discard(source)
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def quiet_sessions(self) -> list[str]:
+        now = time.monotonic()
+        with self._lock:
+            sources = list(self._sources)
+        return [s.session_id for s in sources if s.session_id and now - s.last_contact >= self.period_s]
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.period_s):
+            ids = self.quiet_sessions()
+            if not ids:
+                continue
+            try:
+                self.stub.StepBatch(cache_pb2.StepBatchRequest(keepalive_session_ids=ids),
+                                    timeout=self.period_s)
+            except grpc.RpcError as err:  # the cache is down: its sessions are lost anyway
+                log.debug("keepalive of %d session(s) failed: %s", len(ids),
+                          error_from_rpc(err, self.cache_addr))
+
+
 class RemoteCard:
     """A ``ChainSource`` backed by the cache service; ``chain`` is the request's ChainPolicy,
     sent with every OpenSession."""
@@ -56,7 +111,7 @@ class RemoteCard:
                  fingerprint: str, draft: str = "", chain: ChainPolicy | None = None,
                  vocab_size: int = 0, context_window: int = 0, step_timeout_s: float = 1.0,
                  open_timeout_s: float = 5.0, retry_initial_s: float = 0.5,
-                 retry_max_s: float = 5.0) -> None:
+                 retry_max_s: float = 5.0, keeper: SessionKeeper | None = None) -> None:
         self.stub = stub
         self.cache_addr = cache_addr
         self.target_model = target_model
@@ -69,6 +124,9 @@ class RemoteCard:
         self.open_timeout_s = open_timeout_s
         self.retry_initial_s = retry_initial_s
         self.retry_max_s = retry_max_s
+        self.keeper = keeper
+        self.idle_timeout_s = session_idle_timeout_s(step_timeout_s)
+        self.last_contact = time.monotonic()  # the last open or answered Step (SessionKeeper)
         self.session_id = ""
         self.draft_name = ""  # the worker that served the (last) session
         self.epoch = 0  # of the current session's latest chain
@@ -84,6 +142,8 @@ class RemoteCard:
     # ---- ChainSource -------------------------------------------------------------------------
     def open(self, committed: Sequence[int]) -> None:
         self.committed = committed
+        if self.keeper is not None:
+            self.keeper.add(self)
         try:
             self._open_session(list(committed))
         except grpc.RpcError as err:
@@ -159,6 +219,7 @@ class RemoteCard:
             return self._plain()
         self._record_rtt(t0)
         self.epoch = result.chain.epoch
+        self.last_contact = time.monotonic()
         return result
 
     def _failed(self, code: grpc.StatusCode, error: CardError, t0: float) -> StepResult:
@@ -170,6 +231,8 @@ class RemoteCard:
         return self._plain()
 
     def close(self, stats: GenerationStats) -> SourceStats:
+        if self.keeper is not None:
+            self.keeper.discard(self)
         if self.session_id:
             self._close_session(dataclasses.replace(stats, step_rtt_ms=list(self.rtt_ms)))
         return SourceStats(draft_forwards=self._draft_forwards, draft_idle_s=self._draft_idle_s,
@@ -182,9 +245,11 @@ class RemoteCard:
                                          context_window=self.context_window,
                                          tokenizer_fingerprint=self.fingerprint,
                                          target_model=self.target_model, draft=self.draft,
-                                         chain=chain_policy_to_msg(self.chain)),
+                                         chain=chain_policy_to_msg(self.chain),
+                                         idle_timeout_ms=round(self.idle_timeout_s * 1000)),
             timeout=timeout_s or self.open_timeout_s,
         )
+        self.last_contact = time.monotonic()
         self.session_id = reply.session_id
         self.draft_name = reply.draft or self.draft_name
         self.epoch = 0

@@ -244,6 +244,8 @@ def test_a_session_beyond_the_kv_slots_is_not_drafted_and_frees_nothing_else() -
     model = draft_model("llama", "perturbed")
     seen: set[str] = set()
     worker = DraftWorker(model, PARAMS, lambda sid, layer: seen.add(sid), slots=2, max_len=32, name="full")
+    dropped: list[str] = []
+    worker.on_drop = dropped.append  # the cache hears of each, and frees its place (LayerMessage.dropped)
     worker.start()
     try:
         worker.start_session("long", list(range(1, 40)))  # 39 committed rows > 32
@@ -252,8 +254,10 @@ def test_a_session_beyond_the_kv_slots_is_not_drafted_and_frees_nothing_else() -
         worker.start_session("c", [7, 8, 9])  # no slot left
         assert wait_until(lambda: {"a", "b"} <= seen and worker.active_sessions == 2)
         assert seen == {"a", "b"} and worker.pool.free_slots == 0
+        assert dropped == ["long", "c"]
         worker.stop_session("a")
         worker.start_session("c", [7, 8, 9])  # a slot came back
         assert wait_until(lambda: "c" in seen)
+        assert dropped == ["long", "c"]  # told to stop: not a drop
     finally:
         worker.close()

@@ -29,6 +29,10 @@ class Pki:
         return TlsConfig(cert=str(self.cert), key=str(self.key), ca=str(self.ca), client_auth=client_auth)
 
 
+_MINUTES_5 = datetime.timedelta(minutes=5)
+_DAY = datetime.timedelta(days=1)
+
+
 def _name(cn: str) -> x509.Name:
     return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
 
@@ -46,7 +50,7 @@ def make_pki(directory: Path, hosts: tuple[str, ...] = ("127.0.0.1", "::1", "loc
     ca_key = ec.generate_private_key(ec.SECP256R1())
     ca = (x509.CertificateBuilder().subject_name(_name(f"{name} CA")).issuer_name(_name(f"{name} CA"))
           .public_key(ca_key.public_key()).serial_number(x509.random_serial_number())
-          .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=1))
+          .not_valid_before(now - _MINUTES_5).not_valid_after(now + _DAY)
           .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
           .add_extension(x509.KeyUsage(digital_signature=True, key_cert_sign=True, crl_sign=True,
                                        content_commitment=False, key_encipherment=False,
@@ -62,7 +66,7 @@ def make_pki(directory: Path, hosts: tuple[str, ...] = ("127.0.0.1", "::1", "loc
             sans.append(x509.DNSName(host))
     cert = (x509.CertificateBuilder().subject_name(_name(name)).issuer_name(ca.subject)
             .public_key(key.public_key()).serial_number(x509.random_serial_number())
-            .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=1))
+            .not_valid_before(now - _MINUTES_5).not_valid_after(now + _DAY)
             .add_extension(x509.SubjectAlternativeName(sans), critical=False)
             .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH,
                                                   ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False)

@@ -19,11 +19,11 @@ from cache_service.config import CacheConfig
 from cache_service.server import create_server
 from card.v1 import cache_pb2, cache_pb2_grpc
 from card_common.channels import channel, health_status, wait_serving
+from card_common.tls import TlsConfig
 from client.remote import generate_remote
 from client.trio import LocalTrio, console_script
 from engine.config import SamplingParams, StopParams
 from engine.errors import Unavailable
-from card_common.tls import TlsConfig
 from tests.services.cache_helpers import FP_A, TIMEOUT, HandDraft, HandTarget
 from tests.services.certs import make_pki
 

@@ -418,6 +418,48 @@ def test_live_records_are_flushed(cache: Cache, redis_url: str, redis_prefix: st
         assert r.hget(key, "committed_tokens") == "5" and r.ttl(key) > 0
 
 
+def test_a_session_lives_by_its_targets_idle_timeout_and_keepalives(cache: Cache) -> None:
+    """The cache's own timeout is 600 s; the target asks for 0.4 s: a session without Step or
+    keepalive is gone within a second and its draft slot serves the next session."""
+    draft = cache.draft("d0", capacity=2)
+    kept = cache.target.open(PROMPT, idle_timeout_ms=400).session_id
+    dead = cache.target.open(PROMPT, idle_timeout_ms=400).session_id
+    assert {expect_start(draft).session_id for _ in range(2)} == {kept, dead}
+    waiting = cache.target.open(PROMPT)
+    assert waiting.draft == ""  # the draft is full
+    deadline = time.monotonic() + 1.2
+    while time.monotonic() < deadline:  # the target prefills `kept` (no Step yet) and keeps it alive
+        cache.target.keepalive(kept, "no-such-session")
+        time.sleep(0.1)
+    live = {s.session_id for s in cache.target.status().sessions}
+    assert kept in live and dead not in live
+    assert draft.next_command() == StopDraft(dead)
+    assert expect_start(draft).session_id == waiting.session_id  # the abandoned session's slot
+
+
+def test_a_session_the_draft_drops_frees_its_place_and_is_not_offered_again(cache: Cache) -> None:
+    draft = cache.draft("d0", capacity=1)
+    dropped = cache.target.open(PROMPT).session_id
+    assert expect_start(draft).session_id == dropped
+    waiting = cache.target.open(PROMPT).session_id  # the draft is full
+    stranger = cache.draft("d1", capacity=1)
+    assert expect_start(stranger).session_id == waiting
+    # only the worker serving the session can give it up
+    drop = cache_pb2.LayerMessage(worker_id=stranger.worker_id, session_id=dropped, dropped=True)
+    assert draft.publish_msgs([drop]) == 1
+    assert {d.name: d.active_sessions for d in cache.target.status().drafts} == {"d0": 1, "d1": 1}
+    drop.worker_id = draft.worker_id  # e.g. a prompt token outside the draft's vocabulary
+    assert draft.publish_msgs([drop]) == 1
+    wait_for(lambda: {d.name: d.active_sessions for d in cache.target.status().drafts} == {"d0": 0, "d1": 1},
+             what="d0's capacity freed")
+    assert draft.no_command()  # the session is not offered to it again
+    assert cache.target.step(dropped, 0, 5).chain.tokens == ()  # it goes on, without a draft
+    assert {s.session_id: s.draft for s in cache.target.status().sessions}[dropped] == ""
+    fresh = cache.target.open(PROMPT)
+    assert fresh.draft == "d0", fresh
+    assert expect_start(draft).session_id == fresh.session_id  # a new one is
+
+
 def test_abandoned_sessions_are_closed(redis_url: str, redis_prefix: str) -> None:
     c = start_cache(make_config(redis_url, redis_prefix, session_idle_timeout_s=0.5))
     try:

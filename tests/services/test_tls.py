@@ -58,7 +58,8 @@ def status(addr: str, tls: TlsConfig) -> grpc.StatusCode:
     return grpc.StatusCode.OK
 
 
-def test_only_clients_with_a_certificate_from_the_trusted_ca_are_served(mutual, pki: Pki, stranger: Pki) -> None:
+def test_only_clients_with_a_certificate_from_the_trusted_ca_are_served(mutual, pki: Pki,
+                                                                       stranger: Pki) -> None:
     _, addr = mutual
     assert status(addr, pki.tls()) is grpc.StatusCode.OK
     # plaintext: the handshake fails before any byte of the request is read
@@ -90,7 +91,7 @@ def test_server_only_tls_serves_clients_without_certificates_and_checks_names(
 
 
 def test_the_plaintext_health_port_answers_probes_and_nothing_else(mutual) -> None:
-    server, addr = mutual
+    server, _ = mutual
     probe, port = start_health_port(server.health, "127.0.0.1", 0)
     assert probe is not None
     try:

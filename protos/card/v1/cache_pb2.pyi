@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class OpenSessionRequest(_message.Message):
-    __slots__ = ("prompt_ids", "tokenizer_fingerprint", "target_model", "draft", "chain", "vocab_size", "context_window")
+    __slots__ = ("prompt_ids", "tokenizer_fingerprint", "target_model", "draft", "chain", "vocab_size", "context_window", "idle_timeout_ms")
     PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     TARGET_MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -16,6 +16,7 @@ class OpenSessionRequest(_message.Message):
     CHAIN_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_WINDOW_FIELD_NUMBER: _ClassVar[int]
+    IDLE_TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
     prompt_ids: _common_pb2.Tensor
     tokenizer_fingerprint: str
     target_model: str
@@ -23,7 +24,8 @@ class OpenSessionRequest(_message.Message):
     chain: _common_pb2.ChainPolicy
     vocab_size: int
     context_window: int
-    def __init__(self, prompt_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., tokenizer_fingerprint: _Optional[str] = ..., target_model: _Optional[str] = ..., draft: _Optional[str] = ..., chain: _Optional[_Union[_common_pb2.ChainPolicy, _Mapping]] = ..., vocab_size: _Optional[int] = ..., context_window: _Optional[int] = ...) -> None: ...
+    idle_timeout_ms: int
+    def __init__(self, prompt_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., tokenizer_fingerprint: _Optional[str] = ..., target_model: _Optional[str] = ..., draft: _Optional[str] = ..., chain: _Optional[_Union[_common_pb2.ChainPolicy, _Mapping]] = ..., vocab_size: _Optional[int] = ..., context_window: _Optional[int] = ..., idle_timeout_ms: _Optional[int] = ...) -> None: ...
 
 class OpenSessionResponse(_message.Message):
     __slots__ = ("session_id", "draft")
@@ -60,10 +62,12 @@ class StepResponse(_message.Message):
     def __init__(self, epoch: _Optional[int] = ..., chain_tokens: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., chain_node_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., outcome: _Optional[_Union[_common_pb2.Outcome, str]] = ...) -> None: ...
 
 class StepBatchRequest(_message.Message):
-    __slots__ = ("steps",)
+    __slots__ = ("steps", "keepalive_session_ids")
     STEPS_FIELD_NUMBER: _ClassVar[int]
+    KEEPALIVE_SESSION_IDS_FIELD_NUMBER: _ClassVar[int]
     steps: _containers.RepeatedCompositeFieldContainer[StepRequest]
-    def __init__(self, steps: _Optional[_Iterable[_Union[StepRequest, _Mapping]]] = ...) -> None: ...
+    keepalive_session_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, steps: _Optional[_Iterable[_Union[StepRequest, _Mapping]]] = ..., keepalive_session_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class StepError(_message.Message):
     __slots__ = ("code", "message")
@@ -174,7 +178,7 @@ class StopSession(_message.Message):
     def __init__(self, session_id: _Optional[str] = ...) -> None: ...
 
 class LayerMessage(_message.Message):
-    __slots__ = ("worker_id", "session_id", "epoch", "parent_ids", "node_ids", "tokens", "local_logp", "b_parent_ids", "b_tokens", "b_logp", "draft_forwards", "draft_idle_s")
+    __slots__ = ("worker_id", "session_id", "epoch", "parent_ids", "node_ids", "tokens", "local_logp", "b_parent_ids", "b_tokens", "b_logp", "draft_forwards", "draft_idle_s", "dropped")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
@@ -187,6 +191,7 @@ class LayerMessage(_message.Message):
     B_LOGP_FIELD_NUMBER: _ClassVar[int]
     DRAFT_FORWARDS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_IDLE_S_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     session_id: str
     epoch: int
@@ -199,7 +204,8 @@ class LayerMessage(_message.Message):
     b_logp: _common_pb2.Tensor
     draft_forwards: int
     draft_idle_s: float
-    def __init__(self, worker_id: _Optional[str] = ..., session_id: _Optional[str] = ..., epoch: _Optional[int] = ..., parent_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., node_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., tokens: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., local_logp: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., b_parent_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., b_tokens: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., b_logp: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., draft_forwards: _Optional[int] = ..., draft_idle_s: _Optional[float] = ...) -> None: ...
+    dropped: bool
+    def __init__(self, worker_id: _Optional[str] = ..., session_id: _Optional[str] = ..., epoch: _Optional[int] = ..., parent_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., node_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., tokens: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., local_logp: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., b_parent_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., b_tokens: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., b_logp: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., draft_forwards: _Optional[int] = ..., draft_idle_s: _Optional[float] = ..., dropped: _Optional[bool] = ...) -> None: ...
 
 class PublishLayersResponse(_message.Message):
     __slots__ = ("layers_received",)
