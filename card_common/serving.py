@@ -38,10 +38,75 @@ SERVER_OPTIONS: tuple[tuple[str, Any], ...] = (
 )
 
 
+class _Malformed:
+    """What a request that does not parse becomes (instead of grpc's INTERNAL and a traceback)."""
+
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+
+
+class RejectMalformed(grpc.ServerInterceptor):
+    """Answers a request message that does not parse with INVALID_ARGUMENT, and logs one line for
+    the first of each method and every 1000th after (grpc alone logs a full traceback per message
+    and answers INTERNAL: a fuzzer could fill the disk with logs)."""
+
+    def __init__(self) -> None:
+        self.seen: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def _refuse(self, method: str, bad: _Malformed, context: grpc.ServicerContext) -> None:
+        with self._lock:
+            n = self.seen[method] = self.seen.get(method, 0) + 1
+        if n == 1 or n % 1000 == 0:
+            log.warning("malformed %s request(s) refused: %d so far (latest from %s: %s)", method, n,
+                        context.peer(), bad.error)
+        context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed request message: {bad.error}")
+
+    def intercept_service(self, continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler],
+                          details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler:
+        handler = continuation(details)
+        if handler is None or handler.request_deserializer is None:
+            return handler
+        parse, method = handler.request_deserializer, details.method
+
+        def safe(data: bytes) -> Any:
+            try:
+                return parse(data)
+            except Exception as exc:  # DecodeError, and anything else a parser can raise
+                return _Malformed(exc)
+
+        def checked(request: Any, context: grpc.ServicerContext) -> Any:
+            if isinstance(request, _Malformed):
+                self._refuse(method, request, context)
+            return request
+
+        def each(requests: Any, context: grpc.ServicerContext) -> Any:
+            for request in requests:
+                yield checked(request, context)
+
+        kw = {"request_deserializer": safe, "response_serializer": handler.response_serializer}
+        if handler.unary_unary:
+            fn_uu = handler.unary_unary
+            return grpc.unary_unary_rpc_method_handler(lambda r, c: fn_uu(checked(r, c), c), **kw)
+        if handler.unary_stream:
+            fn_us = handler.unary_stream
+
+            def unary_stream(request: Any, context: grpc.ServicerContext) -> Any:
+                yield from fn_us(checked(request, context), context)
+
+            return grpc.unary_stream_rpc_method_handler(unary_stream, **kw)
+        if handler.stream_unary:
+            fn_su = handler.stream_unary
+            return grpc.stream_unary_rpc_method_handler(lambda rs, c: fn_su(each(rs, c), c), **kw)
+        fn_ss = handler.stream_stream
+        return grpc.stream_stream_rpc_method_handler(lambda rs, c: fn_ss(each(rs, c), c), **kw)
+
+
 def make_server(max_workers: int = 32, interceptors: Sequence[grpc.ServerInterceptor] = ()) -> grpc.Server:
-    """A thread-pool gRPC server with the shared options. Each open stream holds one thread."""
+    """A thread-pool gRPC server with the shared options (and RejectMalformed innermost, so that
+    ``interceptors`` see parsed requests). Each open stream holds one thread."""
     return grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=list(SERVER_OPTIONS),
-                       interceptors=list(interceptors))
+                       interceptors=[*interceptors, RejectMalformed()])
 
 
 def bind(server: grpc.Server, addr: str, tls: TlsConfig = PLAINTEXT) -> int:
