@@ -38,6 +38,7 @@ K8S = DEPLOY / "k8s"
 BASE = K8S / "base"
 OVERLAYS = {"cpu": K8S / "overlays" / "cpu", "gpu": K8S / "overlays" / "gpu"}
 CACHE_GPU = K8S / "components" / "cache-gpu"
+TLS = K8S / "components" / "tls"
 IMAGE = "card-serving"
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
 SCRIPTS: dict[str, str] = PYPROJECT["project"]["scripts"]
@@ -163,6 +164,7 @@ VARIANTS = {
     "cpu": lambda: render(OVERLAYS["cpu"]),
     "gpu": lambda: render(OVERLAYS["gpu"]),
     "gpu+cache-gpu": lambda: render(OVERLAYS["gpu"], components=(CACHE_GPU,)),
+    "cpu+tls": lambda: render(OVERLAYS["cpu"], components=(TLS,)),
 }
 
 
@@ -257,11 +259,11 @@ def test_every_yaml_file_parses_into_kubernetes_objects(path: Path) -> None:
 
 def test_kustomizations_reference_existing_files_and_nothing_is_orphaned() -> None:
     kustomizations = sorted(K8S.rglob("kustomization.yaml"))
-    assert {p.parent for p in kustomizations} >= {BASE, CACHE_GPU, *OVERLAYS.values()}
+    assert {p.parent for p in kustomizations} >= {BASE, CACHE_GPU, TLS, *OVERLAYS.values()}
     referenced: set[Path] = set()
     for kfile in kustomizations:
         kust = yaml.safe_load(kfile.read_text())
-        expected_kind = "Component" if kfile.parent == CACHE_GPU else "Kustomization"
+        expected_kind = "Component" if kfile.parent.parent.name == "components" else "Kustomization"
         assert kust["kind"] == expected_kind, kfile
         for ref in [*kust.get("resources", []), *kust.get("components", []),
                     *(p["path"] for p in kust.get("patches", []))]:
@@ -319,13 +321,15 @@ def test_every_card_variable_is_read_by_its_service(variant: tuple[str, Rendered
         assert not unknown, f"{c.script} does not read {unknown}; it reads {sorted(accepted)}"
 
 
-def test_probes_are_grpc_health_checks_on_the_port_the_service_listens_on(
-        variant: tuple[str, Rendered]) -> None:
+def test_probes_are_grpc_health_checks_on_the_plaintext_health_port(variant: tuple[str, Rendered]) -> None:
+    """The kubelet's gRPC probe cannot speak TLS: probes ask the plaintext health port, which
+    every service serves beside its gRPC port (which components/tls turns to TLS)."""
     _, rendered = variant
     for c in card_containers(rendered):
-        grpc_port = c.port("grpc")
+        grpc_port, health_port = c.port("grpc"), c.port("health")
         assert effective(command_for(c.script), c.env, "--port") == str(grpc_port), (
             f"{c.script} listens on another port than its container port 'grpc' ({grpc_port})")
+        assert effective(command_for(c.script), c.env, "--health-port") == str(health_port), c.script
         for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
             probe = c.container.get(kind)
             assert probe, f"{c.script}: no {kind}"
@@ -339,7 +343,56 @@ def test_probes_are_grpc_health_checks_on_the_port_the_service_listens_on(
                 continue
             assert handlers == {"grpc"}, f"{c.script} {kind}: must be a grpc probe, has {handlers}"
             # Kubernetes' grpc probe takes a number only, so it is checked against the named port.
-            assert probe["grpc"] == {"port": grpc_port, "service": ""}, f"{c.script} {kind}"
+            assert probe["grpc"] == {"port": health_port, "service": ""}, f"{c.script} {kind}"
+
+
+def test_tls_component_gives_every_service_its_certificate_and_the_cache_mutual_tls() -> None:
+    plain = {c.script: c for c in card_containers(render(OVERLAYS["cpu"]))}
+    assert not any(k.startswith(f"CARD_{s}_TLS") for c in plain.values() for k in c.env
+                   for s in ("CACHE", "TARGET", "DRAFT"))
+    rendered = render(OVERLAYS["cpu"], components=(TLS,))
+    for c in card_containers(rendered):
+        command = command_for(c.script)
+        files = {flag: effective(command, c.env, flag) for flag in ("--tls-cert", "--tls-key", "--tls-ca")}
+        mounts = {m["mountPath"]: m for m in c.container["volumeMounts"]}
+        volumes = {v["name"]: v for v in c.pod["spec"]["volumes"]}
+        for flag, path in files.items():
+            mount = mounts.get(str(Path(path).parent))
+            assert mount and mount["readOnly"], f"{c.script} {flag} {path}: not on a read-only mount"
+            secret = volumes[mount["name"]]["secret"]
+            assert secret["secretName"] == c.script + "-tls", c.script
+            assert Path(path).name in ("tls.crt", "tls.key", "ca.crt"), f"{flag}: not a cert-manager key"
+    by_script = {c.script: c for c in card_containers(rendered)}
+    assert effective(command_for("card-cache"), by_script["card-cache"].env, "--tls-client-auth") == "true"
+    assert "CARD_TARGET_TLS_CLIENT_AUTH" not in by_script["card-target"].env  # users need no certificate
+
+
+def test_network_policies_let_only_targets_and_drafts_reach_the_cache(variant: tuple[str, Rendered]) -> None:
+    _, rendered = variant
+    pods = {d["metadata"]["name"]: d["spec"]["template"] for d in rendered.of_kind("Deployment")}
+    policies = {p["metadata"]["name"]: p for p in rendered.of_kind("NetworkPolicy")}
+    assert set(policies) == {"card-cache", "card-redis", "card-draft"}
+
+    def selected(selector: dict) -> set[str]:
+        want = selector["matchLabels"].items()
+        return {n for n, t in pods.items() if want <= t["metadata"]["labels"].items()}
+
+    for name, policy in policies.items():
+        (pod,) = selected(policy["spec"]["podSelector"])
+        assert pod == name and policy["spec"]["policyTypes"] == ["Ingress"]
+        named = {p["name"] for c in pods[pod]["spec"]["containers"] for p in c.get("ports", [])}
+        for rule in policy["spec"]["ingress"]:
+            assert {p["port"] for p in rule["ports"]} <= named, f"{name}: a port the pod does not have"
+    sources = {(tuple(sorted(p["port"] for p in r["ports"])),
+                frozenset(n for f in r.get("from", [{"podSelector": {"matchLabels": {}}}])
+                          for n in selected(f["podSelector"])))
+               for r in policies["card-cache"]["spec"]["ingress"]}
+    assert (("grpc",), frozenset({"card-target", "card-draft"})) in sources
+    assert all("grpc" not in ports or who == {"card-target", "card-draft"} for ports, who in sources)
+    (redis_rule,) = policies["card-redis"]["spec"]["ingress"]
+    assert {n for f in redis_rule["from"] for n in selected(f["podSelector"])} == {"card-cache"}
+    assert all("from" not in r and {p["port"] for p in r["ports"]} == {"metrics", "health"}
+               for r in policies["card-draft"]["spec"]["ingress"])
 
 
 def test_metrics_port_matches_container_port_and_scrape_annotations(variant: tuple[str, Rendered]) -> None:
@@ -509,11 +562,13 @@ def test_python_rendering_matches_kubectl_kustomize(name: str, tmp_path: Path) -
     kubectl = shutil.which("kubectl")
     if kubectl is None:
         pytest.skip("kubectl is not installed: the rendering cross-check needs `kubectl kustomize`")
-    if name == "gpu+cache-gpu":  # an overlay of the gpu overlay, as an operator would write it
+    if "+" in name:  # an overlay of an overlay with a component, as an operator would write it
+        base, component = {"gpu+cache-gpu": (OVERLAYS["gpu"], CACHE_GPU),
+                           "cpu+tls": (OVERLAYS["cpu"], TLS)}[name]
         overlay = tmp_path
         rel = lambda p: os.path.relpath(p, tmp_path)  # noqa: E731  (kustomize refuses absolute dirs)
         (tmp_path / "kustomization.yaml").write_text(yaml.safe_dump(
-            {"resources": [rel(OVERLAYS["gpu"])], "components": [rel(CACHE_GPU)]}))
+            {"resources": [rel(base)], "components": [rel(component)]}))
     else:
         overlay = OVERLAYS.get(name, BASE)
     out = subprocess.run([kubectl, "kustomize", str(overlay)], capture_output=True, text=True,
