@@ -106,7 +106,8 @@ def create_server(addr: str, config: CacheConfig, store: MetadataStore | None = 
         port = server.bind(addr)
     except Unavailable as exc:
         store.close()
-        raise InvalidArgument(f"cannot listen on {addr}; is another card-cache running there? ({exc})") from None
+        raise InvalidArgument(
+            f"cannot listen on {addr}; is another card-cache running there? ({exc})") from None
     return server, port
 
 

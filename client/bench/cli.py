@@ -22,7 +22,8 @@ from pathlib import Path
 import click
 import torch
 
-from card_common.cli import exit_on_error
+from card_common.cli import exit_on_error, tls_options
+from card_common.tls import PLAINTEXT, TlsConfig
 from client.bench import data, load, report
 from client.bench.modes import (
     MODES,
@@ -194,7 +195,11 @@ def _parse_variant(value: str) -> tuple[str, dict[str, object]]:
               help="with --services: closed-loop load, N clients each sending every prompt back to back, "
                    "through the trio (svc-vanilla and svc-card at each N); --modes svc-vanilla,svc-card "
                    "runs only that, loading no model in this process")
+@click.option("--target", "target_addr", default=None, envvar="CARD_BENCH_TARGET_ADDR", show_envvar=True,
+              help="with --services and only svc-* modes: load this running card-target (HOST:PORT) instead "
+                   "of starting a local trio; the model flags then only label the results")
 @click.option("--no-progress", is_flag=True, help="no progress bar")
+@tls_options("card-bench", serves=False, envvar_prefix="CARD_BENCH")
 def main(**opts: object) -> None:
     """Compare decoding modes on the same prompts, on this machine, in one run."""
     with exit_on_error("card-bench"):
@@ -209,7 +214,7 @@ def bench(*, target_model: str, draft_model: str, target_dtype: str, draft_dtype
           min_path_prob: float | None, card_variants: tuple[str, ...], backoff: bool, gamma: int,
           ignore_eos: bool, threads: int | None, target_threads: int | None, draft_threads: int | None,
           warmup_tokens: int, out: Path | None, chart: Path | None, services: bool, concurrency: str | None,
-          no_progress: bool) -> int:
+          no_progress: bool, target_addr: str | None = None, tls: TlsConfig = PLAINTEXT) -> int:
     levels = _parse_levels(concurrency)
     if levels and not services:
         raise InvalidArgument("--concurrency loads the services: add --services")
@@ -228,11 +233,15 @@ def bench(*, target_model: str, draft_model: str, target_dtype: str, draft_dtype
                             draft_threads=draft_threads or split[1],
                             ignore_eos=ignore_eos, backoff=backoff)
     loaded = [data.load(spec, n_prompts, data_dir) for spec in datasets]
+    if target_addr and not services_only:
+        raise InvalidArgument(f"--target loads a running card-target: only {', '.join(SERVICE_MODES)} run "
+                              f"there (--modes {','.join(SERVICE_MODES)} --services)")
     if services_only:
         if not services:
             raise InvalidArgument(f"--modes {modes} runs through the services: add --services")
         return _services_only(target_model, draft_model, target_dtype, draft_quantize, tree, settings,
-                              requested, loaded, levels or (1,), max_new_tokens, ignore_eos, out)
+                              requested, loaded, levels or (1,), max_new_tokens, ignore_eos, out,
+                              target_addr, tls)
     mode_names = _parse_modes(modes)
 
     t0 = time.perf_counter()
@@ -316,18 +325,23 @@ def _echo_err(line: str) -> None:
 
 def _services_only(target_model: str, draft_model: str, target_dtype: str, draft_quantize: str,
                    tree: TreeParams, settings: ModeSettings, modes: list[str], loaded: list[data.Dataset],
-                   levels: tuple[int, ...], max_new_tokens: int, ignore_eos: bool, out: Path | None) -> int:
+                   levels: tuple[int, ...], max_new_tokens: int, ignore_eos: bool, out: Path | None,
+                   target_addr: str | None = None, tls: TlsConfig = PLAINTEXT) -> int:
     """The load through the services alone: no model in this process (text prompts; the target
-    applies its chat template), svc-vanilla always run as the reference."""
+    applies its chat template), svc-vanilla always run as the reference. ``target_addr``: a running
+    card-target (dialed with ``tls``) instead of a local trio."""
     modes = list(dict.fromkeys([load.REFERENCE, *modes]))
     prompts = [p for ds in loaded for p in ds.prompts]
-    with _trio(target_model, draft_model, target_dtype, draft_quantize, tree, settings) as trio:
-        records, rows = load.run_load(trio.target_addr, modes, prompts, levels, max_new_tokens, ignore_eos,
-                                      log=_echo_err)
+    with contextlib.ExitStack() as stack:
+        addr = target_addr or stack.enter_context(
+            _trio(target_model, draft_model, target_dtype, draft_quantize, tree, settings)).target_addr
+        records, rows = load.run_load(addr, modes, prompts, levels, max_new_tokens, ignore_eos,
+                                      log=_echo_err, tls=tls)
     config = {"target_model": target_model, "draft_model": draft_model, "draft_quantize": draft_quantize,
               "modes": modes, "datasets": {d.name: str(d.path) for d in loaded}, "n": len(prompts),
               "max_new_tokens": max_new_tokens, "ignore_eos": ignore_eos, "tree": vars(tree),
-              "target_threads": settings.target_threads, "draft_threads": settings.draft_threads}
+              "target_threads": settings.target_threads, "draft_threads": settings.draft_threads,
+              "target_addr": target_addr or "local trio"}
     machine = report.machine_info({m: {"target": settings.target_threads, "draft": settings.draft_threads}
                                    for m in modes})
     out = out or Path("bench-results") / f"bench-{time.strftime('%Y%m%d-%H%M%S')}.json"
