@@ -111,6 +111,8 @@ def serve(config: TargetConfig) -> None:
             http.stop(grace + 1)
         stopped.wait(grace + 1)
         loop.stop()
+        if front.keeper is not None:
+            front.keeper.stop()
         if cache_channel is not None:
             cache_channel.close()
 
