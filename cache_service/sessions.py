@@ -406,7 +406,8 @@ class SessionTable:
         now = time.monotonic()
         idle = []
         for s in self.sessions():
-            limit = min(x for x in (s.idle_timeout_s, idle_s) if x > 0) if (s.idle_timeout_s or idle_s) else 0
+            limits = [x for x in (s.idle_timeout_s, idle_s) if x > 0]  # the target's, capped by ours
+            limit = min(limits, default=0.0)
             if limit and now - s.last_active > limit:
                 idle.append((s.session_id, limit))
         for session_id, limit in idle:
