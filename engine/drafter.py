@@ -17,6 +17,16 @@ logits into the next layer. ``step()`` does both with a forward of its own (clas
 ``advance()`` applies the cache's verdict on a correction: on a hit it moves the surviving rows
 (committed + accepted path + surviving subtree) to the front of the slot, on a miss it keeps what
 the committed text already covers.
+
+Cascade (CS Drafting's vertical cascade, ``ngram_config`` given): the n-gram statistics
+(engine.ngram.Proposer) draft for the draft. Each expansion forward also carries, below every
+frontier node, the n-gram's likeliest continuation of it (``lookahead`` tokens, tree-masked like
+any node). Where the draft's own top children of a node include the continuation's next token,
+that child is expanded already (its row was in the forward): its children are published at once,
+and so on down the continuation. One forward then grows the tree several layers deep where the
+n-gram is right; where it has nothing, the forward is the plain one. Rows of a continuation the
+draft did not take are dropped (``KVPool.keep`` closes the gap). The frontier is then every
+unexpanded node of depth < max_depth, the K best by path score expanded first.
 """
 
 from __future__ import annotations
@@ -29,6 +39,7 @@ import torch
 from engine.config import TreeParams
 from engine.errors import Aborted, InvalidArgument, ResourceExhausted
 from engine.kv_pool import PREFILL_CHUNK, KVPool, Segment, forward
+from engine.ngram import NgramConfig, NgramTable, Proposer
 from engine.tree import NO_NODE, Advance, Layer, TwoTierTree
 
 _CPU = torch.device("cpu")
@@ -42,12 +53,15 @@ class DraftWork:
     tokens:     [n] the tokens to forward.
     logit_rows: [r] rows of ``tokens`` whose logits ``finish`` needs.
     frontier:   [F] tree rows being expanded; None for a prefill chunk.
+    lookahead:  cascade: per frontier node, the n-gram continuation whose rows follow the
+                frontier's in ``tokens`` (in frontier order).
     """
 
     segment: Segment
     tokens: torch.Tensor
     logit_rows: torch.Tensor
     frontier: torch.Tensor | None = None
+    lookahead: list[list[int]] | None = None
 
 
 def tree_rows(params: TreeParams) -> int:
@@ -61,7 +75,8 @@ class Drafter:
     ``max_len`` committed tokens plus its tree (classic sd, tests)."""
 
     def __init__(self, model: torch.nn.Module, params: TreeParams, pool: KVPool | None = None,
-                 max_len: int | None = None) -> None:
+                 max_len: int | None = None, ngram_config: NgramConfig | None = None,
+                 ngram: NgramTable | None = None) -> None:
         self.model = model
         self.params = params
         if pool is None:
@@ -77,6 +92,10 @@ class Drafter:
         self.kv_slot = torch.empty(0, dtype=torch.int64)  # [N] per tree row, -1 = not expanded
         self.anc = torch.zeros(0, 0, dtype=torch.bool)  # [T, T]
         self.next_id = 0
+        self.ngram_config = ngram_config  # cascade when set
+        self.ngram = ngram
+        self.proposer: Proposer | None = None
+        self.adopted = 0  # cascade: nodes expanded by an n-gram continuation's row (no forward of their own)
 
     # ---- session lifecycle -------------------------------------------------------------------
     def start(self, committed: Sequence[int], epoch: int = 0) -> None:
@@ -92,6 +111,9 @@ class Drafter:
         self.pending = list(committed)
         self.kv_slot = torch.empty(0, dtype=torch.int64)
         self.anc = torch.zeros(0, 0, dtype=torch.bool)
+        if self.ngram_config is not None:
+            self.proposer = Proposer(self.vocab, self.ngram_config, self.ngram)
+            self.proposer.extend(committed)
 
     def release(self) -> None:
         """Give the slot back and drop the tree (session ended)."""
@@ -135,46 +157,103 @@ class Drafter:
             return None
         if self.pending:
             return self._plan_chunk()
-        frontier = torch.nonzero(self.kv_slot < 0).flatten()
-        if frontier.numel():
-            if int(self.tree.depth[frontier].max().item()) >= self.params.max_depth:
+        unexpanded = torch.nonzero(self.kv_slot < 0).flatten()
+        if unexpanded.numel():
+            frontier = unexpanded[self.tree.depth[unexpanded] < self.params.max_depth]
+            if not frontier.numel():
                 return None
+            if frontier.numel() > self.params.width:  # cascade: best first (else <= K are open)
+                best = torch.topk(self.tree.path_logp[frontier], self.params.width).indices
+                frontier, _ = torch.sort(frontier[best])
             if self.n_committed + self.n_tree_slots + frontier.numel() > self.pool.max_len:
                 return None  # the slot is full: the tree stays as deep as it is
             return self._plan_expand(frontier)
         return self._regrow()
 
-    def finish(self, work: DraftWork, logits: torch.Tensor) -> Layer | None:
-        """Apply the forward's ``logits`` [r, V] (rows ``work.logit_rows``); the new layer, or
-        None after a prefill chunk that is not the prompt's last."""
+    def finish(self, work: DraftWork, logits: torch.Tensor) -> list[Layer]:
+        """Apply the forward's ``logits`` [r, V] (rows ``work.logit_rows``); the new layers, in
+        the order they are to be published: none after a prefill chunk that is not the prompt's
+        last, one, or (cascade) several."""
         self.forwards += 1
         if work.frontier is None:
             self.n_committed += work.tokens.numel()
             del self.pending[: work.tokens.numel()]
             if self.pending:
-                return None
+                return []
             root = torch.tensor([self.tree.root_id], dtype=torch.int64)
-            return self._top_children(logits[-1:], root, torch.zeros(1))
+            return [self._top_children(logits[-1:], root, torch.zeros(1))]
         frontier, t, f = work.frontier, self.n_tree_slots, work.frontier.numel()
-        visible = work.segment.visible[:, self.n_committed:].cpu()  # [F, T+F] tree part
-        anc = torch.zeros(t + f, t + f, dtype=torch.bool)
+        visible = work.segment.visible[:f, self.n_committed:self.n_committed + t + f].cpu()  # [F, T+F]
+        self._add_rows(visible)
+        self.kv_slot[frontier] = torch.arange(t, t + f)
+        tree = self.tree
+        layer = self._top_children(logits[:f], tree.ids[frontier], tree.path_logp[frontier])
+        if work.lookahead is not None:
+            return [layer, *self._adopt(work, logits, layer)]
+        return [layer]
+
+    def _add_rows(self, visible: torch.Tensor) -> None:
+        """Append expanded rows whose tree-part visibility is ``visible`` [n, T+n]."""
+        t, n = self.n_tree_slots, visible.shape[0]
+        anc = torch.zeros(t + n, t + n, dtype=torch.bool)
         anc[:t, :t] = self.anc
         anc[t:] = visible
         self.anc = anc
-        self.kv_slot[frontier] = torch.arange(t, t + f)
+
+    def _adopt(self, work: DraftWork, logits: torch.Tensor, layer: Layer) -> list[Layer]:
+        """Cascade: walk each n-gram continuation down the layers the draft grows from it; a
+        continuation token the draft put in tier C is an expanded node (its row was forwarded),
+        whose children are published now. The rows not taken are dropped from the slot."""
+        f, c = work.frontier.numel(), self.n_committed
+        t0 = self.n_tree_slots - f  # tree rows before this forward
         tree = self.tree
-        return self._top_children(logits, tree.ids[frontier], tree.path_logp[frontier])
+        taken: list[int] = []  # rows of the forward (beyond the frontier's) adopted, in order
+        taken_nodes: list[int] = []
+        layers: list[Layer] = []
+        row = f
+        for i, cont in enumerate(work.lookahead):
+            parent = int(tree.ids[work.frontier[i]])
+            grown = layer
+            for j, token in enumerate(cont):
+                hit = torch.nonzero((grown.parent_ids == parent) & (grown.tokens == token)).flatten()
+                if not hit.numel():
+                    break
+                node = int(grown.node_ids[hit[0]])
+                r = int(tree.rows_of(torch.tensor([node]))[0]) - 1
+                taken.append(row + j)
+                taken_nodes.append(r)
+                self.kv_slot[r] = -2  # expanded; its KV row is set once the rows are compacted
+                grown = self._top_children(logits[row + j:row + j + 1], tree.ids[r:r + 1],
+                                           tree.path_logp[r:r + 1])
+                self.adopted += 1
+                layers.append(grown)
+                parent = node
+            row += len(cont)
+        if not taken:
+            return layers
+        # the adopted rows' KV moves right after the frontier's; their tree-part visibility too
+        rows = torch.tensor(taken, dtype=torch.int64)
+        self.pool.keep(self.slot, c + t0 + f, c + t0 + rows)
+        seg_visible = work.segment.visible[rows].cpu()  # [a, c + T0 + F + S]
+        tree_cols = torch.cat([torch.arange(c, c + t0 + f), c + t0 + rows])
+        self._add_rows(seg_visible[:, tree_cols])
+        nodes = torch.tensor(taken_nodes, dtype=torch.int64)
+        self.kv_slot[nodes] = torch.arange(t0 + f, t0 + f + rows.numel())
+        return layers
 
     def step(self) -> Layer | None:
-        """One layer with a forward of this session's own (prefill chunks included)."""
+        """One layer with a forward of this session's own (prefill chunks included); not for a
+        cascade, whose forward can grow several."""
+        if self.ngram_config is not None:
+            raise InvalidArgument("a cascade drafter grows through a worker (Drafter.finish), not step()")
         while True:
             work = self.plan()
             if not isinstance(work, DraftWork):
                 return work
             logits = forward(self.model, self.pool, [work.segment], work.tokens, work.logit_rows)
-            layer = self.finish(work, logits)
-            if layer is not None:
-                return layer
+            layers = self.finish(work, logits)
+            if layers:
+                return layers[0]
 
     def _new_ids(self, n: int) -> torch.Tensor:
         ids = torch.arange(self.next_id, self.next_id + n, dtype=torch.int64)
@@ -219,15 +298,54 @@ class Drafter:
         f, t, c = frontier.numel(), self.n_tree_slots, self.n_committed
         prow, _ = tree.rows_of(tree.parents[frontier])  # 0 = root
         parent_slot = torch.where(prow > 0, self.kv_slot[(prow - 1).clamp(min=0)], -1)
-        visible = torch.zeros(f, c + t + f, dtype=torch.bool)  # [F, committed + T + F]
+        ahead = self._lookahead(frontier, self.pool.max_len - (c + t + f))
+        s = sum(len(a) for a in ahead)
+        n = f + s
+        visible = torch.zeros(n, c + t + n, dtype=torch.bool)  # [F + S, committed + T + F + S]
         visible[:, :c] = True
         has_parent = parent_slot >= 0
         if t and bool(has_parent.any()):
-            visible[has_parent, c:c + t] = self.anc[parent_slot[has_parent]]
-        visible[:, c + t:] = torch.eye(f, dtype=torch.bool)
-        positions = c - 1 + tree.depth[frontier]
-        segment = Segment(self.slot, c + t, f, positions=positions, visible=visible)
-        return DraftWork(segment, tree.tokens[frontier], torch.arange(f), frontier)
+            visible[:f][has_parent, c:c + t] = self.anc[parent_slot[has_parent]]
+        visible[:f, c + t:c + t + f] = torch.eye(f, dtype=torch.bool)
+        depth = tree.depth[frontier]
+        positions = [c - 1 + depth]
+        tokens = [tree.tokens[frontier]]
+        row = f
+        for i, cont in enumerate(ahead):  # continuation rows see their node's view, then their own chain
+            if not cont:
+                continue
+            g = len(cont)
+            visible[row:row + g, :c + t + f] = visible[i, :c + t + f]
+            visible[row:row + g, c + t + f + row - f:c + t + f + row - f + g] = torch.ones(
+                g, g, dtype=torch.bool).tril()
+            positions.append(c - 1 + depth[i] + torch.arange(1, g + 1))
+            tokens.append(torch.tensor(cont, dtype=torch.int64))
+            row += g
+        segment = Segment(self.slot, c + t, n, positions=torch.cat(positions), visible=visible)
+        return DraftWork(segment, torch.cat(tokens), torch.arange(n), frontier,
+                         ahead if s else None)
+
+    def _lookahead(self, frontier: torch.Tensor, room: int) -> list[list[int]]:
+        """Cascade: the n-gram's continuation below each frontier node, within ``room`` KV rows."""
+        if self.proposer is None or room <= 0:
+            return []
+        tree = self.tree
+        view = tree._host()
+        index = {nid: i for i, nid in enumerate(view.ids)}
+        depth_left = self.params.max_depth - tree.depth[frontier]
+        ahead: list[list[int]] = []
+        for r, left in zip(frontier.tolist(), depth_left.tolist(), strict=True):
+            path: list[int] = []
+            i: int | None = r
+            while i is not None and len(path) < self.ngram_config.max_order:  # the node's tail
+                path.append(view.tokens[i])
+                i = index.get(view.parents[i])
+            path.reverse()
+            g = min(self.ngram_config.lookahead, left - 1, room)
+            cont = self.proposer.chain(self.proposer.tail(path), g) if g > 0 else []
+            room -= len(cont)
+            ahead.append(cont)
+        return ahead
 
     def _regrow(self) -> Layer | None:
         """Every node is expanded but the newest C layer was pruned: promote B children."""
@@ -268,6 +386,8 @@ class Drafter:
             path_slots.append(int(self.kv_slot[r].item()))
         new_tokens = [*adv.accepted_tokens, adv.next_token]
         self._check_tokens(new_tokens)
+        if self.proposer is not None:
+            self.proposer.extend(new_tokens)
         rows = tree.reroot(adv)
         kept_slots = self.kv_slot[rows] if rows.numel() else torch.empty(0, dtype=torch.int64)
         desc_slots = kept_slots[kept_slots >= 0]

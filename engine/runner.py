@@ -20,11 +20,15 @@ from engine.errors import FailedPrecondition, InvalidArgument
 from engine.generate import Generation
 from engine.kv_pool import DEFAULT_MAX_MODEL_LEN
 from engine.loading.models import LoadedModel
+from engine.ngram import NgramConfig, shared_table
 from engine.sources import LocalCard, NoDraft, SyncDraft
 from engine.tree import Layer
 from engine.worker import DraftWorker
 
 MODES = ("vanilla", "sd", "card")
+# What grows card's trees (engine.worker): a draft model, the same with the n-gram statistics
+# beneath it, or the n-gram statistics alone (no draft model at all)
+DRAFTERS = ("neural", "cascade", "ngram")
 
 
 @dataclass(frozen=True)
@@ -34,7 +38,8 @@ class RunnerConfig:
     CPU: the target borrows the draft's threads while the draft idles, engine.core_lending);
     backoff (card: pause a draft that misses or slows the target, engine.governor) and
     calibration_steps (plain steps that open each generation to measure the target's pace alone,
-    against which drafting is judged; 0 turns that judgement off)."""
+    against which drafting is judged; 0 turns that judgement off); drafter (card: neural, cascade
+    or ngram, engine.worker) and ngram (the n-gram settings of cascade and ngram)."""
 
     mode: str = "card"
     tree: TreeParams = field(default_factory=TreeParams)
@@ -46,10 +51,16 @@ class RunnerConfig:
     backoff: bool = True
     calibration_steps: int = 4
     draft_slots: int = 8  # card: sessions the draft worker grows at once (one forward per round)
+    drafter: str = "neural"
+    ngram: NgramConfig = field(default_factory=NgramConfig)
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise InvalidArgument(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")
+        if self.drafter not in DRAFTERS:
+            raise InvalidArgument(f"drafter must be one of {', '.join(DRAFTERS)}, got {self.drafter!r}")
+        if self.drafter != "neural" and self.mode != "card":
+            raise InvalidArgument(f"the {self.drafter} drafter grows card's trees; mode {self.mode} has none")
         if self.gamma < 1:
             raise InvalidArgument(f"gamma must be >= 1, got {self.gamma}")
         if self.draft_slots < 1:
@@ -74,7 +85,7 @@ class InProcessRunner:
         self.config = config
         self.worker: DraftWorker | None = None
         self._cards: weakref.WeakSet[LocalCard] = weakref.WeakSet()
-        if config.mode != "vanilla":
+        if config.mode != "vanilla" and config.drafter != "ngram":
             if draft is None:
                 raise InvalidArgument(f"mode {config.mode} needs a draft model")
             check_compatible(target, draft)
@@ -85,22 +96,35 @@ class InProcessRunner:
         cfg = self.config
         if cfg.mode == "vanilla":
             return NoDraft()
-        assert self.draft is not None
         if cfg.mode == "sd":
+            assert self.draft is not None
             return SyncDraft(self.draft.model, cfg.gamma, kv_len)
         if self.worker is None:
-            # rows per slot: on the CPU the target's whole context window (a slot's pages are
-            # touched only as far as its session writes, engine.kv_pool); on an accelerator, where
-            # the allocation is real, the services' default (a longer session is not drafted)
-            window = self.target.context_window
-            on_cpu = next(self.draft.model.parameters()).device.type == "cpu"
-            self.worker = DraftWorker(self.draft.model, cfg.tree, self._publish, slots=cfg.draft_slots,
-                                      max_len=window if on_cpu else min(window, DEFAULT_MAX_MODEL_LEN),
-                                      threads=cfg.draft_threads, name=self.draft.name)
+            self.worker = self._new_worker()
             self.worker.start()
         source = self._new_card()
         self._cards.add(source)
         return source
+
+    def _new_worker(self) -> DraftWorker:
+        cfg = self.config
+        window = self.target.context_window
+        vocab = self.target.model.get_input_embeddings().num_embeddings
+        table = None
+        if cfg.drafter != "neural":  # one shared table per worker, warmed with the target's tokenizer
+            table = shared_table(vocab, cfg.ngram, lambda text: self.target.tokenizer(text)["input_ids"])
+        if cfg.drafter == "ngram":
+            return DraftWorker(None, cfg.tree, self._publish, slots=cfg.draft_slots, max_len=window,
+                               name="ngram", ngram_config=cfg.ngram, ngram=table, vocab_size=vocab)
+        assert self.draft is not None
+        # rows per slot: on the CPU the target's whole context window (a slot's pages are touched
+        # only as far as its session writes, engine.kv_pool); on an accelerator, where the
+        # allocation is real, the services' default (a longer session is not drafted)
+        on_cpu = next(self.draft.model.parameters()).device.type == "cpu"
+        return DraftWorker(self.draft.model, cfg.tree, self._publish, slots=cfg.draft_slots,
+                           max_len=window if on_cpu else min(window, DEFAULT_MAX_MODEL_LEN),
+                           threads=cfg.draft_threads, name=self.draft.name,
+                           ngram_config=cfg.ngram if cfg.drafter == "cascade" else None, ngram=table)
 
     def _new_card(self) -> LocalCard:
         cfg = self.config
@@ -109,6 +133,8 @@ class InProcessRunner:
 
     def _lender(self) -> CoreLender | None:
         cfg = self.config
+        if self.draft is None or cfg.drafter == "ngram":
+            return None  # a model-free drafter holds no cores worth lending
         on_cpu = all(next(m.model.parameters()).device.type == "cpu" for m in (self.target, self.draft))
         if not (cfg.lend_cores and cfg.draft_threads and on_cpu):
             return None

@@ -1,6 +1,14 @@
 """A draft worker: one draft model serving up to ``slots`` sessions from one thread, all of them
 in one forward per round.
 
+Three kinds, by what it is given (``model``, ``ngram``):
+    neural      (model, None):   engine.drafter.Drafter sessions on a shared KV pool
+    cascade     (model, table):  the same, each forward also checking the n-gram table's likeliest
+                                 continuations of its frontier (drafts verifying drafts)
+    model-free  (None, table):   engine.ngram.NgramDrafter sessions; no forward, no KV cache; the
+                                 table is the worker's shared n-gram table (or None: each session
+                                 drafts from its own text alone, ``ngram_config`` says how)
+
 The worker never waits for the target. Each round it applies every queued command (start,
 advance, stop), asks every session what it needs next (``Drafter.plan``: a prefill chunk, its
 frontier's K nodes, or a layer regrown without a forward), runs **one** forward over all of them
@@ -30,8 +38,9 @@ import torch
 from engine.config import TreeParams
 from engine.draft_commands import AdvanceDraft, DraftCommand, StartDraft, StopDraft
 from engine.drafter import Drafter, DraftWork, tree_rows
-from engine.errors import CardError
+from engine.errors import CardError, InvalidArgument, ResourceExhausted
 from engine.kv_pool import KVPool, forward
+from engine.ngram import NgramConfig, NgramDrafter, NgramTable
 from engine.tree import Advance, Layer
 
 log = logging.getLogger(__name__)
@@ -48,20 +57,33 @@ class DraftSessionStats:
 
 @dataclass
 class _Session:
-    drafter: Drafter
+    drafter: Drafter | NgramDrafter
     stats: DraftSessionStats = field(default_factory=DraftSessionStats)
     idle_since: float | None = None
 
 
 class DraftWorker:
     """``slots`` sessions at most, each of up to ``max_len`` committed tokens (plus its tree's
-    rows); their keys and values live in one KVPool allocated here."""
+    rows); with a model, their keys and values live in one KVPool allocated here. ``ngram_config``
+    with no model makes a model-free worker over a vocabulary of ``vocab_size`` ids; with a model,
+    a cascade (``ngram`` is the shared table, None when its budget is 0)."""
 
-    def __init__(self, model: torch.nn.Module, params: TreeParams, publish: Publish, *, slots: int,
-                 max_len: int, threads: int | None = None, name: str = "draft") -> None:
+    def __init__(self, model: torch.nn.Module | None, params: TreeParams, publish: Publish, *, slots: int,
+                 max_len: int, threads: int | None = None, name: str = "draft",
+                 ngram_config: NgramConfig | None = None, ngram: NgramTable | None = None,
+                 vocab_size: int | None = None) -> None:
+        if model is None and ngram_config is None:
+            raise InvalidArgument("a draft worker needs a model, n-gram settings, or both")
         self.model = model
         self.params = params
-        self.pool = KVPool(model, slots, max_len + tree_rows(params))
+        self.slots = slots
+        self.max_len = max_len
+        self.ngram_config = ngram_config
+        self.ngram = ngram
+        self.vocab_size = vocab_size or (model.get_input_embeddings().num_embeddings if model is not None else 0)
+        if not self.vocab_size:
+            raise InvalidArgument("a model-free draft worker needs the vocabulary size")
+        self.pool = KVPool(model, slots, max_len + tree_rows(params)) if model is not None else None
         self.forwards = 0  # draft forwards run (each for every session that had work that round)
         self.batch_rows = 0  # sessions those forwards served, summed (mean batch = rows / forwards)
         self.on_forward: Callable[[int], None] = lambda sessions: None  # after each forward (metrics)
@@ -144,7 +166,7 @@ class DraftWorker:
         if kind == "start":
             sid, committed, epoch = args
             self._drop(sid)  # a restart gives its slot back first
-            drafter = Drafter(self.model, self.params, self.pool)
+            drafter = self._new_drafter()
             drafter.start(committed, epoch)
             with self._stats_lock:
                 self._sessions[sid] = _Session(drafter)
@@ -164,6 +186,21 @@ class DraftWorker:
                 s = self._sessions.pop(sid, None)
             if s is not None:
                 s.drafter.release()
+
+    def _new_drafter(self) -> Drafter | NgramDrafter:
+        if self.model is None:
+            if len(self._sessions) >= self.slots:
+                raise ResourceExhausted(f"the draft worker serves {self.slots} sessions at most (all held)")
+            assert self.ngram_config is not None
+            return NgramDrafter(self.params, self.vocab_size, self.ngram_config, self.ngram, self.max_len)
+        return Drafter(self.model, self.params, self.pool, ngram_config=self.ngram_config, ngram=self.ngram)
+
+    @property
+    def kind(self) -> str:
+        """neural, cascade or ngram (model-free)."""
+        if self.model is None:
+            return "ngram"
+        return "cascade" if self.ngram_config is not None else "neural"
 
     def _drain(self, block: bool) -> None:
         try:
@@ -227,11 +264,11 @@ class DraftWorker:
                 continue
             s.stats.forwards += 1
             try:
-                layer = s.drafter.finish(work, logits)
+                layers = s.drafter.finish(work, logits)
             except Exception as exc:
                 self._fail(sid, exc)
                 continue
-            if layer is not None:
+            for layer in layers:
                 self._published(sid, s, layer)
         return True
 

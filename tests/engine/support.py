@@ -20,6 +20,8 @@ from engine.chain_source import ChainSource
 from engine.config import GenerationRequest, SamplingParams, StopParams, TreeParams
 from engine.drafter import Drafter
 from engine.generate import Chunk, Generation, GenerationResult
+from engine.kv_pool import forward
+from engine.ngram import NgramConfig, NgramTable
 from engine.runner import InProcessRunner
 from engine.sources import LocalCard, NoDraft, SyncDraft
 from engine.tree import Chain, Layer, TwoTierTree
@@ -183,23 +185,33 @@ class LockstepRunner(InProcessRunner):
 
 class RecordingDrafter(Drafter):
     """A Drafter that keeps (node ids [F], logits [F, V]) of its latest forward: the expanded
-    nodes' ids (the root's after a root forward) and their logits, a reference, no copy."""
+    nodes' ids (the root's after a root forward) and their logits, a reference, no copy
+    (``recorded``: every such pair since the last ``clear_recorded``, a cascade's several)."""
 
     last_logits: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def clear_recorded(self) -> None:
+        self.recorded: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def _top_children(self, logits: torch.Tensor, parent_ids: torch.Tensor,
                       parent_path: torch.Tensor) -> Layer:
         self.last_logits = (parent_ids, logits)
+        if not hasattr(self, "recorded"):
+            self.clear_recorded()
+        self.recorded.append(self.last_logits)
         return super()._top_children(logits, parent_ids, parent_path)
 
 
 @contextlib.contextmanager
-def card_source(draft: torch.nn.Module, params: TreeParams, lockstep_depth: int = 0) -> Iterator[LocalCard]:
-    """A LocalCard (a LockstepCard when ``lockstep_depth``) wired to its own running DraftWorker;
-    on exit the worker must hold nothing."""
+def card_source(draft: torch.nn.Module | None, params: TreeParams, lockstep_depth: int = 0,
+                ngram: NgramConfig | None = None, table: NgramTable | None = None) -> Iterator[LocalCard]:
+    """A LocalCard (a LockstepCard when ``lockstep_depth``) wired to its own running DraftWorker
+    (model-free with ``draft=None``, a cascade with a draft and ``ngram``); on exit the worker must
+    hold nothing."""
     card = (LockstepCard(None, params, depth=lockstep_depth) if lockstep_depth
             else LocalCard(None, params))
-    worker = DraftWorker(draft, params, card.publish, slots=8, max_len=512, name="test")
+    worker = DraftWorker(draft, params, card.publish, slots=8, max_len=512, name="test",
+                         ngram_config=ngram, ngram=table, vocab_size=VOCAB)
     card.worker = worker
     worker.start()
     try:
@@ -229,9 +241,9 @@ class DraftSession:
     """
 
     def __init__(self, model: torch.nn.Module, params: TreeParams, prompt: Sequence[int],
-                 seed: int = 0) -> None:
+                 seed: int = 0, ngram: NgramConfig | None = None) -> None:
         self.model = model
-        self.drafter = RecordingDrafter(model, params)
+        self.drafter = RecordingDrafter(model, params, ngram_config=ngram)
         self.mirror = TwoTierTree()
         self.committed = list(prompt)
         self.in_flight: list = []
@@ -240,12 +252,32 @@ class DraftSession:
 
     # growing
     def grow(self, deliver: bool = True):
+        self.drafter.clear_recorded()
+        if self.drafter.ngram_config is not None:  # a cascade: one forward may grow several layers
+            return self._grow_cascade(deliver)
         layer = self.drafter.step()
         if layer is not None:
             self.in_flight.append(layer)  # a stream: layers reach the cache in order
             if deliver:
                 self.deliver()
         return layer
+
+    def _grow_cascade(self, deliver: bool) -> list[Layer] | None:
+        d = self.drafter
+        while True:
+            work = d.plan()
+            if work is None:
+                return None
+            if isinstance(work, Layer):
+                layers = [work]
+            else:
+                logits = forward(d.model, d.pool, [work.segment], work.tokens, work.logit_rows)
+                layers = d.finish(work, logits)
+            if layers:
+                self.in_flight.extend(layers)
+                if deliver:
+                    self.deliver()
+                return layers
 
     def deliver(self) -> None:
         for layer in self.in_flight:
@@ -308,14 +340,16 @@ class DraftSession:
         """Each node of the latest forward got the logits of a plain forward over committed + its
         path; returns how many nodes were checked."""
         assert self.drafter.last_logits is not None
-        node_ids, logits = self.drafter.last_logits
         tree = self.drafter.tree
-        for nid, row in zip(node_ids.tolist(), logits, strict=True):
-            path = [] if nid == tree.root_id else path_tokens(tree, nid)
-            ref, _ = plain_forward(self.model, self.committed + path)
-            torch.testing.assert_close(row, ref[-1], rtol=0, atol=1e-9,
-                                       msg=lambda m, nid=nid: f"node {nid}: {m}")
-        return node_ids.numel()
+        checked = 0
+        for node_ids, logits in self.drafter.recorded:
+            for nid, row in zip(node_ids.tolist(), logits, strict=True):
+                path = [] if nid == tree.root_id else path_tokens(tree, nid)
+                ref, _ = plain_forward(self.model, self.committed + path)
+                torch.testing.assert_close(row, ref[-1], rtol=0, atol=1e-9,
+                                           msg=lambda m, nid=nid: f"node {nid}: {m}")
+                checked += 1
+        return checked
 
     def check_kv(self) -> None:
         """The drafter's KV cache holds exactly committed (forwarded part) + its expanded nodes,
