@@ -143,7 +143,8 @@ class NgramTable:
         entries = self._entries
         while self.nbytes > self.budget_bytes and entries:
             key, followers = entries.popitem(last=False)
-            self._entry_bytes -= sys.getsizeof(key) + sys.getsizeof(followers) + _FOLLOWER_BYTES * len(followers)
+            self._entry_bytes -= (sys.getsizeof(key) + sys.getsizeof(followers)
+                                  + _FOLLOWER_BYTES * len(followers))
             self.evictions += 1
 
     def followers(self, tail: Sequence[int]) -> dict[int, int] | None:
@@ -237,7 +238,7 @@ class Proposer:
                 break
             token = max(reversed(found.items()), key=lambda item: item[1])[0]  # ties: the newest
             out.append(token)
-            tail = tail[1:] + [token] if len(tail) >= self.config.max_order else tail + [token]
+            tail = [*tail[1:], token] if len(tail) >= self.config.max_order else [*tail, token]
         return out
 
 
@@ -317,7 +318,8 @@ class NgramDrafter:
                 tokens.append(t)
                 local.append(lp)
                 path.append(node_path + lp)
-                tails.append((*tail[1 - self.config.max_order:], t) if self.config.max_order > 1 else (t,))
+                keep = tail[1 - self.config.max_order:] if self.config.max_order > 1 else ()
+                tails.append((*keep, t))
         self._open = set()
         if not tokens:
             return None
@@ -326,7 +328,8 @@ class NgramDrafter:
         ids = list(range(self.next_id, self.next_id + len(order)))
         self.next_id += len(order)
         layer = Layer(
-            torch.tensor([parents[i] for i in order], dtype=torch.int64), torch.tensor(ids, dtype=torch.int64),
+            torch.tensor([parents[i] for i in order], dtype=torch.int64),
+            torch.tensor(ids, dtype=torch.int64),
             torch.tensor([tokens[i] for i in order], dtype=torch.int64),
             torch.tensor([local[i] for i in order], dtype=torch.float32),
             torch.tensor(parents, dtype=torch.int64), torch.tensor(tokens, dtype=torch.int64),

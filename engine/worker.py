@@ -80,7 +80,9 @@ class DraftWorker:
         self.max_len = max_len
         self.ngram_config = ngram_config
         self.ngram = ngram
-        self.vocab_size = vocab_size or (model.get_input_embeddings().num_embeddings if model is not None else 0)
+        if vocab_size is None and model is not None:
+            vocab_size = model.get_input_embeddings().num_embeddings
+        self.vocab_size = vocab_size or 0
         if not self.vocab_size:
             raise InvalidArgument("a model-free draft worker needs the vocabulary size")
         self.pool = KVPool(model, slots, max_len + tree_rows(params)) if model is not None else None
