@@ -18,6 +18,7 @@ import grpc
 from card_common.status import error_from_rpc
 from card_common.tls import TlsConfig
 from engine.errors import CardError
+from engine.ngram import NgramConfig
 
 EXIT_USER_ERROR = 2
 EXIT_INTERRUPTED = 130
@@ -125,5 +126,43 @@ def tls_options(program: str, *, serves: bool = True, dials: bool = True,
         wrapper = option("--tls-key", type=path, default=None, help="PEM private key of --tls-cert.")(wrapper)
         return option("--tls-cert", type=path, default=None,
                       help=f"PEM certificate chain this process {role}. Default: plaintext.")(wrapper)
+
+    return decorate
+
+
+def ngram_options(program: str, envvar_prefix: str | None = None) -> Callable[[Callable[..., Any]], Any]:
+    """The n-gram drafter's settings (engine.ngram.NgramConfig) as ``--ngram-*`` flags, passed to
+    the command as ``ngram``; the same on card-draft, card-client and card-bench.
+    ``envvar_prefix``: for commands without ``auto_envvar_prefix`` (card-client's CARD_CLIENT)."""
+    defaults = NgramConfig()
+
+    def option(*decls: str, **kw: Any) -> Callable[[Callable[..., Any]], Any]:
+        if envvar_prefix:
+            kw["envvar"] = f"{envvar_prefix}_{decls[0].lstrip('-').replace('-', '_').upper()}"
+        return click.option(*decls, show_envvar=True, show_default=True, **kw)
+
+    def decorate(fn: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(fn)
+        def wrapper(*args: Any, ngram_max_order: int, ngram_min_order: int, ngram_table_mb: float,
+                    ngram_corpus: str | None, ngram_lookahead: int, **kw: Any) -> Any:
+            with exit_on_error(program):
+                ngram = NgramConfig(max_order=ngram_max_order, min_order=ngram_min_order,
+                                    table_mb=ngram_table_mb, corpus=ngram_corpus or None,
+                                    lookahead=ngram_lookahead)
+            return fn(*args, ngram=ngram, **kw)
+
+        wrapper = option("--ngram-lookahead", type=int, default=defaults.lookahead,
+                         help="Cascade: n-gram tokens the draft model checks below each node it "
+                              "expands, in the same forward.")(wrapper)
+        wrapper = option("--ngram-corpus", type=click.Path(dir_okay=False), default=None,
+                         help="Text file whose n-grams warm the shared table at start (paragraphs "
+                              "split at blank lines).")(wrapper)
+        wrapper = option("--ngram-table-mb", type=float, default=defaults.table_mb,
+                         help="Memory of the n-gram table shared by all sessions (least recently used "
+                              "n-grams go first); 0: each session drafts from its own text only.")(wrapper)
+        wrapper = option("--ngram-min-order", type=int, default=defaults.min_order,
+                         help="Shortest n-gram matched.")(wrapper)
+        return option("--ngram-max-order", type=int, default=defaults.max_order,
+                      help="Longest n-gram matched (the longest match a table knows wins).")(wrapper)
 
     return decorate

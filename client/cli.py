@@ -10,12 +10,13 @@ from pathlib import Path
 
 import click
 
-from card_common.cli import exits_on_error, option, tls_options
+from card_common.cli import exits_on_error, ngram_options, option, tls_options
 from card_common.tls import TlsConfig
 from client import ops
-from client.options import DEFAULT_DRAFT, GenerateOptions
+from client.options import DEFAULT_DRAFT, GenerateOptions, drafter_of
 from engine.config import ChainPolicy, SamplingParams, StopParams, tree_params
 from engine.loading.models import DEFAULT_MODEL, DTYPES, QUANTIZE, ModelConfig, export_checkpoint
+from engine.ngram import NGRAM, NgramConfig
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -40,7 +41,13 @@ def cli(log_level: str) -> None:
 @option("--mode", type=click.Choice(["card", "sd", "vanilla"]), default="card", show_default=True)
 @option("--target-model", default=DEFAULT_MODEL, envvar="CARD_CLIENT_TARGET_MODEL", show_default=True,
         help="Hugging Face id, local folder, .gguf file, or 'default' (embedded SmolLM2-135M).")
-@option("--draft-model", default=DEFAULT_DRAFT.spec, envvar="CARD_CLIENT_DRAFT_MODEL", show_default=True)
+@option("--draft-model", default=DEFAULT_DRAFT.spec, envvar="CARD_CLIENT_DRAFT_MODEL", show_default=True,
+        help="Draft model spec, or 'ngram': model-free drafting from n-gram statistics of the prompt and "
+             "what was generated (no draft model).")
+@option("--cascade", type=click.Choice(["none", NGRAM]), default="none", envvar="CARD_CLIENT_CASCADE",
+        show_default=True,
+        help="ngram: n-gram statistics beneath the draft model, whose forwards also check their "
+             "continuations.")
 @option("--draft-quantize", type=click.Choice(QUANTIZE), default=None,
         help=f"Quantize the draft (default draft: {DEFAULT_DRAFT.quantize}; others: none).")
 @option("--dtype", default="auto", show_default=True, help="auto, float32, bfloat16, float16.")
@@ -73,19 +80,27 @@ def cli(log_level: str) -> None:
 @option("--target-threads", type=int, default=None, help="torch threads of the target.")
 @option("--draft-threads", type=int, default=None, help="torch threads of the draft.")
 @option("--json", "as_json", is_flag=True, help="Print one JSON object: text, token_ids, stats.")
+@ngram_options("card-client", envvar_prefix="CARD_CLIENT")
 @tls_options("card-client", serves=False, envvar_prefix="CARD_CLIENT")
 @exits_on_error("card-client")
 def generate(prompt: str, inprocess: bool, target_addr: str | None, draft_name: str | None, mode: str,
-             target_model: str, draft_model: str, draft_quantize: str | None, dtype: str, device: str,
+             target_model: str, draft_model: str, cascade: str, draft_quantize: str | None, dtype: str,
+             device: str,
              max_new_tokens: int, temperature: float, top_k: int, top_p: float, seed: int,
              stop: tuple[str, ...], ignore_eos: bool, tree_width: int | None, branch: int | None,
              max_depth: int | None, max_chain: int | None, min_path_prob: float | None,
              backoff: bool, gamma: int, chat: bool | None, target_threads: int | None,
              draft_threads: int | None,
-             as_json: bool, tls: TlsConfig) -> None:
+             as_json: bool, tls: TlsConfig, ngram: NgramConfig) -> None:
     """Generate text for PROMPT, streaming it as the target commits it; a stats line follows."""
     if draft_quantize is None:
         draft_quantize = DEFAULT_DRAFT.quantize if draft_model == DEFAULT_DRAFT.spec else "none"
+    drafter = drafter_of(draft_model, cascade)
+    if drafter == "ngram" and cascade != "none":
+        raise click.UsageError("--cascade puts n-gram statistics beneath a draft model; --draft-model ngram "
+                               "is the statistics alone")
+    if drafter != "neural" and mode != "card":
+        raise click.UsageError(f"--draft-model ngram and --cascade grow card's trees; --mode {mode} has none")
     draft_shape = tuple(flag for flag, value in (("--tree-width", tree_width), ("--branch", branch),
                                                  ("--max-depth", max_depth)) if value is not None)
     opts = GenerateOptions(
@@ -95,7 +110,7 @@ def generate(prompt: str, inprocess: bool, target_addr: str | None, draft_name: 
         draft=ModelConfig(draft_model, dtype, device, draft_quantize),
         sampling=SamplingParams(temperature, top_k, top_p, seed),
         stop=StopParams(max_new_tokens, tuple(stop), ignore_eos),
-        tree=tree_params(device, width=tree_width, branch=branch, max_depth=max_depth,
+        tree=tree_params(device, drafter, width=tree_width, branch=branch, max_depth=max_depth,
                          max_chain=max_chain, min_path_prob=min_path_prob),
         chain=ChainPolicy(max_chain=max_chain, min_path_prob=min_path_prob),
         draft_shape=draft_shape,
@@ -105,6 +120,8 @@ def generate(prompt: str, inprocess: bool, target_addr: str | None, draft_name: 
         target_threads=target_threads,
         draft_threads=draft_threads,
         draft_name=draft_name,
+        drafter=drafter,
+        ngram=ngram,
     )
     on_text = None if as_json else _echo_text
     if inprocess:

@@ -20,7 +20,7 @@ def generate_inprocess(opts: GenerateOptions, on_text: Callable[[str], None] | N
     target = load_model(opts.target)
     prompt_ids = target.encode_prompt(opts.prompt, opts.chat)  # bad prompts fail before the draft loads
     draft = None
-    if config.mode != "vanilla":
+    if config.mode != "vanilla" and config.drafter != "ngram":
         _status(f"loading draft {opts.draft.label} ...")
         draft = load_model(opts.draft)
         check_compatible(target, draft)

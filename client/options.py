@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from engine.config import ChainPolicy, SamplingParams, StopParams, TreeParams
 from engine.loading.models import DEFAULT_MODEL, ModelConfig
+from engine.ngram import NGRAM, NgramConfig
 from engine.runner import RunnerConfig
 
 # The embedded default pair: SmolLM2-135M-Instruct drafting for itself, dynamically quantized to
@@ -26,7 +27,9 @@ class GenerateOptions:
     """``tree``: the hardware default with every tree flag over it (in-process runs and a local
     trio's services); ``chain``: the chain flags that were given, which travel with a request to a
     running target; ``draft_shape``: the draft-shape flags that were given (``--tree-width`` ...),
-    which only the process that grows the tree can honour."""
+    which only the process that grows the tree can honour; ``drafter``: neural, cascade (n-gram
+    statistics beneath the draft model) or ngram (``--draft-model ngram``, no draft model), with
+    the n-gram settings ``ngram``."""
 
     prompt: str
     mode: str
@@ -43,12 +46,16 @@ class GenerateOptions:
     draft_threads: int | None = None
     backoff: bool = True
     draft_name: str | None = None
+    drafter: str = "neural"
+    ngram: NgramConfig = field(default_factory=NgramConfig)
 
     def runner_config(self) -> RunnerConfig:
         if self.mode == "vanilla":
             target_threads = self.target_threads or os.cpu_count()
             return RunnerConfig(mode="vanilla", target_threads=target_threads)
         t, d = default_thread_split()
+        if self.drafter == "ngram":  # the drafter is one Python thread: every core to the target
+            t, d = os.cpu_count() or 1, None
         return RunnerConfig(
             mode=self.mode,
             tree=self.tree,
@@ -56,4 +63,13 @@ class GenerateOptions:
             target_threads=self.target_threads or (t if self.mode == "card" else os.cpu_count()),
             draft_threads=self.draft_threads or d,
             backoff=self.backoff,
+            drafter=self.drafter,
+            ngram=self.ngram,
         )
+
+
+def drafter_of(draft_model: str, cascade: str) -> str:
+    """neural, cascade or ngram, from ``--draft-model`` and ``--cascade``."""
+    if draft_model == NGRAM:
+        return "ngram"
+    return "neural" if cascade == "none" else "cascade"

@@ -37,6 +37,7 @@ from card_common.tls import PLAINTEXT, TlsConfig
 from client.options import default_thread_split
 from engine.config import TreeParams
 from engine.errors import Unavailable
+from engine.ngram import NGRAM, NgramConfig
 
 LISTENING = re.compile(r"^(card-\w+) listening on (\S+):(\d+)\s*$", re.MULTILINE)
 HTTP_LISTENING = re.compile(r"^card-target http listening on (\S+):(\d+)\s*$", re.MULTILINE)
@@ -192,17 +193,28 @@ def service_args(tree: TreeParams) -> dict[str, list[str]]:
     }
 
 
+def ngram_args(ngram: NgramConfig) -> list[str]:
+    """``ngram`` as card-draft's --ngram-* flags (card_common.cli.ngram_options)."""
+    args = ["--ngram-max-order", str(ngram.max_order), "--ngram-min-order", str(ngram.min_order),
+            "--ngram-table-mb", str(ngram.table_mb), "--ngram-lookahead", str(ngram.lookahead)]
+    return [*args, "--ngram-corpus", ngram.corpus] if ngram.corpus else args
+
+
 @dataclass
 class LocalTrio:
     """Parameters: models (spec, quantize), torch threads per process (None = split the cores),
     log_dir (None = a temporary folder, removed after a clean exit), redis_url (None = start a
     private redis-server, or memory:// when the binary is missing), fixed ports (0 = OS-chosen),
     metrics (give each service a free metrics port, see ``metrics_ports``), tree (None = each
-    service's hardware default; else ``service_args(tree)``, before any ``extra_args``)."""
+    service's hardware default; else ``service_args(tree)``, before any ``extra_args``);
+    draft_model "ngram": a model-free draft for the target's tokenizer; cascade "ngram": n-gram
+    statistics beneath the draft model; ngram: their settings (None: card-draft's defaults)."""
 
     target_model: str = "default"
     draft_model: str = "default"
     draft_quantize: str = "none"
+    cascade: str = "none"
+    ngram: NgramConfig | None = None
     target_threads: int | None = None
     draft_threads: int | None = None
     log_dir: Path | None = None
@@ -309,8 +321,14 @@ class LocalTrio:
         """Start one more draft worker on this trio's cache (several may run at once)."""
         cmd = ["--cache", self.cache_addr, "--model", model, "--quantize", quantize,
                "--port", str(port), "--threads", str(threads or self.draft_threads),
-               "--dtype", self.dtype, "--device", self.device,
-               *self.extra_args.get("draft", ()), *args]
+               "--dtype", self.dtype, "--device", self.device]
+        if model == NGRAM:
+            cmd += ["--tokenizer", self.target_model]
+        elif self.cascade != "none":
+            cmd += ["--cascade", self.cascade]
+        if self.ngram is not None:
+            cmd += ngram_args(self.ngram)
+        cmd += [*self.extra_args.get("draft", ()), *args]
         if name:
             cmd += ["--name", name]
         proc = self._spawn("card-draft", cmd, label=f"card-draft-{name or len(self.drafts)}",

@@ -14,14 +14,21 @@ from engine.drafter import tree_rows
 from engine.errors import InvalidArgument
 from engine.kv_pool import check_sizing, pool_shape
 from engine.loading.models import ModelConfig
+from engine.ngram import NGRAM, NgramConfig
+
+# A model-free worker holds no KV cache: many more sessions, and longer ones, cost it little
+NGRAM_CAPACITY = 64
+NGRAM_MAX_MODEL_LEN = 32768
 
 
-def default_worker_name(model_spec: str, quantize: str = "none") -> str:
+def default_worker_name(model_spec: str, quantize: str = "none", cascade: bool = False) -> str:
     """``<model>-<host>-<pid>``: unique per process, readable in ``card-client drafts``."""
     base = Path(model_spec.rstrip("/")).name or model_spec
     base = re.sub(r"\.gguf$", "", base)[:80]  # the registry takes names of <= 128 characters
     if quantize != "none":
         base = f"{base}-{quantize}"
+    if cascade:
+        base = f"{base}-ngram"
     host = socket.gethostname().split(".")[0]
     name = f"{base}-{host}-{os.getpid()}"
     return re.sub(r"[^A-Za-z0-9._-]+", "-", name).strip("-").lower()
@@ -32,12 +39,16 @@ class DraftConfig:
     """capacity: most sessions grown at once, all in one forward per round (KV slots, unless
     kv_cache_gb holds fewer; the registry hears the slots). max_model_len: committed tokens per
     slot (a longer session is not drafted; the target decodes it alone); None = the model's
-    context window, at most 4096. Each slot also holds its tree (tree width x max depth rows)."""
+    context window, at most 4096. Each slot also holds its tree (tree width x max depth rows).
+    ngram: the n-gram settings of a model-free worker (``model.spec == "ngram"``, which drafts for
+    the tokenizer ``tokenizer``) or of a cascade (``cascade``); None for a plain neural draft."""
 
     cache_addr: str
     model: ModelConfig
     name: str
     tree: TreeParams = field(default_factory=TreeParams)
+    ngram: NgramConfig | None = None
+    tokenizer: str | None = None
     capacity: int = 8
     max_model_len: int | None = None
     kv_cache_gb: float | None = None
@@ -61,6 +72,14 @@ class DraftConfig:
                 "the cache address is required (--cache HOST:PORT or CARD_DRAFT_CACHE_ADDR)")
         if not self.name:
             raise InvalidArgument("the worker name must not be empty")
+        if self.model_free:
+            if not self.tokenizer:
+                raise InvalidArgument("a model-free draft (--model ngram) drafts for a target's tokenizer: "
+                                      "give --tokenizer (the target's model spec or tokenizer folder)")
+            if self.ngram is None:
+                raise InvalidArgument("a model-free draft needs its n-gram settings")
+        elif self.tokenizer:
+            raise InvalidArgument("--tokenizer is for --model ngram; a draft model brings its own")
         if self.capacity < 1:
             raise InvalidArgument(f"capacity must be >= 1, got {self.capacity}")
         check_sizing(self.kv_cache_gb, self.max_model_len)
@@ -68,6 +87,14 @@ class DraftConfig:
             raise InvalidArgument(f"threads must be >= 1, got {self.threads}")
         if not 0 <= self.port <= 65535 or not 0 <= self.metrics_port <= 65535:
             raise InvalidArgument("ports must be in [0, 65535]")
+
+    @property
+    def model_free(self) -> bool:
+        return self.model.spec == NGRAM
+
+    @property
+    def cascade(self) -> bool:
+        return self.ngram is not None and not self.model_free
 
     def kv_shape(self, context_window: int, bytes_per_token: int) -> tuple[int, int]:
         """(slots, committed rows per slot) of the worker's KV cache; the tree's rows come on top,

@@ -30,10 +30,7 @@ from card_common.status import error_from_rpc
 from draft_service import metrics
 from draft_service.config import DraftConfig
 from engine.draft_commands import StartDraft, StopDraft
-from engine.drafter import tree_rows
 from engine.errors import CardError
-from engine.kv_pool import KVPool
-from engine.loading.models import LoadedModel
 from engine.tree import Layer
 from engine.worker import DraftWorker
 
@@ -69,16 +66,13 @@ class _Connection:
 class CacheLink:
     """Keeps ``worker`` registered with the cache at ``config.cache_addr`` until ``close()``."""
 
-    def __init__(self, config: DraftConfig, model: LoadedModel,
+    def __init__(self, config: DraftConfig, worker: DraftWorker, fingerprint: str,
                  on_serving: Callable[[bool], None] = lambda serving: None) -> None:
         self.config = config
-        self.model = model
+        self.fingerprint = fingerprint  # of the tokenizer the worker drafts for
         self.on_serving = on_serving
-        slots, max_len = config.kv_shape(model.context_window, KVPool.bytes_per_token(model.model))
-        self.worker = DraftWorker(model.model, config.tree, self._publish, slots=slots, max_len=max_len,
-                                  threads=config.threads, name=config.name)
-        log.info("draft KV cache: %d sessions x %d committed tokens (+%d tree rows), %.2f GB at most", slots,
-                 max_len, tree_rows(config.tree), self.worker.pool.nbytes / 2**30)
+        self.worker = worker
+        worker.publish = self._publish
         self._sessions: set[str] = set()
         self._lock = threading.Lock()
         self._conn: _Connection | None = None
@@ -88,6 +82,12 @@ class CacheLink:
         metrics.KV_SLOTS.set_function(self.worker.kv_slots_held)
         self.worker.on_forward = self._on_forward
         self.worker.on_drop = self._dropped
+
+    def _label(self) -> str:
+        """What the registry shows as the worker's model: the draft model, ``+ngram`` for a cascade."""
+        kind = self.worker.kind
+        return "ngram" if kind == "ngram" else f"{self.config.model.label}+ngram" if kind == "cascade" \
+            else self.config.model.label
 
     @staticmethod
     def _on_forward(sessions: int) -> None:
@@ -148,8 +148,8 @@ class CacheLink:
             stub = cache_pb2_grpc.CacheServiceStub(ch)
             reply = stub.RegisterDraft(
                 cache_pb2.RegisterDraftRequest(
-                    name=cfg.name, model=cfg.model.label, tokenizer_fingerprint=self.model.fingerprint,
-                    capacity=self.worker.pool.slots,
+                    name=cfg.name, model=self._label(), tokenizer_fingerprint=self.fingerprint,
+                    capacity=self.worker.slots,
                 ),
                 timeout=RPC_TIMEOUT_S,
             )

@@ -1,10 +1,12 @@
 """``card-draft``: a draft worker process.
 
-    card-draft --cache HOST:PORT [--model SPEC] [--quantize int8] [--port 50053]
+    card-draft --cache HOST:PORT [--model SPEC] [--quantize int8] [--cascade ngram] [--port 50053]
+    card-draft --cache HOST:PORT --model ngram --tokenizer TARGET_SPEC      (model-free)
 
-It loads one draft model, registers with the cache service and grows candidate trees for the
-sessions the cache assigns to it. Its own gRPC port serves grpc.health.v1 only: SERVING once the
-model is loaded and the worker is registered with the cache, NOT_SERVING while it (re)connects.
+It loads one draft model (or, model-free, the target's tokenizer alone), registers with the cache
+service and grows candidate trees for the sessions the cache assigns to it. Its own gRPC port
+serves grpc.health.v1 only: SERVING once the model is loaded and the worker is registered with the
+cache, NOT_SERVING while it (re)connects.
 """
 
 from __future__ import annotations
@@ -17,7 +19,14 @@ import grpc
 import torch
 
 from card_common.channels import warn_if_cleartext
-from card_common.cli import exit_on_error, logging_options, option, service_command, tls_options
+from card_common.cli import (
+    exit_on_error,
+    logging_options,
+    ngram_options,
+    option,
+    service_command,
+    tls_options,
+)
 from card_common.serving import (
     add_health,
     bind,
@@ -29,10 +38,15 @@ from card_common.serving import (
     start_metrics_server,
 )
 from card_common.tls import PLAINTEXT, TlsConfig
-from draft_service.config import DraftConfig, default_worker_name
+from draft_service.config import NGRAM_CAPACITY, NGRAM_MAX_MODEL_LEN, DraftConfig, default_worker_name
 from draft_service.link import CacheLink
 from engine.config import tree_params
-from engine.loading.models import QUANTIZE, ModelConfig, load_model
+from engine.drafter import tree_rows
+from engine.kv_pool import KVPool
+from engine.loading.fingerprint import tokenizer_fingerprint
+from engine.loading.models import QUANTIZE, ModelConfig, load_model, load_tokenizer
+from engine.ngram import NGRAM, NgramConfig, shared_table
+from engine.worker import DraftWorker
 
 log = logging.getLogger("draft_service")
 
@@ -53,35 +67,78 @@ def serve(config: DraftConfig) -> None:
     start_metrics_server(config.metrics_port, config.metrics_host)
     if config.threads:
         torch.set_num_threads(config.threads)
+    worker, fingerprint = build_worker(config)
+    link = CacheLink(config, worker, fingerprint, on_serving=lambda serving: set_serving(health, serving))
+    link.start()
+    serve_until_signal(server, link.close, grace_s=2.0, health_servicer=health, health_server=health_server)
+
+
+def build_worker(config: DraftConfig) -> tuple[DraftWorker, str]:
+    """The worker ``config`` asks for (neural, cascade or model-free) and the fingerprint of the
+    tokenizer it drafts for. Its ``publish`` is set by the CacheLink."""
+    def nowhere(session_id: str, layer: object) -> None:
+        raise RuntimeError("the worker publishes before its link is set")
+
+    if config.model_free:
+        assert config.tokenizer is not None and config.ngram is not None
+        log.info("model-free draft for the tokenizer of %s", config.tokenizer)
+        tokenizer = load_tokenizer(config.tokenizer)
+        vocab = len(tokenizer)
+        table = shared_table(vocab, config.ngram, lambda text: tokenizer(text)["input_ids"])
+        if table is not None:
+            log.info("shared n-gram table: %d n-grams from the corpus, %.1f MB budget", len(table),
+                     config.ngram.table_mb)
+        worker = DraftWorker(None, config.tree, nowhere, slots=config.capacity,
+                             max_len=config.max_model_len or NGRAM_MAX_MODEL_LEN, name=config.name,
+                             ngram_config=config.ngram, ngram=table, vocab_size=vocab)
+        return worker, tokenizer_fingerprint(tokenizer)
     log.info("loading draft model %s", config.model.label)
     model = load_model(config.model)
     log.info("loaded %s (tokenizer %s); worker name %s", model.name, model.fingerprint, config.name)
-    link = CacheLink(config, model, on_serving=lambda serving: set_serving(health, serving))
-    link.start()
-    serve_until_signal(server, link.close, grace_s=2.0, health_servicer=health, health_server=health_server)
+    slots, max_len = config.kv_shape(model.context_window, KVPool.bytes_per_token(model.model))
+    table = None
+    if config.cascade:
+        assert config.ngram is not None
+        encode = lambda text: model.tokenizer(text)["input_ids"]  # noqa: E731
+        table = shared_table(len(model.tokenizer), config.ngram, encode)
+    worker = DraftWorker(model.model, config.tree, nowhere, slots=slots, max_len=max_len,
+                         threads=config.threads, name=config.name,
+                         ngram_config=config.ngram if config.cascade else None, ngram=table)
+    log.info("draft KV cache: %d sessions x %d committed tokens (+%d tree rows), %.2f GB at most", slots,
+             max_len, tree_rows(config.tree), worker.pool.nbytes / 2**30)
+    return worker, model.fingerprint
 
 
 @service_command("CARD_DRAFT")
 @option("--cache", "cache_addr", required=True, help="Address of the cache service, HOST:PORT.")
 @option("--model", default="default",
-        help="Hugging Face id, local folder, .gguf file, or 'default' (embedded SmolLM2-135M).")
+        help="Hugging Face id, local folder, .gguf file, 'default' (embedded SmolLM2-135M), or 'ngram': "
+             "model-free drafting from n-gram statistics (no model, no accelerator; give --tokenizer).")
+@option("--tokenizer", default=None,
+        help="--model ngram: the target's model spec or tokenizer folder (its tokenizer is the one "
+             "drafted for; the cache checks its fingerprint like any draft's).")
+@option("--cascade", type=click.Choice(["none", NGRAM]), default="none",
+        help="ngram: n-gram statistics beneath the draft model; each forward also checks their "
+             "likeliest continuations, growing the tree deeper where they are right.")
 @option("--quantize", type=click.Choice(QUANTIZE), default="none",
         help="int8: dynamic int8 Linear layers (CPU).")
 @option("--dtype", default="auto", help="auto, float32, bfloat16, float16.")
 @option("--device", default="auto", help="auto (cuda if available), cpu, cuda, cuda:N.")
 @option("--name", default=None, help="Worker name targets select it by (default: <model>-<host>-<pid>).")
-@option("--capacity", default=8, type=int,
-        help="Most concurrent sessions, all grown in one forward per round (KV slots).")
+@option("--capacity", default=None, type=int,
+        help=f"Most concurrent sessions, all grown in one forward per round (KV slots). Default: 8; "
+             f"{NGRAM_CAPACITY} model-free.")
 @option("--max-model-len", default=None, type=int,
-        help="Committed tokens per session the KV cache holds (default: the context window, at most 4096); "
-             "a longer session is not drafted.")
+        help=f"Committed tokens per session the KV cache holds (default: the context window, at most 4096; "
+             f"model-free {NGRAM_MAX_MODEL_LEN}); a longer session is not drafted.")
 @option("--kv-cache-gb", default=None, type=float,
         help="Memory for keys and values (default: --capacity slots); fewer slots where it holds fewer.")
 @option("--tree-width", "-K", default=None, type=int,
         help="K: primary nodes per layer (default: 3 on CPU, 4 on GPU).")
 @option("--branch", default=None, type=int,
         help="k: secondary children kept per expanded node (default: 4 on CPU, K on GPU).")
-@option("--max-depth", default=None, type=int, help="Layers grown below the root before idling (default 8).")
+@option("--max-depth", default=None, type=int,
+        help="Layers grown below the root before idling (default 8; model-free 24).")
 @option("--threads", default=None, type=int, help="torch threads (default: torch's choice).")
 @option("--draft-token", default=None,
         help="Present this token to the cache (authorization: Bearer), where card-cache requires one "
@@ -94,26 +151,35 @@ def serve(config: DraftConfig) -> None:
 @option("--metrics-port", default=9093, type=int, help="Prometheus port (0 = disabled).")
 @option("--metrics-host", default="127.0.0.1",
         help="Interface of the metrics port (0.0.0.0 in containers, where Prometheus scrapes the pod).")
+@ngram_options("card-draft")
 @tls_options("card-draft")
 @logging_options
-def main(cache_addr: str, model: str, quantize: str, dtype: str, device: str, name: str | None,
-         capacity: int, max_model_len: int | None, kv_cache_gb: float | None, tree_width: int | None,
-         branch: int | None, max_depth: int | None,
+def main(cache_addr: str, model: str, tokenizer: str | None, cascade: str, quantize: str, dtype: str,
+         device: str, name: str | None, capacity: int | None, max_model_len: int | None,
+         kv_cache_gb: float | None, tree_width: int | None, branch: int | None, max_depth: int | None,
          threads: int | None, draft_token: str | None, nice: int, host: str,
          port: int, metrics_port: int, metrics_host: str, tls: TlsConfig, health_port: int | None,
-         log_level: str, json_logs: bool) -> None:
+         ngram: NgramConfig, log_level: str, json_logs: bool) -> None:
     """Run a CARD draft worker for the cache service at --cache."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     setup_logging(log_level, json_logs)
     if nice:
         os.nice(nice)  # every thread of this process, the draft worker's torch threads included
     with exit_on_error("card-draft"):
+        model_free = model == NGRAM
+        if model_free and cascade != "none":
+            raise click.UsageError("--cascade puts n-gram statistics beneath a draft model; --model ngram "
+                                   "is the statistics alone")
+        drafter = "ngram" if model_free else "cascade" if cascade != "none" else "neural"
         config = DraftConfig(
             cache_addr=cache_addr,
-            model=ModelConfig(model, dtype, device, quantize),
-            name=name or default_worker_name(model, quantize),
-            tree=tree_params(device, width=tree_width, branch=branch, max_depth=max_depth),
-            capacity=capacity,
+            model=ModelConfig(model, dtype, "cpu" if model_free else device, quantize),
+            name=name or default_worker_name(model, quantize, cascade != "none"),
+            tree=tree_params("cpu" if model_free else device, drafter, width=tree_width, branch=branch,
+                             max_depth=max_depth),
+            ngram=None if drafter == "neural" else ngram,
+            tokenizer=tokenizer,
+            capacity=capacity or (NGRAM_CAPACITY if model_free else 8),
             max_model_len=max_model_len,
             kv_cache_gb=kv_cache_gb,
             threads=threads,

@@ -152,14 +152,21 @@ class GenerationRequest:
 # cutting at 0.2 or 0.35 gave no gain on GSM8K or MT-Bench (docs/performance.md).
 CPU_TREE = TreeParams(width=3, branch=4, max_depth=8, max_chain=6)
 GPU_TREE = TreeParams()
+# The model-free drafter (engine.ngram) grows a layer in microseconds, so its tree is deep: the
+# chain a target gets right after a correction is what survives below the hit, and a tree that
+# reaches twice the chain length leaves a full chain there while a copy goes on.
+NGRAM_DEPTH = 24
 
 
-def default_tree_params(device_type: str) -> TreeParams:
-    """The tree shape for a model running on ``device_type`` ("cpu", "cuda", ...)."""
-    return CPU_TREE if device_type == "cpu" else GPU_TREE
+def default_tree_params(device_type: str, drafter: str = "neural") -> TreeParams:
+    """The tree shape for a model running on ``device_type`` ("cpu", "cuda", ...), grown by
+    ``drafter`` (neural, cascade or ngram, engine.runner.DRAFTERS)."""
+    tree = CPU_TREE if device_type == "cpu" else GPU_TREE
+    return dataclasses.replace(tree, max_depth=NGRAM_DEPTH) if drafter == "ngram" else tree
 
 
-def tree_params(device: str, **overrides: object) -> TreeParams:
-    """The hardware default for ``device`` (a device spec, ``auto`` included) with every flag
-    that was given (not None) over it: what every entry point builds its tree settings with."""
-    return default_tree_params(resolve_device(device).type).with_overrides(**overrides)
+def tree_params(device: str, drafter: str = "neural", **overrides: object) -> TreeParams:
+    """The hardware default for ``device`` (a device spec, ``auto`` included) and ``drafter``,
+    with every flag that was given (not None) over it: what every entry point builds its tree
+    settings with."""
+    return default_tree_params(resolve_device(device).type, drafter).with_overrides(**overrides)

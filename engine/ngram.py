@@ -44,6 +44,7 @@ from engine.errors import Aborted, InvalidArgument, ResourceExhausted
 from engine.tree import Advance, Layer, TwoTierTree
 
 _CPU = torch.device("cpu")
+NGRAM = "ngram"  # the draft "model" spec of the model-free drafter (card-draft --model ngram)
 # What one follower costs beyond its dict slot (its token and count objects); the entries' keys and
 # dicts are measured with sys.getsizeof, the OrderedDict itself (hash table and links) too.
 # tests/engine/test_ngram.py checks the sum against tracemalloc.
