@@ -20,8 +20,8 @@ from engine.errors import FailedPrecondition, InvalidArgument
 from engine.generate import Generation
 from engine.kv_pool import DEFAULT_MAX_MODEL_LEN
 from engine.loading.models import LoadedModel
-from engine.ngram import NgramConfig, shared_table
-from engine.sources import LocalCard, NoDraft, SyncDraft
+from engine.ngram import NgramConfig, NgramTable, shared_table
+from engine.sources import LocalCard, NgramCard, NoDraft, SyncDraft
 from engine.tree import Layer
 from engine.worker import DraftWorker
 
@@ -29,6 +29,7 @@ MODES = ("vanilla", "sd", "card")
 # What grows card's trees (engine.worker): a draft model, the same with the n-gram statistics
 # beneath it, or the n-gram statistics alone (no draft model at all)
 DRAFTERS = ("neural", "cascade", "ngram")
+_UNSET = object()
 
 
 @dataclass(frozen=True)
@@ -85,6 +86,7 @@ class InProcessRunner:
         self.config = config
         self.worker: DraftWorker | None = None
         self._cards: weakref.WeakSet[LocalCard] = weakref.WeakSet()
+        self._table: NgramTable | object | None = _UNSET
         if config.mode != "vanilla" and config.drafter != "ngram":
             if draft is None:
                 raise InvalidArgument(f"mode {config.mode} needs a draft model")
@@ -99,6 +101,8 @@ class InProcessRunner:
         if cfg.mode == "sd":
             assert self.draft is not None
             return SyncDraft(self.draft.model, cfg.gamma, kv_len)
+        if cfg.drafter == "ngram":
+            return NgramCard(cfg.tree, self._vocab, cfg.ngram, self._ngram_table(), kv_len, cfg.backoff)
         if self.worker is None:
             self.worker = self._new_worker()
             self.worker.start()
@@ -106,16 +110,22 @@ class InProcessRunner:
         self._cards.add(source)
         return source
 
+    @property
+    def _vocab(self) -> int:
+        return self.target.model.get_input_embeddings().num_embeddings
+
+    def _ngram_table(self) -> NgramTable | None:
+        """The runner's one shared n-gram table (cascade: its worker's), warmed with the target's
+        tokenizer; built on first use."""
+        if self._table is _UNSET:
+            encode = lambda text: self.target.tokenizer(text)["input_ids"]  # noqa: E731
+            self._table = shared_table(self._vocab, self.config.ngram, encode)
+        return self._table
+
     def _new_worker(self) -> DraftWorker:
         cfg = self.config
         window = self.target.context_window
-        vocab = self.target.model.get_input_embeddings().num_embeddings
-        table = None
-        if cfg.drafter != "neural":  # one shared table per worker, warmed with the target's tokenizer
-            table = shared_table(vocab, cfg.ngram, lambda text: self.target.tokenizer(text)["input_ids"])
-        if cfg.drafter == "ngram":
-            return DraftWorker(None, cfg.tree, self._publish, slots=cfg.draft_slots, max_len=window,
-                               name="ngram", ngram_config=cfg.ngram, ngram=table, vocab_size=vocab)
+        table = self._ngram_table() if cfg.drafter == "cascade" else None
         assert self.draft is not None
         # rows per slot: on the CPU the target's whole context window (a slot's pages are touched
         # only as far as its session writes, engine.kv_pool); on an accelerator, where the

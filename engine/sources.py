@@ -6,6 +6,10 @@ per decoding mode.
                              chain of ``gamma`` tokens while the target waits
     card     LocalCard:      a DraftWorker thread grows the tree continuously into a local
                              TwoTierTree; the target queries and corrects it without waiting
+    card     NgramCard:      the model-free drafter in the target's own thread (in-process
+                             ``--draft-model ngram``): it grows a chain's worth of layers in
+                             microseconds after each correction, so no chain is ever empty for
+                             want of a thread switch
 
 The gRPC trio plugs in the same way (target_service's RemoteCard), so the generation loop in
 ``engine.generate`` is the only target loop in the project.
@@ -24,6 +28,7 @@ from engine.config import TreeParams
 from engine.core_lending import CoreLender
 from engine.drafter import Drafter
 from engine.governor import Governor
+from engine.ngram import NgramConfig, NgramDrafter, NgramTable
 from engine.stats import GenerationStats
 from engine.tree import Advance, Chain, Correction, Layer, TwoTierTree
 from engine.worker import DraftWorker
@@ -158,3 +163,70 @@ class LocalCard:
         with self.lock:
             self.tree.reset(0)
         return self._done
+
+
+class NgramCard:
+    """card with the model-free drafter (engine.ngram) run inline: each step applies the
+    correction, re-roots, grows until the tree is a chain deep, and returns the best chain.
+
+    The same tree, scores and chain rules as card through a worker; only the thread differs. A
+    worker thread would leave the chain that follows a miss empty (the tree restarts at the new
+    root while the target asks); inline, the lookups cost ~0.1 ms a layer against a target
+    forward of tens of milliseconds. The governor pauses drafting whose chains keep failing
+    (``backoff``), as for a neural draft; ``shared`` is the runner's table, used by the target's
+    thread alone.
+    """
+
+    def __init__(self, params: TreeParams, vocab_size: int, config: NgramConfig, shared: NgramTable | None,
+                 max_len: int, backoff: bool = True) -> None:
+        self.params = params
+        self.drafter = NgramDrafter(params, vocab_size, config, shared, max_len)
+        self.governor = Governor(0, enabled=backoff)
+        self._committed: list[int] = []
+        self._offered = False  # the last chain held drafted tokens
+        self._paused = False
+
+    @property
+    def tree(self) -> TwoTierTree:
+        return self.drafter.tree
+
+    def open(self, committed: Sequence[int]) -> None:
+        self._committed = list(committed)
+        self.governor.open()
+        self.drafter.start(committed, 0)
+        self._paused = False
+
+    def step(self, correction: Correction) -> StepResult:
+        self.governor.timed(len(correction.accepted_tokens) + 1)
+        self._committed += [*correction.accepted_tokens, correction.next_token]
+        if self._paused:
+            if not self.governor.resume():
+                return StepResult(Chain(epoch=correction.epoch + 1))
+            self._paused = False
+            self.drafter.start(self._committed, correction.epoch + 1)
+            return StepResult(self._grow(), None)
+        outcome, hit = self.tree.classify(correction)
+        advance = Advance(correction.epoch + 1, correction.accepted_tokens, correction.accepted_node_ids,
+                          correction.next_token, outcome, hit)
+        if not self.governor.keep(outcome, self._offered, len(correction.accepted_tokens)):
+            self._paused = True
+            self.drafter.release()
+            self.drafter.tree.reset(advance.epoch)
+            return StepResult(Chain(epoch=advance.epoch), outcome)
+        self.drafter.advance(advance)
+        return StepResult(self._grow(), outcome)
+
+    def _grow(self) -> Chain:
+        """Grow until the tree holds a chain as long as the target takes, then take it."""
+        params = self.params
+        tree = self.tree
+        depth = tree.sizes().depth
+        while depth < params.max_chain and self.drafter.plan() is not None:
+            depth += 1
+        chain = tree.best_chain(params.max_chain, params.b_extension, params.min_path_prob)
+        self._offered = bool(chain.tokens)
+        return chain
+
+    def close(self, stats: GenerationStats) -> SourceStats:
+        self.drafter.release()
+        return SourceStats()

@@ -22,7 +22,7 @@ from pathlib import Path
 import click
 import torch
 
-from card_common.cli import exit_on_error, tls_options
+from card_common.cli import exit_on_error, ngram_options, tls_options
 from card_common.tls import PLAINTEXT, TlsConfig
 from client.bench import data, load, report
 from client.bench.modes import (
@@ -42,6 +42,7 @@ from engine.config import TreeParams, default_tree_params
 from engine.errors import InvalidArgument
 from engine.loading.cpu_linear import PackedLinear, pack_linears
 from engine.loading.models import DTYPES, LoadedModel, ModelConfig, load_model
+from engine.ngram import NgramConfig
 
 EXIT_MISMATCH = 1
 
@@ -200,6 +201,7 @@ def _parse_variant(value: str) -> tuple[str, dict[str, object]]:
                    "of starting a local trio; the model flags then only label the results")
 @click.option("--no-progress", is_flag=True, help="no progress bar")
 @tls_options("card-bench", serves=False, envvar_prefix="CARD_BENCH")
+@ngram_options("card-bench", envvar_prefix="CARD_BENCH")
 def main(**opts: object) -> None:
     """Compare decoding modes on the same prompts, on this machine, in one run."""
     with exit_on_error("card-bench"):
@@ -214,7 +216,9 @@ def bench(*, target_model: str, draft_model: str, target_dtype: str, draft_dtype
           min_path_prob: float | None, card_variants: tuple[str, ...], backoff: bool, gamma: int,
           ignore_eos: bool, threads: int | None, target_threads: int | None, draft_threads: int | None,
           warmup_tokens: int, out: Path | None, chart: Path | None, services: bool, concurrency: str | None,
-          no_progress: bool, target_addr: str | None = None, tls: TlsConfig = PLAINTEXT) -> int:
+          no_progress: bool, target_addr: str | None = None, tls: TlsConfig = PLAINTEXT,
+          ngram: NgramConfig | None = None) -> int:
+    ngram = ngram or NgramConfig()
     levels = _parse_levels(concurrency)
     if levels and not services:
         raise InvalidArgument("--concurrency loads the services: add --services")
@@ -222,16 +226,17 @@ def bench(*, target_model: str, draft_model: str, target_dtype: str, draft_dtype
     services_only = bool(requested) and all(m in SERVICE_MODES for m in requested)
     cores = os.cpu_count() or 1
     split = default_thread_split(cores)
-    tree_defaults = default_tree_params("cuda" if torch.cuda.is_available() else "cpu")
-    tree = tree_defaults.with_overrides(
-        width=tree_width, branch=branch, max_depth=max_depth, max_chain=max_chain,
-        b_extension=b_extension, min_path_prob=min_path_prob)
+    device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    overrides = dict(width=tree_width, branch=branch, max_depth=max_depth, max_chain=max_chain,
+                     b_extension=b_extension, min_path_prob=min_path_prob)
+    tree = default_tree_params(device_type).with_overrides(**overrides)
+    ngram_tree = default_tree_params(device_type, "ngram").with_overrides(**overrides)
     variants = {f"card-{name}": tree.with_overrides(**fields)
                 for name, fields in (_parse_variant(v) for v in card_variants)}
     settings = ModeSettings(tree=tree, gamma=gamma, all_threads=threads or cores,  # measured below
                             target_threads=target_threads or split[0],
                             draft_threads=draft_threads or split[1],
-                            ignore_eos=ignore_eos, backoff=backoff)
+                            ignore_eos=ignore_eos, backoff=backoff, ngram=ngram, ngram_tree=ngram_tree)
     loaded = [data.load(spec, n_prompts, data_dir) for spec in datasets]
     if target_addr and not services_only:
         raise InvalidArgument(f"--target loads a running card-target: only {', '.join(SERVICE_MODES)} run "
@@ -296,6 +301,7 @@ def bench(*, target_model: str, draft_model: str, target_dtype: str, draft_dtype
         "card_variants": {name: vars(variant) for name, variant in variants.items()},
         "one_model_threads": settings.all_threads, "step_ms_by_threads": step_ms,
         "backoff": backoff, "gamma": gamma, "warmup_tokens": warmup_tokens,
+        "ngram": vars(ngram), "ngram_tree": vars(ngram_tree),
         "greedy": True,
     }
     machine = report.machine_info({m.name: m.threads for m in built})

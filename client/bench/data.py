@@ -1,7 +1,9 @@
-"""Benchmark prompts: GSM8K, HumanEval and MT-Bench in their published jsonl formats.
+"""Benchmark prompts: GSM8K, HumanEval and MT-Bench in their published jsonl formats, and the
+input-grounded sets derived from them (client.bench.derived).
 
-A dataset is named (``gsm8k``, ``humaneval``, ``mt_bench``) or given as ``name=path`` / a path to
-any jsonl(.gz) file whose records carry ``question`` (GSM8K), ``prompt`` (HumanEval) or ``turns``
+A dataset is named (``gsm8k``, ``humaneval``, ``mt_bench``, ``code_edit``, ``mt_bench_followup``)
+or given as ``name=path`` / a path to any jsonl(.gz) file whose records carry ``messages`` (a chat:
+the follow-up set), ``question`` (GSM8K), ``prompt`` (HumanEval, code_edit) or ``turns``
 (MT-Bench, first turn). A named dataset is read from a data directory (card-bench ``--data-dir``,
 else ``$CARD_BENCH_DATA_DIR``), else from the samples packaged in ``client/bench/datasets`` (GSM8K: the
 first 200 of 1,319 test records; HumanEval and MT-Bench whole; see its README.md).
@@ -24,6 +26,8 @@ KNOWN = {
     "gsm8k": Path("gsm8k") / "test.jsonl",
     "humaneval": Path("humaneval") / "HumanEval.jsonl.gz",
     "mt_bench": Path("mt_bench") / "question.jsonl",
+    "code_edit": Path("code_edit") / "code_edit.jsonl",
+    "mt_bench_followup": Path("mt_bench_followup") / "question.jsonl",
 }
 SAMPLED = frozenset({"gsm8k"})  # packaged as a sample of the published set, not whole
 
@@ -32,7 +36,7 @@ SAMPLED = frozenset({"gsm8k"})  # packaged as a sample of the published set, not
 class Dataset:
     name: str
     path: Path
-    prompts: tuple[str, ...]
+    prompts: tuple[str | list[dict], ...]  # text, or a chat's messages
 
 
 def data_dir(override: str | Path | None = None) -> Path:
@@ -53,14 +57,18 @@ def resolve(spec: str, directory: str | Path | None = None) -> tuple[str, Path]:
     return path.name.split(".")[0], path
 
 
-def prompt_of(record: dict) -> str:
-    """The user prompt of one record, whichever of the three formats it is in."""
+def prompt_of(record: dict) -> str | list[dict]:
+    """The user prompt of one record (a chat's messages for records that carry them), whichever
+    of the formats it is in."""
+    if isinstance(record.get("messages"), list) and record["messages"]:
+        return [{"role": str(m["role"]), "content": str(m["content"])} for m in record["messages"]]
     if isinstance(record.get("turns"), list) and record["turns"]:
         return str(record["turns"][0])
     for key in ("question", "prompt"):
         if isinstance(record.get(key), str):
             return record[key]
-    raise InvalidArgument(f"a record has none of 'question', 'prompt', 'turns': keys {sorted(record)}")
+    raise InvalidArgument(
+        f"a record has none of 'messages', 'question', 'prompt', 'turns': keys {sorted(record)}")
 
 
 def load(spec: str, n: int | None = None, directory: str | Path | None = None) -> Dataset:

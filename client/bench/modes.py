@@ -1,8 +1,11 @@
 """The decoding modes a benchmark compares, each behind one interface: ``run(prompt_ids, budget)``.
 
     vanilla, sd, card   the engine in this process (engine.runner.InProcessRunner)
+    card-ngram          card with the model-free n-gram drafter (engine.ngram), no draft model
+    card-cascade        card with the draft model and the n-gram statistics beneath it
     hf                  transformers' plain greedy ``model.generate`` (cross-check of vanilla)
     hf-assisted         transformers' assisted generation with the same draft, greedy
+    hf-pld              transformers' prompt lookup decoding (``prompt_lookup_num_tokens``), greedy
     svc-vanilla, svc-card   the same through the real services (a LocalTrio: redis, card-cache,
                         card-draft, card-target as subprocesses) with ``--services``
 
@@ -17,7 +20,7 @@ from __future__ import annotations
 import copy
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -26,14 +29,18 @@ from client.bench.costs import verify_costs
 from engine.config import GenerationRequest, StopParams, TreeParams
 from engine.errors import InvalidArgument
 from engine.loading.models import LoadedModel
+from engine.ngram import NgramConfig
 from engine.runner import InProcessRunner, RunnerConfig
 from engine.stats import GenerationStats
 
-ENGINE_MODES = ("vanilla", "sd", "card")
-HF_MODES = ("hf", "hf-assisted")
+ENGINE_MODES = ("vanilla", "sd", "card", "card-ngram", "card-cascade")
+HF_MODES = ("hf", "hf-assisted", "hf-pld")
 MODES = ENGINE_MODES + HF_MODES
 SERVICE_MODES = ("svc-vanilla", "svc-card")
-NEEDS_DRAFT = ("sd", "card", "hf-assisted")
+NEEDS_DRAFT = ("sd", "card", "card-cascade", "hf-assisted")
+# hf-pld: candidate tokens per lookup (transformers' documented example uses 10; its matching
+# n-gram size keeps its default, 2)
+PLD_TOKENS = 10
 
 
 @dataclass(frozen=True)
@@ -94,7 +101,7 @@ class HFMode:
     """transformers' own greedy decoding, plain or assisted by the draft."""
 
     def __init__(self, name: str, target: LoadedModel, draft: LoadedModel | None, threads: int,
-                 ignore_eos: bool = False) -> None:
+                 ignore_eos: bool = False, pld_tokens: int = PLD_TOKENS) -> None:
         from transformers import GenerationConfig
 
         if name == "hf-assisted" and draft is None:
@@ -110,6 +117,8 @@ class HFMode:
         # would make the comparison with the engine's greedy decoding meaningless
         self.config = GenerationConfig(do_sample=False, eos_token_id=None if ignore_eos else eos,
                                        pad_token_id=pad if pad is not None else (eos or [0])[0])
+        if name == "hf-pld":
+            self.config.prompt_lookup_num_tokens = pld_tokens
 
     def run(self, prompt_ids: Sequence[int], max_new_tokens: int) -> ModeOutput:
         torch.set_num_threads(self._threads)
@@ -173,6 +182,8 @@ class ServiceMode:
 
 @dataclass(frozen=True)
 class ModeSettings:
+    """``ngram_tree``: card-ngram's tree (the hardware default at the model-free depth)."""
+
     tree: TreeParams
     gamma: int
     all_threads: int
@@ -180,6 +191,8 @@ class ModeSettings:
     draft_threads: int
     ignore_eos: bool = False
     backoff: bool = True
+    ngram: NgramConfig = field(default_factory=NgramConfig)
+    ngram_tree: TreeParams | None = None
 
 
 def build_mode(name: str, target: LoadedModel, draft: LoadedModel | None, s: ModeSettings) -> Mode:
@@ -193,17 +206,24 @@ def build_mode(name: str, target: LoadedModel, draft: LoadedModel | None, s: Mod
                           ignore_eos=s.ignore_eos)
     if name == "card":
         return build_card(name, target, draft, s)
+    if name == "card-cascade":
+        return build_card(name, target, draft, s, drafter="cascade")
+    if name == "card-ngram":  # one Python thread drafts: the target keeps the one-model thread count
+        config = RunnerConfig(mode="card", tree=s.ngram_tree or s.tree, backoff=s.backoff, drafter="ngram",
+                              ngram=s.ngram, target_threads=s.all_threads)
+        return EngineMode(name, target, None, config, s.all_threads, ignore_eos=s.ignore_eos)
     if name in HF_MODES:
         return HFMode(name, target, draft, s.all_threads, s.ignore_eos)
     raise InvalidArgument(f"unknown mode {name!r}; choose from {', '.join(MODES)}")
 
 
-def build_card(name: str, target: LoadedModel, draft: LoadedModel, s: ModeSettings) -> Mode:
+def build_card(name: str, target: LoadedModel, draft: LoadedModel, s: ModeSettings,
+               drafter: str = "neural") -> Mode:
     """In-process card with the settings' tree (also each ``--card-variant``, under its own name)."""
     # lending the draft's cores pays only where the target runs faster on more threads
     config = RunnerConfig(mode="card", tree=s.tree, target_threads=s.target_threads,
                           draft_threads=s.draft_threads, backoff=s.backoff,
-                          lend_cores=s.all_threads > s.target_threads)
+                          lend_cores=s.all_threads > s.target_threads, drafter=drafter, ngram=s.ngram)
     return EngineMode(name, target, draft, config, s.target_threads, s.draft_threads, s.ignore_eos)
 
 

@@ -13,7 +13,7 @@ import torch
 
 from engine.config import SamplingParams, TreeParams
 from engine.ngram import NgramConfig, NgramDrafter, NgramTable, Proposer, top_followers
-from engine.sources import NoDraft
+from engine.sources import NgramCard, NoDraft
 from engine.tree import Advance, Outcome, TwoTierTree
 from engine.worker import DraftWorker
 from tests.engine.support import (
@@ -221,3 +221,21 @@ def test_model_free_worker_soak_keeps_the_table_within_budget() -> None:
         worker.close()
     assert table.evictions > 0 and 0 < max(peak, table.nbytes) <= cfg.budget_bytes
     assert published, "the worker grew nothing"
+
+
+@pytest.mark.parametrize("sampling", [SamplingParams(), SamplingParams(temperature=0.8, top_p=0.9, seed=3)],
+                         ids=["greedy", "seeded"])
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_inline_ngram_card_equals_vanilla(kind: str, sampling: SamplingParams) -> None:
+    """NgramCard (in-process --draft-model ngram) with one shared table across generations."""
+    target = target_model(kind, sharp=True)
+    cfg = NgramConfig(max_order=3, min_order=1, table_mb=1.0)
+    table = NgramTable(VOCAB, cfg, cfg.budget_bytes)
+    accepted = 0
+    for prompt, budget in repetitive_cases(8, seed=11):
+        want = generate(target, NoDraft(), prompt, max_new_tokens=budget, sampling=sampling).tokens
+        card = NgramCard(TreeParams(width=3, branch=3, max_depth=24, max_chain=6), VOCAB, cfg, table, 512)
+        run = generate(target, card, prompt, max_new_tokens=budget, sampling=sampling)
+        assert run.tokens == want, f"prompt {prompt}"
+        accepted += sum(run.result.stats.accepted_lengths)
+    assert accepted > 0
