@@ -14,21 +14,22 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.chain_source import ChainSource
-from engine.config import GenerationRequest, TreeParams
+from engine.config import NGRAM_DEPTH, GenerationRequest, TreeParams
 from engine.core_lending import CoreLender
 from engine.errors import FailedPrecondition, InvalidArgument
 from engine.generate import Generation
 from engine.kv_pool import DEFAULT_MAX_MODEL_LEN
 from engine.loading.models import LoadedModel
 from engine.ngram import NgramConfig, NgramTable, shared_table
-from engine.sources import LocalCard, NgramCard, NoDraft, SyncDraft
+from engine.sources import LocalCard, NgramCard, NoDraft, PolicyCard, SyncDraft
 from engine.tree import Layer
 from engine.worker import DraftWorker
 
 MODES = ("vanilla", "sd", "card")
 # What grows card's trees (engine.worker): a draft model, the same with the n-gram statistics
-# beneath it, or the n-gram statistics alone (no draft model at all)
-DRAFTERS = ("neural", "cascade", "ngram")
+# beneath it, the n-gram statistics alone (no draft model at all), or per session whichever of
+# the model-free drafter and the draft model commits tokens faster (engine.sources.PolicyCard)
+DRAFTERS = ("neural", "cascade", "ngram", "auto")
 _UNSET = object()
 
 
@@ -87,7 +88,7 @@ class InProcessRunner:
         self.worker: DraftWorker | None = None
         self._cards: weakref.WeakSet[LocalCard] = weakref.WeakSet()
         self._table: NgramTable | object | None = _UNSET
-        if config.mode != "vanilla" and config.drafter != "ngram":
+        if config.mode != "vanilla" and config.drafter != "ngram":  # auto needs its draft model too
             if draft is None:
                 raise InvalidArgument(f"mode {config.mode} needs a draft model")
             check_compatible(target, draft)
@@ -102,13 +103,21 @@ class InProcessRunner:
             assert self.draft is not None
             return SyncDraft(self.draft.model, cfg.gamma, kv_len)
         if cfg.drafter == "ngram":
-            return NgramCard(cfg.tree, self._vocab, cfg.ngram, self._ngram_table(), kv_len, cfg.backoff)
+            return self._ngram_card(kv_len)
         if self.worker is None:
             self.worker = self._new_worker()
             self.worker.start()
         source = self._new_card()
         self._cards.add(source)
+        if cfg.drafter == "auto":
+            return PolicyCard(self._ngram_card(kv_len), source)
         return source
+
+    def _ngram_card(self, kv_len: int) -> NgramCard:
+        cfg = self.config
+        # the model-free drafter's own depth: only the chain's worth is grown per step
+        return NgramCard(cfg.tree.with_overrides(max_depth=NGRAM_DEPTH), self._vocab, cfg.ngram,
+                         self._ngram_table(), kv_len, cfg.backoff)
 
     @property
     def _vocab(self) -> int:

@@ -18,8 +18,9 @@ The gRPC trio plugs in the same way (target_service's RemoteCard), so the genera
 from __future__ import annotations
 
 import threading
+import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -27,7 +28,7 @@ from engine.chain_source import SourceStats, StepResult
 from engine.config import TreeParams
 from engine.core_lending import CoreLender
 from engine.drafter import Drafter
-from engine.governor import Governor
+from engine.governor import Governor, Pace
 from engine.ngram import NgramConfig, NgramDrafter, NgramTable
 from engine.stats import GenerationStats
 from engine.tree import Advance, Chain, Correction, Layer, TwoTierTree
@@ -134,6 +135,16 @@ class LocalCard:
         with self.lock:
             self.session_id = ""
 
+    def suspend(self) -> None:
+        """Stop drafting (engine.sources.PolicyCard hands the session to another drafter)."""
+        if self.session_id:
+            self._stop_drafting()
+
+    def resume(self, epoch: int) -> StepResult:
+        """Draft again from the committed text at ``epoch`` (the chain is empty until it grows)."""
+        self._start_drafting(epoch)
+        return StepResult(Chain(epoch=epoch))
+
     def step(self, correction: Correction) -> StepResult:
         self.governor.timed(len(correction.accepted_tokens) + 1)
         if not self.session_id:  # paused (or calibrating): the target decodes alone
@@ -182,7 +193,7 @@ class NgramCard:
         self.params = params
         self.drafter = NgramDrafter(params, vocab_size, config, shared, max_len)
         self.governor = Governor(0, enabled=backoff)
-        self._committed: list[int] = []
+        self._committed: Sequence[int] = ()
         self._offered = False  # the last chain held drafted tokens
         self._paused = False
 
@@ -191,14 +202,21 @@ class NgramCard:
         return self.drafter.tree
 
     def open(self, committed: Sequence[int]) -> None:
-        self._committed = list(committed)
+        self._committed = committed  # the generation's, read when drafting (re)starts
         self.governor.open()
         self.drafter.start(committed, 0)
         self._paused = False
 
+    def suspend(self) -> None:
+        self.drafter.release()
+
+    def resume(self, epoch: int) -> StepResult:
+        self.drafter.start(self._committed, epoch)
+        self._paused = False
+        return StepResult(self._grow())
+
     def step(self, correction: Correction) -> StepResult:
         self.governor.timed(len(correction.accepted_tokens) + 1)
-        self._committed += [*correction.accepted_tokens, correction.next_token]
         if self._paused:
             if not self.governor.resume():
                 return StepResult(Chain(epoch=correction.epoch + 1))
@@ -230,3 +248,79 @@ class NgramCard:
     def close(self, stats: GenerationStats) -> SourceStats:
         self.drafter.release()
         return SourceStats()
+
+
+# PolicyCard: steps each drafter is judged on, and the steps before a losing drafter is tried
+# again (doubling per failed try, up to the second value)
+TRIAL_STEPS = 8
+RETRY_STEPS = (32, 256)
+
+
+class PolicyCard:
+    """The drafter that pays, per session: the model-free drafter inline (NgramCard) or the
+    draft model's worker (LocalCard: neural, or a cascade where the worker is one), each with its
+    own governor that pauses it (the target then decodes alone) when its chains keep failing.
+
+    The generation opens on the model-free drafter (it costs the target nothing and wins
+    outright where the text repeats its input), tries the draft model for TRIAL_STEPS, then keeps
+    whichever committed tokens faster (seconds per committed token, engine.governor.Pace, over
+    its latest steps), and tries the other again after RETRY_STEPS. A switch restarts the new
+    drafter from the committed text at the next epoch; the output never depends on any of this.
+    """
+
+    def __init__(self, ngram: NgramCard, neural: LocalCard,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
+        self.sources: dict[str, NgramCard | LocalCard] = {"ngram": ngram, "neural": neural}
+        self.clock = clock
+        self.current = "ngram"
+        self.pace: dict[str, Pace] = {}
+        self.switches = 0
+        self._left = TRIAL_STEPS  # steps until the next decision
+        self._trial = True  # the current drafter is on trial (a decision follows)
+        self._retry = RETRY_STEPS[0]
+        self._last: float | None = None
+
+    def open(self, committed: Sequence[int]) -> None:
+        self.pace = {name: Pace() for name in self.sources}
+        self.current, self._left, self._trial, self._retry = "ngram", TRIAL_STEPS, True, RETRY_STEPS[0]
+        self._last, self.switches = None, 0
+        self.sources["neural"].open(committed)
+        self.sources["neural"].suspend()
+        self.sources["ngram"].open(committed)
+
+    def step(self, correction: Correction) -> StepResult:
+        now = self.clock()
+        if self._last is not None:
+            self.pace[self.current].add(now - self._last, len(correction.accepted_tokens) + 1)
+        self._last = now
+        self._left -= 1
+        if self._left > 0:
+            return self.sources[self.current].step(correction)
+        other = "neural" if self.current == "ngram" else "ngram"
+        if not self._trial:  # the keeper's time is up: try the other again
+            return self._switch(other, correction, trial=True)
+        if not self.pace[other].steps:  # the other was never tried
+            return self._switch(other, correction, trial=True)
+        if self.pace[other].s_per_token < self.pace[self.current].s_per_token:
+            # the trial lost: back to the other, and a longer wait before the next try
+            self._retry = min(2 * self._retry, RETRY_STEPS[1]) if self.switches > 1 else self._retry
+            return self._switch(other, correction, trial=False)
+        self._trial, self._left, self._retry = False, self._retry, RETRY_STEPS[0]  # the trial won
+        return self.sources[self.current].step(correction)
+
+    def _switch(self, to: str, correction: Correction, trial: bool) -> StepResult:
+        self.sources[self.current].suspend()
+        self.current, self._trial, self.switches = to, trial, self.switches + 1
+        self._left = TRIAL_STEPS if trial else self._retry
+        if trial:
+            self.pace[to] = Pace()  # judged on fresh steps
+        self._last = None  # the switch's own step is not timed
+        return self.sources[to].resume(correction.epoch + 1)
+
+    def close(self, stats: GenerationStats) -> SourceStats:
+        done = SourceStats()
+        for source in self.sources.values():
+            part = source.close(stats)
+            done.draft_forwards += part.draft_forwards
+            done.draft_idle_s += part.draft_idle_s
+        return done

@@ -3,6 +3,7 @@
     vanilla, sd, card   the engine in this process (engine.runner.InProcessRunner)
     card-ngram          card with the model-free n-gram drafter (engine.ngram), no draft model
     card-cascade        card with the draft model and the n-gram statistics beneath it
+    card-auto           card choosing per session between card-ngram and card (engine.sources.PolicyCard)
     hf                  transformers' plain greedy ``model.generate`` (cross-check of vanilla)
     hf-assisted         transformers' assisted generation with the same draft, greedy
     hf-pld              transformers' prompt lookup decoding (``prompt_lookup_num_tokens``), greedy
@@ -33,11 +34,11 @@ from engine.ngram import NgramConfig
 from engine.runner import InProcessRunner, RunnerConfig
 from engine.stats import GenerationStats
 
-ENGINE_MODES = ("vanilla", "sd", "card", "card-ngram", "card-cascade")
+ENGINE_MODES = ("vanilla", "sd", "card", "card-ngram", "card-cascade", "card-auto")
 HF_MODES = ("hf", "hf-assisted", "hf-pld")
 MODES = ENGINE_MODES + HF_MODES
 SERVICE_MODES = ("svc-vanilla", "svc-card")
-NEEDS_DRAFT = ("sd", "card", "card-cascade", "hf-assisted")
+NEEDS_DRAFT = ("sd", "card", "card-cascade", "card-auto", "hf-assisted")
 # hf-pld: candidate tokens per lookup (transformers' documented example uses 10; its matching
 # n-gram size keeps its default, 2)
 PLD_TOKENS = 10
@@ -206,8 +207,8 @@ def build_mode(name: str, target: LoadedModel, draft: LoadedModel | None, s: Mod
                           ignore_eos=s.ignore_eos)
     if name == "card":
         return build_card(name, target, draft, s)
-    if name == "card-cascade":
-        return build_card(name, target, draft, s, drafter="cascade")
+    if name in ("card-cascade", "card-auto"):
+        return build_card(name, target, draft, s, drafter=name.removeprefix("card-"))
     if name == "card-ngram":  # one Python thread drafts: the target keeps the one-model thread count
         config = RunnerConfig(mode="card", tree=s.ngram_tree or s.tree, backoff=s.backoff, drafter="ngram",
                               ngram=s.ngram, target_threads=s.all_threads)

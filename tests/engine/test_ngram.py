@@ -13,7 +13,7 @@ import torch
 
 from engine.config import SamplingParams, TreeParams
 from engine.ngram import NgramConfig, NgramDrafter, NgramTable, Proposer, top_followers
-from engine.sources import NgramCard, NoDraft
+from engine.sources import NgramCard, NoDraft, PolicyCard
 from engine.tree import Advance, Outcome, TwoTierTree
 from engine.worker import DraftWorker
 from tests.engine.support import (
@@ -239,3 +239,25 @@ def test_inline_ngram_card_equals_vanilla(kind: str, sampling: SamplingParams) -
         assert run.tokens == want, f"prompt {prompt}"
         accepted += sum(run.result.stats.accepted_lengths)
     assert accepted > 0
+
+
+@pytest.mark.parametrize("sampling", [SamplingParams(), SamplingParams(temperature=0.9, top_k=20, seed=9)],
+                         ids=["greedy", "seeded"])
+def test_policy_card_switching_drafters_equals_vanilla(sampling: SamplingParams) -> None:
+    """PolicyCard (drafter auto) tries the model-free drafter, then the draft model, and switches
+    between them mid-generation: every output equals vanilla, and switches happened."""
+    kind = "llama"
+    target = target_model(kind, sharp=True)
+    cfg = NgramConfig(max_order=3, min_order=1, table_mb=1.0)
+    params = TreeParams(width=3, branch=3, max_depth=8, max_chain=4)
+    switches = 0
+    with card_source(draft_model(kind, "perturbed", sharp=True), params) as neural:
+        for prompt, budget in repetitive_cases(6, seed=5):
+            budget += 40  # long enough for a trial of each drafter and a decision
+            want = generate(target, NoDraft(), prompt, max_new_tokens=budget, sampling=sampling).tokens
+            ngram = NgramCard(params.with_overrides(max_depth=24), VOCAB, cfg, None, 512)
+            policy = PolicyCard(ngram, neural)
+            run = generate(target, policy, prompt, max_new_tokens=budget, sampling=sampling)
+            assert run.tokens == want, f"prompt {prompt}"
+            switches += policy.switches
+    assert switches >= 6

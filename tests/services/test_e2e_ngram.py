@@ -102,8 +102,9 @@ def test_killing_the_model_free_draft_mid_generation_changes_nothing(trio, refer
 
     samplings = [GREEDY, SEEDED, GREEDY, SEEDED]
     with ThreadPoolExecutor(4) as pool:
-        futures = [pool.submit(generate_remote, trio.target_addr, PROMPTS[i], sampling=samplings[i], stop=stop,
-                               draft="ngram", on_text=on_text, timeout_s=240) for i, stop in enumerate(stops)]
+        futures = [pool.submit(generate_remote, trio.target_addr, PROMPTS[i], sampling=samplings[i],
+                               stop=stop, draft="ngram", on_text=on_text, timeout_s=240)
+                   for i, stop in enumerate(stops)]
         results = [f.result() for f in futures]
     assert victim.proc.returncode == -signal.SIGKILL and len(chunks) > 20
     for i, (stop, remote) in enumerate(zip(stops, results, strict=True)):
