@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.chain_source import ChainSource
-from engine.config import NGRAM_DEPTH, GenerationRequest, TreeParams
+from engine.config import NGRAM_CHAIN, NGRAM_DEPTH, GenerationRequest, TreeParams
 from engine.core_lending import CoreLender
 from engine.errors import FailedPrecondition, InvalidArgument
 from engine.generate import Generation
@@ -115,9 +115,10 @@ class InProcessRunner:
 
     def _ngram_card(self, kv_len: int) -> NgramCard:
         cfg = self.config
-        # the model-free drafter's own depth: only the chain's worth is grown per step
-        return NgramCard(cfg.tree.with_overrides(max_depth=NGRAM_DEPTH), self._vocab, cfg.ngram,
-                         self._ngram_table(), kv_len, cfg.backoff)
+        # auto: the model-free drafter's own depth and chain beside the draft model's tree
+        tree = cfg.tree if cfg.drafter == "ngram" else cfg.tree.with_overrides(
+            max_depth=NGRAM_DEPTH, max_chain=max(cfg.tree.max_chain, NGRAM_CHAIN))
+        return NgramCard(tree, self._vocab, cfg.ngram, self._ngram_table(), kv_len, cfg.backoff)
 
     @property
     def _vocab(self) -> int:
