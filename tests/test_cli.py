@@ -57,6 +57,15 @@ def test_card_and_sd_equal_vanilla_through_the_cli(models, sampling):
         assert out["stats"]["draft_forwards"] > 0
 
 
+def test_model_free_and_cascade_drafts_equal_vanilla_through_the_cli(models):
+    vanilla = generate_json(models, "vanilla")
+    for extra in (("--draft-model", "ngram"), ("--cascade", "ngram", "--no-backoff")):
+        out = generate_json(models, "card", *extra)
+        assert out["token_ids"] == vanilla["token_ids"], extra
+    proc = run_cli("generate", "hi", "--inprocess", "--draft-model", "ngram", "--cascade", "ngram")
+    assert proc.returncode == 2 and "--cascade" in proc.stderr
+
+
 def test_streams_text_then_stats_line(models):
     proc = run_cli("generate", "Hello", "--inprocess", "--target-model", str(models["target"]),
                    "--draft-model", str(models["draft"]), "--max-new-tokens", "8", "--ignore-eos")
