@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 TORCH_VERSION ?= 2.13.0
 TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 
-.PHONY: setup test lint proto
+.PHONY: setup test lint proto gpu-check
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -29,6 +29,14 @@ test: setup
 
 lint: setup
 	$(BIN)/ruff check .
+
+# On a machine with an NVIDIA GPU: exactness in bf16 at real sizes (1-32 in flight, plain and card),
+# then forward cost against rows and tokens/s, exact on and off (docs/engine.md, "Exact on every
+# device"). Writes gpu-check.json; prints the device beside every figure.
+gpu-check: setup
+	$(BIN)/python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'gpu-check: no CUDA device')"
+	$(BIN)/python -m pytest -q tests/gpu -p no:cacheprovider
+	$(BIN)/python -m card.client.bench.gpu --out gpu-check.json
 
 # regenerate protos/card/v1/*_pb2*.py after editing a .proto (tests/services/test_protos.py checks)
 proto:

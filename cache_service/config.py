@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from card_common.tls import TlsConfig
-from engine.config import TreeParams
-from engine.errors import InvalidArgument
+from card.common.tls import TlsConfig
+from card.engine.loading.devices import resolve_device
+from card.engine.shared.config import TreeParams, tree_params
+from card.engine.shared.errors import InvalidArgument
 
 
 @dataclass(frozen=True)
@@ -24,10 +25,10 @@ class CacheConfig:
     heartbeat_interval_s: how often draft workers heartbeat; a worker expires after 3 missed.
     health_check_interval_s: how often Redis is pinged (health follows it).
     tree: its chain fields (max_chain, b_extension, min_path_prob) shape the chains handed to the
-        target (engine.tree.best_chain); a session's ChainPolicy goes over them. The tree's shape
+        target (card.engine.shared.tree.best_chain); a session's ChainPolicy goes over them. The tree's shape
         (width, branch, depth) is the draft workers' and unused here.
     grpc_threads: server threads; every open draft stream holds one.
-    tls: the certificate served on the gRPC port (card_common.tls; none = plaintext).
+    tls: the certificate served on the gRPC port (card.common.tls; none = plaintext).
     """
 
     host: str = "127.0.0.1"
@@ -44,12 +45,23 @@ class CacheConfig:
     health_check_interval_s: float = 2.0
     tree: TreeParams = field(default_factory=TreeParams)
     grpc_threads: int = 64
-    # who may call what (card_common.auth.CACHE_ROLES); None = that role's RPCs are open
+    # who may call what (card.common.auth.CACHE_ROLES); None = that role's RPCs are open
     draft_token: str | None = field(default=None, repr=False)
     target_token: str | None = field(default=None, repr=False)
     tls: TlsConfig = field(default_factory=TlsConfig)
+    health_port: int | None = None  # plaintext grpc.health.v1 alone, for probes that cannot speak TLS
     log_level: str = "INFO"
     json_logs: bool = False
+
+    @classmethod
+    def from_options(cls, *, device: str, tree_flags: dict[str, object], draft_token: str | None,
+                     target_token: str | None, **options: object) -> CacheConfig:
+        """The config of card-cache's flags (one keyword per flag; every other flag is a field).
+        The cache sits with the target: its hardware says how long a chain pays to verify."""
+        return cls(device=str(resolve_device(device)), tree=tree_params(device, **tree_flags),
+                   health_check_interval_s=min(2.0, float(options.get("heartbeat_interval_s", 2.0))),  # type: ignore[arg-type]
+                   draft_token=draft_token or None, target_token=target_token or None,
+                   **options)  # type: ignore[arg-type]
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:

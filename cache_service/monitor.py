@@ -6,12 +6,12 @@ import logging
 import threading
 from collections.abc import Callable
 
-from cache_service import metrics
-from cache_service.config import CacheConfig
-from cache_service.registry import Registry
-from cache_service.sessions import SessionTable
-from cache_service.store import MetadataStore
-from engine.errors import Unavailable
+from card.cache_service import metrics
+from card.cache_service.config import CacheConfig
+from card.cache_service.registry import Registry
+from card.cache_service.sessions import SessionTable
+from card.cache_service.store import MetadataStore
+from card.engine.shared.errors import Unavailable
 
 log = logging.getLogger(__name__)
 

@@ -9,8 +9,14 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-from engine.draft_commands import DraftCommand
-from engine.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
+from card.engine.shared.commands import DraftCommand
+from card.engine.shared.errors import (
+    AlreadyExists,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    ResourceExhausted,
+)
 
 NAME = re.compile(r"[A-Za-z0-9._-]{1,128}")
 MAX_CAPACITY = 4096  # sessions per worker: a bound, not a target

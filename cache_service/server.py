@@ -14,18 +14,23 @@ import logging
 import sys
 import threading
 
-import click
-
-from cache_service.config import CacheConfig
-from cache_service.monitor import Monitor
-from cache_service.registry import Registry
-from cache_service.servicer import CacheServicer
-from cache_service.sessions import SessionTable
-from cache_service.store import MetadataStore, open_store
-from card.v1 import cache_pb2, cache_pb2_grpc
-from card_common.auth import CACHE_ROLES, TokenAuth
-from card_common.cli import exit_on_error, logging_options, option, service_command, tls_options
-from card_common.serving import (
+from card.cache_service.config import CacheConfig
+from card.cache_service.monitor import Monitor
+from card.cache_service.registry import Registry
+from card.cache_service.servicer import CacheServicer
+from card.cache_service.sessions import SessionTable
+from card.cache_service.store import MetadataStore, open_store
+from card.common.auth import CACHE_ROLES, TokenAuth
+from card.common.cli import (
+    CHAIN_FIELDS,
+    exit_on_error,
+    logging_options,
+    option,
+    service_command,
+    tls_options,
+    tree_options,
+)
+from card.common.serving import (
     add_health,
     bind,
     make_server,
@@ -35,10 +40,8 @@ from card_common.serving import (
     start_health_port,
     start_metrics_server,
 )
-from card_common.tls import TlsConfig
-from engine.config import tree_params
-from engine.errors import InvalidArgument, Unavailable
-from engine.loading.devices import resolve_device
+from card.engine.shared.errors import InvalidArgument, Unavailable
+from card.v1 import cache_pb2, cache_pb2_grpc
 
 log = logging.getLogger(__name__)
 
@@ -130,13 +133,7 @@ def create_server(addr: str, config: CacheConfig, store: MetadataStore | None = 
              "still serves alive. This is the cap, and the timeout of targets that ask nothing; 0 = none.")
 @option("--heartbeat-interval-s", type=float, default=2.0,
         help="Draft heartbeat period; a worker expires after 3 missed.")
-@option("--max-chain", type=int, default=None,
-        help="Most drafted tokens per chain handed to the target (default: 6 on CPU, 8 on GPU); "
-             "a request's chain policy may set its own.")
-@option("--b-extension/--no-b-extension", default=None,
-        help="Extend each chain by the best secondary-tier token (default: on).")
-@option("--min-path-prob", type=click.FloatRange(0.0, 1.0), default=None,
-        help="Cut chains where the draft's prefix probability falls below this (default: 0, never).")
+@tree_options(CHAIN_FIELDS, note="The chains handed to the target; a request's chain policy may set its own.")
 @option("--grpc-threads", type=int, default=64, help="Server threads; every open draft stream holds one.")
 @option("--draft-token", default=None,
         help="Drafts must present it (authorization: Bearer) to RegisterDraft, Commands, PublishLayers, "
@@ -146,38 +143,21 @@ def create_server(addr: str, config: CacheConfig, store: MetadataStore | None = 
              "(default: open).")
 @tls_options("card-cache", dials=False)
 @logging_options
-def main(host: str, port: int, redis_url: str, redis_prefix: str, allow_memory_fallback: bool, device: str,
-         metrics_port: int, metrics_host: str, session_ttl_s: int, session_idle_timeout_s: float,
-         heartbeat_interval_s: float,
-         max_chain: int | None, b_extension: bool | None, min_path_prob: float | None, grpc_threads: int,
-         draft_token: str | None, target_token: str | None, tls: TlsConfig, health_port: int | None,
-         log_level: str, json_logs: bool) -> None:
+def main(**options: object) -> None:
     """Serve the CARD cache: the authority on every session's candidate tree."""
-    setup_logging(log_level, json_logs)
+    setup_logging(options["log_level"], options["json_logs"])  # type: ignore[arg-type]
     with exit_on_error("card-cache"):
-        # the cache sits with the target: its hardware says how long a chain pays to verify
-        config = CacheConfig(
-            host=host, port=port, redis_url=redis_url, redis_prefix=redis_prefix,
-            allow_memory_fallback=allow_memory_fallback, device=str(resolve_device(device)),
-            metrics_port=metrics_port, metrics_host=metrics_host, session_ttl_s=session_ttl_s,
-            session_idle_timeout_s=session_idle_timeout_s, heartbeat_interval_s=heartbeat_interval_s,
-            health_check_interval_s=min(2.0, heartbeat_interval_s),
-            tree=tree_params(device, max_chain=max_chain, min_path_prob=min_path_prob,
-                             b_extension=b_extension),
-            grpc_threads=grpc_threads, draft_token=draft_token or None, target_token=target_token or None,
-            tls=tls, log_level=log_level, json_logs=json_logs,
-        )
+        config = CacheConfig.from_options(**options)  # type: ignore[arg-type]
         server, bound = create_server(config.addr, config)
         start_metrics_server(config.metrics_port, config.metrics_host)
         server.start()
-        health_server, _ = start_health_port(server.health, host, health_port)
-    log.info("cache service on %s:%d (%s, device %s, store %s)", host, bound, tls.describe(), config.device,
-             server.store.url)
-    print(f"card-cache listening on {host}:{bound}", flush=True)
+        health_server, _ = start_health_port(server.health, config.host, config.health_port)
+    log.info("cache service on %s:%d (%s, device %s, store %s)", config.host, bound, config.tls.describe(),
+             config.device, server.store.url)
+    print(f"card-cache listening on {config.host}:{bound}", flush=True)
     serve_until_signal(server, server.shutdown_sessions, grace_s=5.0, health_servicer=server.health,
                        health_server=health_server)
     sys.stdout.flush()
-
 
 if __name__ == "__main__":
     main()

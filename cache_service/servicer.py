@@ -1,7 +1,7 @@
 """card.v1.CacheService over SessionTable and Registry: decode, call, encode. No tree logic here.
 
 This is the cache's edge: requests are decoded into engine values once, here (with
-card_common.convert), and the domain's answers are encoded here; SessionTable and Registry never
+card.common.convert), and the domain's answers are encoded here; SessionTable and Registry never
 see a card.v1 message.
 """
 
@@ -15,14 +15,13 @@ from collections.abc import Iterator, Mapping
 
 import grpc
 
-from cache_service import metrics
-from cache_service.config import CacheConfig
-from cache_service.monitor import Monitor
-from cache_service.registry import DraftRegistration, Registry, Worker
-from cache_service.sessions import Session, SessionTable
-from cache_service.store import MetadataStore
-from card.v1 import cache_pb2, cache_pb2_grpc
-from card_common.convert import (
+from card.cache_service import metrics
+from card.cache_service.config import CacheConfig
+from card.cache_service.monitor import Monitor
+from card.cache_service.registry import DraftRegistration, Registry, Worker
+from card.cache_service.sessions import Session, SessionTable
+from card.cache_service.store import MetadataStore
+from card.common.convert import (
     chain_policy_from_msg,
     chain_to_msg,
     command_to_msg,
@@ -30,9 +29,10 @@ from card_common.convert import (
     layer_from_msg,
     stats_from_msg,
 )
-from card_common.status import grpc_errors, status_code
-from card_common.tensors import ids_from_msg
-from engine.errors import CardError, FailedPrecondition, Unavailable
+from card.common.status import grpc_errors, status_code
+from card.common.tensors import ids_from_msg
+from card.engine.shared.errors import CardError, FailedPrecondition, Unavailable
+from card.v1 import cache_pb2, cache_pb2_grpc
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +40,7 @@ log = logging.getLogger(__name__)
 def session_to_msg(session: Session) -> cache_pb2.SessionInfo:
     return cache_pb2.SessionInfo(
         session_id=session.session_id, target_model=session.target_model, draft=session.draft,
-        epoch=session.epoch, committed_tokens=len(session.committed), tree_nodes=len(session.tree),
+        epoch=session.epoch, committed_tokens=len(session.card.committed), tree_nodes=len(session.tree),
     )
 
 

@@ -1,16 +1,15 @@
-"""Per-session state and the assignment of sessions to draft workers.
+"""The cache's sessions: which draft worker serves each, their records, their idleness.
 
-A session holds its TwoTierTree (on the configured device), the committed sequence (prompt +
-every accepted token and next token), the epoch (the tree's), the worker serving it, and its chain
-settings (the cache's, with the target's ChainPolicy over them). Step is
-``tree.apply_correction`` + forward the Advance + ``tree.best_chain``: it never waits on a draft.
+Query-and-correct itself is engine.shared.session.CardSession (tree, committed text, chain
+settings: the cache's with the target's ChainPolicy over them); each Session here holds one, with
+a ``WorkerLink`` that queues StartDraft / AdvanceDraft / StopDraft for the worker serving it.
 Everything here is engine values; wire messages exist only in the servicer and convert.py.
 
-Changing a session's worker (one left, one joined, one replaced) restarts its tree under the
-virtual root of the epoch and sends the new worker ``StartDraft(committed, epoch)``. When the
-tree still holds nodes, the target may be verifying a chain made of them, so the restart waits
-for that chain's correction (the next Step) and happens right after it; otherwise it happens at
-once. Output never depends on any of this: the target verifies every token.
+Changing a session's worker (one left, one joined, one replaced) detaches the old link and
+attaches a new one: the CardSession restarts the tree under the virtual root of the epoch and the
+new worker gets ``StartDraft(committed, epoch)``, at once or right after the next correction when
+the tree still holds nodes the target may be verifying. Output never depends on any of this: the
+target verifies every token.
 
 Lock order: the table lock (shared with the Registry) before any session's lock; Redis is never
 called under either.
@@ -29,17 +28,35 @@ from dataclasses import dataclass, field
 
 import torch
 
-from cache_service import metrics
-from cache_service.config import CacheConfig
-from cache_service.registry import Registry, Worker
-from cache_service.store import MetadataStore
-from engine.config import ChainPolicy, TreeParams
-from engine.draft_commands import AdvanceDraft, StartDraft, StopDraft
-from engine.errors import CardError, InvalidArgument, NotFound, Unavailable
-from engine.stats import GenerationStats
-from engine.tree import Chain, Correction, Layer, Outcome, TwoTierTree
+from card.cache_service import metrics
+from card.cache_service.config import CacheConfig
+from card.cache_service.registry import Registry, Worker
+from card.cache_service.store import MetadataStore
+from card.engine.shared.commands import AdvanceDraft, StartDraft, StopDraft
+from card.engine.shared.config import ChainPolicy, TreeParams
+from card.engine.shared.errors import CardError, InvalidArgument, NotFound, Unavailable
+from card.engine.shared.session import CardSession
+from card.engine.shared.stats import GenerationStats
+from card.engine.shared.tree import Advance, Chain, Correction, Layer, Outcome, TwoTierTree
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class WorkerLink:
+    """A session's link to the worker serving it: commands queued for its Commands stream."""
+
+    worker: Worker
+    session_id: str
+
+    def start(self, committed: Sequence[int], epoch: int) -> None:
+        self.worker.send(StartDraft(self.session_id, tuple(committed), epoch))
+
+    def advance(self, advance: Advance) -> None:
+        self.worker.send(AdvanceDraft(self.session_id, advance))
+
+    def stop(self) -> None:
+        self.worker.send(StopDraft(self.session_id))
 
 
 @dataclass(eq=False)
@@ -48,34 +65,42 @@ class Session:
     target_model: str
     fingerprint: str
     draft_name: str  # the draft the target asked for; "" = any matching worker
-    tree: TwoTierTree
-    committed: list[int]
+    card: CardSession  # tree, committed text, chain settings (the cache's, its ChainPolicy over them)
     prompt_tokens: int
-    params: TreeParams  # the chain fields are this session's: the cache's, its ChainPolicy over them
     vocab_size: int = 0  # the target's (OpenSession); layers' tokens must lie below it
     opened_unix: float = field(default_factory=time.time)
     last_active: float = field(default_factory=time.monotonic)  # open, last Step or keepalive
     idle_timeout_s: float = 0.0  # the target's (OpenSession); 0 = the cache's
     draft_refused: bool = False  # a worker dropped it (LayerMessage.dropped): no worker is tried again
     worker: Worker | None = None
-    restart_pending: bool = False
-    closed: bool = False
-    outcomes: dict[Outcome, int] = field(default_factory=lambda: dict.fromkeys(Outcome, 0))
-    steps: int = 0
-    layers: int = 0
     # draft counters: from workers that served earlier + the current worker's latest layer
     draft_forwards_done: int = 0
     draft_idle_done: float = 0.0
     draft_forwards: int = 0
     draft_idle_s: float = 0.0
     flushed_epoch: int = -1
-    lock: threading.Lock = field(default_factory=threading.Lock)
     # serialises Redis writes of this session's record so a late flush cannot revive a closed one
     record_lock: threading.Lock = field(default_factory=threading.Lock)
 
     @property
+    def lock(self) -> threading.Condition:
+        return self.card.lock
+
+    @property
     def epoch(self) -> int:
-        return self.tree.epoch
+        return self.card.epoch
+
+    @property
+    def tree(self) -> TwoTierTree:
+        return self.card.tree
+
+    @property
+    def params(self) -> TreeParams:
+        return self.card.params
+
+    @property
+    def closed(self) -> bool:
+        return self.card.closed
 
     @property
     def draft(self) -> str:
@@ -87,7 +112,7 @@ class Session:
         return {
             "status": "live", "target_model": self.target_model, "fingerprint": self.fingerprint,
             "draft_requested": self.draft_name, "draft": self.draft,
-            "prompt_tokens": self.prompt_tokens, "committed_tokens": len(self.committed),
+            "prompt_tokens": self.prompt_tokens, "committed_tokens": len(self.card.committed),
             "epoch": self.epoch, "tree_nodes": len(self.tree), "max_chain": self.params.max_chain,
             "min_path_prob": self.params.min_path_prob, "b_extension": int(self.params.b_extension),
             "opened_unix": self.opened_unix, "updated_unix": time.time(),
@@ -123,25 +148,16 @@ class SessionTable:
         return len(self._sessions)
 
     # ---- worker assignment (table lock held) --------------------------------------------------
-    def _restart(self, session: Session) -> None:
-        """Empty tree under the virtual root of the current epoch; the worker starts over."""
-        session.tree.reset(session.epoch)
-        session.restart_pending = False
-        if session.worker is not None:
-            session.worker.send(StartDraft(session.session_id, tuple(session.committed), session.epoch))
-
     def _attach(self, session: Session, worker: Worker) -> None:
         worker.sessions.add(session.session_id)
         with session.lock:
             session.worker = worker
-            if len(session.tree) == 0 and not session.restart_pending:
-                self._restart(session)
-            else:
-                session.restart_pending = True
+            session.card.attach(WorkerLink(worker, session.session_id))
         log.info("session %s served by draft %s", session.session_id, worker.name,
                  extra={"session_id": session.session_id, "draft": worker.name})
 
     def _detach(self, session: Session) -> None:
+        """The session's worker no longer serves it (it left, or dropped it): no command goes to it."""
         worker = session.worker
         if worker is None:
             return
@@ -152,10 +168,7 @@ class SessionTable:
             session.draft_idle_done += idle
             session.draft_forwards, session.draft_idle_s = 0, 0.0
             session.worker = None
-            if len(session.tree) == 0:
-                session.tree.reset(session.epoch)
-            else:
-                session.restart_pending = True
+            session.card.detach()
 
     def _rebalance(self) -> None:
         """Give every session without a worker one, where a matching worker has room."""
@@ -210,10 +223,11 @@ class SessionTable:
         if not fingerprint:
             raise InvalidArgument("tokenizer_fingerprint is required to match a draft to the target")
         params = chain.over(self.config.tree) if chain is not None else self.config.tree
+        card = CardSession(params, self.device)
+        card.open(prompt_ids)
         session = Session(
             session_id=uuid.uuid4().hex, target_model=target_model or "unknown", fingerprint=fingerprint,
-            draft_name=draft, tree=TwoTierTree(self.device), committed=list(prompt_ids),
-            prompt_tokens=len(prompt_ids), params=params, vocab_size=vocab_size,
+            draft_name=draft, card=card, prompt_tokens=len(prompt_ids), vocab_size=vocab_size,
             idle_timeout_s=idle_timeout_s,
         )
         with self.lock:
@@ -240,32 +254,24 @@ class SessionTable:
         with session.lock:
             if session.closed:
                 raise NotFound(f"session {session_id!r} is closed")
-            advance = session.tree.apply_correction(correction)  # Aborted on a stale epoch
-            session.committed.extend(correction.accepted_tokens)
-            session.committed.append(correction.next_token)
-            session.outcomes[advance.outcome] += 1
-            session.steps += 1
+            result = session.card.step(correction)  # Aborted on a stale epoch
             session.last_active = time.monotonic()
-            if session.restart_pending:
-                self._restart(session)
-            elif session.worker is not None:
-                session.worker.send(AdvanceDraft(session_id, advance))
-            params = session.params
-            chain = session.tree.best_chain(params.max_chain, params.b_extension, params.min_path_prob)
+        assert result.outcome is not None
         metrics.STEPS.inc()
-        metrics.OUTCOMES.labels(advance.outcome.value).inc()
+        metrics.OUTCOMES.labels(result.outcome.value).inc()
         metrics.STEP_LATENCY.observe(time.perf_counter() - t0)
-        return chain, advance.outcome
+        return result.chain, result.outcome
 
     def close(self, session_id: str, stats: GenerationStats | None = None,
               status: str = "finished") -> tuple[int, float]:
         """End the session everywhere; returns the draft's (forwards, idle seconds)."""
         session = self._remove(session_id)
         forwards, idle = session.draft_totals()
-        cache_counts = {o.value: n for o, n in session.outcomes.items()}
+        card = session.card
+        cache_counts = {o.value: n for o, n in card.outcomes.items()}
         record: dict[str, str | int | float] = {
             "status": status, "closed_unix": time.time(), "epoch": session.epoch,
-            "committed_tokens": len(session.committed), "steps": session.steps, "layers": session.layers,
+            "committed_tokens": len(card.committed), "steps": card.steps, "layers": card.layers,
             "draft_forwards": forwards, "draft_idle_s": idle,
             **{f"cache_{k}s": v for k, v in cache_counts.items()},
         }
@@ -288,7 +294,7 @@ class SessionTable:
             log.warning("final record of session %s not written: %s", session_id, exc,
                         extra={"session_id": session_id})
         log.info("session %s closed (%s, %d steps, draft forwards %d)", session_id, status,
-                 session.steps, forwards, extra={"session_id": session_id})
+                 card.steps, forwards, extra={"session_id": session_id})
         return forwards, idle
 
     def _remove(self, session_id: str) -> Session:
@@ -300,11 +306,8 @@ class SessionTable:
             if worker is not None:
                 worker.sessions.discard(session_id)
             with session.lock:
-                session.closed = True
                 session.worker = None
-                if worker is not None:
-                    worker.send(StopDraft(session_id))
-                session.tree.reset(session.epoch)  # free the tensors now, not when the last ref goes
+                session.card.close()  # StopDraft to the worker; the tree's tensors are freed now
             if worker is not None:
                 self._rebalance()  # the freed slot may serve a waiting session
         metrics.SESSIONS_OPEN.dec()
@@ -349,12 +352,10 @@ class SessionTable:
         layer.check(session.vocab_size)
         with session.lock:
             worker = session.worker
-            if session.closed or worker is None or worker.worker_id != worker_id:
+            if worker is None or worker.worker_id != worker_id:
                 return False
-            if session.restart_pending:  # layers of the old tree; the restart is coming
+            if not session.card.apply_layer(layer):  # closed, or layers of the old tree
                 return False
-            session.tree.apply_layer(layer)
-            session.layers += 1
             session.draft_forwards = draft_forwards
             session.draft_idle_s = draft_idle_s
         return True

@@ -24,7 +24,7 @@ import redis
 from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
-from engine.errors import Unavailable
+from card.engine.shared.errors import Unavailable
 
 log = logging.getLogger(__name__)
 

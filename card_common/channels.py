@@ -9,10 +9,10 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from card_common.auth import PresentToken
-from card_common.serving import MAX_MESSAGE_BYTES
-from card_common.tls import PLAINTEXT, TlsConfig
-from engine.errors import Unavailable
+from card.common.auth import PresentToken
+from card.common.serving import MAX_MESSAGE_BYTES
+from card.common.tls import PLAINTEXT, TlsConfig
+from card.engine.shared.errors import Unavailable
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +33,7 @@ CHANNEL_OPTIONS: tuple[tuple[str, Any], ...] = (
 
 def channel(addr: str, token: str | None = None, tls: TlsConfig = PLAINTEXT) -> grpc.Channel:
     """A channel to ``addr`` ("host:port"); with ``token``, every call presents it
-    (``authorization: Bearer``, card_common.auth); TLS when ``tls`` dials with it (card_common.tls)."""
+    (``authorization: Bearer``, card.common.auth); TLS when ``tls`` dials with it (card.common.tls)."""
     if tls.dials:
         ch = grpc.secure_channel(addr, tls.channel_credentials(), options=[*CHANNEL_OPTIONS,
                                                                             *tls.channel_options()])

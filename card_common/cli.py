@@ -15,10 +15,10 @@ from typing import Any
 import click
 import grpc
 
-from card_common.status import error_from_rpc
-from card_common.tls import TlsConfig
-from engine.errors import CardError
-from engine.ngram import NgramConfig
+from card.common.status import error_from_rpc
+from card.common.tls import TlsConfig
+from card.engine.shared.config import NgramConfig
+from card.engine.shared.errors import CardError
 
 EXIT_USER_ERROR = 2
 EXIT_INTERRUPTED = 130
@@ -33,6 +33,19 @@ def service_command(env_prefix: str) -> Callable[[Callable[..., Any]], click.Com
     })
 
 
+def exact_option(envvar_prefix: str | None = None) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """``--exact on|off`` -> ``exact: bool``, the same on card-target, card-client and card-bench.
+    ``envvar_prefix``: for commands without ``auto_envvar_prefix`` (card-client's CARD_CLIENT)."""
+    return option(
+        "--exact", type=click.Choice(["on", "off"]), default="on", show_default=True,
+        envvar=f"{envvar_prefix}_EXACT" if envvar_prefix else None,
+        callback=lambda _ctx, _param, value: value == "on",
+        help="on: the target's batch-invariant forward, so every output equals the same request "
+             "served alone by plain decoding, in any dtype and at any load (docs/engine.md). off: the "
+             "vendor kernels (attention, a lone row's matmul), a little faster; outputs may then "
+             "differ with the load and are marked exact=false in the stats.")
+
+
 def logging_options(fn: Callable[..., Any]) -> Callable[..., Any]:
     """``--log-level`` and ``--json-logs``, the same on every service."""
     fn = option("--json-logs", is_flag=True, help="One JSON object per log line.")(fn)
@@ -45,7 +58,7 @@ def exit_on_error(program: str) -> Iterator[None]:
     """Failures a person can fix (bad flags or input, a taken port, a missing model, a peer that is
     down) become one line on stderr, ``PROGRAM: CODE: message``, and exit code 2, never a
     traceback; Ctrl-C exits 130. Every command of the project (services, card-client, card-bench)
-    ends this way."""
+    ends this way. A context manager, and a decorator of click commands alike."""
     try:
         yield
     except CardError as exc:
@@ -65,23 +78,9 @@ def _fail(program: str, exc: CardError) -> None:
     sys.exit(EXIT_USER_ERROR)
 
 
-def exits_on_error(program: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    """``exit_on_error`` as a decorator, for click commands."""
-
-    def decorate(fn: Callable[..., Any]) -> Callable[..., Any]:
-        @functools.wraps(fn)
-        def wrapper(*args: Any, **kwargs: Any) -> Any:
-            with exit_on_error(program):
-                return fn(*args, **kwargs)
-
-        return wrapper
-
-    return decorate
-
-
 def tls_options(program: str, *, serves: bool = True, dials: bool = True,
                 envvar_prefix: str | None = None) -> Callable[[Callable[..., Any]], Any]:
-    """The TLS flags (card_common.tls), the same on every command; the command receives one
+    """The TLS flags (card.common.tls), the same on every command; the command receives one
     ``tls: TlsConfig`` (and ``health_port`` where it serves) instead of the separate flags.
     A file that cannot be read exits 2 with one line, like every other startup error.
     ``envvar_prefix``: for commands without ``auto_envvar_prefix`` (card-client's CARD_CLIENT)."""
@@ -131,7 +130,7 @@ def tls_options(program: str, *, serves: bool = True, dials: bool = True,
 
 
 def ngram_options(program: str, envvar_prefix: str | None = None) -> Callable[[Callable[..., Any]], Any]:
-    """The n-gram drafter's settings (engine.ngram.NgramConfig) as ``--ngram-*`` flags, passed to
+    """The n-gram drafter's settings (card.engine.draft.ngram.NgramConfig) as ``--ngram-*`` flags, passed to
     the command as ``ngram``; the same on card-draft, card-client and card-bench.
     ``envvar_prefix``: for commands without ``auto_envvar_prefix`` (card-client's CARD_CLIENT)."""
     defaults = NgramConfig()
@@ -164,5 +163,61 @@ def ngram_options(program: str, envvar_prefix: str | None = None) -> Callable[[C
                          help="Shortest n-gram matched.")(wrapper)
         return option("--ngram-max-order", type=int, default=defaults.max_order,
                       help="Longest n-gram matched (the longest match a table knows wins).")(wrapper)
+
+    return decorate
+
+
+# The tree flags: (flag, TreeParams field, click type, help). One declaration for every command.
+_TREE_FLAGS: dict[str, tuple[str, Any, str]] = {
+    "width": ("--tree-width", click.IntRange(1, 64),
+              "K: primary nodes per draft layer (default: 3 on CPU, 4 on GPU)."),
+    "branch": ("--branch", click.IntRange(0, 64),
+               "k: secondary children kept per expanded node (default: 4 on CPU, K on GPU)."),
+    "max_depth": ("--max-depth", click.IntRange(min=1),
+                  "Draft layers grown below the root before idling (default 8; model-free 24)."),
+    "max_chain": ("--max-chain", click.IntRange(min=0),
+                  "Most drafted tokens verified per target forward (default: 6 on CPU, 8 on GPU; "
+                  "model-free 12)."),
+    "b_extension": ("--b-extension/--no-b-extension", None,
+                    "Extend each chain by the best secondary-tier token (default: on)."),
+    "min_path_prob": ("--min-path-prob", click.FloatRange(0.0, 1.0),
+                      "Cut chains where the draft's prefix probability falls below this "
+                      "(default: 0, never)."),
+}
+DRAFT_SHAPE = ("width", "branch", "max_depth")  # the draft worker's to choose
+CHAIN_FIELDS = ("max_chain", "b_extension", "min_path_prob")  # a session's (the cache's, or a request's)
+
+
+def _param(field_name: str) -> str:
+    """The flag's parameter (and so its CARD_* variable) name: --tree-width for the field width."""
+    return "tree_width" if field_name == "width" else field_name
+
+
+def tree_options(fields: tuple[str, ...] = DRAFT_SHAPE + CHAIN_FIELDS, envvar_prefix: str | None = None,
+                 note: str = "") -> Callable[[Callable[..., Any]], Any]:
+    """The tree flags (engine.shared.config.TreeParams) named by ``fields``, the same types and
+    help on every command; the command receives ``tree_flags``: the flags that were given, by
+    field (pass them to ``tree_params(device, kind, **tree_flags)``). ``note`` ends the first
+    flag's help (what the command does with them). ``envvar_prefix``: for commands without
+    ``auto_envvar_prefix`` (card-client's CARD_CLIENT, card-bench's CARD_BENCH)."""
+
+    def decorate(fn: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(fn)
+        def wrapper(*args: Any, **kw: Any) -> Any:
+            given = {f: kw.pop(_param(f)) for f in fields}
+            return fn(*args, tree_flags={f: v for f, v in given.items() if v is not None}, **kw)
+
+        for i, field_name in enumerate(reversed(fields)):
+            flag, kind, help_text = _TREE_FLAGS[field_name]
+            if i == len(fields) - 1 and note:
+                help_text = f"{help_text} {note}"
+            kw: dict[str, Any] = {"default": None, "help": help_text, "show_envvar": True}
+            if kind is not None:
+                kw["type"] = kind
+            if envvar_prefix:
+                kw["envvar"] = f"{envvar_prefix}_{_param(field_name).upper()}"
+            decls = [flag, *(["-K"] if field_name == "width" else []), _param(field_name)]
+            wrapper = click.option(*decls, **kw)(wrapper)
+        return wrapper
 
     return decorate

@@ -5,14 +5,14 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from card.common.tensors import DTYPES, from_tensor_msg, ids_from_msg, ids_to_msg, to_tensor_msg
+from card.engine.shared.commands import AdvanceDraft, DraftCommand, StartDraft, StopDraft
+from card.engine.shared.config import ChainPolicy, SamplingParams
+from card.engine.shared.errors import InvalidArgument
+from card.engine.shared.session import StepResult
+from card.engine.shared.stats import GenerationStats
+from card.engine.shared.tree import Advance, Chain, Correction, Layer, Outcome
 from card.v1 import cache_pb2, common_pb2
-from card_common.tensors import DTYPES, from_tensor_msg, ids_from_msg, ids_to_msg, to_tensor_msg
-from engine.chain_source import StepResult
-from engine.config import ChainPolicy, SamplingParams
-from engine.draft_commands import AdvanceDraft, DraftCommand, StartDraft, StopDraft
-from engine.errors import InvalidArgument
-from engine.stats import GenerationStats
-from engine.tree import Advance, Chain, Correction, Layer, Outcome
 
 # ---- outcome ----------------------------------------------------------------------------------
 _OUTCOMES: dict[Outcome, int] = {
@@ -203,6 +203,7 @@ def stats_to_msg(stats: GenerationStats) -> common_pb2.GenerationStats:
         draft_idle_s=stats.draft_idle_s,
         step_rtt_ms=stats.step_rtt_ms,
         accepted_lengths=stats.accepted_lengths,
+        exact=stats.exact,
     )
 
 
@@ -222,6 +223,7 @@ def stats_from_msg(msg: common_pb2.GenerationStats) -> GenerationStats:
         draft_idle_s=msg.draft_idle_s,
         step_rtt_ms=list(msg.step_rtt_ms),
         accepted_lengths=list(msg.accepted_lengths),
+        exact=msg.exact,
     )
 
 

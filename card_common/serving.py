@@ -15,14 +15,14 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from card_common.tls import PLAINTEXT, TlsConfig
-from engine.errors import InvalidArgument, Unavailable
+from card.common.tls import PLAINTEXT, TlsConfig
+from card.engine.shared.errors import InvalidArgument, Unavailable
 
 log = logging.getLogger(__name__)
 
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 
-# Clients ping every 30 s (card_common.channels); the server must allow that or it answers with
+# Clients ping every 30 s (card.common.channels); the server must allow that or it answers with
 # GOAWAY "too_many_pings" and long-lived streams (draft commands) drop.
 SERVER_OPTIONS: tuple[tuple[str, Any], ...] = (
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),

@@ -1,7 +1,7 @@
 """Domain errors <-> gRPC status codes (both directions) and HTTP statuses: the one table
 (DESIGN.md §7).
 
-Servicers raise ``engine.errors`` classes; ``grpc_errors`` turns them into a status with the
+Servicers raise ``card.engine.shared.errors`` classes; ``grpc_errors`` turns them into a status with the
 error's message. Clients turn a failed call back into the same class with ``error_from_rpc``, so
 the CLI and the target service handle local and remote failures alike.
 """
@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 
 import grpc
 
-from engine.errors import (
+from card.engine.shared.errors import (
     Aborted,
     AlreadyExists,
     CardError,

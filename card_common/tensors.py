@@ -9,8 +9,8 @@ from collections.abc import Sequence
 
 import torch
 
+from card.engine.shared.errors import InvalidArgument
 from card.v1 import common_pb2
-from engine.errors import InvalidArgument
 
 DTYPES: dict[str, torch.dtype] = {
     "int64": torch.int64,
@@ -22,7 +22,7 @@ DTYPES: dict[str, torch.dtype] = {
 _NAMES = {v: k for k, v in DTYPES.items()}
 
 if sys.byteorder != "little":  # every supported host (x86-64, arm64) is little-endian
-    raise ImportError("card_common.tensors assumes a little-endian host")
+    raise ImportError("card.common.tensors assumes a little-endian host")
 
 
 def _dtype(name: str) -> torch.dtype:

@@ -25,7 +25,7 @@ from typing import Any
 
 import grpc
 
-from engine.errors import InvalidArgument
+from card.engine.shared.errors import InvalidArgument
 
 log = logging.getLogger(__name__)
 

@@ -10,13 +10,28 @@ from pathlib import Path
 
 import click
 
-from card_common.cli import exits_on_error, ngram_options, option, tls_options
-from card_common.tls import TlsConfig
-from client import ops
-from client.options import DEFAULT_DRAFT, GenerateOptions, drafter_of
-from engine.config import ChainPolicy, SamplingParams, StopParams, tree_params
-from engine.loading.models import DEFAULT_MODEL, DTYPES, QUANTIZE, ModelConfig, export_checkpoint
-from engine.ngram import NGRAM, NgramConfig
+from card.client import ops
+from card.client.options import DEFAULT_DRAFT, GenerateOptions
+from card.common.cli import (
+    DRAFT_SHAPE,
+    exact_option,
+    exit_on_error,
+    ngram_options,
+    option,
+    tls_options,
+    tree_options,
+)
+from card.common.tls import TlsConfig
+from card.engine.loading.models import DEFAULT_MODEL, DTYPES, QUANTIZE, ModelConfig, export_checkpoint
+from card.engine.shared.config import (
+    NGRAM,
+    ChainPolicy,
+    DrafterKind,
+    NgramConfig,
+    SamplingParams,
+    StopParams,
+    tree_params,
+)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -59,19 +74,11 @@ def cli(log_level: str) -> None:
 @option("--seed", default=0, show_default=True, type=int)
 @option("--stop", "stop", multiple=True, help="Stop before this string (repeatable).")
 @option("--ignore-eos", is_flag=True, help="Keep generating past EOS.")
-@option("--tree-width", "-K", default=None, type=int,
-        help="K: primary nodes per draft layer (default: 3 on CPU, 4 on GPU). Draft-shape flags "
-             "(--tree-width, --branch, --max-depth) reach --inprocess runs and a local trio's "
-             "card-draft; with --target they are refused (set them where card-draft runs).")
-@option("--branch", default=None, type=int,
-        help="k: secondary children per expanded node (default: 4 on CPU, K on GPU).")
-@option("--max-depth", default=None, type=int, help="Draft layers below the root (default 8).")
-@option("--max-chain", default=None, type=int,
-        help="Most drafted tokens verified per target forward (default: 6 on CPU, 8 on GPU). "
-             "Chain flags (--max-chain, --min-path-prob) also travel with each request to --target.")
-@option("--min-path-prob", type=click.FloatRange(0.0, 1.0), default=None,
-        help="Cut chains where the draft's prefix probability falls below this "
-        "(default: 0, never).")
+@tree_options((*DRAFT_SHAPE, "max_chain", "min_path_prob"),
+              note="Draft-shape flags (--tree-width, --branch, --max-depth) reach --inprocess runs and a "
+                   "local trio's card-draft; with --target they are refused (set them where card-draft "
+                   "runs). Chain flags (--max-chain, --min-path-prob) also travel with each request to "
+                   "--target.")
 @option("--backoff/--no-backoff", default=True, show_default=True,
         help="--inprocess card: pause a draft that keeps missing or makes the target slower "
         "than alone (docs/engine.md); --no-backoff drafts throughout.")
@@ -80,39 +87,35 @@ def cli(log_level: str) -> None:
 @option("--target-threads", type=int, default=None, help="torch threads of the target.")
 @option("--draft-threads", type=int, default=None, help="torch threads of the draft.")
 @option("--json", "as_json", is_flag=True, help="Print one JSON object: text, token_ids, stats.")
+@exact_option("CARD_CLIENT")
 @ngram_options("card-client", envvar_prefix="CARD_CLIENT")
 @tls_options("card-client", serves=False, envvar_prefix="CARD_CLIENT")
-@exits_on_error("card-client")
+@exit_on_error("card-client")
 def generate(prompt: str, inprocess: bool, target_addr: str | None, draft_name: str | None, mode: str,
              target_model: str, draft_model: str, cascade: str, draft_quantize: str | None, dtype: str,
              device: str,
              max_new_tokens: int, temperature: float, top_k: int, top_p: float, seed: int,
-             stop: tuple[str, ...], ignore_eos: bool, tree_width: int | None, branch: int | None,
-             max_depth: int | None, max_chain: int | None, min_path_prob: float | None,
+             stop: tuple[str, ...], ignore_eos: bool, tree_flags: dict[str, object],
              backoff: bool, gamma: int, chat: bool | None, target_threads: int | None,
              draft_threads: int | None,
-             as_json: bool, tls: TlsConfig, ngram: NgramConfig) -> None:
+             as_json: bool, exact: bool, tls: TlsConfig, ngram: NgramConfig) -> None:
     """Generate text for PROMPT, streaming it as the target commits it; a stats line follows."""
     if draft_quantize is None:
         draft_quantize = DEFAULT_DRAFT.quantize if draft_model == DEFAULT_DRAFT.spec else "none"
-    drafter = drafter_of(draft_model, cascade)
-    if drafter == "ngram" and cascade != "none":
-        raise click.UsageError("--cascade puts n-gram statistics beneath a draft model; --draft-model ngram "
-                               "is the statistics alone")
-    if drafter != "neural" and mode != "card":
-        raise click.UsageError(f"--draft-model ngram and --cascade grow card's trees; --mode {mode} has none")
-    draft_shape = tuple(flag for flag, value in (("--tree-width", tree_width), ("--branch", branch),
-                                                 ("--max-depth", max_depth)) if value is not None)
+    drafter = DrafterKind.from_flags(draft_model, cascade)
+    drafter.check_mode(mode)
+    draft_shape = tuple(f"--{'tree-width' if f == 'width' else f.replace('_', '-')}"
+                        for f in DRAFT_SHAPE if f in tree_flags)
     opts = GenerateOptions(
         prompt=prompt,
         mode=mode,
-        target=ModelConfig(target_model, dtype, device),
+        target=ModelConfig(target_model, dtype, device, exact=exact),
         draft=ModelConfig(draft_model, dtype, device, draft_quantize),
         sampling=SamplingParams(temperature, top_k, top_p, seed),
         stop=StopParams(max_new_tokens, tuple(stop), ignore_eos),
-        tree=tree_params(device, drafter, width=tree_width, branch=branch, max_depth=max_depth,
-                         max_chain=max_chain, min_path_prob=min_path_prob),
-        chain=ChainPolicy(max_chain=max_chain, min_path_prob=min_path_prob),
+        tree=tree_params(device, drafter, **tree_flags),
+        chain=ChainPolicy(max_chain=tree_flags.get("max_chain"),  # type: ignore[arg-type]
+                          min_path_prob=tree_flags.get("min_path_prob")),  # type: ignore[arg-type]
         draft_shape=draft_shape,
         gamma=gamma,
         backoff=backoff,
@@ -125,11 +128,11 @@ def generate(prompt: str, inprocess: bool, target_addr: str | None, draft_name: 
     )
     on_text = None if as_json else _echo_text
     if inprocess:
-        from client.inprocess import generate_inprocess
+        from card.client.inprocess import generate_inprocess
 
         result = generate_inprocess(opts, on_text)
     else:
-        from client.services import generate_via_services
+        from card.client.services import generate_via_services
 
         result = generate_via_services(opts, target_addr, on_text, tls)
     if as_json:
@@ -143,7 +146,7 @@ def generate(prompt: str, inprocess: bool, target_addr: str | None, draft_name: 
 @click.argument("spec")
 @click.argument("dest", type=click.Path(file_okay=False, path_type=Path))
 @option("--dtype", type=click.Choice(list(DTYPES)), default="float32", show_default=True)
-@exits_on_error("card-client")
+@exit_on_error("card-client")
 def export(spec: str, dest: Path, dtype: str) -> None:
     """Save SPEC (a .gguf file, a folder, an HF id) as a checkpoint folder DEST that loads fast."""
     loaded = export_checkpoint(spec, dest, dtype)

@@ -7,11 +7,11 @@ from collections.abc import Callable
 
 import click
 
-from client.options import GenerateOptions
-from engine.config import GenerationRequest
-from engine.generate import GenerationResult
-from engine.loading.models import load_model
-from engine.runner import InProcessRunner, check_compatible
+from card.client.options import GenerateOptions
+from card.engine.inprocess.runner import InProcessRunner
+from card.engine.loading.models import load_model
+from card.engine.shared.config import GenerationRequest
+from card.engine.target.generation import GenerationResult
 
 
 def generate_inprocess(opts: GenerateOptions, on_text: Callable[[str], None] | None) -> GenerationResult:
@@ -20,14 +20,13 @@ def generate_inprocess(opts: GenerateOptions, on_text: Callable[[str], None] | N
     target = load_model(opts.target)
     prompt_ids = target.encode_prompt(opts.prompt, opts.chat)  # bad prompts fail before the draft loads
     draft = None
-    if config.mode != "vanilla" and config.drafter != "ngram":
+    if config.mode != "vanilla" and config.drafter.needs_model:
         _status(f"loading draft {opts.draft.label} ...")
         draft = load_model(opts.draft)
-        check_compatible(target, draft)
     runner = InProcessRunner(target, draft, config)
     try:
         generation = runner.generation(GenerationRequest(tuple(prompt_ids), opts.sampling, opts.stop))
-        for chunk in generation:
+        for chunk in runner.stream(generation):
             if on_text is not None and chunk.text:
                 on_text(chunk.text)
         assert generation.result is not None

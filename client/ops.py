@@ -18,14 +18,14 @@ from pathlib import Path
 import click
 import grpc
 
+from card.client.trio import LocalTrio
+from card.common.channels import channel, health_status
+from card.common.cli import exit_on_error, option, tls_options
+from card.common.status import error_from_rpc
+from card.common.tls import PLAINTEXT, TlsConfig
+from card.engine.loading.models import DEFAULT_MODEL, QUANTIZE
+from card.engine.shared.errors import CardError
 from card.v1 import cache_pb2, cache_pb2_grpc, target_pb2, target_pb2_grpc
-from card_common.channels import channel, health_status
-from card_common.cli import exits_on_error, option, tls_options
-from card_common.status import error_from_rpc
-from card_common.tls import PLAINTEXT, TlsConfig
-from client.trio import LocalTrio
-from engine.errors import CardError
-from engine.loading.models import DEFAULT_MODEL, QUANTIZE
 
 DEFAULT_TARGET_ADDR = "localhost:50051"
 DEFAULT_CACHE_ADDR = "localhost:50052"
@@ -62,7 +62,7 @@ def _table(rows: Sequence[Sequence[str]], header: Sequence[str]) -> str:
         help="Where the services write their logs (default: a new temporary folder).")
 @option("--dtype", default="auto", show_default=True)
 @option("--device", default="auto", show_default=True)
-@exits_on_error("card-client")
+@exit_on_error("card-client")
 def up(target_model: str, draft_model: str, draft_quantize: str | None, draft_name: str | None,
        target_port: int, cache_port: int, draft_port: int, http_port: int | None, target_threads: int | None,
        draft_threads: int | None, redis_url: str | None, log_dir: Path | None, dtype: str,
@@ -169,7 +169,7 @@ def _totals_line(totals: dict[str, float]) -> str:
 @option("--target-token", envvar="CARD_CLIENT_TARGET_TOKEN", default=None,
         help="The cache's target token, where card-cache requires one (--target-token).")
 @tls_options("card-client", serves=False, envvar_prefix="CARD_CLIENT")
-@exits_on_error("card-client")
+@exit_on_error("card-client")
 def status(target_addr: str, cache_addr: str, draft_addr: str, target_token: str | None,
            tls: TlsConfig) -> None:
     """Health of each service, registered drafts, live sessions and totals from the cache."""
@@ -217,7 +217,7 @@ def _drafts_table(reply: cache_pb2.StatusResponse) -> str:
 @option("--target-token", envvar="CARD_CLIENT_TARGET_TOKEN", default=None,
         help="The cache's target token, where card-cache requires one (--target-token).")
 @tls_options("card-client", serves=False, envvar_prefix="CARD_CLIENT")
-@exits_on_error("card-client")
+@exit_on_error("card-client")
 def drafts(cache_addr: str, target_token: str | None, tls: TlsConfig) -> None:
     """Draft workers registered with the cache service."""
     click.echo(_drafts_table(cache_status(cache_addr, target_token, tls)))

@@ -5,10 +5,16 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-from engine.config import ChainPolicy, SamplingParams, StopParams, TreeParams
-from engine.loading.models import DEFAULT_MODEL, ModelConfig
-from engine.ngram import NGRAM, NgramConfig
-from engine.runner import RunnerConfig
+from card.engine.inprocess.runner import RunnerConfig
+from card.engine.loading.models import DEFAULT_MODEL, ModelConfig
+from card.engine.shared.config import (
+    ChainPolicy,
+    DrafterKind,
+    NgramConfig,
+    SamplingParams,
+    StopParams,
+    TreeParams,
+)
 
 # The embedded default pair: SmolLM2-135M-Instruct drafting for itself, dynamically quantized to
 # int8 (training-free; docs/default-draft.md has the measurement behind the choice).
@@ -29,7 +35,7 @@ class GenerateOptions:
     running target; ``draft_shape``: the draft-shape flags that were given (``--tree-width`` ...),
     which only the process that grows the tree can honour; ``drafter``: neural, cascade (n-gram
     statistics beneath the draft model) or ngram (``--draft-model ngram``, no draft model), with
-    the n-gram settings ``ngram``."""
+    the n-gram settings ``ngram`` (engine.shared.config.DrafterKind, parsed once from the flags)."""
 
     prompt: str
     mode: str
@@ -46,7 +52,7 @@ class GenerateOptions:
     draft_threads: int | None = None
     backoff: bool = True
     draft_name: str | None = None
-    drafter: str = "neural"
+    drafter: DrafterKind = DrafterKind.NEURAL
     ngram: NgramConfig = field(default_factory=NgramConfig)
 
     def runner_config(self) -> RunnerConfig:
@@ -54,7 +60,7 @@ class GenerateOptions:
             target_threads = self.target_threads or os.cpu_count()
             return RunnerConfig(mode="vanilla", target_threads=target_threads)
         t, d = default_thread_split()
-        if self.drafter == "ngram":  # the drafter is one Python thread: every core to the target
+        if self.drafter is DrafterKind.NGRAM:  # the drafter is one Python thread: every core to the target
             t, d = os.cpu_count() or 1, None
         return RunnerConfig(
             mode=self.mode,
@@ -66,10 +72,3 @@ class GenerateOptions:
             drafter=self.drafter,
             ngram=self.ngram,
         )
-
-
-def drafter_of(draft_model: str, cascade: str) -> str:
-    """neural, cascade or ngram, from ``--draft-model`` and ``--cascade``."""
-    if draft_model == NGRAM:
-        return "ngram"
-    return "neural" if cascade == "none" else "cascade"

@@ -2,7 +2,7 @@
 
     result = generate_remote("localhost:50051", "Hello", sampling=SamplingParams(), stop=StopParams())
 
-Failures arrive as ``engine.errors`` classes (the one gRPC status table in card_common.status), so
+Failures arrive as ``card.engine.shared.errors`` classes (the one gRPC status table in card.common.status), so
 the CLI prints them the same way as local errors.
 """
 
@@ -13,15 +13,15 @@ from dataclasses import dataclass
 
 import grpc
 
+from card.common.channels import channel
+from card.common.convert import chain_policy_to_msg, sampling_to_msg, stats_from_msg
+from card.common.status import error_from_rpc
+from card.common.tensors import ids_from_msg, ids_to_msg
+from card.common.tls import PLAINTEXT, TlsConfig
+from card.engine.shared.config import ChainPolicy, SamplingParams, StopParams
+from card.engine.shared.errors import InvalidArgument, Unavailable
+from card.engine.target.generation import GenerationResult
 from card.v1 import target_pb2, target_pb2_grpc
-from card_common.channels import channel
-from card_common.convert import chain_policy_to_msg, sampling_to_msg, stats_from_msg
-from card_common.status import error_from_rpc
-from card_common.tensors import ids_from_msg, ids_to_msg
-from card_common.tls import PLAINTEXT, TlsConfig
-from engine.config import ChainPolicy, SamplingParams, StopParams
-from engine.errors import InvalidArgument, Unavailable
-from engine.generate import GenerationResult
 
 START_HINT = ("start the services with `card-client up` "
               "(or point --target / CARD_CLIENT_TARGET_ADDR at a running card-target)")
@@ -65,7 +65,7 @@ def generate_remote(addr: str, prompt: str | Sequence[int], *, chat: bool | None
                     tls: TlsConfig = PLAINTEXT) -> RemoteGenerationResult:
     """Stream one generation from the target at ``addr``; ``prompt`` is text or token ids.
 
-    ``on_text`` gets each piece of text as the target commits it. Raises ``engine.errors``
+    ``on_text`` gets each piece of text as the target commits it. Raises ``card.engine.shared.errors``
     subclasses: Unavailable when the target cannot be reached (naming ``addr``) or misses the
     ``timeout_s`` deadline, InvalidArgument / NotFound / FailedPrecondition as the target says.
     """

@@ -6,12 +6,12 @@ from collections.abc import Callable
 
 import click
 
-from card_common.tls import PLAINTEXT, TlsConfig
-from client.options import GenerateOptions
-from client.remote import generate_remote
-from client.trio import LocalTrio
-from engine.errors import InvalidArgument
-from engine.generate import GenerationResult
+from card.client.options import GenerateOptions
+from card.client.remote import generate_remote
+from card.client.trio import LocalTrio
+from card.common.tls import PLAINTEXT, TlsConfig
+from card.engine.shared.errors import InvalidArgument
+from card.engine.target.generation import GenerationResult
 
 
 def generate_via_services(opts: GenerateOptions, target_addr: str | None,
@@ -21,7 +21,7 @@ def generate_via_services(opts: GenerateOptions, target_addr: str | None,
     start a local trio (redis-server, card-cache, card-draft, card-target) for this command.
 
     Every tree flag reaches the services: a local trio is started with all of them
-    (``client.trio.service_args``); a running target gets the chain flags with the request, and
+    (``card.client.trio.service_args``); a running target gets the chain flags with the request, and
     the draft-shape flags, which only the running draft worker could honour, are refused. ``tls``:
     how to dial the running target (a local trio is loopback plaintext)."""
     if target_addr:
@@ -40,14 +40,15 @@ def generate_via_services(opts: GenerateOptions, target_addr: str | None,
         target_model=opts.target.spec,
         draft_model=opts.draft.spec,
         draft_quantize=opts.draft.quantize,
-        cascade="ngram" if opts.drafter == "cascade" else "none",
-        ngram=None if opts.drafter == "neural" else opts.ngram,
+        cascade=opts.drafter.cascade,
+        ngram=opts.ngram if opts.drafter.uses_ngram else None,
         target_threads=opts.target_threads,
         draft_threads=opts.draft_threads,
         draft_name=opts.draft_name,
         dtype=opts.target.dtype,
         device=opts.target.device,
         tree=opts.tree,
+        exact=opts.target.exact,
     ) as trio:
         return _remote(opts, trio.target_addr, on_text)
 

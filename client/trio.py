@@ -32,12 +32,11 @@ from pathlib import Path
 
 import grpc
 
-from card_common.channels import health_status
-from card_common.tls import PLAINTEXT, TlsConfig
-from client.options import default_thread_split
-from engine.config import TreeParams
-from engine.errors import Unavailable
-from engine.ngram import NGRAM, NgramConfig
+from card.client.options import default_thread_split
+from card.common.channels import health_status
+from card.common.tls import PLAINTEXT, TlsConfig
+from card.engine.shared.config import NGRAM, NgramConfig, TreeParams
+from card.engine.shared.errors import Unavailable
 
 LISTENING = re.compile(r"^(card-\w+) listening on (\S+):(\d+)\s*$", re.MULTILINE)
 HTTP_LISTENING = re.compile(r"^card-target http listening on (\S+):(\d+)\s*$", re.MULTILINE)
@@ -176,7 +175,7 @@ class ServiceProcess:
 
 
 def tls_env(prefix: str, tls: TlsConfig) -> dict[str, str | None]:
-    """``tls`` as the CARD_<SERVICE>_TLS_* variables of one service (card_common.cli.tls_options)."""
+    """``tls`` as the CARD_<SERVICE>_TLS_* variables of one service (card.common.cli.tls_options)."""
     return {f"{prefix}_TLS_CERT": tls.cert, f"{prefix}_TLS_KEY": tls.key, f"{prefix}_TLS_CA": tls.ca,
             f"{prefix}_TLS_CLIENT_AUTH": "1" if tls.client_auth else None,
             f"{prefix}_TLS_SERVER_NAME": tls.server_name}
@@ -194,7 +193,7 @@ def service_args(tree: TreeParams) -> dict[str, list[str]]:
 
 
 def ngram_args(ngram: NgramConfig) -> list[str]:
-    """``ngram`` as card-draft's --ngram-* flags (card_common.cli.ngram_options)."""
+    """``ngram`` as card-draft's --ngram-* flags (card.common.cli.ngram_options)."""
     args = ["--ngram-max-order", str(ngram.max_order), "--ngram-min-order", str(ngram.min_order),
             "--ngram-table-mb", str(ngram.table_mb), "--ngram-lookahead", str(ngram.lookahead)]
     return [*args, "--ngram-corpus", ngram.corpus] if ngram.corpus else args
@@ -228,14 +227,15 @@ class LocalTrio:
     device: str = "auto"
     metrics: bool = False
     http_port: int | None = None  # the target's OpenAI-compatible front (0 = OS-chosen; ``http_addr``)
-    # the cache's tokens (card_common.auth), handed to the side that presents each; None = open
+    # the cache's tokens (card.common.auth), handed to the side that presents each; None = open
     draft_token: str | None = field(default=None, repr=False)
     target_token: str | None = field(default=None, repr=False)
-    # every gRPC link (card_common.tls): each service serves this certificate and dials with it
+    # every gRPC link (card.common.tls): each service serves this certificate and dials with it
     tls: TlsConfig = PLAINTEXT
     start_timeout_s: float = 600.0
     grace_s: float = 10.0
     tree: TreeParams | None = None
+    exact: bool = True  # card-target --exact on|off
     extra_args: dict[str, Sequence[str]] = field(default_factory=dict)  # per service: "cache", ...
 
     def __post_init__(self) -> None:
@@ -283,6 +283,7 @@ class LocalTrio:
         target = self._spawn("card-target", [
             "--model", self.target_model, "--cache", self.cache_addr, "--port", str(self.target_port),
             "--threads", str(self.target_threads), "--dtype", self.dtype, "--device", self.device,
+            "--exact", "on" if self.exact else "off",
             *([] if self.http_port is None else ["--http-port", str(self.http_port)]),
             *self.extra_args.get("target", ()),
         ], env={"CARD_TARGET_TARGET_TOKEN": self.target_token, **tls_env("CARD_TARGET", self.tls)})

@@ -8,13 +8,12 @@ import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from card_common.tls import TlsConfig
-from engine.config import TreeParams
-from engine.drafter import tree_rows
-from engine.errors import InvalidArgument
-from engine.kv_pool import check_sizing, pool_shape
-from engine.loading.models import ModelConfig
-from engine.ngram import NGRAM, NgramConfig
+from card.common.tls import TlsConfig
+from card.engine.draft.drafter import tree_rows
+from card.engine.loading.models import ModelConfig
+from card.engine.shared.config import DrafterKind, NgramConfig, TreeParams, tree_params
+from card.engine.shared.errors import InvalidArgument
+from card.engine.shared.kv_pool import check_sizing, pool_shape
 
 # A model-free worker holds no KV cache: many more sessions, and longer ones, cost it little
 NGRAM_CAPACITY = 64
@@ -40,12 +39,13 @@ class DraftConfig:
     kv_cache_gb holds fewer; the registry hears the slots). max_model_len: committed tokens per
     slot (a longer session is not drafted; the target decodes it alone); None = the model's
     context window, at most 4096. Each slot also holds its tree (tree width x max depth rows).
-    ngram: the n-gram settings of a model-free worker (``model.spec == "ngram"``, which drafts for
-    the tokenizer ``tokenizer``) or of a cascade (``cascade``); None for a plain neural draft."""
+    drafter: what grows the trees (neural, cascade, or ngram: model-free, drafting for the
+    tokenizer ``tokenizer``); ngram: the n-gram settings of a cascade or model-free worker."""
 
     cache_addr: str
     model: ModelConfig
     name: str
+    drafter: DrafterKind = DrafterKind.NEURAL
     tree: TreeParams = field(default_factory=TreeParams)
     ngram: NgramConfig | None = None
     tokenizer: str | None = None
@@ -72,12 +72,14 @@ class DraftConfig:
                 "the cache address is required (--cache HOST:PORT or CARD_DRAFT_CACHE_ADDR)")
         if not self.name:
             raise InvalidArgument("the worker name must not be empty")
+        if self.drafter is DrafterKind.AUTO:
+            raise InvalidArgument("a draft worker is one kind; auto chooses per session in process")
+        if self.drafter.uses_ngram and self.ngram is None:
+            raise InvalidArgument(f"a {self.drafter.value} draft needs its n-gram settings")
         if self.model_free:
             if not self.tokenizer:
                 raise InvalidArgument("a model-free draft (--model ngram) drafts for a target's tokenizer: "
                                       "give --tokenizer (the target's model spec or tokenizer folder)")
-            if self.ngram is None:
-                raise InvalidArgument("a model-free draft needs its n-gram settings")
         elif self.tokenizer:
             raise InvalidArgument("--tokenizer is for --model ngram; a draft model brings its own")
         if self.capacity < 1:
@@ -88,13 +90,28 @@ class DraftConfig:
         if not 0 <= self.port <= 65535 or not 0 <= self.metrics_port <= 65535:
             raise InvalidArgument("ports must be in [0, 65535]")
 
-    @property
-    def model_free(self) -> bool:
-        return self.model.spec == NGRAM
+    @classmethod
+    def from_options(cls, *, model: str, cascade: str, quantize: str, dtype: str, device: str,
+                     name: str | None, capacity: int | None, tree_flags: dict[str, object],
+                     ngram: NgramConfig, draft_token: str | None, **options: object) -> DraftConfig:
+        """The config of card-draft's flags (one keyword per flag; every other flag is a field):
+        the drafter kind is parsed here, once."""
+        kind = DrafterKind.from_flags(model, cascade)
+        device = device if kind.needs_model else "cpu"
+        return cls(model=ModelConfig(model, dtype, device, quantize), drafter=kind,
+                   name=name or default_worker_name(model, quantize, kind is DrafterKind.CASCADE),
+                   tree=tree_params(device, kind, **tree_flags), ngram=ngram if kind.uses_ngram else None,
+                   capacity=capacity or (8 if kind.needs_model else NGRAM_CAPACITY),
+                   draft_token=draft_token or None, **options)  # type: ignore[arg-type]
 
     @property
-    def cascade(self) -> bool:
-        return self.ngram is not None and not self.model_free
+    def model_free(self) -> bool:
+        return self.drafter is DrafterKind.NGRAM
+
+    @property
+    def label(self) -> str:
+        """What the cache's registry shows as this worker's model."""
+        return self.drafter.label(self.model.label)
 
     def kv_shape(self, context_window: int, bytes_per_token: int) -> tuple[int, int]:
         """(slots, committed rows per slot) of the worker's KV cache; the tree's rows come on top,

@@ -11,7 +11,7 @@ When the cache goes away (a stream breaks, a heartbeat is refused) the worker is
 session it holds, so it drops them all, reports NOT_SERVING and registers again with backoff;
 the cache hands its sessions' targets empty chains meanwhile, which never changes their output.
 The long-lived streams carry no deadline on purpose: they live as long as the registration, and
-channel keepalives (card_common.channels) detect a dead peer.
+channel keepalives (card.common.channels) detect a dead peer.
 """
 
 from __future__ import annotations
@@ -23,16 +23,16 @@ from collections.abc import Callable, Iterator
 
 import grpc
 
+from card.common.channels import channel
+from card.common.convert import command_from_msg, layer_to_msg
+from card.common.status import error_from_rpc
+from card.draft_service import metrics
+from card.draft_service.config import DraftConfig
+from card.engine.draft.worker import DraftWorker, Publish
+from card.engine.shared.commands import StartDraft, StopDraft
+from card.engine.shared.errors import CardError
+from card.engine.shared.tree import Layer
 from card.v1 import cache_pb2, cache_pb2_grpc
-from card_common.channels import channel
-from card_common.convert import command_from_msg, layer_to_msg
-from card_common.status import error_from_rpc
-from draft_service import metrics
-from draft_service.config import DraftConfig
-from engine.draft_commands import StartDraft, StopDraft
-from engine.errors import CardError
-from engine.tree import Layer
-from engine.worker import DraftWorker
 
 log = logging.getLogger(__name__)
 
@@ -63,16 +63,21 @@ class _Connection:
             self.commands.cancel()
 
 
-class CacheLink:
-    """Keeps ``worker`` registered with the cache at ``config.cache_addr`` until ``close()``."""
+# builds the worker with the link's callbacks (publish, on_forward, on_drop); returns it and the
+# fingerprint of the tokenizer it drafts for
+BuildWorker = Callable[[Publish, Callable[[int], None], Callable[[str], None]], tuple[DraftWorker, str]]
 
-    def __init__(self, config: DraftConfig, worker: DraftWorker, fingerprint: str,
+
+class CacheLink:
+    """Keeps a worker registered with the cache at ``config.cache_addr`` until ``close()``. The
+    worker is built by ``build`` with this link's callbacks: its layers, forwards and dropped
+    sessions reach the cache through the link."""
+
+    def __init__(self, config: DraftConfig, build: BuildWorker,
                  on_serving: Callable[[bool], None] = lambda serving: None) -> None:
         self.config = config
-        self.fingerprint = fingerprint  # of the tokenizer the worker drafts for
         self.on_serving = on_serving
-        self.worker = worker
-        worker.publish = self._publish
+        self.worker, self.fingerprint = build(self._publish, self._on_forward, self._dropped)
         self._sessions: set[str] = set()
         self._lock = threading.Lock()
         self._conn: _Connection | None = None
@@ -80,14 +85,6 @@ class CacheLink:
         self._thread: threading.Thread | None = None
         metrics.ACTIVE_SESSIONS.set_function(lambda: self.worker.active_sessions)
         metrics.KV_SLOTS.set_function(self.worker.kv_slots_held)
-        self.worker.on_forward = self._on_forward
-        self.worker.on_drop = self._dropped
-
-    def _label(self) -> str:
-        """What the registry shows as the worker's model: the draft model, ``+ngram`` for a cascade."""
-        kind = self.worker.kind
-        return "ngram" if kind == "ngram" else f"{self.config.model.label}+ngram" if kind == "cascade" \
-            else self.config.model.label
 
     @staticmethod
     def _on_forward(sessions: int) -> None:
@@ -148,7 +145,7 @@ class CacheLink:
             stub = cache_pb2_grpc.CacheServiceStub(ch)
             reply = stub.RegisterDraft(
                 cache_pb2.RegisterDraftRequest(
-                    name=cfg.name, model=self._label(), tokenizer_fingerprint=self.fingerprint,
+                    name=cfg.name, model=cfg.label, tokenizer_fingerprint=self.fingerprint,
                     capacity=self.worker.slots,
                 ),
                 timeout=RPC_TIMEOUT_S,

@@ -13,21 +13,24 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 
 import click
 import grpc
 import torch
 
-from card_common.channels import warn_if_cleartext
-from card_common.cli import (
+from card.common.channels import warn_if_cleartext
+from card.common.cli import (
+    DRAFT_SHAPE,
     exit_on_error,
     logging_options,
     ngram_options,
     option,
     service_command,
     tls_options,
+    tree_options,
 )
-from card_common.serving import (
+from card.common.serving import (
     add_health,
     bind,
     make_server,
@@ -37,16 +40,16 @@ from card_common.serving import (
     start_health_port,
     start_metrics_server,
 )
-from card_common.tls import PLAINTEXT, TlsConfig
-from draft_service.config import NGRAM_CAPACITY, NGRAM_MAX_MODEL_LEN, DraftConfig, default_worker_name
-from draft_service.link import CacheLink
-from engine.config import tree_params
-from engine.drafter import tree_rows
-from engine.kv_pool import KVPool
-from engine.loading.fingerprint import tokenizer_fingerprint
-from engine.loading.models import QUANTIZE, ModelConfig, load_model, load_tokenizer
-from engine.ngram import NGRAM, NgramConfig, shared_table
-from engine.worker import DraftWorker
+from card.common.tls import PLAINTEXT, TlsConfig
+from card.draft_service.config import NGRAM_CAPACITY, NGRAM_MAX_MODEL_LEN, DraftConfig
+from card.draft_service.link import CacheLink
+from card.engine.draft.drafter import tree_rows
+from card.engine.draft.ngram import shared_table
+from card.engine.draft.worker import DraftWorker, Publish
+from card.engine.loading.fingerprint import tokenizer_fingerprint
+from card.engine.loading.models import QUANTIZE, load_model, load_tokenizer
+from card.engine.shared.config import NGRAM
+from card.engine.shared.kv_pool import KVPool
 
 log = logging.getLogger("draft_service")
 
@@ -67,18 +70,17 @@ def serve(config: DraftConfig) -> None:
     start_metrics_server(config.metrics_port, config.metrics_host)
     if config.threads:
         torch.set_num_threads(config.threads)
-    worker, fingerprint = build_worker(config)
-    link = CacheLink(config, worker, fingerprint, on_serving=lambda serving: set_serving(health, serving))
+    link = CacheLink(config, lambda *callbacks: build_worker(config, *callbacks),
+                     on_serving=lambda serving: set_serving(health, serving))
     link.start()
     serve_until_signal(server, link.close, grace_s=2.0, health_servicer=health, health_server=health_server)
 
 
-def build_worker(config: DraftConfig) -> tuple[DraftWorker, str]:
-    """The worker ``config`` asks for (neural, cascade or model-free) and the fingerprint of the
-    tokenizer it drafts for. Its ``publish`` is set by the CacheLink."""
-    def nowhere(session_id: str, layer: object) -> None:
-        raise RuntimeError("the worker publishes before its link is set")
-
+def build_worker(config: DraftConfig, publish: Publish, on_forward: Callable[[int], None],
+                 on_drop: Callable[[str], None]) -> tuple[DraftWorker, str]:
+    """The worker ``config`` asks for (its kind: neural, cascade or model-free) and the
+    fingerprint of the tokenizer it drafts for; its callbacks are the CacheLink's."""
+    callbacks = {"on_forward": on_forward, "on_drop": on_drop, "name": config.name}
     if config.model_free:
         assert config.tokenizer is not None and config.ngram is not None
         log.info("model-free draft for the tokenizer of %s", config.tokenizer)
@@ -88,22 +90,23 @@ def build_worker(config: DraftConfig) -> tuple[DraftWorker, str]:
         if table is not None:
             log.info("shared n-gram table: %d n-grams from the corpus, %.1f MB budget", len(table),
                      config.ngram.table_mb)
-        worker = DraftWorker(None, config.tree, nowhere, slots=config.capacity,
-                             max_len=config.max_model_len or NGRAM_MAX_MODEL_LEN, name=config.name,
-                             ngram_config=config.ngram, ngram=table, vocab_size=vocab)
+        worker = DraftWorker.of_kind(config.drafter, None, config.tree, publish, slots=config.capacity,
+                                     max_len=config.max_model_len or NGRAM_MAX_MODEL_LEN,
+                                     ngram_config=config.ngram, ngram=table, vocab_size=vocab, **callbacks)
         return worker, tokenizer_fingerprint(tokenizer)
     log.info("loading draft model %s", config.model.label)
     model = load_model(config.model)
     log.info("loaded %s (tokenizer %s); worker name %s", model.name, model.fingerprint, config.name)
     slots, max_len = config.kv_shape(model.context_window, KVPool.bytes_per_token(model.model))
     table = None
-    if config.cascade:
+    if config.drafter.uses_ngram:
         assert config.ngram is not None
         encode = lambda text: model.tokenizer(text)["input_ids"]  # noqa: E731
         table = shared_table(len(model.tokenizer), config.ngram, encode)
-    worker = DraftWorker(model.model, config.tree, nowhere, slots=slots, max_len=max_len,
-                         threads=config.threads, name=config.name,
-                         ngram_config=config.ngram if config.cascade else None, ngram=table)
+    worker = DraftWorker.of_kind(config.drafter, model.model, config.tree, publish, slots=slots,
+                                 max_len=max_len, threads=config.threads, ngram_config=config.ngram,
+                                 ngram=table, **callbacks)
+    assert worker.pool is not None
     log.info("draft KV cache: %d sessions x %d committed tokens (+%d tree rows), %.2f GB at most", slots,
              max_len, tree_rows(config.tree), worker.pool.nbytes / 2**30)
     return worker, model.fingerprint
@@ -133,12 +136,7 @@ def build_worker(config: DraftConfig) -> tuple[DraftWorker, str]:
              f"model-free {NGRAM_MAX_MODEL_LEN}); a longer session is not drafted.")
 @option("--kv-cache-gb", default=None, type=float,
         help="Memory for keys and values (default: --capacity slots); fewer slots where it holds fewer.")
-@option("--tree-width", "-K", default=None, type=int,
-        help="K: primary nodes per layer (default: 3 on CPU, 4 on GPU).")
-@option("--branch", default=None, type=int,
-        help="k: secondary children kept per expanded node (default: 4 on CPU, K on GPU).")
-@option("--max-depth", default=None, type=int,
-        help="Layers grown below the root before idling (default 8; model-free 24).")
+@tree_options(DRAFT_SHAPE, note="The draft worker owns its tree's shape.")
 @option("--threads", default=None, type=int, help="torch threads (default: torch's choice).")
 @option("--draft-token", default=None,
         help="Present this token to the cache (authorization: Bearer), where card-cache requires one "
@@ -154,47 +152,15 @@ def build_worker(config: DraftConfig) -> tuple[DraftWorker, str]:
 @ngram_options("card-draft")
 @tls_options("card-draft")
 @logging_options
-def main(cache_addr: str, model: str, tokenizer: str | None, cascade: str, quantize: str, dtype: str,
-         device: str, name: str | None, capacity: int | None, max_model_len: int | None,
-         kv_cache_gb: float | None, tree_width: int | None, branch: int | None, max_depth: int | None,
-         threads: int | None, draft_token: str | None, nice: int, host: str,
-         port: int, metrics_port: int, metrics_host: str, tls: TlsConfig, health_port: int | None,
-         ngram: NgramConfig, log_level: str, json_logs: bool) -> None:
+def main(nice: int, **options: object) -> None:
     """Run a CARD draft worker for the cache service at --cache."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    setup_logging(log_level, json_logs)
+    setup_logging(options["log_level"], options["json_logs"])  # type: ignore[arg-type]
     if nice:
         os.nice(nice)  # every thread of this process, the draft worker's torch threads included
     with exit_on_error("card-draft"):
-        model_free = model == NGRAM
-        if model_free and cascade != "none":
-            raise click.UsageError("--cascade puts n-gram statistics beneath a draft model; --model ngram "
-                                   "is the statistics alone")
-        drafter = "ngram" if model_free else "cascade" if cascade != "none" else "neural"
-        config = DraftConfig(
-            cache_addr=cache_addr,
-            model=ModelConfig(model, dtype, "cpu" if model_free else device, quantize),
-            name=name or default_worker_name(model, quantize, cascade != "none"),
-            tree=tree_params("cpu" if model_free else device, drafter, width=tree_width, branch=branch,
-                             max_depth=max_depth),
-            ngram=None if drafter == "neural" else ngram,
-            tokenizer=tokenizer,
-            capacity=capacity or (NGRAM_CAPACITY if model_free else 8),
-            max_model_len=max_model_len,
-            kv_cache_gb=kv_cache_gb,
-            threads=threads,
-            draft_token=draft_token or None,
-            tls=tls,
-            health_port=health_port,
-            host=host,
-            port=port,
-            metrics_port=metrics_port,
-            metrics_host=metrics_host,
-            log_level=log_level,
-            json_logs=json_logs,
-        )
+        config = DraftConfig.from_options(**options)  # type: ignore[arg-type]
         serve(config)
-
 
 if __name__ == "__main__":
     main()

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from card_common.tls import TlsConfig
-from engine.errors import InvalidArgument
-from engine.kv_pool import check_sizing, pool_shape
-from engine.loading.models import ModelConfig
+from card.common.tls import TlsConfig
+from card.engine.loading.models import ModelConfig
+from card.engine.shared.errors import InvalidArgument
+from card.engine.shared.kv_pool import check_sizing, pool_shape
 
 
 @dataclass(frozen=True)
@@ -17,7 +17,8 @@ class TargetConfig:
     per slot (prompt + new tokens); None = the model's context window, at most 4096.
     max_batch_tokens: tokens per forward beyond which prefill chunks wait for the next one.
     adaptive_chains: cut chains each iteration to what pays at the measured cost of a row
-    (engine.speculation); off verifies every chain the cache hands out."""
+    (card.engine.target.speculation); off verifies every chain the cache hands out. Whether the
+    forward is batch-invariant (--exact) is ``model.exact``."""
 
     model: ModelConfig
     cache_addr: str | None = None  # None: plain decoding only
@@ -60,6 +61,13 @@ class TargetConfig:
         ports = (self.port, self.metrics_port, 0 if self.http_port is None else self.http_port)
         if not all(0 <= p <= 65535 for p in ports):
             raise InvalidArgument("ports must be in [0, 65535]")
+
+    @classmethod
+    def from_options(cls, *, model: str, dtype: str, device: str, exact: bool, cache_addr: str | None,
+                     api_key: str | None, target_token: str | None, **options: object) -> TargetConfig:
+        """The config of card-target's flags (one keyword per flag; every other flag is a field)."""
+        return cls(model=ModelConfig(model, dtype, device, exact=exact), cache_addr=cache_addr or None,
+                   api_key=api_key or None, target_token=target_token or None, **options)  # type: ignore[arg-type]
 
     def kv_shape(self, context_window: int, bytes_per_token: int) -> tuple[int, int]:
         """(slots, rows per slot) of the KV cache for a model with this context window and

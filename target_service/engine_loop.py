@@ -1,4 +1,4 @@
-"""The thread that owns the target model: it runs engine.scheduler.TargetEngine iterations while
+"""The thread that owns the target model: it runs card.engine.target.scheduler.TargetEngine iterations while
 there is work, and sleeps when there is none.
 
 Fronts (gRPC and HTTP threads) never touch the model: ``submit`` queues a generation with the
@@ -16,9 +16,9 @@ from collections.abc import Callable
 
 import torch
 
-from engine.generate import Generation
-from engine.scheduler import Event, TargetEngine
-from target_service import metrics
+from card.engine.target.generation import Generation
+from card.engine.target.scheduler import Event, TargetEngine
+from card.target_service import metrics
 
 log = logging.getLogger(__name__)
 

@@ -23,18 +23,17 @@ import queue
 import time
 from collections.abc import Callable, Sequence
 
+from card.engine.loading.models import LoadedModel
+from card.engine.shared.config import ChainPolicy, GenerationRequest, SamplingParams, StopParams, TreeParams
+from card.engine.shared.errors import InvalidArgument, NotFound, ResourceExhausted, Unavailable
+from card.engine.target.chain_source import ChainSource, NoDraft
+from card.engine.target.generation import Generation, GenerationResult, check_prompt
+from card.engine.target.scheduler import Event
+from card.target_service import metrics
+from card.target_service.config import TargetConfig
+from card.target_service.engine_loop import EngineLoop
+from card.target_service.remote_card import CacheTarget, RemoteCard, SessionKeeper, session_idle_timeout_s
 from card.v1 import cache_pb2_grpc
-from engine.chain_source import ChainSource
-from engine.config import ChainPolicy, GenerationRequest, SamplingParams, StopParams, TreeParams
-from engine.errors import InvalidArgument, NotFound, ResourceExhausted, Unavailable
-from engine.generate import Generation, GenerationResult, check_prompt
-from engine.loading.models import LoadedModel
-from engine.scheduler import Event
-from engine.sources import NoDraft
-from target_service import metrics
-from target_service.config import TargetConfig
-from target_service.engine_loop import EngineLoop
-from target_service.remote_card import RemoteCard, SessionKeeper, session_idle_timeout_s
 
 log = logging.getLogger(__name__)
 
@@ -122,6 +121,9 @@ class Frontend:
         self.vocab_size = int(getattr(model.model.config, "vocab_size", 0) or 0)
         # a generation's keys and values live in one KV slot: its rows bound the context
         self.context_window = min(model.context_window, loop.engine.pool.max_len)
+        self.cache_target = CacheTarget(self.config.cache_addr or "", model.name, model.fingerprint,
+                                        self.vocab_size, self.context_window,
+                                        step_timeout_s=self.config.step_timeout_ms / 1000.0)
         self.loop = loop
         self._model = model
 
@@ -180,8 +182,9 @@ class Frontend:
         model, loop = self.model, self.loop
         assert loop is not None
         source = self._source(mode, draft, request.chain)
-        gen = Generation(model.model, request, source, eos_ids=model.eos_ids, decode=model.decode,
-                         context_window=self.context_window, mode=mode, model_name=model.name)
+        gen = Generation(request, source, eos_ids=model.eos_ids, decode=model.decode,
+                         context_window=self.context_window, mode=mode, model_name=model.name,
+                         vocab_size=model.model.get_input_embeddings().num_embeddings)
         gen.open()  # the cache session opens here, off the engine's loop (NOT_FOUND etc. raise here)
         return Running(gen, source, loop, sink)
 
@@ -193,7 +196,4 @@ class Frontend:
                 raise NotFound(f"draft {draft!r} is not available: this target runs without a cache "
                                "service (start it with --cache HOST:PORT)")
             return NoDraft()
-        return RemoteCard(self.cache, cache_addr=self.config.cache_addr or "", target_model=self.model.name,
-                          fingerprint=self.model.fingerprint, draft=draft, chain=chain,
-                          vocab_size=self.vocab_size, context_window=self.context_window,
-                          step_timeout_s=self.config.step_timeout_ms / 1000.0, keeper=self.keeper)
+        return RemoteCard(self.cache, self.cache_target, draft, chain, self.keeper)

@@ -40,14 +40,14 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict, Field
 
-from card_common.status import http_status
-from engine.config import GenerationRequest, SamplingParams
-from engine.errors import CardError, InvalidArgument, NotFound
-from engine.generate import GenerationResult
-from engine.scheduler import Event
-from engine.stats import GenerationStats
-from target_service import metrics
-from target_service.frontend import Frontend, Running
+from card.common.status import http_status
+from card.engine.shared.config import GenerationRequest, SamplingParams
+from card.engine.shared.errors import CardError, InvalidArgument, NotFound
+from card.engine.shared.stats import GenerationStats
+from card.engine.target.generation import GenerationResult
+from card.engine.target.scheduler import Event
+from card.target_service import metrics
+from card.target_service.frontend import Frontend, Running
 
 log = logging.getLogger(__name__)
 

@@ -26,19 +26,20 @@ import threading
 import time
 import weakref
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import grpc
 
+from card.common.convert import chain_policy_to_msg, correction_to_msg, stats_to_msg, step_result_from_msg
+from card.common.status import error_from_rpc, error_from_status, status_from_value
+from card.common.tensors import ids_to_msg
+from card.engine.shared.config import ChainPolicy
+from card.engine.shared.errors import CardError, InvalidArgument
+from card.engine.shared.stats import GenerationStats
+from card.engine.shared.tree import Chain, Correction
+from card.engine.target.chain_source import SourceStats, StepResult
+from card.target_service import metrics
 from card.v1 import cache_pb2, cache_pb2_grpc
-from card_common.convert import chain_policy_to_msg, correction_to_msg, stats_to_msg, step_result_from_msg
-from card_common.status import error_from_rpc, error_from_status, status_from_value
-from card_common.tensors import ids_to_msg
-from engine.chain_source import SourceStats, StepResult
-from engine.config import ChainPolicy
-from engine.errors import CardError, InvalidArgument
-from engine.stats import GenerationStats
-from engine.tree import Chain, Correction
-from target_service import metrics
 
 log = logging.getLogger(__name__)
 
@@ -103,39 +104,49 @@ class SessionKeeper:
                           error_from_rpc(err, self.cache_addr))
 
 
-class RemoteCard:
-    """A ``ChainSource`` backed by the cache service; ``chain`` is the request's ChainPolicy,
-    sent with every OpenSession."""
+@dataclass(frozen=True)
+class CacheTarget:
+    """What every session of one card-target tells the cache, and how long it waits: built once
+    (target_service.frontend), shared by every RemoteCard. ``vocab_size`` and ``context_window``
+    are the target's: the cache checks prompts and the draft's layers against them."""
 
-    def __init__(self, stub: cache_pb2_grpc.CacheServiceStub, *, cache_addr: str, target_model: str,
-                 fingerprint: str, draft: str = "", chain: ChainPolicy | None = None,
-                 vocab_size: int = 0, context_window: int = 0, step_timeout_s: float = 1.0,
-                 open_timeout_s: float = 5.0, retry_initial_s: float = 0.5,
-                 retry_max_s: float = 5.0, keeper: SessionKeeper | None = None) -> None:
+    cache_addr: str
+    target_model: str
+    fingerprint: str
+    vocab_size: int = 0
+    context_window: int = 0
+    step_timeout_s: float = 1.0
+    open_timeout_s: float = 5.0
+    retry_initial_s: float = 0.5
+    retry_max_s: float = 5.0
+
+    @property
+    def idle_timeout_s(self) -> float:
+        return session_idle_timeout_s(self.step_timeout_s)
+
+
+class RemoteCard:
+    """A ``ChainSource`` backed by the cache service for one request: ``draft`` is the worker it
+    names ("" = any), ``chain`` its ChainPolicy, sent with every OpenSession."""
+
+    def __init__(self, stub: cache_pb2_grpc.CacheServiceStub, target: CacheTarget, draft: str = "",
+                 chain: ChainPolicy | None = None, keeper: SessionKeeper | None = None) -> None:
         self.stub = stub
-        self.cache_addr = cache_addr
-        self.target_model = target_model
-        self.fingerprint = fingerprint
+        self.target = target
+        self.cache_addr = target.cache_addr
         self.draft = draft
         self.chain = chain or ChainPolicy()
-        self.vocab_size = vocab_size  # told to the cache, which checks the draft's layers against it
-        self.context_window = context_window
-        self.step_timeout_s = step_timeout_s
-        self.open_timeout_s = open_timeout_s
-        self.retry_initial_s = retry_initial_s
-        self.retry_max_s = retry_max_s
+        self.step_timeout_s = target.step_timeout_s
         self.keeper = keeper
-        self.idle_timeout_s = session_idle_timeout_s(step_timeout_s)
         self.last_contact = time.monotonic()  # the last open or answered Step (SessionKeeper)
         self.session_id = ""
         self.draft_name = ""  # the worker that served the (last) session
         self.epoch = 0  # of the current session's latest chain
-        self.committed: Sequence[int] = ()  # the generation's (engine.chain_source)
+        self.committed: Sequence[int] = ()  # the generation's (card.engine.target.chain_source)
         self.rtt_ms: list[float] = []
-        self.resyncs = 0
         self._degraded = False  # the first open failed: plain decoding for this request
         self._retry_at = 0.0
-        self._retry_s = retry_initial_s
+        self._retry_s = target.retry_initial_s
         self._draft_forwards = 0  # from sessions closed before the last one
         self._draft_idle_s = 0.0
 
@@ -157,8 +168,8 @@ class RemoteCard:
     def step(self, correction: Correction) -> StepResult:
         return RemoteCard.step_batch([self], [correction])[0]
 
-    @staticmethod
-    def step_batch(sources: Sequence[RemoteCard], corrections: Sequence[Correction]) -> list[StepResult]:
+    @classmethod
+    def step_batch(cls, sources: Sequence[RemoteCard], corrections: Sequence[Correction]) -> list[StepResult]:
         """Step every source, those with a live session in one StepBatch round trip per cache
         channel (one target iteration: one round trip, whatever the load)."""
         results: list[StepResult | None] = [None] * len(sources)
@@ -240,34 +251,34 @@ class RemoteCard:
 
     # ---- sessions ----------------------------------------------------------------------------
     def _open_session(self, committed: list[int], timeout_s: float | None = None) -> None:
+        target = self.target
         reply = self.stub.OpenSession(
-            cache_pb2.OpenSessionRequest(prompt_ids=ids_to_msg(committed), vocab_size=self.vocab_size,
-                                         context_window=self.context_window,
-                                         tokenizer_fingerprint=self.fingerprint,
-                                         target_model=self.target_model, draft=self.draft,
+            cache_pb2.OpenSessionRequest(prompt_ids=ids_to_msg(committed), vocab_size=target.vocab_size,
+                                         context_window=target.context_window,
+                                         tokenizer_fingerprint=target.fingerprint,
+                                         target_model=target.target_model, draft=self.draft,
                                          chain=chain_policy_to_msg(self.chain),
-                                         idle_timeout_ms=round(self.idle_timeout_s * 1000)),
-            timeout=timeout_s or self.open_timeout_s,
+                                         idle_timeout_ms=round(target.idle_timeout_s * 1000)),
+            timeout=timeout_s or target.open_timeout_s,
         )
         self.last_contact = time.monotonic()
         self.session_id = reply.session_id
         self.draft_name = reply.draft or self.draft_name
         self.epoch = 0
-        self._retry_s = self.retry_initial_s
+        self._retry_s = self.target.retry_initial_s
         log.debug("session %s opened (draft %s)", self.session_id, reply.draft or "none",
                   extra={"session_id": self.session_id})
 
     def _reopen(self, committed: list[int]) -> bool:
         try:
             # mid-generation every second counts: never stall the target longer than one Step may
-            self._open_session(committed, timeout_s=min(self.step_timeout_s, self.open_timeout_s))
+            self._open_session(committed, timeout_s=min(self.step_timeout_s, self.target.open_timeout_s))
         except grpc.RpcError as err:
             self._retry_at = time.monotonic() + self._retry_s
-            self._retry_s = min(self._retry_s * 2, self.retry_max_s)
+            self._retry_s = min(self._retry_s * 2, self.target.retry_max_s)
             log.warning("re-opening a session at the cache %s failed (next try in %.1fs): %s",
                         self.cache_addr, self._retry_s, error_from_rpc(err, self.cache_addr))
             return False
-        self.resyncs += 1
         metrics.RESYNCS.inc()
         return True
 
@@ -277,8 +288,8 @@ class RemoteCard:
         self.session_id = ""
         # not at once: a failed Step often means the cache is restarting, and a session opened on
         # a cache that is shutting down would be lost with it
-        self._retry_at = time.monotonic() + self.retry_initial_s
-        self._retry_s = self.retry_initial_s
+        self._retry_at = time.monotonic() + self.target.retry_initial_s
+        self._retry_s = self.target.retry_initial_s
 
     def _close_session(self, stats: GenerationStats | None) -> None:
         """End the session; ``stats`` (the generation's, at its end) are recorded by the cache."""
@@ -286,7 +297,7 @@ class RemoteCard:
         if stats is not None:
             request.stats.CopyFrom(stats_to_msg(stats))
         try:
-            reply = self.stub.CloseSession(request, timeout=self.open_timeout_s)
+            reply = self.stub.CloseSession(request, timeout=self.target.open_timeout_s)
             self._draft_forwards += reply.draft_forwards
             self._draft_idle_s += reply.draft_idle_s
         except grpc.RpcError as err:

@@ -16,10 +16,9 @@ import os
 import grpc
 import torch
 
-from card.v1 import cache_pb2_grpc, target_pb2_grpc
-from card_common.channels import channel, wait_serving, warn_if_cleartext
-from card_common.cli import exit_on_error, logging_options, option, service_command, tls_options
-from card_common.serving import (
+from card.common.channels import channel, wait_serving, warn_if_cleartext
+from card.common.cli import exact_option, exit_on_error, logging_options, option, service_command, tls_options
+from card.common.serving import (
     add_health,
     bind,
     make_server,
@@ -29,16 +28,17 @@ from card_common.serving import (
     start_health_port,
     start_metrics_server,
 )
-from card_common.tls import PLAINTEXT, TlsConfig
-from engine.errors import Unavailable
-from engine.kv_pool import KVPool
-from engine.loading.models import ModelConfig, load_model
-from engine.scheduler import TargetEngine
-from target_service.config import TargetConfig
-from target_service.engine_loop import EngineLoop
-from target_service.frontend import Frontend
-from target_service.openai_api import HttpServer, create_app
-from target_service.servicer import TargetServicer
+from card.common.tls import PLAINTEXT, TlsConfig
+from card.engine.loading.models import load_model
+from card.engine.shared.errors import Unavailable
+from card.engine.shared.kv_pool import KVPool
+from card.engine.target.scheduler import TargetEngine
+from card.target_service.config import TargetConfig
+from card.target_service.engine_loop import EngineLoop
+from card.target_service.frontend import Frontend
+from card.target_service.openai_api import HttpServer, create_app
+from card.target_service.servicer import TargetServicer
+from card.v1 import cache_pb2_grpc, target_pb2_grpc
 
 log = logging.getLogger("target_service")
 
@@ -81,8 +81,8 @@ def serve(config: TargetConfig) -> None:
         torch.set_num_threads(config.threads)
     log.info("loading target model %s", config.model.label)
     model = load_model(config.model)
-    log.info("loaded %s (tokenizer %s, context window %d)", model.name, model.fingerprint,
-             model.context_window)
+    log.info("loaded %s (tokenizer %s, context window %d, exact forward %s)", model.name, model.fingerprint,
+             model.context_window, "on" if model.exact else "off: outputs may change with the load")
     if config.cache_addr:
         try:
             wait_serving(config.cache_addr, timeout_s=5.0, tls=config.tls)
@@ -93,7 +93,8 @@ def serve(config: TargetConfig) -> None:
     slots, max_len = config.kv_shape(model.context_window, KVPool.bytes_per_token(model.model))
     pool = KVPool(model.model, slots, max_len)
     log.info("KV cache: %d slots x %d tokens (%.2f GB)", slots, max_len, pool.nbytes / 2**30)
-    engine = TargetEngine(model.model, pool, config.max_batch_tokens, adaptive=config.adaptive_chains)
+    engine = TargetEngine(model.model, pool, config.max_batch_tokens, adaptive=config.adaptive_chains,
+                          exact=model.exact)
     loop = EngineLoop(engine, threads=config.threads)
     loop.start()
     front.ready(model, loop)
@@ -126,6 +127,7 @@ def serve(config: TargetConfig) -> None:
 @option("--cache", "cache_addr", default=None, help="Cache service HOST:PORT (unset: plain decoding only).")
 @option("--dtype", default="auto", help="auto, float32, bfloat16, float16.")
 @option("--device", default="auto", help="auto (cuda if available), cpu, cuda, cuda:N.")
+@exact_option()
 @option("--threads", default=None, type=int, help="torch threads (default: torch's choice).")
 @option("--max-batch-size", default=8, type=int,
         help="Most generations in one forward (KV slots); more wait for a slot until their deadline.")
@@ -160,44 +162,13 @@ def serve(config: TargetConfig) -> None:
         help="Require 'Authorization: Bearer <key>' on the HTTP API's /v1 routes (401 otherwise).")
 @tls_options("card-target")
 @logging_options
-def main(model: str, cache_addr: str | None, dtype: str, device: str, threads: int | None,
-         max_batch_size: int, kv_cache_gb: float | None, max_model_len: int | None,
-         max_batch_tokens: int, adaptive_chains: bool, default_max_new_tokens: int, step_timeout_ms: int,
-         shutdown_grace_s: float, host: str, port: int, metrics_port: int, metrics_host: str,
-         http_port: int | None, http_host: str,
-         target_token: str | None, api_key: str | None, tls: TlsConfig, health_port: int | None,
-         log_level: str, json_logs: bool) -> None:
+def main(**options: object) -> None:
     """Run the CARD target service."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    setup_logging(log_level, json_logs)
+    setup_logging(options["log_level"], options["json_logs"])  # type: ignore[arg-type]
     with exit_on_error("card-target"):
-        config = TargetConfig(
-            model=ModelConfig(model, dtype, device),
-            cache_addr=cache_addr or None,
-            host=host,
-            port=port,
-            threads=threads,
-            max_batch_size=max_batch_size,
-            kv_cache_gb=kv_cache_gb,
-            max_model_len=max_model_len,
-            max_batch_tokens=max_batch_tokens,
-            adaptive_chains=adaptive_chains,
-            default_max_new_tokens=default_max_new_tokens,
-            step_timeout_ms=step_timeout_ms,
-            shutdown_grace_s=shutdown_grace_s,
-            metrics_port=metrics_port,
-            metrics_host=metrics_host,
-            http_port=http_port,
-            http_host=http_host,
-            api_key=api_key or None,
-            target_token=target_token or None,
-            tls=tls,
-            health_port=health_port,
-            log_level=log_level,
-            json_logs=json_logs,
-        )
+        config = TargetConfig.from_options(**options)  # type: ignore[arg-type]
         serve(config)
-
 
 if __name__ == "__main__":
     main()

@@ -1,7 +1,7 @@
 """TargetService: card.v1 messages <-> the front's engine types, and nothing else.
 
 Every Generate call is parsed once into a ``GenerationRequest`` and handed to the front
-(target_service.frontend), which submits it to the one engine loop: all live generations share
+(card.target_service.frontend), which submits it to the one engine loop: all live generations share
 one forward per iteration. A request waits for a free KV slot until its deadline (then
 RESOURCE_EXHAUSTED); a client that cancels or passes its deadline ends its generation within one
 forward. The output is the target's own whatever the chain source.
@@ -14,14 +14,14 @@ from collections.abc import Iterator
 
 import grpc
 
+from card.common.convert import chain_policy_from_msg, sampling_from_msg, stats_to_msg
+from card.common.status import grpc_errors, status_code
+from card.common.tensors import ids_from_msg, ids_to_msg
+from card.engine.shared.config import GenerationRequest, SamplingParams
+from card.engine.shared.errors import CardError, InvalidArgument
+from card.target_service import metrics
+from card.target_service.frontend import Frontend, Prompt
 from card.v1 import target_pb2, target_pb2_grpc
-from card_common.convert import chain_policy_from_msg, sampling_from_msg, stats_to_msg
-from card_common.status import grpc_errors, status_code
-from card_common.tensors import ids_from_msg, ids_to_msg
-from engine.config import GenerationRequest, SamplingParams
-from engine.errors import CardError, InvalidArgument
-from target_service import metrics
-from target_service.frontend import Frontend, Prompt
 
 log = logging.getLogger(__name__)
 

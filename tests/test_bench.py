@@ -3,16 +3,17 @@
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 from click.testing import CliRunner
 
-from client.bench import report
-from client.bench.cli import main
-from tests.tiny_models import SMOLLM2_DIR, save_tiny_checkpoint
+from card.client.bench import load, report
+from card.client.bench.cli import main
+from tests.tiny_models import save_tiny_checkpoint
 
-pytestmark = pytest.mark.skipif(not (SMOLLM2_DIR / "tokenizer.json").is_file(),
-                                reason="the shared SmolLM2 tokenizer is missing")
+# tests that load models take the `pair` fixture, which skips where the shared SmolLM2 tokenizer is
+# missing (save_tiny_checkpoint); the others need no model and always run
 
 
 @pytest.fixture(scope="module")
@@ -156,15 +157,18 @@ def test_wrong_output_is_reported():
     assert "prompt 0 mode card: first differing position 1, vanilla token 6, card token 9" in lines[0]
 
 
+def record(mode, tokens):
+    """One card-bench record, as run_bench makes it, without running a model."""
+    from card.engine.shared.stats import GenerationStats
+
+    stats = GenerationStats(mode=mode, new_tokens=len(tokens), wall_s=0.5, target_forwards=len(tokens),
+                            accepted_lengths=[1] * len(tokens))
+    return {"dataset": "d", "prompt_index": 0, "mode": mode, "token_ids": tokens, **stats.to_dict()}
+
+
 def test_mismatch_exits_non_zero(tmp_path, capsys):
     """finish() (the tail of every card-bench run) returns a failing status on a wrong output."""
-    from client.bench.cli import EXIT_MISMATCH, finish
-    from engine.stats import GenerationStats
-
-    def record(mode, tokens):
-        stats = GenerationStats(mode=mode, new_tokens=len(tokens), wall_s=0.5, target_forwards=len(tokens),
-                                accepted_lengths=[1] * len(tokens))
-        return {"dataset": "d", "prompt_index": 0, "mode": mode, "token_ids": tokens, **stats.to_dict()}
+    from card.client.bench.cli import EXIT_MISMATCH, finish
 
     good = [record("vanilla", [5, 6, 7]), record("card", [5, 6, 7])]
     args = ({}, {"cpu_count": 2}, tmp_path / "r.json", tmp_path / "r.png", "t")
@@ -173,3 +177,60 @@ def test_mismatch_exits_non_zero(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "MISMATCH d prompt 0 mode sd: first differing position 2, vanilla token 7, sd token 8" in out
     assert json.loads((tmp_path / "r.json").read_text())["mismatches"] == 1
+
+
+@pytest.fixture
+def no_matplotlib(monkeypatch):
+    """`import matplotlib` (and matplotlib.pyplot) fails as where the bench extra is not installed."""
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    monkeypatch.setitem(sys.modules, "matplotlib.pyplot", None)
+
+
+def test_without_matplotlib_the_run_succeeds_and_says_how_to_get_the_chart(tmp_path, capsys, no_matplotlib):
+    from card.client.bench.cli import finish
+
+    out, chart = tmp_path / "r.json", tmp_path / "r.png"
+    records = [record("vanilla", [5, 6, 7]), record("card", [5, 6, 7])]
+    assert finish(records, {}, {"cpu_count": 2}, out, chart, "t") == 0
+    assert json.loads(out.read_text())["mismatches"] == 0
+    assert not chart.exists()
+    captured = capsys.readouterr()
+    assert "vanilla" in captured.out  # the table
+    # the JSON's line, then the one line on how to get the chart
+    assert captured.err.splitlines()[-2:] == [f"wrote {out}", report.chart_hint(chart)]
+    assert "matplotlib is not installed" in report.chart_hint(chart)
+    assert "pip install 'card-serving[bench]'" in report.chart_hint(chart)
+    assert "Traceback" not in captured.err
+    # the --concurrency chart goes the same way
+    rows = [{"mode": "svc-vanilla", "concurrency": 1, "tokens_per_s": 3.0}]
+    assert report.try_chart(load.write_chart, tmp_path / "l.png", rows, "t") == report.chart_hint(
+        tmp_path / "l.png")
+    assert not (tmp_path / "l.png").exists()
+
+
+def test_only_a_missing_matplotlib_is_forgiven(tmp_path):
+    def needs_pil(path, *args):
+        raise ModuleNotFoundError("No module named 'PIL'", name="PIL")
+
+    with pytest.raises(ModuleNotFoundError):
+        report.try_chart(needs_pil, tmp_path / "c.png")
+
+    def broken(path, *args):
+        raise ValueError("bad rows")
+
+    with pytest.raises(ValueError):
+        report.try_chart(broken, tmp_path / "c.png")
+
+
+def test_with_matplotlib_the_chart_is_drawn(tmp_path, capsys):
+    """The control: the same call draws the PNG where matplotlib is installed."""
+    pytest.importorskip("matplotlib")
+    from card.client.bench.cli import finish
+
+    out, chart = tmp_path / "r.json", tmp_path / "r.png"
+    assert finish([record("vanilla", [5, 6, 7]), record("card", [5, 6, 7])], {}, {"cpu_count": 2}, out, chart,
+                  "t") == 0
+    assert chart.read_bytes()[:4] == b"\x89PNG"
+    err = capsys.readouterr().err
+    assert err.splitlines()[-1] == f"wrote {out} and {chart}"
+    assert report.chart_hint(chart) not in err

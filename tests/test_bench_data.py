@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from client.bench import data
-from client.bench.cli import main
+from card.client.bench import data
+from card.client.bench.cli import main
 
 PACKAGE_DIR = Path(data.__file__).resolve().parent
 
@@ -103,7 +103,7 @@ def test_card_bench_passes_data_dir_and_the_env_var(tmp_path, monkeypatch):
 
 
 def test_default_draft_reads_prompts_through_the_data_module(tmp_path, monkeypatch):
-    from client.bench.default_draft import prompts
+    from card.client.bench.default_draft import prompts
 
     assert len(prompts(4)) == 4  # the packaged samples
     monkeypatch.setenv(data.ENV_DATA_DIR, str(_data_tree(tmp_path)))

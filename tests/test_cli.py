@@ -109,11 +109,20 @@ def test_unknown_model_path(tmp_path):
 @pytest.mark.parametrize("flags, word", [
     (("--temperature", "-0.5"), "temperature"),
     (("--top-p", "1.5"), "top_p"),
-    (("--tree-width", "0"), "width"),
 ])
-def test_bad_sampling_and_shape_values(models, flags, word):
+def test_bad_sampling_values(models, flags, word):
     proc = run_cli("generate", "hi", "--inprocess", "--target-model", str(models["target"]), *flags)
     _assert_one_line_error(proc, "INVALID_ARGUMENT", word)
+
+
+@pytest.mark.parametrize("flags", [("--tree-width", "0"), ("--max-chain", "-1"), ("--min-path-prob", "2")])
+def test_bad_tree_values_are_refused_as_flags(flags):
+    """The tree flags carry their ranges (card.common.cli.tree_options): click refuses them
+    before anything loads, naming the flag."""
+    proc = run_cli("generate", "hi", "--inprocess", *flags)
+    assert proc.returncode == 2
+    assert "Invalid value" in proc.stderr and flags[0] in proc.stderr
+    assert "Traceback" not in proc.stderr
 
 
 def test_unreachable_target_is_one_line():
@@ -134,10 +143,10 @@ _CACHE_FLAGS = {"max_chain": "max_chain", "min_path_prob": "min_path_prob", "b_e
 def test_every_tree_field_reaches_a_service():
     """service_args (the one place a TreeParams becomes service flags) covers every field, and the
     services' own command lines parse each back to the value it was given."""
-    from cache_service.server import main as cache_main
-    from client.trio import service_args
-    from draft_service.server import main as draft_main
-    from engine.config import TreeParams
+    from card.cache_service.server import main as cache_main
+    from card.client.trio import service_args
+    from card.draft_service.server import main as draft_main
+    from card.engine.shared.config import TreeParams
 
     assert {f.name for f in dataclasses.fields(TreeParams)} == {*_DRAFT_FLAGS, *_CACHE_FLAGS}
     for tree in (TreeParams(width=5, branch=2, max_depth=3, max_chain=1, b_extension=False,
@@ -153,15 +162,24 @@ def test_every_tree_field_reaches_a_service():
 
 
 def test_tree_flags_reach_a_local_trio(models):
-    """--max-chain 1 caps every verification at the next token plus one drafted token."""
+    """--max-chain 1 caps every verification at the next token plus one drafted token; --exact off
+    reaches the trio's card-target, whose stats say so (the tiny fp32 model's tokens stay the same:
+    at its width the vendor kernels agree with the exact ones)."""
     vanilla = generate_json(models, "vanilla")
     proc = run_cli("generate", "Tell me about the sea.", "--json", "--target-model", str(models["target"]),
                    "--draft-model", str(models["target"]), "--max-new-tokens", "24", "--ignore-eos",
-                   "--max-chain", "1", "--tree-width", "2", timeout=600)
+                   "--max-chain", "1", "--tree-width", "2", "--exact", "off", timeout=600)
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout)
     assert out["token_ids"] == vanilla["token_ids"]
     assert max(out["stats"]["accepted_lengths"]) <= 2, out["stats"]
+    assert out["stats"]["exact"] is False
+
+
+def test_exact_off_marks_the_stats_in_process(models):
+    assert generate_json(models, "vanilla")["stats"]["exact"] is True
+    out = generate_json(models, "card", "--exact", "off", "--no-backoff")
+    assert out["stats"]["exact"] is False
 
 
 def test_draft_shape_flags_are_refused_with_a_running_target():
@@ -180,6 +198,7 @@ def test_generate_without_services_starts_a_local_trio(models):
     out = json.loads(proc.stdout)
     assert out["token_ids"] == vanilla["token_ids"]
     assert out["stats"]["mode"] == "card"
+    assert out["stats"]["exact"] is True  # through the trio, the stats travel over gRPC
 
 
 @pytest.mark.skipif(not SMOLLM2_DIR.is_dir(), reason=f"{SMOLLM2_DIR} is not there")
@@ -204,7 +223,7 @@ def test_export_turns_a_gguf_into_a_checkpoint_with_the_same_outputs(tmp_path):
                     reason="parent-death signal is Linux's; needs redis-server")
 def test_a_local_trio_does_not_outlive_the_process_that_started_it(tmp_path) -> None:
     """The starter is SIGKILLed (as the OOM killer does): what it started goes with it."""
-    code = ("import sys, time; from pathlib import Path; from client.trio import LocalTrio; "
+    code = ("import sys, time; from pathlib import Path; from card.client.trio import LocalTrio; "
             "t = LocalTrio(log_dir=Path(sys.argv[1])); t._start_redis(); print(t.redis.pid, flush=True); "
             "time.sleep(600)")
     starter = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stdout=subprocess.PIPE, text=True)

@@ -300,9 +300,9 @@ def _all_params(command: click.Command) -> list[tuple[click.Command, click.Param
 def test_every_option_reads_card_service_option(script: str) -> None:
     """One naming rule: an option of card-X reads CARD_X_<OPTION> and --help says so; every option
     of a service has one (the manifests configure services by variables alone)."""
-    import client.cli
+    import card.client.cli
 
-    command = client.cli.cli if script == "card-client" else command_for(script)
+    command = card.client.cli.cli if script == "card-client" else command_for(script)
     prefix = "CARD_" + script.removeprefix("card-").upper() + "_"
     for cmd, param in _all_params(command):
         if not isinstance(param, click.Option):
@@ -605,7 +605,7 @@ def test_image_has_no_entrypoint_runs_as_non_root_and_caches_models_on_the_volum
 
 
 def test_image_bundles_the_default_model_wheel_the_engine_asks_for() -> None:
-    embedded = importlib.import_module("engine.loading.embedded")
+    embedded = importlib.import_module("card.engine.loading.embedded")
     assert {embedded.MODELS_DIR_ENV, embedded.FIND_LINKS_ENV} == ENGINE_ENVVARS
     match = re.search(r"^ARG DEFAULT_MODEL_WHEEL=(\S+)$", DOCKERFILE, re.M)
     assert match and match.group(1) == embedded.SMOLLM2.requirement

@@ -1,7 +1,7 @@
 """Tiny random causal LMs built in code with fixed seeds, for exhaustive exactness tests.
 
 ``tiny_model`` gives an in-memory model; ``save_tiny_checkpoint`` writes a folder that
-``engine.loading.models.load_model`` (and so every service entry point) loads like any checkpoint, with
+``card.engine.loading.models.load_model`` (and so every service entry point) loads like any checkpoint, with
 the real SmolLM2 tokenizer beside it so prompts, chat templates and fingerprints are real.
 """
 

@@ -17,15 +17,14 @@ import dataclasses
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import click
 import torch
 
-from card_common.cli import exit_on_error, ngram_options, tls_options
-from card_common.tls import PLAINTEXT, TlsConfig
-from client.bench import data, load, report
-from client.bench.modes import (
+from card.client.bench import data, load, report
+from card.client.bench.modes import (
     MODES,
     NEEDS_DRAFT,
     SERVICE_MODES,
@@ -36,13 +35,14 @@ from client.bench.modes import (
     build_mode,
     step_ms_by_threads,
 )
-from client.options import default_thread_split
-from client.trio import LocalTrio
-from engine.config import TreeParams, default_tree_params
-from engine.errors import InvalidArgument
-from engine.loading.cpu_linear import PackedLinear, pack_linears
-from engine.loading.models import DTYPES, LoadedModel, ModelConfig, load_model
-from engine.ngram import NgramConfig
+from card.client.options import default_thread_split
+from card.client.trio import LocalTrio
+from card.common.cli import exact_option, exit_on_error, ngram_options, tls_options
+from card.common.tls import PLAINTEXT, TlsConfig
+from card.engine.loading.cpu_linear import PackedLinear, pack_linears
+from card.engine.loading.models import DTYPES, LoadedModel, ModelConfig, load_model
+from card.engine.shared.config import NgramConfig, TreeParams, default_tree_params
+from card.engine.shared.errors import InvalidArgument
 
 EXIT_MISMATCH = 1
 
@@ -68,6 +68,7 @@ def _trio(target_model: str, draft_model: str, dtype: str, draft_quantize: str, 
     return LocalTrio(
         target_model=target_model, draft_model=draft_model, draft_quantize=draft_quantize, dtype=dtype,
         target_threads=settings.target_threads, draft_threads=settings.draft_threads, tree=tree,
+        exact=settings.exact,
     )
 
 
@@ -115,7 +116,7 @@ _TREE_FIELDS = {f.name: f.type for f in dataclasses.fields(TreeParams)}
 
 
 def _parse_variant(value: str) -> tuple[str, dict[str, object]]:
-    """``NAME:FIELD=VALUE,...`` -> (NAME, {field: value}) over engine.config.TreeParams."""
+    """``NAME:FIELD=VALUE,...`` -> (NAME, {field: value}) over card.engine.shared.config.TreeParams."""
     name, sep, spec = value.partition(":")
     if not sep or not name.strip() or not spec.strip():
         raise InvalidArgument(f"--card-variant wants NAME:FIELD=VALUE[,...], got {value!r}")
@@ -147,7 +148,8 @@ def _parse_variant(value: str) -> tuple[str, dict[str, object]]:
 @click.option("--draft-quantize", type=click.Choice(["none", "int8"]), default="int8", show_default=True,
               help="dynamic int8 Linear layers for the draft (CPU)")
 @click.option("--prepack/--no-prepack", default=True, show_default=True,
-              help="oneDNN-prepacked Linear weights for fp32 models on the CPU (engine.loading.cpu_linear)")
+              help="oneDNN-prepacked Linear weights for fp32 models on the CPU "
+                   "(card.engine.loading.cpu_linear)")
 @click.option("--draft-random-init", type=int, default=None, metavar="SEED",
               help="replace the draft's weights by random ones (seeded): the useless-draft worst case")
 @click.option("--modes", default="vanilla,sd,card,hf,hf-assisted", show_default=True,
@@ -163,7 +165,7 @@ def _parse_variant(value: str) -> tuple[str, dict[str, object]]:
               help="first N prompts of each dataset")
 @click.option("--max-new-tokens", type=click.IntRange(min=1), default=128, show_default=True)
 @click.option("--tree-width", type=click.IntRange(1, 64), default=None,
-              help="K (card); default 3 on CPU, 4 on GPU (engine.config.default_tree_params)")
+              help="K (card); default 3 on CPU, 4 on GPU (card.engine.shared.config.default_tree_params)")
 @click.option("--branch", type=click.IntRange(0, 64), default=None, help="k, secondary children per node")
 @click.option("--max-depth", type=click.IntRange(min=1), default=None, help="tree depth cap (card)")
 @click.option("--max-chain", type=click.IntRange(min=0), default=None, help="verify length cap (card)")
@@ -202,6 +204,7 @@ def _parse_variant(value: str) -> tuple[str, dict[str, object]]:
 @click.option("--no-progress", is_flag=True, help="no progress bar")
 @tls_options("card-bench", serves=False, envvar_prefix="CARD_BENCH")
 @ngram_options("card-bench", envvar_prefix="CARD_BENCH")
+@exact_option("CARD_BENCH")
 def main(**opts: object) -> None:
     """Compare decoding modes on the same prompts, on this machine, in one run."""
     with exit_on_error("card-bench"):
@@ -217,7 +220,7 @@ def bench(*, target_model: str, draft_model: str, target_dtype: str, draft_dtype
           ignore_eos: bool, threads: int | None, target_threads: int | None, draft_threads: int | None,
           warmup_tokens: int, out: Path | None, chart: Path | None, services: bool, concurrency: str | None,
           no_progress: bool, target_addr: str | None = None, tls: TlsConfig = PLAINTEXT,
-          ngram: NgramConfig | None = None) -> int:
+          ngram: NgramConfig | None = None, exact: bool = True) -> int:
     ngram = ngram or NgramConfig()
     levels = _parse_levels(concurrency)
     if levels and not services:
@@ -236,7 +239,8 @@ def bench(*, target_model: str, draft_model: str, target_dtype: str, draft_dtype
     settings = ModeSettings(tree=tree, gamma=gamma, all_threads=threads or cores,  # measured below
                             target_threads=target_threads or split[0],
                             draft_threads=draft_threads or split[1],
-                            ignore_eos=ignore_eos, backoff=backoff, ngram=ngram, ngram_tree=ngram_tree)
+                            ignore_eos=ignore_eos, backoff=backoff, ngram=ngram, ngram_tree=ngram_tree,
+                            exact=exact)
     loaded = [data.load(spec, n_prompts, data_dir) for spec in datasets]
     if target_addr and not services_only:
         raise InvalidArgument(f"--target loads a running card-target: only {', '.join(SERVICE_MODES)} run "
@@ -250,7 +254,7 @@ def bench(*, target_model: str, draft_model: str, target_dtype: str, draft_dtype
     mode_names = _parse_modes(modes)
 
     t0 = time.perf_counter()
-    target = load_model(ModelConfig(spec=target_model, dtype=target_dtype, prepack=prepack))
+    target = load_model(ModelConfig(spec=target_model, dtype=target_dtype, prepack=prepack, exact=exact))
     draft = None
     if variants or any(m in NEEDS_DRAFT for m in mode_names):
         draft = load_model(ModelConfig(spec=draft_model, dtype=draft_dtype, quantize=draft_quantize,
@@ -295,7 +299,7 @@ def bench(*, target_model: str, draft_model: str, target_dtype: str, draft_dtype
     config = {
         "target_model": target.name, "draft_model": draft.name if draft else None,
         "target_dtype": target_dtype, "draft_dtype": draft_dtype, "draft_quantize": draft_quantize,
-        "draft_random_init": draft_random_init, "prepack": prepack, "modes": mode_names,
+        "draft_random_init": draft_random_init, "prepack": prepack, "exact": exact, "modes": mode_names,
         "datasets": {d.name: str(d.path) for d in loaded}, "n": n_prompts,
         "max_new_tokens": max_new_tokens, "ignore_eos": ignore_eos, "tree": vars(tree) | {"k": tree.k},
         "card_variants": {name: vars(variant) for name, variant in variants.items()},
@@ -344,7 +348,8 @@ def _services_only(target_model: str, draft_model: str, target_dtype: str, draft
         records, rows = load.run_load(addr, modes, prompts, levels, max_new_tokens, ignore_eos,
                                       log=_echo_err, tls=tls)
     config = {"target_model": target_model, "draft_model": draft_model, "draft_quantize": draft_quantize,
-              "modes": modes, "datasets": {d.name: str(d.path) for d in loaded}, "n": len(prompts),
+              "exact": settings.exact, "modes": modes, "datasets": {d.name: str(d.path) for d in loaded},
+              "n": len(prompts),
               "max_new_tokens": max_new_tokens, "ignore_eos": ignore_eos, "tree": vars(tree),
               "target_threads": settings.target_threads, "draft_threads": settings.draft_threads,
               "target_addr": target_addr or "local trio"}
@@ -361,14 +366,24 @@ def _finish_load(records: list[dict], rows: list[dict], config: dict, machine: d
     click.echo(load.table(rows))
     path = out.with_name(out.stem + "-load.json")
     report.write_json(path, {"config": config, "machine": machine, "summary": rows, "records": records})
-    load.write_chart(path.with_suffix(".png"), rows, title)
-    click.echo(f"wrote {path} and {path.with_suffix('.png')}", err=True)
+    _write_chart(load.write_chart, path, path.with_suffix(".png"), rows, title)
     bad = [r for r in records if r["matches_reference"] is False]
     if bad:
         click.echo(f"card-bench: {len(bad)} output(s) under load differ from the same prompt served alone",
                    err=True)
         return EXIT_MISMATCH
     return 0
+
+
+def _write_chart(draw: Callable[..., None], out: Path, chart: Path, *args: object) -> None:
+    """Draw the chart beside the JSON ``out`` (already written); without matplotlib, one line on stderr
+    says how to get it, and the run goes on (its exit status does not change)."""
+    hint = report.try_chart(draw, chart, *args)
+    if hint:
+        click.echo(f"wrote {out}", err=True)
+        click.echo(hint, err=True)
+    else:
+        click.echo(f"wrote {out} and {chart}", err=True)
 
 
 def finish(records: list[dict], config: dict, machine: dict, out: Path, chart: Path, title: str) -> int:
@@ -380,8 +395,7 @@ def finish(records: list[dict], config: dict, machine: dict, out: Path, chart: P
         click.echo(line)
     report.write_json(out, {"config": config, "machine": machine, "summary": rows,
                                   "records": records, "mismatches": len(bad)})
-    report.write_chart(chart, rows, records, title)
-    click.echo(f"wrote {out} and {chart}", err=True)
+    _write_chart(report.write_chart, out, chart, rows, records, title)
     if bad:
         click.echo(f"card-bench: {len(bad)} output(s) differ from vanilla", err=True)
         return EXIT_MISMATCH

@@ -1,9 +1,10 @@
-"""Forward costs that decide the tree shape on a machine: ``python -m client.bench.costs``.
+"""Forward costs that decide the tree shape on a machine: ``python -m card.client.bench.costs``.
 
 Measures, with the engine's own forwards on a real prompt's KV cache:
     target  one verification of ``[next_token, *chain]`` for chain lengths 0..N, per thread count
-            (engine/kv_pool.py: the forward card-target and every in-process mode run)
-    draft   one tree layer of K nodes (tree-attention mask) for K in the given widths (engine/kv_pool.py)
+            (engine/shared/kv_pool.py: the forward card-target and every in-process mode run)
+    draft   one tree layer of K nodes (tree-attention mask) for K in the given widths
+            (engine/shared/kv_pool.py)
     --beside-draft: the target's verifies on one thread again, while a thread forwards the draft
             on the other core, as in-process card runs them (the two share caches, memory
             bandwidth and the GIL)
@@ -25,9 +26,10 @@ from pathlib import Path
 import click
 import torch
 
-from engine import kv_pool
-from engine.kv_pool import Segment, prefilled, siblings
-from engine.loading.models import ModelConfig, load_model
+from card.client.bench.pools import prefilled, siblings
+from card.engine.loading.models import ModelConfig, load_model
+from card.engine.shared import kv_pool
+from card.engine.shared.kv_pool import Segment
 
 
 def _time(fn, reps: int) -> tuple[float, float]:

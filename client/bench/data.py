@@ -1,5 +1,5 @@
 """Benchmark prompts: GSM8K, HumanEval and MT-Bench in their published jsonl formats, and the
-input-grounded sets derived from them (client.bench.derived).
+input-grounded sets derived from them (card.client.bench.derived).
 
 A dataset is named (``gsm8k``, ``humaneval``, ``mt_bench``, ``code_edit``, ``mt_bench_followup``)
 or given as ``name=path`` / a path to any jsonl(.gz) file whose records carry ``messages`` (a chat:
@@ -18,7 +18,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine.errors import InvalidArgument, NotFound
+from card.engine.shared.errors import InvalidArgument, NotFound
 
 PACKAGED = Path(__file__).resolve().parent / "datasets"
 ENV_DATA_DIR = "CARD_BENCH_DATA_DIR"

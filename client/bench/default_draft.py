@@ -1,7 +1,7 @@
 """Measure training-free draft candidates for the default target (SmolLM2-135M-Instruct, fp32, CPU).
 
-    python -m client.bench.default_draft agreement --out agreement.json
-    python -m client.bench.default_draft e2e --drafts L10,int8,L10+int8 --out e2e.json
+    python -m card.client.bench.default_draft agreement --out agreement.json
+    python -m card.client.bench.default_draft e2e --drafts L10,int8,L10+int8 --out e2e.json
 
 A candidate is ``int8`` (dynamic int8 copy), ``L<N>`` (first N decoder layers + final norm + head)
 or ``L<N>+int8``. ``agreement`` reports greedy agreement with the target along the target's own
@@ -24,17 +24,18 @@ from pathlib import Path
 
 import torch
 
-from client.bench import data
-from engine import kv_pool
-from engine.config import GenerationRequest, StopParams
-from engine.kv_pool import Segment, prefilled, siblings
-from engine.loading.draft_variants import truncate_layers
-from engine.loading.models import ModelConfig, load_model
-from engine.runner import InProcessRunner, RunnerConfig
+from card.client.bench import data
+from card.client.bench.pools import prefilled, siblings
+from card.engine.inprocess.runner import InProcessRunner, RunnerConfig
+from card.engine.loading.draft_variants import truncate_layers
+from card.engine.loading.models import ModelConfig, load_model
+from card.engine.shared import kv_pool
+from card.engine.shared.config import GenerationRequest, StopParams
+from card.engine.shared.kv_pool import Segment
 
 
 def prompts(n: int, directory: Path | None = None) -> list[str]:
-    """Half MT-Bench first turns (spread over categories), half GSM8K questions (client.bench.data:
+    """Half MT-Bench first turns (spread over categories), half GSM8K questions (card.client.bench.data:
     ``directory``, else $CARD_BENCH_DATA_DIR, else the packaged samples)."""
     mt = list(data.load("mt_bench", directory=directory).prompts)
     n_mt = (n + 1) // 2
@@ -153,7 +154,7 @@ def run_e2e(args: argparse.Namespace) -> dict:
                 runner = InProcessRunner(target, draft, cfg)
                 try:
                     gen = runner.generation(GenerationRequest(ids, stop=stop))
-                    for _ in gen:
+                    for _ in runner.stream(gen):
                         pass
                     res = gen.result
                 finally:

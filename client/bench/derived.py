@@ -8,7 +8,7 @@ in the prompt: where model-free drafting pays).
 
 The files under client/bench/datasets are this module's output, rebuilt with
 
-    python -m client.bench.derived --answer-model /path/to/qwen2.5-coder-0.5b [--questions 24]
+    python -m card.client.bench.derived --answer-model /path/to/qwen2.5-coder-0.5b [--questions 24]
 
 (code_edit needs no model; the follow-up set needs first-turn answers, generated greedily by
 ``--answer-model`` with the engine's plain decoding and recorded beside each record).
@@ -23,7 +23,7 @@ from pathlib import Path
 
 import click
 
-from client.bench.data import KNOWN, PACKAGED
+from card.client.bench.data import KNOWN, PACKAGED
 
 CODE_EDIT = Path("code_edit") / "code_edit.jsonl"
 FOLLOWUP = Path("mt_bench_followup") / "question.jsonl"
@@ -75,9 +75,9 @@ def followup_questions(mt_bench: Path, n: int) -> list[dict]:
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=PACKAGED, show_default=True)
 def main(answer_model: str, questions: int, max_new_tokens: int, out: Path) -> None:
     """Write the code_edit and mt_bench_followup sets under OUT."""
-    from engine.config import GenerationRequest, StopParams
-    from engine.loading.models import ModelConfig, load_model
-    from engine.runner import InProcessRunner, RunnerConfig
+    from card.engine.inprocess.runner import InProcessRunner, RunnerConfig
+    from card.engine.loading.models import ModelConfig, load_model
+    from card.engine.shared.config import GenerationRequest, StopParams
 
     path = out / CODE_EDIT
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -94,7 +94,7 @@ def main(answer_model: str, questions: int, max_new_tokens: int, out: Path) -> N
         for q in followup_questions(PACKAGED / KNOWN["mt_bench"], questions):
             first = [{"role": "user", "content": q["turns"][0]}]
             ids = model.encode_prompt(first)
-            result = runner.generation(GenerationRequest(tuple(ids), stop=StopParams(max_new_tokens))).run()
+            result = runner.run(GenerationRequest(tuple(ids), stop=StopParams(max_new_tokens)))
             messages = [*first, {"role": "assistant", "content": result.text.strip()},
                         {"role": "user", "content": q["turns"][1]}]
             f.write(json.dumps({"question_id": q["question_id"], "category": q["category"],

@@ -17,12 +17,12 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from card.client.bench import report
+from card.client.bench.report import percentile
+from card.common.channels import channel
+from card.common.tensors import ids_from_msg, ids_to_msg
+from card.common.tls import PLAINTEXT, TlsConfig
 from card.v1 import target_pb2, target_pb2_grpc
-from card_common.channels import channel
-from card_common.tensors import ids_from_msg, ids_to_msg
-from card_common.tls import PLAINTEXT, TlsConfig
-from client.bench import report
-from client.bench.report import percentile
 
 REFERENCE = "svc-vanilla"
 

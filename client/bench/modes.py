@@ -1,9 +1,9 @@
 """The decoding modes a benchmark compares, each behind one interface: ``run(prompt_ids, budget)``.
 
-    vanilla, sd, card   the engine in this process (engine.runner.InProcessRunner)
-    card-ngram          card with the model-free n-gram drafter (engine.ngram), no draft model
+    vanilla, sd, card   the engine in this process (card.engine.inprocess.runner.InProcessRunner)
+    card-ngram          card with the model-free n-gram drafter (card.engine.draft.ngram), no draft model
     card-cascade        card with the draft model and the n-gram statistics beneath it
-    card-auto           card choosing per session between card-ngram and card (engine.sources.PolicyCard)
+    card-auto           card choosing per session between card-ngram and card (PolicyCard)
     hf                  transformers' plain greedy ``model.generate`` (cross-check of vanilla)
     hf-assisted         transformers' assisted generation with the same draft, greedy
     hf-pld              transformers' prompt lookup decoding (``prompt_lookup_num_tokens``), greedy
@@ -26,13 +26,12 @@ from typing import Protocol
 
 import torch
 
-from client.bench.costs import verify_costs
-from engine.config import GenerationRequest, StopParams, TreeParams
-from engine.errors import InvalidArgument
-from engine.loading.models import LoadedModel
-from engine.ngram import NgramConfig
-from engine.runner import InProcessRunner, RunnerConfig
-from engine.stats import GenerationStats
+from card.client.bench.costs import verify_costs
+from card.engine.inprocess.runner import InProcessRunner, RunnerConfig
+from card.engine.loading.models import LoadedModel
+from card.engine.shared.config import DrafterKind, GenerationRequest, NgramConfig, StopParams, TreeParams
+from card.engine.shared.errors import InvalidArgument
+from card.engine.shared.stats import GenerationStats
 
 ENGINE_MODES = ("vanilla", "sd", "card", "card-ngram", "card-cascade", "card-auto")
 HF_MODES = ("hf", "hf-assisted", "hf-pld")
@@ -77,7 +76,7 @@ class EngineMode:
         torch.set_num_threads(self.target_threads)
         request = GenerationRequest(tuple(prompt_ids), stop=StopParams(max_new_tokens=max_new_tokens,
                                                                            ignore_eos=self.ignore_eos))
-        result = self.runner.generation(request).run()
+        result = self.runner.run(request)
         return ModeOutput(result.token_ids, result.stats, result.finish_reason)
 
     def close(self) -> None:
@@ -167,7 +166,7 @@ class ServiceMode:
         self.ignore_eos = ignore_eos
 
     def run(self, prompt_ids: Sequence[int], max_new_tokens: int) -> ModeOutput:
-        from client.remote import generate_remote
+        from card.client.remote import generate_remote
 
         stop = StopParams(max_new_tokens=max_new_tokens, ignore_eos=self.ignore_eos)
         t0 = time.perf_counter()
@@ -194,6 +193,7 @@ class ModeSettings:
     backoff: bool = True
     ngram: NgramConfig = field(default_factory=NgramConfig)
     ngram_tree: TreeParams | None = None
+    exact: bool = True  # the target's batch-invariant forward (--exact), in-process and in the trio
 
 
 def build_mode(name: str, target: LoadedModel, draft: LoadedModel | None, s: ModeSettings) -> Mode:
@@ -208,9 +208,10 @@ def build_mode(name: str, target: LoadedModel, draft: LoadedModel | None, s: Mod
     if name == "card":
         return build_card(name, target, draft, s)
     if name in ("card-cascade", "card-auto"):
-        return build_card(name, target, draft, s, drafter=name.removeprefix("card-"))
+        return build_card(name, target, draft, s, drafter=DrafterKind(name.removeprefix("card-")))
     if name == "card-ngram":  # one Python thread drafts: the target keeps the one-model thread count
-        config = RunnerConfig(mode="card", tree=s.ngram_tree or s.tree, backoff=s.backoff, drafter="ngram",
+        config = RunnerConfig(mode="card", tree=s.ngram_tree or s.tree, backoff=s.backoff,
+                              drafter=DrafterKind.NGRAM,
                               ngram=s.ngram, target_threads=s.all_threads)
         return EngineMode(name, target, None, config, s.all_threads, ignore_eos=s.ignore_eos)
     if name in HF_MODES:
@@ -219,7 +220,7 @@ def build_mode(name: str, target: LoadedModel, draft: LoadedModel | None, s: Mod
 
 
 def build_card(name: str, target: LoadedModel, draft: LoadedModel, s: ModeSettings,
-               drafter: str = "neural") -> Mode:
+               drafter: DrafterKind = DrafterKind.NEURAL) -> Mode:
     """In-process card with the settings' tree (also each ``--card-variant``, under its own name)."""
     # lending the draft's cores pays only where the target runs faster on more threads
     config = RunnerConfig(mode="card", tree=s.tree, target_threads=s.target_threads,

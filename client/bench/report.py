@@ -6,7 +6,7 @@ import json
 import os
 import platform
 import statistics
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -184,8 +184,38 @@ def write_json(path: Path, payload: dict) -> None:
     path.write_text(json.dumps(payload, indent=1))
 
 
+CHART_EXTRA = "card-serving[bench]"
+
+
+def chart_hint(chart: Path) -> str:
+    """The one line said instead of drawing ``chart`` when matplotlib is not installed."""
+    return (f"card-bench: no chart {chart}: matplotlib is not installed; "
+            f"pip install '{CHART_EXTRA}' and re-run card-bench to draw it")
+
+
+def is_missing_matplotlib(error: ModuleNotFoundError) -> bool:
+    """The import that failed is matplotlib's own (not some other module, nor one matplotlib needs)."""
+    return (error.name or "").partition(".")[0] == "matplotlib"
+
+
+def try_chart(draw: Callable[..., None], path: Path, *args: object) -> str | None:
+    """``draw(path, *args)`` (write_chart, load.write_chart); None once drawn, or the one-line
+    chart_hint when matplotlib (the optional ``bench`` extra) is not installed. Any other error,
+    a missing module other than matplotlib included, propagates."""
+    try:
+        draw(path, *args)
+    except ModuleNotFoundError as e:
+        if not is_missing_matplotlib(e):
+            raise
+        return chart_hint(path)
+    return None
+
+
 def write_chart(path: Path, rows: list[dict], records: list[dict], title: str) -> None:
-    """Tokens/s per mode and dataset (bars), and accepted lengths of the speculative modes."""
+    """Tokens/s per mode and dataset (bars), and accepted lengths of the speculative modes.
+
+    Imports matplotlib here, lazily (it is the optional ``bench`` extra): ModuleNotFoundError
+    without it; callers go through try_chart."""
     import matplotlib
 
     matplotlib.use("Agg")

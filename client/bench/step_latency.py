@@ -1,6 +1,6 @@
 """Step latency of the cache service, in process and over loopback gRPC (DESIGN.md §8).
 
-    python -m client.bench.step_latency [--width 4] [--depth 8] [--steps 300] [--device cpu]
+    python -m card.client.bench.step_latency [--width 4] [--depth 8] [--steps 300] [--device cpu]
 
 Each round publishes a full tree (``depth`` layers of ``width`` nodes, the best child first),
 then steps a hit on the root's best child (re-root + a ``depth - 1`` token chain) and a miss.
@@ -19,14 +19,14 @@ import click
 import grpc
 import torch
 
-from cache_service.config import CacheConfig
-from cache_service.server import create_server
+from card.cache_service.config import CacheConfig
+from card.cache_service.server import create_server
+from card.common.channels import channel, wait_serving
+from card.common.convert import correction_to_msg, layer_to_msg, step_result_from_msg
+from card.common.tensors import ids_to_msg
+from card.engine.shared.config import TreeParams
+from card.engine.shared.tree import Correction, Layer, virtual_root_id
 from card.v1 import cache_pb2, cache_pb2_grpc
-from card_common.channels import channel, wait_serving
-from card_common.convert import correction_to_msg, layer_to_msg, step_result_from_msg
-from card_common.tensors import ids_to_msg
-from engine.config import TreeParams
-from engine.tree import Correction, Layer, virtual_root_id
 
 
 def _layer(parents: list[int], ids: list[int], width: int) -> Layer:

@@ -6,16 +6,17 @@ box of docs/performance.md, because small-M sgemm repacks the weight on every ca
 matmul on a weight reordered once into its blocked layout costs 1.2-2x one row instead, and on
 two threads even a one-row forward is faster (254 vs 360 ms per token for Qwen2.5-Coder-1.5B).
 
-Exactness: the packed kernel is batch-invariant and thread-invariant: row ``i`` of a forward of
-``M`` rows is bitwise equal to the forward of row ``i`` alone, with 1 or N threads. MKL's path is
-not (rows differ by ~1e-4 between M=1 and M=7). So with packed weights the target's logits for a
-token do not depend on how many chain tokens rode along, which is what makes greedy card == vanilla
-hold on real fp32 models by construction of the linear layers (attention is still computed per
-forward shape).
+Exactness: the packed kernel is batch-invariant and thread-invariant for two rows or more: row
+``i`` of a forward of ``M >= 2`` rows is bitwise equal to the same row in any other forward of two
+or more rows, with 1 or N threads (fp32 and bf16, measured on AVX-512 with and without AVX512-BF16;
+card.engine.loading.invariant probes it again at load). One row alone takes oneDNN's matrix-vector
+path, whose reduction order differs once ``in_features`` is large (1536: every output differs in
+fp32 and bf16), so ``pad_single_row`` runs a lone row as two. MKL's unpacked path is not invariant
+at all in fp32 (rows differ by ~1e-4 between M=1 and M=7).
 
 The packed weight replaces the dense one (an opaque mkldnn tensor of the same size): no extra
 memory, except for an output projection tied to the input embeddings, whose dense copy the
-embedding keeps. Packed models cannot be saved; pack after loading, as ``engine.loading.models`` does.
+embedding keeps. Packed models cannot be saved; pack after loading, as ``card.engine.loading.models`` does.
 """
 
 from __future__ import annotations
@@ -25,22 +26,34 @@ import torch
 # oneDNN reorders for a batch-size hint; 8 covers 1 + the longest CPU chain and measured best
 # among {none, 1, 8} for 4- and 7-row forwards without slowing 1-row forwards on two threads.
 _BATCH_HINT = 8
-_PACKABLE = (torch.float32,)
+
+
+def _packable_dtypes() -> tuple[torch.dtype, ...]:
+    # bf16 through oneDNN needs AVX512-BF16 or AMX-BF16 (or an emulation oneDNN accepts): asked, not assumed
+    bf16 = torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    return (torch.float32, torch.bfloat16) if bf16 else (torch.float32,)
 
 
 class PackedLinear(torch.nn.Module):
     """``y = x @ W.T + b`` with W held in oneDNN's blocked layout (inference only)."""
 
-    def __init__(self, linear: torch.nn.Linear) -> None:
+    def __init__(self, linear: torch.nn.Linear, pad_single_row: bool = True) -> None:
         super().__init__()
+        self.pad_single_row = pad_single_row
         self.in_features = linear.in_features
         self.out_features = linear.out_features
         weight = linear.weight.detach()
+        self.dtype = weight.dtype  # the packed tensor is opaque; the probe and logs read this
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, _BATCH_HINT)  # opaque [out, in]
         # a copy: the checkpoint may be memory-mapped, and a view would keep the whole file resident
         self.bias = None if linear.bias is None else linear.bias.detach().clone()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
+        if self.pad_single_row and x.numel() == self.in_features:
+            # one row: run it as two (the matrix-matrix kernel every larger forward takes)
+            pair = torch.ops.mkldnn._linear_pointwise(x.reshape(1, -1).expand(2, -1), self.packed, self.bias,
+                                                      "none", [], "")
+            return pair[:1].reshape(*x.shape[:-1], self.out_features)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
     def extra_repr(self) -> str:
@@ -48,14 +61,16 @@ class PackedLinear(torch.nn.Module):
 
 
 def can_pack(model: torch.nn.Module) -> bool:
-    """Whether ``pack_linears`` applies: fp32 weights on the CPU and a torch built with oneDNN."""
+    """Whether ``pack_linears`` applies: fp32 (or bf16 where oneDNN runs it) weights on the CPU and
+    a torch built with oneDNN."""
     if not torch.backends.mkldnn.is_available():
         return False
     weights = [m.weight for m in model.modules() if type(m) is torch.nn.Linear]
-    return bool(weights) and all(w.device.type == "cpu" and w.dtype in _PACKABLE for w in weights)
+    packable = _packable_dtypes()
+    return bool(weights) and all(w.device.type == "cpu" and w.dtype in packable for w in weights)
 
 
-def pack_linears(model: torch.nn.Module) -> int:
+def pack_linears(model: torch.nn.Module, pad_single_row: bool = True) -> int:
     """Replace every ``nn.Linear`` of ``model`` by a ``PackedLinear`` in place; returns how many.
 
     Layers are packed one at a time so the peak memory is the model plus one layer.
@@ -64,7 +79,7 @@ def pack_linears(model: torch.nn.Module) -> int:
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if type(child) is torch.nn.Linear:
-                setattr(parent, name, PackedLinear(child))
+                setattr(parent, name, PackedLinear(child, pad_single_row))
                 count += 1
     return count
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.errors import InvalidArgument
+from card.engine.shared.errors import InvalidArgument
 
 
 def resolve_device(device: str) -> torch.device:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.errors import InvalidArgument
+from card.engine.shared.errors import InvalidArgument
 
 
 def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:

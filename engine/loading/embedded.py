@@ -25,7 +25,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine.errors import Unavailable
+from card.engine.shared.errors import Unavailable
 
 MODELS_DIR_ENV = "CARD_MODELS_DIR"
 FIND_LINKS_ENV = "CARD_DEFAULT_MODEL_FIND_LINKS"

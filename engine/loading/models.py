@@ -6,13 +6,14 @@ A model spec is one of:
     - a local folder holding a transformers checkpoint (config.json + weights), or a folder with
       exactly one ``.gguf`` file (tokenizer files beside it are used when present);
     - a path to a ``.gguf`` file (transformers dequantizes it; needs ``gguf`` and ``accelerate``);
-    - ``default``: the embedded SmolLM2-135M-Instruct (engine.loading.embedded fetches it once).
+    - ``default``: the embedded SmolLM2-135M-Instruct (card.engine.loading.embedded fetches it once).
 
 Options: dtype (auto, float32, bfloat16, float16, float64), device (auto, cpu, cuda, cuda:N), and
 quantize (``none`` or ``int8``: dynamic int8 Linear layers, CPU only), layers (keep only the
-first N decoder layers: a self-speculative draft, engine.loading.draft_variants; 0 keeps all), and prepack
-(fp32 on the CPU: Linear weights reordered once for oneDNN, engine.loading.cpu_linear; faster multi-token
-forwards and batch-invariant logits, on by default).
+first N decoder layers: a self-speculative draft, engine.loading.draft_variants; 0 keeps all), prepack
+(fp32 and bf16 on the CPU: Linear weights reordered once for oneDNN, card.engine.loading.cpu_linear; faster
+multi-token forwards, on by default) and exact (row-wise layers made batch-invariant for the device,
+card.engine.loading.invariant; on by default, a target's --exact off turns it off).
 """
 
 from __future__ import annotations
@@ -29,10 +30,10 @@ from pathlib import Path
 
 import torch
 
-from engine.errors import InvalidArgument, NotFound
-from engine.loading.cpu_linear import can_pack, pack_linears
-from engine.loading.devices import resolve_device
-from engine.loading.fingerprint import tokenizer_fingerprint
+from card.engine.loading.devices import resolve_device
+from card.engine.loading.fingerprint import tokenizer_fingerprint
+from card.engine.loading.invariant import make_exact
+from card.engine.shared.errors import InvalidArgument, NotFound
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +55,7 @@ class ModelConfig:
     quantize: str = "none"
     layers: int = 0
     prepack: bool = True
+    exact: bool = True  # row-wise layers batch-invariant (card.engine.loading.invariant)
 
     def __post_init__(self) -> None:
         if not self.spec:
@@ -85,6 +87,7 @@ class LoadedModel:
     fingerprint: str
     eos_ids: frozenset[int]
     context_window: int
+    exact: bool = True  # prepared for, and to be run by, the batch-invariant forward (ModelConfig.exact)
 
     @property
     def has_chat_template(self) -> bool:
@@ -125,7 +128,7 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
 def _locate(spec: str) -> tuple[str, str | None]:
     """(path or HF id for from_pretrained, gguf file name or None)."""
     if spec == DEFAULT_MODEL:
-        from engine.loading.embedded import ensure_default_model
+        from card.engine.loading.embedded import ensure_default_model
 
         path = ensure_default_model()
         return str(path.parent), path.name
@@ -161,7 +164,7 @@ def _tokenizer(where: str, gguf: str | None) -> object:
     if gguf and not has_tokenizer_files:
         tok = AutoTokenizer.from_pretrained(where, gguf_file=gguf)
         if not getattr(tok, "chat_template", None):
-            from engine.loading.embedded import gguf_chat_template
+            from card.engine.loading.embedded import gguf_chat_template
 
             tok.chat_template = gguf_chat_template(Path(where) / gguf)
         return tok
@@ -190,7 +193,7 @@ def load_model(config: ModelConfig) -> LoadedModel:
         ) from exc
     model = model.to(device).eval()
     if config.layers:
-        from engine.loading.draft_variants import truncate_layers
+        from card.engine.loading.draft_variants import truncate_layers
 
         model = truncate_layers(model, config.layers)
     if config.quantize == "int8":
@@ -199,8 +202,8 @@ def load_model(config: ModelConfig) -> LoadedModel:
         with warnings.catch_warnings():  # torch.ao.quantization warns it is moving to torchao
             warnings.simplefilter("ignore")
             model = torch.ao.quantization.quantize_dynamic(model, {torch.nn.Linear}, dtype=torch.qint8)
-    elif config.prepack and can_pack(model):
-        pack_linears(model)
+    else:
+        make_exact(model, exact=config.exact, prepack=config.prepack)
     if device.type == "cpu":
         own_memory(model)
     return LoadedModel(
@@ -210,6 +213,7 @@ def load_model(config: ModelConfig) -> LoadedModel:
         fingerprint=tokenizer_fingerprint(tokenizer),
         eos_ids=eos_ids_of(model, tokenizer),
         context_window=int(getattr(model.config, "max_position_embeddings", 0) or 2048),
+        exact=config.exact,
     )
 
 
@@ -243,7 +247,8 @@ def export_checkpoint(spec: str, dest: Path, dtype: str = "float32") -> LoadedMo
     """
     if dest.exists() and any(dest.iterdir()):
         raise InvalidArgument(f"{dest} exists and is not empty")
-    loaded = load_model(ModelConfig(spec=spec, dtype=dtype, device="cpu", prepack=False))
+    # plain modules: packed or tiled layers cannot be saved
+    loaded = load_model(ModelConfig(spec=spec, dtype=dtype, device="cpu", prepack=False, exact=False))
     model = loaded.model
     # a dequantized GGUF model still carries its quantizer, which refuses to serialize
     model.hf_quantizer = None

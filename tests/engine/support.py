@@ -16,16 +16,17 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache
 
-from engine.chain_source import ChainSource
-from engine.config import GenerationRequest, SamplingParams, StopParams, TreeParams
-from engine.drafter import Drafter
-from engine.generate import Chunk, Generation, GenerationResult
-from engine.kv_pool import forward
-from engine.ngram import NgramConfig, NgramTable
-from engine.runner import InProcessRunner
-from engine.sources import LocalCard, NoDraft, SyncDraft
-from engine.tree import Chain, Layer, TwoTierTree
-from engine.worker import DraftWorker
+from card.engine.draft.drafter import Drafter
+from card.engine.draft.ngram import NgramTable
+from card.engine.draft.worker import DraftWorker
+from card.engine.inprocess.runner import InProcessRunner
+from card.engine.inprocess.sources import LocalCard, SyncDraft
+from card.engine.shared.config import GenerationRequest, NgramConfig, SamplingParams, StopParams, TreeParams
+from card.engine.shared.session import CardSession, StepResult
+from card.engine.shared.tree import Advance, Correction, Layer, TwoTierTree
+from card.engine.target.chain_source import ChainSource, NoDraft
+from card.engine.target.generation import Chunk, Generation, GenerationResult
+from card.engine.target.scheduler import run_alone
 from tests.tiny_models import sharpened, tiny_model
 
 VOCAB = 97
@@ -127,15 +128,18 @@ class Run:
 def generate(model: torch.nn.Module, source: ChainSource, prompt: Sequence[int], *,
              max_new_tokens: int, sampling: SamplingParams | None = None,
              stop: Sequence[str] = (), eos_ids: frozenset[int] = frozenset(), ignore_eos: bool = True,
-             decode: Callable[[list[int]], str] = letters, context_window: int = 512) -> Run:
+             decode: Callable[[list[int]], str] = letters, context_window: int = 512,
+             adaptive: bool = False) -> Run:
+    """Run one generation alone. Chains are verified whole unless ``adaptive`` (the engine's
+    measured-cost cut reads the clock, so forward counts would follow the machine's load)."""
     request = GenerationRequest(
         tuple(prompt),
         sampling or SamplingParams(),
         StopParams(max_new_tokens=max_new_tokens, stop=tuple(stop), ignore_eos=ignore_eos),
     )
-    gen = Generation(model, request, source, eos_ids=eos_ids, decode=decode,
-                     context_window=context_window, mode="test")
-    chunks = list(gen)
+    gen = Generation(request, source, eos_ids=eos_ids, decode=decode, context_window=context_window,
+                     mode="test", vocab_size=model.config.vocab_size)
+    chunks = list(run_alone(model, gen, adaptive))
     assert gen.result is not None
     # what was streamed is exactly the result, whatever the mode
     assert [t for c in chunks for t in c.token_ids] == gen.result.token_ids
@@ -162,9 +166,14 @@ class LockstepCard(LocalCard):
         self.depth = min(depth, self.params.max_depth)
         self.timeout_s = timeout_s
 
-    def _chain(self) -> Chain:
-        self.lock.wait_for(lambda: self.tree.sizes().depth >= self.depth, self.timeout_s)
-        return super()._chain()
+    def step(self, correction: Correction) -> StepResult:
+        result = super().step(correction)
+        session = self.session
+        if session.link is None:  # paused: the chain is empty on purpose
+            return result
+        with session.lock:
+            session.lock.wait_for(lambda: session.tree.sizes().depth >= self.depth, self.timeout_s)
+            return StepResult(session.best_chain(), result.outcome)
 
 
 class LockstepRunner(InProcessRunner):
@@ -232,69 +241,78 @@ def source_for(mode: str, draft: torch.nn.Module | None = None, *, gamma: int = 
 
 
 # ---- a drafter driven by hand, with the cache's view beside it ------------------------------------
-class DraftSession:
-    """A Drafter, the TwoTierTree the cache would hold (``mirror``), and the committed sequence.
+class _DrafterLink:
+    """A DraftSession's draft: what the CardSession sends goes straight to the drafter; the
+    latest Advance is kept for the test to look at."""
 
-    Layers go to the mirror as the drafter makes them (or later: ``grow(deliver=False)`` keeps a
-    layer in flight until ``deliver()``); corrections are classified by the mirror, as the cache
-    service does, and its Advance goes to the drafter.
+    def __init__(self, drafter: Drafter) -> None:
+        self.drafter = drafter
+        self.last: Advance | None = None
+
+    def start(self, committed: Sequence[int], epoch: int) -> None:
+        self.drafter.start(committed, epoch)
+
+    def advance(self, advance: Advance) -> None:
+        self.last = advance
+        self.drafter.advance(advance)
+
+    def stop(self) -> None:
+        self.drafter.release()
+
+
+class DraftSession:
+    """A Drafter and the CardSession the cache would hold for it (``mirror`` is its tree).
+
+    Layers go to the session as the drafter makes them (or later: ``grow(deliver=False)`` keeps a
+    layer in flight until ``deliver()``); corrections go through the session, as in the cache
+    service, and its Advance reaches the drafter.
     """
 
     def __init__(self, model: torch.nn.Module, params: TreeParams, prompt: Sequence[int],
                  seed: int = 0, ngram: NgramConfig | None = None) -> None:
         self.model = model
         self.drafter = RecordingDrafter(model, params, ngram_config=ngram)
-        self.mirror = TwoTierTree()
-        self.committed = list(prompt)
+        self.session = CardSession(params)
+        self.link = _DrafterLink(self.drafter)
         self.in_flight: list = []
         self.rng = torch.Generator().manual_seed(seed)
-        self.drafter.start(self.committed, 0)
+        self.session.open(prompt)
+        self.session.attach(self.link)
+
+    @property
+    def mirror(self) -> TwoTierTree:
+        return self.session.tree
+
+    @property
+    def committed(self) -> list[int]:
+        return self.session.committed
 
     # growing
     def grow(self, deliver: bool = True):
+        """One forward's layers (a cascade: a list, possibly several; else the layer), or None."""
         self.drafter.clear_recorded()
-        if self.drafter.ngram_config is not None:  # a cascade: one forward may grow several layers
-            return self._grow_cascade(deliver)
-        layer = self.drafter.step()
-        if layer is not None:
-            self.in_flight.append(layer)  # a stream: layers reach the cache in order
+        layers = self.drafter.grow()
+        if layers:
+            self.in_flight.extend(layers)  # a stream: layers reach the cache in order
             if deliver:
                 self.deliver()
-        return layer
-
-    def _grow_cascade(self, deliver: bool) -> list[Layer] | None:
-        d = self.drafter
-        while True:
-            work = d.plan()
-            if work is None:
-                return None
-            if isinstance(work, Layer):
-                layers = [work]
-            else:
-                logits = forward(d.model, d.pool, [work.segment], work.tokens, work.logit_rows)
-                layers = d.finish(work, logits)
-            if layers:
-                self.in_flight.extend(layers)
-                if deliver:
-                    self.deliver()
-                return layers
+        if self.drafter.ngram_config is not None:
+            return layers
+        return layers[0] if layers else None
 
     def deliver(self) -> None:
         for layer in self.in_flight:
-            self.mirror.apply_layer(layer)
+            self.session.apply_layer(layer)
         self.in_flight = []
 
     # correcting
-    def correct(self, accepted_nodes: Sequence[int], next_token: int):
-        from engine.tree import Correction
-
+    def correct(self, accepted_nodes: Sequence[int], next_token: int) -> Advance:
         tree = self.mirror
         rows = [int(torch.nonzero(tree.ids == n).flatten()[0]) for n in accepted_nodes]
         tokens = tuple(int(tree.tokens[r]) for r in rows)
-        advance = tree.apply_correction(Correction(tree.epoch, tokens, tuple(accepted_nodes), next_token))
-        self.drafter.advance(advance)
-        self.committed += [*tokens, next_token]
-        return advance
+        self.session.step(Correction(tree.epoch, tokens, tuple(accepted_nodes), next_token))
+        assert self.link.last is not None
+        return self.link.last
 
     def random_node(self, min_depth: int = 1) -> int | None:
         ids = self.mirror.ids[self.mirror.depth >= min_depth]

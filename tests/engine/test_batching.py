@@ -7,13 +7,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.config import GenerationRequest, SamplingParams, StopParams, TreeParams
-from engine.generate import Generation
-from engine.kv_pool import PREFILL_CHUNK, KVPool
-from engine.loading.models import LoadedModel
-from engine.runner import InProcessRunner, RunnerConfig
-from engine.scheduler import TargetEngine
-from engine.sources import NoDraft
+from card.engine.inprocess.runner import InProcessRunner, RunnerConfig
+from card.engine.loading.models import LoadedModel
+from card.engine.shared.config import GenerationRequest, SamplingParams, StopParams, TreeParams
+from card.engine.shared.kv_pool import PREFILL_CHUNK, KVPool
+from card.engine.target.chain_source import NoDraft
+from card.engine.target.generation import Generation
+from card.engine.target.scheduler import TargetEngine, finish_alone
 from tests.engine.support import draft_model, letters, prompt_cases, target_model
 from tests.engine.test_core_lending import LetterTokenizer
 
@@ -56,10 +56,10 @@ def test_vanilla_batched_equals_alone(kind: str, sampled: bool) -> None:
     assert any(len(r.prompt_ids) > PREFILL_CHUNK for r in requests)
 
     def gen(r: GenerationRequest) -> Generation:
-        return Generation(model, r, NoDraft(), eos_ids=frozenset(), decode=letters, context_window=512,
-                          mode="vanilla")
+        return Generation(r, NoDraft(), eos_ids=frozenset(), decode=letters, context_window=512,
+                          mode="vanilla", vocab_size=model.config.vocab_size)
 
-    alone = [gen(r).run().token_ids for r in requests]
+    alone = [finish_alone(model, gen(r)).token_ids for r in requests]
     # 3 slots for 8 requests: some wait for a slot; a small token budget splits prefills across
     # iterations
     engine = TargetEngine(model, KVPool(model, slots=3, max_len=512), max_batch_tokens=300)
@@ -74,7 +74,7 @@ def test_card_batched_equals_alone_and_vanilla(sampled: bool) -> None:
     draft = _loaded(draft_model("llama", "perturbed", sharp=sampled))
     requests = _requests(6, seed=9, sampled=sampled)
     vanilla = InProcessRunner(target, None, RunnerConfig(mode="vanilla"))
-    want = [vanilla.generation(r).run().token_ids for r in requests]
+    want = [vanilla.run(r).token_ids for r in requests]
     runner = InProcessRunner(target, draft, RunnerConfig(mode="card", tree=TreeParams(width=2, max_depth=4),
                                                          backoff=False))
     try:
@@ -105,10 +105,10 @@ def test_a_failing_or_cancelled_generation_leaves_the_others_alone() -> None:
     requests = [GenerationRequest(r.prompt_ids, r.sampling, stop) for r in requests]
 
     def gen(r: GenerationRequest, source: NoDraft) -> Generation:
-        return Generation(model, r, source, eos_ids=frozenset(), decode=letters, context_window=512,
-                          mode="vanilla")
+        return Generation(r, source, eos_ids=frozenset(), decode=letters, context_window=512,
+                          mode="vanilla", vocab_size=model.config.vocab_size)
 
-    alone = gen(requests[0], NoDraft()).run().token_ids
+    alone = finish_alone(model, gen(requests[0], NoDraft())).token_ids
     engine = TargetEngine(model, KVPool(model, slots=3, max_len=512))
     good, bad = gen(requests[0], NoDraft()), gen(requests[1], _Failing(3))
     cancelled = gen(requests[2], NoDraft())
@@ -135,8 +135,8 @@ class _Rogue(NoDraft):
     """A source whose chains hold a token far outside the vocabulary after a real-looking one."""
 
     def step(self, correction):
-        from engine.chain_source import StepResult
-        from engine.tree import Chain
+        from card.engine.shared.tree import Chain
+        from card.engine.target.chain_source import StepResult
 
         return StepResult(Chain((5, 10**9, 7), (0, 1, 2), correction.epoch))
 
@@ -150,10 +150,10 @@ def test_a_chain_token_outside_the_vocabulary_fails_nobody() -> None:
                 for r in _requests(2, seed=6, sampled=False)]
 
     def gen(r: GenerationRequest, source: NoDraft) -> Generation:
-        return Generation(model, r, source, eos_ids=frozenset(), decode=letters, context_window=512,
-                          mode="vanilla")
+        return Generation(r, source, eos_ids=frozenset(), decode=letters, context_window=512,
+                          mode="vanilla", vocab_size=model.config.vocab_size)
 
-    alone = [gen(r, NoDraft()).run().token_ids for r in requests]
+    alone = [finish_alone(model, gen(r, NoDraft())).token_ids for r in requests]
     engine = TargetEngine(model, KVPool(model, slots=2, max_len=512))
     batched = _run_batched(engine, [gen(requests[0], _Rogue()), gen(requests[1], NoDraft())], join_every=1)
     assert [batched[0], batched[1]] == alone

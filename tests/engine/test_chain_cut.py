@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from engine.config import TreeParams
-from engine.errors import InvalidArgument
-from engine.sources import NoDraft
+from card.engine.shared.config import TreeParams
+from card.engine.shared.errors import InvalidArgument
+from card.engine.target.chain_source import NoDraft
 from tests.engine.support import card_source, generate, prompt_cases, target_model
 
 

@@ -1,17 +1,18 @@
-"""Core lending (engine.core_lending): the target borrows the draft's threads exactly while the
+"""Core lending (card.engine.inprocess.core_lending): the target borrows the draft's threads exactly while the
 draft worker idles, and in-process card with lending stays exact."""
 
 from __future__ import annotations
 
 import torch
 
-from engine.config import GenerationRequest, StopParams, TreeParams
-from engine.core_lending import CoreLender
-from engine.loading.cpu_linear import pack_linears
-from engine.loading.models import LoadedModel
-from engine.runner import InProcessRunner, RunnerConfig
-from engine.tree import Advance, Outcome
-from engine.worker import DraftWorker
+from card.engine.draft.worker import DraftWorker
+from card.engine.inprocess.core_lending import CoreLender
+from card.engine.inprocess.runner import InProcessRunner, RunnerConfig
+from card.engine.loading.cpu_linear import pack_linears
+from card.engine.loading.models import LoadedModel
+from card.engine.shared.config import GenerationRequest, StopParams, TreeParams
+from card.engine.shared.tree import Advance, Outcome
+from card.engine.target.scheduler import finish_alone
 from tests.engine.support import LockstepRunner, letters, prompt_cases, wait_until
 from tests.tiny_models import sharpened, tiny_model
 
@@ -76,8 +77,8 @@ def test_card_with_core_lending_equals_vanilla() -> None:
             stop = StopParams(max_new_tokens=budget, ignore_eos=True)
             request = GenerationRequest(tuple(prompt), stop=stop)
             gen = card.generation(request)
-            result = gen.run()
-            assert result.token_ids == vanilla.generation(request).run().token_ids
+            result = finish_alone(target.model, gen)
+            assert result.token_ids == vanilla.run(request).token_ids
             borrowed += gen.source.lender.layers_borrowed
         assert borrowed > 0  # lending really happened during the runs
         assert torch.get_num_threads() == 1

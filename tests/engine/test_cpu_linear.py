@@ -1,4 +1,4 @@
-"""oneDNN-prepacked Linear layers (engine.loading.cpu_linear): same numbers as nn.Linear, batch- and
+"""oneDNN-prepacked Linear layers (card.engine.loading.cpu_linear): same numbers as nn.Linear, batch- and
 thread-invariant, applied by load_model exactly where it should be, and exact end to end."""
 
 from __future__ import annotations
@@ -7,10 +7,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.config import TreeParams
-from engine.loading.cpu_linear import PackedLinear, can_pack, pack_linears
-from engine.loading.models import ModelConfig, load_model
-from engine.sources import NoDraft, SyncDraft
+from card.engine.inprocess.sources import SyncDraft
+from card.engine.loading.cpu_linear import PackedLinear, can_pack, pack_linears
+from card.engine.loading.models import ModelConfig, load_model
+from card.engine.shared.config import TreeParams
+from card.engine.target.chain_source import NoDraft
 from tests.engine.support import card_source, generate, prompt_cases
 from tests.tiny_models import save_tiny_checkpoint, sharpened, tiny_model
 

@@ -5,13 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import kv_pool
-from engine.config import GenerationRequest, StopParams, TreeParams
-from engine.errors import InvalidArgument
-from engine.kv_pool import KVPool, Segment
-from engine.loading.draft_variants import truncate_layers
-from engine.loading.models import LoadedModel, ModelConfig, load_model
-from engine.runner import InProcessRunner, RunnerConfig
+from card.engine.inprocess.runner import InProcessRunner, RunnerConfig
+from card.engine.loading.draft_variants import truncate_layers
+from card.engine.loading.models import LoadedModel, ModelConfig, load_model
+from card.engine.shared import kv_pool
+from card.engine.shared.config import GenerationRequest, StopParams, TreeParams
+from card.engine.shared.errors import InvalidArgument
+from card.engine.shared.kv_pool import KVPool, Segment
 from tests.tiny_models import save_tiny_checkpoint, tiny_model
 
 
@@ -84,7 +84,7 @@ def test_greedy_output_with_a_truncated_draft_equals_vanilla(mode):
         runner = InProcessRunner(loaded(target, "target"), loaded(draft, "L2"), cfg)
         try:
             gen = runner.generation(request)
-            outputs[name] = [t for chunk in gen for t in chunk.token_ids]
+            outputs[name] = [t for chunk in runner.stream(gen) for t in chunk.token_ids]
             assert outputs[name] == list(gen.result.token_ids)
         finally:
             runner.close()

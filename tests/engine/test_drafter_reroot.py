@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.config import TreeParams
-from engine.drafter import Drafter
-from engine.errors import Aborted
-from engine.tree import Advance, Outcome
+from card.engine.draft.drafter import Drafter
+from card.engine.shared.config import TreeParams
+from card.engine.shared.errors import Aborted
+from card.engine.shared.tree import Advance, Outcome
 from tests.engine.support import KINDS, DraftSession, prompt_cases, same_tree, target_model
 
 
@@ -185,8 +185,8 @@ def test_advance_twice_is_ignored_and_a_skipped_epoch_is_aborted() -> None:
 def test_release_frees_kv_and_tree() -> None:
     drafter = Drafter(target_model("llama"), TreeParams(width=2))
     drafter.start([1, 2, 3])
-    drafter.step()
-    drafter.step()
+    drafter.grow()
+    drafter.grow()
     assert drafter.kv_length() > 0
     drafter.release()
     assert drafter.kv_length() == 0 and len(drafter.tree) == 0 and not drafter.pending

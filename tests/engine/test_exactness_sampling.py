@@ -13,9 +13,10 @@ import math
 import pytest
 import torch
 
-from engine.config import SamplingParams, TreeParams
-from engine.sampling import position_uniform, select_token
-from engine.sources import NoDraft, SyncDraft
+from card.engine.inprocess.sources import SyncDraft
+from card.engine.shared.config import SamplingParams, TreeParams
+from card.engine.target.chain_source import NoDraft
+from card.engine.target.sampling import position_uniform, select_token
 from tests.engine.support import card_source, draft_model, generate, plain_forward, target_model
 
 SAMPLINGS = [
@@ -32,7 +33,7 @@ def with_seed(params: SamplingParams, seed: int) -> SamplingParams:
 
 
 def reference_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """The filtered distribution, written independently of engine.sampling: temperature, then the
+    """The filtered distribution, written independently of card.engine.target.sampling: temperature, then the
     k most likely tokens, then the smallest most-likely set whose mass reaches top_p."""
     probs = torch.softmax(logits.double() / params.temperature, -1)
     order = torch.argsort(probs, descending=True).tolist()

@@ -1,10 +1,10 @@
-"""engine.governor: when in-process card drafts and when the target decodes alone. Driven with a
+"""engine.inprocess.governor: when in-process card drafts and when the target decodes alone. Driven with a
 fake clock: each step's duration and token count are given, so every decision is exact."""
 
 from __future__ import annotations
 
-from engine.governor import BACKOFF_STEPS, JUDGE_STEPS, Governor, Pace
-from engine.tree import Outcome
+from card.engine.inprocess.governor import BACKOFF_STEPS, JUDGE_STEPS, Governor, Pace
+from card.engine.shared.tree import Outcome
 
 
 class Clock:
@@ -138,9 +138,10 @@ def test_a_disabled_governor_drafts_throughout() -> None:
 def test_calibration_steps_decode_alone_then_the_draft_starts_and_output_is_unchanged() -> None:
     import contextlib
 
-    from engine.config import TreeParams
-    from engine.sources import LocalCard, NoDraft
-    from engine.worker import DraftWorker
+    from card.engine.draft.worker import DraftWorker
+    from card.engine.inprocess.sources import LocalCard
+    from card.engine.shared.config import TreeParams
+    from card.engine.target.chain_source import NoDraft
     from tests.engine.support import generate, target_model, wait_until
 
     model = target_model("llama")

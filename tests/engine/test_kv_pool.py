@@ -1,15 +1,15 @@
-"""Sizing of the KV caches (engine.kv_pool.pool_shape): the one rule of card-target and card-draft."""
+"""Sizing of the KV caches (engine.shared.kv_pool.pool_shape): the one rule of card-target and card-draft."""
 
 from __future__ import annotations
 
 import pytest
 
-from draft_service.config import DraftConfig
-from engine.config import TreeParams
-from engine.errors import InvalidArgument, ResourceExhausted
-from engine.kv_pool import DEFAULT_MAX_MODEL_LEN, check_sizing, pool_shape
-from engine.loading.models import ModelConfig
-from target_service.config import TargetConfig
+from card.draft_service.config import DraftConfig
+from card.engine.loading.models import ModelConfig
+from card.engine.shared.config import TreeParams
+from card.engine.shared.errors import InvalidArgument, ResourceExhausted
+from card.engine.shared.kv_pool import DEFAULT_MAX_MODEL_LEN, check_sizing, pool_shape
+from card.target_service.config import TargetConfig
 
 KB = 1024
 

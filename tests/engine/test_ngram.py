@@ -1,4 +1,4 @@
-"""Model-free drafting and the cascade (engine.ngram, engine.drafter): the n-gram tables' counts,
+"""Model-free drafting and the cascade (engine.draft.ngram, engine.draft.drafter): the n-gram tables' counts,
 scores and memory budget; the trees they grow; a cascade's KV rows and logits equal plain forwards
 across corrections; card with either drafter equals vanilla, greedy and seeded sampling."""
 
@@ -11,11 +11,12 @@ import tracemalloc
 import pytest
 import torch
 
-from engine.config import SamplingParams, TreeParams
-from engine.ngram import NgramConfig, NgramDrafter, NgramTable, Proposer, top_followers
-from engine.sources import NgramCard, NoDraft, PolicyCard
-from engine.tree import Advance, Outcome, TwoTierTree
-from engine.worker import DraftWorker
+from card.engine.draft.ngram import NgramDrafter, NgramTable, Proposer, top_followers
+from card.engine.draft.worker import DraftWorker
+from card.engine.inprocess.sources import NgramCard, PolicyCard
+from card.engine.shared.config import NgramConfig, SamplingParams, TreeParams
+from card.engine.shared.tree import Advance, Outcome, TwoTierTree
+from card.engine.target.chain_source import NoDraft
 from tests.engine.support import (
     VOCAB,
     DraftSession,
@@ -122,7 +123,7 @@ def test_ngram_drafter_grows_the_copy_and_follows_corrections() -> None:
 
 
 def _correction(tree: TwoTierTree, chain, accepted: int, next_token: int):
-    from engine.tree import Correction
+    from card.engine.shared.tree import Correction
 
     return Correction(tree.epoch, chain.tokens[:accepted], chain.node_ids[:accepted], next_token)
 

@@ -9,9 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.config import GenerationRequest, StopParams, TreeParams
-from engine.loading.models import LoadedModel, ModelConfig, load_model
-from engine.runner import InProcessRunner, RunnerConfig
+from card.engine.inprocess.runner import InProcessRunner, RunnerConfig
+from card.engine.loading.models import LoadedModel, ModelConfig, load_model
+from card.engine.shared.config import GenerationRequest, StopParams, TreeParams
 from tests.engine.support import LockstepRunner, wait_until
 from tests.tiny_models import SMOLLM2_DIR
 
@@ -39,7 +39,7 @@ def vanilla(target: LoadedModel) -> dict[str, list[int]]:
     runner = InProcessRunner(target, None, RunnerConfig(mode="vanilla"))
     out = {}
     for prompt in PROMPTS:
-        result = runner.generation(request(target, prompt)).run()
+        result = runner.run(request(target, prompt))
         assert result.finish_reason == "length" and len(result.token_ids) == NEW_TOKENS
         out[prompt] = result.token_ids
     return out
@@ -82,7 +82,7 @@ def test_card_and_sd_equal_vanilla(target: LoadedModel, int8_draft: LoadedModel,
     try:
         forwards = hits = 0
         for prompt in PROMPTS:
-            result = runner.generation(request(target, prompt)).run()
+            result = runner.run(request(target, prompt))
             assert result.token_ids == vanilla[prompt], f"{mode} with {draft.name}: {prompt!r}"
             assert result.text == target.decode(vanilla[prompt])
             forwards += result.stats.target_forwards

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from engine.speculation import Acceptance, CostModel, chain_lengths
+from card.engine.target.speculation import Acceptance, CostModel, chain_lengths
 
 
 def test_cost_model_fits_a_line_and_waits_for_varied_sizes() -> None:

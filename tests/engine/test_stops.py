@@ -12,9 +12,10 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from engine.config import StopParams, TreeParams
-from engine.sources import NoDraft, SyncDraft
-from engine.stopping import OutputTracker
+from card.engine.inprocess.sources import SyncDraft
+from card.engine.shared.config import StopParams, TreeParams
+from card.engine.target.chain_source import NoDraft
+from card.engine.target.stopping import OutputTracker
 from tests.engine.support import Run, card_source, generate, letters, target_model
 
 MODES = ("vanilla", "sd", "card")

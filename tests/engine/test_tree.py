@@ -21,8 +21,8 @@ import math
 import pytest
 import torch
 
-from engine.errors import Aborted, InvalidArgument
-from engine.tree import NO_NODE, Correction, Layer, Outcome, TwoTierTree, virtual_root_id
+from card.engine.shared.errors import Aborted, InvalidArgument
+from card.engine.shared.tree import NO_NODE, Correction, Layer, Outcome, TwoTierTree, virtual_root_id
 
 ROOT = virtual_root_id(0)
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from engine.config import TreeParams
-from engine.tree import Outcome
+from card.engine.shared.config import TreeParams
+from card.engine.shared.tree import Outcome
 from tests.engine.support import KINDS, DraftSession, prompt_cases, target_model
 
 

@@ -9,13 +9,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.config import GenerationRequest, StopParams, TreeParams
-from engine.generate import Generation
-from engine.loading.models import ModelConfig, load_model
-from engine.runner import InProcessRunner, RunnerConfig
-from engine.sources import LocalCard, NoDraft
-from engine.tree import Advance, Layer, Outcome
-from engine.worker import DraftWorker
+from card.engine.draft.worker import DraftWorker
+from card.engine.inprocess.runner import InProcessRunner, RunnerConfig
+from card.engine.inprocess.sources import LocalCard
+from card.engine.loading.models import ModelConfig, load_model
+from card.engine.shared.config import GenerationRequest, StopParams, TreeParams
+from card.engine.shared.tree import Advance, Layer, Outcome
+from card.engine.target.chain_source import NoDraft
+from card.engine.target.generation import Generation
+from card.engine.target.scheduler import run_alone
 from tests.engine.support import (
     LockstepCard,
     LockstepRunner,
@@ -88,9 +90,8 @@ def test_abandoned_generation_is_cleaned_up(hub_worker) -> None:
     hub, worker = hub_worker
     card = hub.card(worker)
     request = GenerationRequest((5, 6, 7), stop=StopParams(50, ignore_eos=True))
-    gen = Generation(target_model("llama"), request, card, eos_ids=frozenset(), decode=str,
-                     context_window=512, mode="card")
-    it = iter(gen)
+    gen = Generation(request, card, eos_ids=frozenset(), decode=str, context_window=512, mode="card")
+    it = iter(run_alone(target_model("llama"), gen))
     next(it)
     next(it)
     it.close()  # the caller went away mid-generation
@@ -153,11 +154,11 @@ def test_runner_card_and_sd_equal_vanilla_and_leak_nothing(tiny_checkpoints) -> 
     requests = [GenerationRequest(tuple(p), stop=StopParams(max_new_tokens=12, ignore_eos=True))
                 for p in prompts]
     vanilla = InProcessRunner(target, None, RunnerConfig(mode="vanilla"))
-    want = [vanilla.generation(r).run().token_ids for r in requests]
+    want = [vanilla.run(r).token_ids for r in requests]
     for mode in ("card", "sd"):
         runner = LockstepRunner(target, draft, RunnerConfig(mode=mode, tree=PARAMS), lockstep_depth=2)
         try:
-            assert [runner.generation(r).run().token_ids for r in requests] == want
+            assert [runner.run(r).token_ids for r in requests] == want
             if mode == "card":  # the runner's one worker served every session and kept nothing
                 assert runner.worker is not None and idle(runner.worker)
         finally:
@@ -170,9 +171,9 @@ def test_a_session_that_breaks_is_dropped_and_the_worker_keeps_serving() -> None
 
     import torch
 
-    from engine.config import TreeParams
-    from engine.tree import Advance, Outcome
-    from engine.worker import DraftWorker
+    from card.engine.draft.worker import DraftWorker
+    from card.engine.shared.config import TreeParams
+    from card.engine.shared.tree import Advance, Outcome
     from tests.tiny_models import tiny_model
 
     layers: list[str] = []
@@ -202,8 +203,8 @@ def test_a_session_that_breaks_is_dropped_and_the_worker_keeps_serving() -> None
 def test_one_forward_grows_every_session_as_it_grows_alone() -> None:
     """Sessions of different prompt lengths (one longer than a prefill chunk) share each draft
     forward, and each gets the very layers its drafter grows by itself."""
-    from engine.drafter import Drafter
-    from engine.kv_pool import PREFILL_CHUNK
+    from card.engine.draft.drafter import Drafter
+    from card.engine.shared.kv_pool import PREFILL_CHUNK
 
     model = draft_model("llama", "perturbed")
     long = [(i * 7) % 90 + 1 for i in range(PREFILL_CHUNK + 30)]
@@ -230,8 +231,8 @@ def test_one_forward_grows_every_session_as_it_grows_alone() -> None:
         alone = Drafter(model, PARAMS, max_len=512)
         alone.start(prompt)
         want = []
-        while (layer := alone.step()) is not None:
-            want.append(layer)
+        while (layers := alone.grow()) is not None:
+            want.extend(layers)
         assert [lay.tokens.tolist() for lay in got[sid]] == [lay.tokens.tolist() for lay in want]
         for g, w in zip(got[sid], want, strict=True):
             torch.testing.assert_close(g.local_logp, w.local_logp, rtol=0, atol=1e-9)

@@ -11,9 +11,8 @@ from collections.abc import Callable, Sequence
 import grpc
 import torch
 
-from card.v1 import cache_pb2, cache_pb2_grpc
-from card_common.channels import channel
-from card_common.convert import (
+from card.common.channels import channel
+from card.common.convert import (
     chain_policy_to_msg,
     command_from_msg,
     correction_to_msg,
@@ -21,12 +20,13 @@ from card_common.convert import (
     stats_to_msg,
     step_result_from_msg,
 )
-from card_common.tensors import ids_to_msg
-from engine.chain_source import StepResult
-from engine.config import ChainPolicy
-from engine.draft_commands import DraftCommand
-from engine.stats import GenerationStats
-from engine.tree import Correction, Layer
+from card.common.tensors import ids_to_msg
+from card.engine.shared.commands import DraftCommand
+from card.engine.shared.config import ChainPolicy
+from card.engine.shared.stats import GenerationStats
+from card.engine.shared.tree import Correction, Layer
+from card.engine.target.chain_source import StepResult
+from card.v1 import cache_pb2, cache_pb2_grpc
 
 FP_A = "fp-aaaa"
 FP_B = "fp-bbbb"

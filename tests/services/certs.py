@@ -16,7 +16,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from card_common.tls import TlsConfig
+from card.common.tls import TlsConfig
 
 
 @dataclass(frozen=True)

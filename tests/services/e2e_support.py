@@ -10,10 +10,10 @@ from contextlib import contextmanager
 
 import torch
 
-from engine.config import GenerationRequest, SamplingParams, StopParams
-from engine.generate import GenerationResult
-from engine.loading.models import LoadedModel
-from engine.runner import InProcessRunner, RunnerConfig
+from card.engine.inprocess.runner import InProcessRunner, RunnerConfig
+from card.engine.loading.models import LoadedModel
+from card.engine.shared.config import GenerationRequest, SamplingParams, StopParams
+from card.engine.target.generation import GenerationResult
 
 Reference = Callable[[str | Sequence[int], SamplingParams, StopParams], GenerationResult]
 
@@ -35,7 +35,7 @@ def vanilla_reference(model: LoadedModel) -> Reference:
 
     def run(prompt: str | Sequence[int], sampling: SamplingParams, stop: StopParams) -> GenerationResult:
         ids = model.encode_prompt(prompt) if isinstance(prompt, str) else list(prompt)
-        return runner.generation(GenerationRequest(tuple(ids), sampling, stop)).run()
+        return runner.run(GenerationRequest(tuple(ids), sampling, stop))
 
     return run
 

@@ -30,9 +30,9 @@ import tempfile
 import uuid
 from pathlib import Path
 
-from card_common.tls import TlsConfig
-from client.trio import ServiceProcess, _die_with_parent, console_script, tls_env
-from engine.errors import Unavailable
+from card.client.trio import ServiceProcess, _die_with_parent, console_script, tls_env
+from card.common.tls import TlsConfig
+from card.engine.shared.errors import Unavailable
 from tests.services.certs import make_pki
 
 HOSTS = ("cache", "target", "draft")

@@ -9,10 +9,10 @@ from __future__ import annotations
 import grpc
 import pytest
 
+from card.client.remote import generate_remote
+from card.common.channels import channel
+from card.engine.shared.config import SamplingParams, StopParams
 from card.v1 import cache_pb2, cache_pb2_grpc
-from card_common.channels import channel
-from client.remote import generate_remote
-from engine.config import SamplingParams, StopParams
 from tests.services.netns import NetnsTrio, Unsupported
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]

@@ -1,4 +1,4 @@
-"""Tokens on the cache (card_common.auth): each RPC needs its role's token, health stays open.
+"""Tokens on the cache (card.common.auth): each RPC needs its role's token, health stays open.
 
 A real card-cache server (in-process, on a loopback port) with Redis; clients over real channels;
 then a trio started from the entry points with tokens and mutual TLS on every link (certificates
@@ -15,15 +15,15 @@ from collections.abc import Iterator
 import grpc
 import pytest
 
-from cache_service.config import CacheConfig
-from cache_service.server import create_server
+from card.cache_service.config import CacheConfig
+from card.cache_service.server import create_server
+from card.client.remote import generate_remote
+from card.client.trio import LocalTrio, console_script
+from card.common.channels import channel, health_status, wait_serving
+from card.common.tls import TlsConfig
+from card.engine.shared.config import SamplingParams, StopParams
+from card.engine.shared.errors import Unavailable
 from card.v1 import cache_pb2, cache_pb2_grpc
-from card_common.channels import channel, health_status, wait_serving
-from card_common.tls import TlsConfig
-from client.remote import generate_remote
-from client.trio import LocalTrio, console_script
-from engine.config import SamplingParams, StopParams
-from engine.errors import Unavailable
 from tests.services.cache_helpers import FP_A, TIMEOUT, HandDraft, HandTarget
 from tests.services.certs import make_pki
 

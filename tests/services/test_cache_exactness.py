@@ -12,17 +12,17 @@ import grpc
 import pytest
 import torch
 
+from card.common.channels import channel
+from card.common.convert import command_from_msg, layer_to_msg
+from card.engine.draft.worker import DraftWorker
+from card.engine.shared.commands import AdvanceDraft, StartDraft, StopDraft
+from card.engine.shared.config import GenerationRequest, SamplingParams, StopParams, TreeParams
+from card.engine.shared.stats import GenerationStats
+from card.engine.shared.tree import Correction, Layer, Outcome
+from card.engine.target.chain_source import ChainSource, NoDraft, SourceStats, StepResult
+from card.engine.target.generation import Generation
+from card.engine.target.scheduler import finish_alone
 from card.v1 import cache_pb2, cache_pb2_grpc
-from card_common.channels import channel
-from card_common.convert import command_from_msg, layer_to_msg
-from engine.chain_source import ChainSource, SourceStats, StepResult
-from engine.config import GenerationRequest, SamplingParams, StopParams, TreeParams
-from engine.draft_commands import AdvanceDraft, StartDraft, StopDraft
-from engine.generate import Generation
-from engine.sources import NoDraft
-from engine.stats import GenerationStats
-from engine.tree import Correction, Layer, Outcome
-from engine.worker import DraftWorker
 from tests.services.cache_helpers import FP_A, TIMEOUT, HandTarget, wait_for
 from tests.services.test_cache_service import Cache, make_config, start_cache
 from tests.tiny_models import tiny_model
@@ -103,8 +103,8 @@ class CacheSource(ChainSource):
 
 def generate(model: torch.nn.Module, source: ChainSource, sampling: SamplingParams, n: int = 40):
     request = GenerationRequest(tuple(PROMPT), sampling, StopParams(max_new_tokens=n, ignore_eos=True))
-    return Generation(model, request, source, eos_ids=frozenset(), decode=lambda ids: "",
-                      context_window=512, mode="card").run()
+    return finish_alone(model, Generation(request, source, eos_ids=frozenset(), decode=lambda ids: "",
+                                          context_window=512, mode="card"))
 
 
 @pytest.fixture(scope="module")

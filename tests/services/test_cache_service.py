@@ -19,16 +19,16 @@ import redis
 from grpc_health.v1 import health_pb2
 from prometheus_client import REGISTRY
 
-from cache_service.config import CacheConfig
-from cache_service.server import SERVICE_NAME, CacheServer, create_server
+from card.cache_service.config import CacheConfig
+from card.cache_service.server import SERVICE_NAME, CacheServer, create_server
+from card.common.channels import health_status, wait_serving
+from card.common.convert import layer_to_msg
+from card.common.tensors import ids_to_msg
+from card.engine.shared.commands import AdvanceDraft, StartDraft, StopDraft
+from card.engine.shared.config import ChainPolicy
+from card.engine.shared.stats import GenerationStats
+from card.engine.shared.tree import NO_NODE, Advance, Outcome, virtual_root_id
 from card.v1 import cache_pb2
-from card_common.channels import health_status, wait_serving
-from card_common.convert import layer_to_msg
-from card_common.tensors import ids_to_msg
-from engine.config import ChainPolicy
-from engine.draft_commands import AdvanceDraft, StartDraft, StopDraft
-from engine.stats import GenerationStats
-from engine.tree import NO_NODE, Advance, Outcome, virtual_root_id
 from tests.services.cache_helpers import FP_A, FP_B, TIMEOUT, HandDraft, HandTarget, layer, wait_for
 from tests.services.conftest import RedisServer, free_port, running_redis
 
@@ -650,7 +650,7 @@ def test_card_cache_without_redis() -> None:
 
 
 def test_port_conflict_fails_at_startup(cache: Cache) -> None:
-    from engine.errors import InvalidArgument
+    from card.engine.shared.errors import InvalidArgument
 
     config = cache.server.config
     with pytest.raises(InvalidArgument, match="cannot listen on"):
@@ -660,8 +660,8 @@ def test_port_conflict_fails_at_startup(cache: Cache) -> None:
 def test_step_batch_answers_each_session_on_its_own(cache: Cache) -> None:
     """One StepBatch round trip for several sessions: each result is what its own Step would
     have returned; an unknown session's NOT_FOUND and a stale epoch's ABORTED leave the rest be."""
-    from card_common.convert import correction_to_msg, step_result_from_msg
-    from engine.tree import Correction
+    from card.common.convert import correction_to_msg, step_result_from_msg
+    from card.engine.shared.tree import Correction
 
     draft = cache.draft("d0")
     a = cache.target.open(PROMPT).session_id

@@ -8,8 +8,8 @@ from collections.abc import Iterator
 import pytest
 import redis
 
-from cache_service.store import MemoryStore, MetadataStore, RedisStore, open_store
-from engine.errors import Unavailable
+from card.cache_service.store import MemoryStore, MetadataStore, RedisStore, open_store
+from card.engine.shared.errors import Unavailable
 from tests.services.conftest import free_port
 
 

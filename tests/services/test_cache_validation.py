@@ -11,8 +11,8 @@ import pytest
 import torch
 from prometheus_client import REGISTRY
 
-from card_common.convert import layer_to_msg
-from engine.tree import MAX_LAYER_NODES, Layer, virtual_root_id
+from card.common.convert import layer_to_msg
+from card.engine.shared.tree import MAX_LAYER_NODES, Layer, virtual_root_id
 from tests.services.cache_helpers import layer
 from tests.services.test_cache_service import cache, expect_start, rpc_error  # noqa: F401  (fixture)
 
@@ -72,7 +72,7 @@ def test_prompts_are_bounded_by_the_targets_window_and_vocabulary(cache) -> None
 
 @pytest.mark.parametrize("name", list(BAD))
 def test_layer_check_names_the_fault(name: str) -> None:
-    from engine.errors import InvalidArgument
+    from card.engine.shared.errors import InvalidArgument
 
     with pytest.raises(InvalidArgument):
         BAD[name].check(VOCAB)
@@ -93,8 +93,8 @@ def test_registrations_are_bounded(cache, name: str, capacity: int, fault: str) 
 
 
 def test_a_name_passes_to_a_new_worker_only_once_its_holder_is_gone() -> None:
-    from cache_service.registry import DraftRegistration, Registry
-    from engine.errors import AlreadyExists
+    from card.cache_service.registry import DraftRegistration, Registry
+    from card.engine.shared.errors import AlreadyExists
 
     registry = Registry()
     reg = DraftRegistration(name="w", model="m", fingerprint="fp", capacity=2)

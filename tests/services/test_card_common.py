@@ -9,9 +9,8 @@ import grpc
 import pytest
 import torch
 
-from card.v1 import cache_pb2, cache_pb2_grpc, common_pb2
-from card_common.channels import channel, wait_serving
-from card_common.convert import (
+from card.common.channels import channel, wait_serving
+from card.common.convert import (
     advance_from_msg,
     advance_to_msg,
     chain_policy_from_msg,
@@ -29,15 +28,16 @@ from card_common.convert import (
     stats_to_msg,
     step_result_from_msg,
 )
-from card_common.serving import add_health, make_server, set_serving
-from card_common.status import STATUS_CODES, error_from_rpc, grpc_errors, status_code
-from card_common.tensors import from_tensor_msg, ids_from_msg, ids_to_msg, to_tensor_msg
-from engine import errors
-from engine.chain_source import StepResult
-from engine.config import ChainPolicy, SamplingParams, TreeParams
-from engine.draft_commands import AdvanceDraft, StartDraft, StopDraft
-from engine.stats import GenerationStats
-from engine.tree import Advance, Chain, Correction, Layer, Outcome
+from card.common.serving import add_health, make_server, set_serving
+from card.common.status import STATUS_CODES, error_from_rpc, grpc_errors, status_code
+from card.common.tensors import from_tensor_msg, ids_from_msg, ids_to_msg, to_tensor_msg
+from card.engine.shared import errors
+from card.engine.shared.commands import AdvanceDraft, StartDraft, StopDraft
+from card.engine.shared.config import ChainPolicy, SamplingParams, TreeParams
+from card.engine.shared.stats import GenerationStats
+from card.engine.shared.tree import Advance, Chain, Correction, Layer, Outcome
+from card.engine.target.chain_source import StepResult
+from card.v1 import cache_pb2, cache_pb2_grpc, common_pb2
 
 
 @pytest.mark.parametrize("dtype", ["int64", "int32", "float32", "float16", "bfloat16"])
@@ -94,7 +94,7 @@ def test_engine_values_round_trip() -> None:
 
     chain = Chain((1, 2), (5, -1), 6)
     result = step_result_from_msg(chain_to_msg(chain, Outcome.SECONDARY_HIT))
-    assert type(result) is StepResult  # engine.chain_source's, the contract every source returns
+    assert type(result) is StepResult  # card.engine.target.chain_source's, the contract every source returns
     assert result.chain == chain and result.outcome is Outcome.SECONDARY_HIT
     assert step_result_from_msg(chain_to_msg(Chain(epoch=1))).outcome is None
 
@@ -147,13 +147,14 @@ def test_chain_policy_round_trip() -> None:
 
 
 def test_the_cache_loads_no_model_code() -> None:
-    """convert.py imports StepResult from engine.chain_source at the top: the cache process (and
+    """convert.py imports StepResult from card.engine.target.chain_source at the top: the cache process (and
     anything else that speaks the wire) never pulls in the drafter, the sources or transformers."""
     import subprocess
     import sys
 
-    heavy = ("transformers", "engine.sources", "engine.drafter", "engine.loading.models")
-    code = f"import sys, cache_service.server; print([m for m in {heavy!r} if m in sys.modules])"
+    heavy = ("transformers", "card.engine.inprocess.sources", "card.engine.draft.drafter",
+             "card.engine.loading.models")
+    code = f"import sys, card.cache_service.server; print([m for m in {heavy!r} if m in sys.modules])"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
 
@@ -239,7 +240,7 @@ def test_log_formatters() -> None:
     import json
     import logging
 
-    from card_common.serving import JsonFormatter, TextFormatter
+    from card.common.serving import JsonFormatter, TextFormatter
 
     record = logging.LogRecord("card.x", logging.WARNING, __file__, 1, "session %s ended", ("s1",), None)
     record.session_id = "s1"
@@ -250,9 +251,9 @@ def test_log_formatters() -> None:
 
 
 def test_top_p_zero_is_refused_not_taken_as_one() -> None:
+    from card.common.convert import sampling_from_msg
+    from card.engine.shared.errors import InvalidArgument
     from card.v1 import common_pb2
-    from card_common.convert import sampling_from_msg
-    from engine.errors import InvalidArgument
 
     assert sampling_from_msg(common_pb2.SamplingParams(temperature=0.5)).top_p == 1.0  # unset
     with pytest.raises(InvalidArgument, match="top_p"):

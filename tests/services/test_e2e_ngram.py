@@ -12,12 +12,11 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from client.remote import generate_remote
-from client.trio import LocalTrio
-from engine.config import SamplingParams, StopParams
-from engine.errors import FailedPrecondition
-from engine.loading.models import ModelConfig, load_model
-from engine.ngram import NgramConfig
+from card.client.remote import generate_remote
+from card.client.trio import LocalTrio
+from card.engine.loading.models import ModelConfig, load_model
+from card.engine.shared.config import NgramConfig, SamplingParams, StopParams
+from card.engine.shared.errors import FailedPrecondition
 from tests.services.e2e_support import torch_threads, vanilla_reference
 from tests.tiny_models import save_foreign_tokenizer_checkpoint, save_tiny_checkpoint
 

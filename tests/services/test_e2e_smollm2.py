@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 
-from client.remote import generate_remote
-from client.trio import LocalTrio
-from engine.config import SamplingParams, StopParams
-from engine.loading.models import ModelConfig, load_model
+from card.client.remote import generate_remote
+from card.client.trio import LocalTrio
+from card.engine.loading.models import ModelConfig, load_model
+from card.engine.shared.config import SamplingParams, StopParams
 from tests.services.e2e_support import torch_threads, vanilla_reference
 from tests.tiny_models import SMOLLM2_DIR
 

@@ -20,13 +20,13 @@ from pathlib import Path
 import grpc
 import pytest
 
+from card.client.remote import generate_remote
+from card.client.trio import LocalTrio, console_script, free_port
+from card.common.channels import health_status
+from card.engine.loading.models import ModelConfig, load_model
+from card.engine.shared.config import SamplingParams, StopParams
+from card.engine.shared.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
 from card.v1 import cache_pb2, cache_pb2_grpc, common_pb2, target_pb2, target_pb2_grpc
-from card_common.channels import health_status
-from client.remote import generate_remote
-from client.trio import LocalTrio, console_script, free_port
-from engine.config import SamplingParams, StopParams
-from engine.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
-from engine.loading.models import ModelConfig, load_model
 from tests.services.e2e_support import metric, scrape, torch_threads, vanilla_reference, wait_until
 from tests.tiny_models import save_foreign_tokenizer_checkpoint, save_tiny_checkpoint
 

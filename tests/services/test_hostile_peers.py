@@ -22,15 +22,15 @@ import grpc
 import pytest
 import torch
 
+from card.client.remote import build_request, generate_remote
+from card.client.trio import LocalTrio
+from card.common.channels import channel
+from card.common.convert import layer_to_msg
+from card.common.tensors import ids_to_msg
+from card.engine.shared.commands import AdvanceDraft, StartDraft
+from card.engine.shared.config import SamplingParams, StopParams
+from card.engine.shared.tree import MAX_LAYER_NODES, Layer, virtual_root_id
 from card.v1 import cache_pb2, cache_pb2_grpc, target_pb2, target_pb2_grpc
-from card_common.channels import channel
-from card_common.convert import layer_to_msg
-from card_common.tensors import ids_to_msg
-from client.remote import build_request, generate_remote
-from client.trio import LocalTrio
-from engine.config import SamplingParams, StopParams
-from engine.draft_commands import AdvanceDraft, StartDraft
-from engine.tree import MAX_LAYER_NODES, Layer, virtual_root_id
 from tests.services.cache_helpers import HandDraft
 from tests.tiny_models import SMOLLM2_VOCAB
 

@@ -18,10 +18,10 @@ import httpx
 import openai
 import pytest
 
+from card.client.remote import generate_remote
+from card.client.trio import LocalTrio, console_script
+from card.engine.shared.config import SamplingParams, StopParams
 from card.v1 import cache_pb2, cache_pb2_grpc, target_pb2, target_pb2_grpc
-from client.remote import generate_remote
-from client.trio import LocalTrio, console_script
-from engine.config import SamplingParams, StopParams
 from tests.services.e2e_support import metric, scrape, wait_until
 from tests.tiny_models import save_tiny_checkpoint
 

@@ -1,4 +1,4 @@
-"""TLS on gRPC links (card_common.tls): a real card-cache server in-process with certificates made
+"""TLS on gRPC links (card.common.tls): a real card-cache server in-process with certificates made
 at test time; real channels, plaintext and TLS, with and without client certificates.
 The trio with TLS and tokens on every link: tests/services/test_cache_auth.py."""
 
@@ -11,13 +11,13 @@ from pathlib import Path
 import grpc
 import pytest
 
-from cache_service.config import CacheConfig
-from cache_service.server import create_server
+from card.cache_service.config import CacheConfig
+from card.cache_service.server import create_server
+from card.common.channels import channel, health_status, wait_serving
+from card.common.serving import start_health_port
+from card.common.tls import TlsConfig
+from card.engine.shared.errors import InvalidArgument
 from card.v1 import cache_pb2, cache_pb2_grpc
-from card_common.channels import channel, health_status, wait_serving
-from card_common.serving import start_health_port
-from card_common.tls import TlsConfig
-from engine.errors import InvalidArgument
 from tests.services.cache_helpers import TIMEOUT
 from tests.services.certs import Pki, make_pki
 

@@ -51,7 +51,7 @@ class ChainPolicy(_message.Message):
     def __init__(self, max_chain: _Optional[int] = ..., min_path_prob: _Optional[float] = ..., b_extension: _Optional[bool] = ...) -> None: ...
 
 class GenerationStats(_message.Message):
-    __slots__ = ("mode", "prompt_tokens", "new_tokens", "wall_s", "prefill_s", "target_forwards", "draft_forwards", "hits", "secondary_hits", "misses", "target_idle_s", "draft_idle_s", "step_rtt_ms", "accepted_lengths")
+    __slots__ = ("mode", "prompt_tokens", "new_tokens", "wall_s", "prefill_s", "target_forwards", "draft_forwards", "hits", "secondary_hits", "misses", "target_idle_s", "draft_idle_s", "step_rtt_ms", "accepted_lengths", "exact")
     MODE_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -66,6 +66,7 @@ class GenerationStats(_message.Message):
     DRAFT_IDLE_S_FIELD_NUMBER: _ClassVar[int]
     STEP_RTT_MS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_LENGTHS_FIELD_NUMBER: _ClassVar[int]
+    EXACT_FIELD_NUMBER: _ClassVar[int]
     mode: str
     prompt_tokens: int
     new_tokens: int
@@ -80,4 +81,5 @@ class GenerationStats(_message.Message):
     draft_idle_s: float
     step_rtt_ms: _containers.RepeatedScalarFieldContainer[float]
     accepted_lengths: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, mode: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., new_tokens: _Optional[int] = ..., wall_s: _Optional[float] = ..., prefill_s: _Optional[float] = ..., target_forwards: _Optional[int] = ..., draft_forwards: _Optional[int] = ..., hits: _Optional[int] = ..., secondary_hits: _Optional[int] = ..., misses: _Optional[int] = ..., target_idle_s: _Optional[float] = ..., draft_idle_s: _Optional[float] = ..., step_rtt_ms: _Optional[_Iterable[float]] = ..., accepted_lengths: _Optional[_Iterable[int]] = ...) -> None: ...
+    exact: bool
+    def __init__(self, mode: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., new_tokens: _Optional[int] = ..., wall_s: _Optional[float] = ..., prefill_s: _Optional[float] = ..., target_forwards: _Optional[int] = ..., draft_forwards: _Optional[int] = ..., hits: _Optional[int] = ..., secondary_hits: _Optional[int] = ..., misses: _Optional[int] = ..., target_idle_s: _Optional[float] = ..., draft_idle_s: _Optional[float] = ..., step_rtt_ms: _Optional[_Iterable[float]] = ..., accepted_lengths: _Optional[_Iterable[int]] = ..., exact: _Optional[bool] = ...) -> None: ...

@@ -1,0 +1,195 @@
+"""Decoding modes in one process: ``vanilla``, ``sd`` and ``card`` over the same target loop.
+
+    runner = InProcessRunner(target, draft, RunnerConfig(mode="card"))
+    gen = runner.generation(GenerationRequest(prompt_ids, sampling, stop))
+    for chunk in runner.stream(gen): print(chunk.text, end="")
+    gen.result.stats                     # or, all at once: runner.run(request)
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from card.engine.draft.ngram import NgramTable, shared_table
+from card.engine.draft.worker import DraftWorker
+from card.engine.inprocess.core_lending import CoreLender
+from card.engine.inprocess.sources import LocalCard, NgramCard, PolicyCard, SyncDraft
+from card.engine.loading.models import LoadedModel
+from card.engine.shared.config import (
+    NGRAM_CHAIN,
+    NGRAM_DEPTH,
+    DrafterKind,
+    GenerationRequest,
+    NgramConfig,
+    TreeParams,
+)
+from card.engine.shared.errors import FailedPrecondition, InvalidArgument
+from card.engine.shared.kv_pool import DEFAULT_MAX_MODEL_LEN
+from card.engine.shared.tree import Layer
+from card.engine.target.chain_source import ChainSource, NoDraft
+from card.engine.target.generation import Chunk, Generation, GenerationResult
+from card.engine.target.scheduler import finish_alone, run_alone
+
+MODES = ("vanilla", "sd", "card")
+_UNSET = object()
+
+
+@dataclass(frozen=True)
+class RunnerConfig:
+    """mode; tree shape (card); gamma (sd chain length); torch threads per model (None = all);
+    cache_device for card's tree; lend_cores (card on the
+    CPU: the target borrows the draft's threads while the draft idles, card.engine.inprocess.core_lending);
+    backoff (card: pause a draft that misses or slows the target, engine.inprocess.governor) and
+    calibration_steps (plain steps that open each generation to measure the target's pace alone,
+    against which drafting is judged; 0 turns that judgement off); drafter (card: what grows the
+    trees, engine.shared.config.DrafterKind) and ngram (the n-gram settings of the kinds that
+    use them)."""
+
+    mode: str = "card"
+    tree: TreeParams = field(default_factory=TreeParams)
+    gamma: int = 4
+    target_threads: int | None = None
+    draft_threads: int | None = None
+    cache_device: str = "cpu"
+    lend_cores: bool = True
+    backoff: bool = True
+    calibration_steps: int = 4
+    draft_slots: int = 8  # card: sessions the draft worker grows at once (one forward per round)
+    drafter: DrafterKind = DrafterKind.NEURAL
+    ngram: NgramConfig = field(default_factory=NgramConfig)
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise InvalidArgument(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")
+        if not isinstance(self.drafter, DrafterKind):
+            raise InvalidArgument(f"drafter must be a DrafterKind, got {self.drafter!r}")
+        self.drafter.check_mode(self.mode)
+        if self.gamma < 1:
+            raise InvalidArgument(f"gamma must be >= 1, got {self.gamma}")
+        if self.draft_slots < 1:
+            raise InvalidArgument(f"draft_slots must be >= 1, got {self.draft_slots}")
+        if self.calibration_steps < 0:
+            raise InvalidArgument(f"calibration_steps must be >= 0, got {self.calibration_steps}")
+
+
+def check_compatible(target: LoadedModel, draft: LoadedModel) -> None:
+    """A draft may serve a target only if their tokenizers give the same ids."""
+    if draft.fingerprint != target.fingerprint:
+        raise FailedPrecondition(
+            f"draft model {draft.name} has tokenizer {draft.fingerprint} but target model "
+            f"{target.name} has tokenizer {target.fingerprint}; a draft must share the target's tokenizer"
+        )
+
+
+class InProcessRunner:
+    def __init__(self, target: LoadedModel, draft: LoadedModel | None, config: RunnerConfig) -> None:
+        self.target = target
+        self.draft = draft
+        self.config = config
+        self.worker: DraftWorker | None = None
+        self._cards: weakref.WeakSet[LocalCard] = weakref.WeakSet()
+        self._table: NgramTable | object | None = _UNSET
+        if config.mode != "vanilla" and config.drafter.needs_model:  # auto needs its draft model too
+            if draft is None:
+                raise InvalidArgument(f"mode {config.mode} needs a draft model")
+            check_compatible(target, draft)
+        if config.target_threads:
+            torch.set_num_threads(config.target_threads)
+
+    def _source(self, kv_len: int) -> ChainSource:
+        cfg = self.config
+        if cfg.mode == "vanilla":
+            return NoDraft()
+        if cfg.mode == "sd":
+            assert self.draft is not None
+            return SyncDraft(self.draft.model, cfg.gamma, kv_len)
+        if cfg.drafter is DrafterKind.NGRAM:
+            return self._ngram_card(kv_len)
+        if self.worker is None:
+            self.worker = self._new_worker()
+            self.worker.start()
+        source = self._new_card()
+        self._cards.add(source)
+        if cfg.drafter is DrafterKind.AUTO:
+            return PolicyCard(self._ngram_card(kv_len), source)
+        return source
+
+    def _ngram_card(self, kv_len: int) -> NgramCard:
+        cfg = self.config
+        # auto: the model-free drafter's own depth and chain beside the draft model's tree
+        tree = cfg.tree if cfg.drafter is DrafterKind.NGRAM else cfg.tree.with_overrides(
+            max_depth=NGRAM_DEPTH, max_chain=max(cfg.tree.max_chain, NGRAM_CHAIN))
+        return NgramCard(tree, self._vocab, cfg.ngram, self._ngram_table(), kv_len, cfg.backoff)
+
+    @property
+    def _vocab(self) -> int:
+        return self.target.model.get_input_embeddings().num_embeddings
+
+    def _ngram_table(self) -> NgramTable | None:
+        """The runner's one shared n-gram table (cascade: its worker's), warmed with the target's
+        tokenizer; built on first use."""
+        if self._table is _UNSET:
+            encode = lambda text: self.target.tokenizer(text)["input_ids"]  # noqa: E731
+            self._table = shared_table(self._vocab, self.config.ngram, encode)
+        return self._table
+
+    def _new_worker(self) -> DraftWorker:
+        cfg = self.config
+        window = self.target.context_window
+        kind = DrafterKind.NEURAL if cfg.drafter is DrafterKind.AUTO else cfg.drafter  # auto: its neural half
+        assert self.draft is not None
+        # rows per slot: on the CPU the target's whole context window (a slot's pages are touched
+        # only as far as its session writes, card.engine.shared.kv_pool); on an accelerator, where the
+        # allocation is real, the services' default (a longer session is not drafted)
+        on_cpu = next(self.draft.model.parameters()).device.type == "cpu"
+        return DraftWorker.of_kind(kind, self.draft.model, cfg.tree, self._publish, slots=cfg.draft_slots,
+                                   max_len=window if on_cpu else min(window, DEFAULT_MAX_MODEL_LEN),
+                                   threads=cfg.draft_threads, name=self.draft.name, ngram_config=cfg.ngram,
+                                   ngram=self._ngram_table() if kind.uses_ngram else None)
+
+    def _new_card(self) -> LocalCard:
+        cfg = self.config
+        return LocalCard(self.worker, cfg.tree, cfg.cache_device, lender=self._lender(),
+                         calibration_steps=cfg.calibration_steps, backoff=cfg.backoff)
+
+    def _lender(self) -> CoreLender | None:
+        cfg = self.config
+        if self.draft is None or cfg.drafter is DrafterKind.NGRAM:
+            return None  # a model-free drafter holds no cores worth lending
+        on_cpu = all(next(m.model.parameters()).device.type == "cpu" for m in (self.target, self.draft))
+        if not (cfg.lend_cores and cfg.draft_threads and on_cpu):
+            return None
+        own = cfg.target_threads or torch.get_num_threads()
+        return CoreLender(self.target.model, own, cfg.draft_threads, self.worker.idle)
+
+    def _publish(self, session_id: str, layer: Layer) -> None:
+        for card in list(self._cards):
+            card.publish(session_id, layer)  # each card keeps only its own session's layers
+
+    def generation(self, request: GenerationRequest) -> Generation:
+        return Generation(
+            request,
+            self._source(Generation.kv_rows(request, self.target.context_window)),
+            eos_ids=self.target.eos_ids,
+            decode=self.target.decode,
+            context_window=self.target.context_window,
+            mode=self.config.mode,
+            model_name=self.target.name,
+            vocab_size=self._vocab,
+        )
+
+    def stream(self, gen: Generation) -> Iterator[Chunk]:
+        """Run ``gen`` on the target model, yielding its chunks; ``gen.result`` is set at the end."""
+        return run_alone(self.target.model, gen, exact=self.target.exact)
+
+    def run(self, request: GenerationRequest) -> GenerationResult:
+        return finish_alone(self.target.model, self.generation(request), exact=self.target.exact)
+
+    def close(self) -> None:
+        if self.worker is not None:
+            self.worker.close()
+            self.worker = None

@@ -1,0 +1,132 @@
+"""A target forward whose every row is computed the same whatever shares the forward, per device.
+
+Greedy card equals plain decoding only if the target's logits for a token are the same when it
+rides in a chain of k rows, beside other sessions' rows, or alone. Attention is made so by
+card.engine.shared.exact_attention; this module does the row-wise layers (linears, the LM head,
+RMSNorm), choosing per device the fastest path that is invariant:
+
+    CPU fp32, bf16   oneDNN-prepacked linears (card.engine.loading.cpu_linear), a lone row run as two:
+                     invariant for M >= 2 and as fast or faster than the vendor path
+    CPU fp16, fp64   the vendor nn.Linear where it is invariant (on CPUs without AVX512-FP16 its
+                     fp16 path is one matrix-vector product per row), else fixed tiles
+    CUDA (any dtype) fixed tiles: rows are computed TILE_ROWS at a time, the last tile padded, so
+                     cuBLAS and the norm's reduction always see one shape and pick one kernel
+                     (Thinking Machines' fixed-tile matmul idea, without a custom kernel)
+
+Invariance is checked, not assumed: ``probe`` runs each distinct layer on 1, 2, 3, 9 and 40 rows,
+with one thread and with the current count, and compares every row bitwise with that row alone; a
+layer kind that fails is wrapped in fixed tiles, which are invariant by construction whenever a
+kernel is deterministic for a fixed shape.
+
+``exact=False`` (--exact off) keeps the packing where it is faster and drops the rest: no padding,
+no tiles; outputs are then marked inexact (GenerationStats.exact).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from card.engine.loading.cpu_linear import PackedLinear, can_pack, pack_linears
+
+log = logging.getLogger(__name__)
+
+TILE_ROWS = 64  # rows per fixed tile on CUDA: a decode batch of 8 sessions x 8-row chains in one
+PROBE_ROWS = (1, 2, 3, 9, 40)
+
+
+class FixedTiles(torch.nn.Module):
+    """``inner`` applied to rows in tiles of exactly ``tile`` rows (the last one zero-padded):
+    every call of ``inner`` has one shape, so a row's result cannot depend on how many rows came."""
+
+    def __init__(self, inner: torch.nn.Module, tile: int = TILE_ROWS) -> None:
+        super().__init__()
+        self.inner = inner
+        self.tile = tile
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., width] -> [..., out]
+        rows = x.reshape(-1, x.shape[-1])
+        n = rows.shape[0]
+        padded = -(-n // self.tile) * self.tile
+        if padded != n:
+            rows = torch.cat([rows, rows.new_zeros(padded - n, rows.shape[1])])
+        tiles = rows.view(padded // self.tile, 1, self.tile, rows.shape[1])  # [tiles, 1, tile, width]
+        out = torch.cat([self.inner(t) for t in tiles], dim=1)[0, :n]  # [n, out]
+        return out.reshape(*x.shape[:-1], out.shape[-1])
+
+    def extra_repr(self) -> str:
+        return f"tile={self.tile}"
+
+
+def make_exact(model: torch.nn.Module, exact: bool = True, prepack: bool = True) -> str:
+    """Prepare ``model``'s row-wise layers for the engine (in place); returns how, for the logs."""
+    device = next(model.parameters()).device
+    packed = prepack and can_pack(model)
+    if packed:
+        pack_linears(model, pad_single_row=exact)
+    if not exact:
+        return "oneDNN-packed linears" if packed else "vendor kernels"
+    tiled: set[str] = set()
+    for layers in _row_wise_layers(model).values():
+        if device.type == "cuda" or not probe(layers[0]):
+            tiled.add(type(layers[0]).__name__)
+            _wrap(model, {id(layer) for layer in layers})
+    how = "oneDNN-packed linears" if packed else "vendor row-wise kernels"
+    if tiled:
+        how += f"; fixed {TILE_ROWS}-row tiles for {', '.join(sorted(tiled))}"
+    log.info("exact forward on %s: %s", device, how)
+    return how
+
+
+def probe(layer: torch.nn.Module) -> bool:
+    """Whether ``layer`` gives every row the same bits in forwards of PROBE_ROWS rows as alone,
+    with one thread and with this process's thread count."""
+    inner = layer.inner if isinstance(layer, FixedTiles) else layer
+    if isinstance(inner, PackedLinear):
+        device, dtype = torch.device("cpu"), inner.dtype
+    else:
+        param = next(inner.parameters())
+        device, dtype = param.device, param.dtype
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(1, max(PROBE_ROWS), _width(inner), generator=gen).to(device, dtype)
+    threads = torch.get_num_threads()
+    try:
+        with torch.inference_mode():
+            alone = [layer(x[:, i:i + 1]) for i in range(max(PROBE_ROWS))]
+            for count in sorted({1, threads}):
+                torch.set_num_threads(count)
+                for m in PROBE_ROWS:
+                    out = layer(x[:, :m])
+                    if not all(torch.equal(out[:, i:i + 1], alone[i]) for i in range(m)):
+                        return False
+    finally:
+        torch.set_num_threads(threads)
+    return True
+
+
+def _row_wise_layers(model: torch.nn.Module) -> dict[tuple, list[torch.nn.Module]]:
+    """The row-wise layers (linears, packed or not, and RMSNorms) grouped by kind and shape: a
+    kernel's path depends on the shape, so each group is probed on its own."""
+    groups: dict[tuple, list[torch.nn.Module]] = {}
+    for module in model.modules():
+        kind = type(module)
+        if kind in (torch.nn.Linear, PackedLinear) or kind.__name__.endswith("RMSNorm"):
+            key = (kind, _width(module), getattr(module, "out_features", None))
+            groups.setdefault(key, []).append(module)
+    return groups
+
+
+def _wrap(model: torch.nn.Module, chosen: set[int]) -> None:
+    for parent in list(model.modules()):
+        if isinstance(parent, FixedTiles):
+            continue
+        for name, child in list(parent.named_children()):
+            if id(child) in chosen:
+                setattr(parent, name, FixedTiles(child))
+
+
+def _width(layer: torch.nn.Module) -> int:
+    if hasattr(layer, "in_features"):
+        return int(layer.in_features)
+    return int(layer.weight.shape[-1])

@@ -1,0 +1,269 @@
+"""Frozen parameter sets shared by every decoding mode, validated once where they are built."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from card.engine.loading.devices import resolve_device
+from card.engine.shared.errors import InvalidArgument
+
+NGRAM = "ngram"  # the draft "model" spec of the model-free drafter (--draft-model / card-draft --model)
+
+
+class DrafterKind(enum.Enum):
+    """What grows card's trees, parsed once from the flags (``from_flags``) where a command reads
+    them; everything downstream asks the kind.
+
+        neural    a draft model (engine.draft.drafter)
+        cascade   the draft model with the n-gram statistics beneath it (``--cascade ngram``)
+        ngram     the n-gram statistics alone, no draft model (``--draft-model ngram``)
+        auto      in process, per session whichever of ngram and neural commits faster
+    """
+
+    NEURAL = "neural"
+    CASCADE = "cascade"
+    NGRAM = "ngram"
+    AUTO = "auto"
+
+    @classmethod
+    def from_flags(cls, model: str, cascade: str = "none") -> DrafterKind:
+        """The kind a draft model spec and ``--cascade`` name; InvalidArgument for a cascade
+        beneath no model."""
+        if cascade not in ("none", NGRAM):
+            raise InvalidArgument(f"--cascade must be none or {NGRAM}, got {cascade!r}")
+        if model == NGRAM:
+            if cascade != "none":
+                raise InvalidArgument("--cascade puts n-gram statistics beneath a draft model; "
+                                      "--draft-model ngram is the statistics alone")
+            return cls.NGRAM
+        return cls.NEURAL if cascade == "none" else cls.CASCADE
+
+    def check_mode(self, mode: str) -> None:
+        """Only card grows trees: any kind but a plain draft model needs mode card."""
+        if self is not DrafterKind.NEURAL and mode != "card":
+            raise InvalidArgument(f"the {self.value} drafter grows card's trees; mode {mode} has none")
+
+    @property
+    def needs_model(self) -> bool:
+        return self is not DrafterKind.NGRAM
+
+    @property
+    def uses_ngram(self) -> bool:
+        """Its drafting reads n-gram statistics (the --ngram-* settings apply)."""
+        return self is not DrafterKind.NEURAL
+
+    @property
+    def cascade(self) -> str:
+        """The ``--cascade`` value that names it (card-draft's flag)."""
+        return NGRAM if self is DrafterKind.CASCADE else "none"
+
+    def label(self, model_label: str) -> str:
+        """What a registry shows as a worker's model."""
+        if self is DrafterKind.NGRAM:
+            return NGRAM
+        return f"{model_label}+{NGRAM}" if self is DrafterKind.CASCADE else model_label
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How the target picks each token.
+
+    ``temperature == 0`` is greedy. Otherwise the token at committed position ``t`` is drawn from
+    the target's (temperature, top-k, top-p)-filtered distribution with a uniform number derived
+    from ``(seed, t)`` only, so every mode (vanilla, sd, card) that sees the same target logits at
+    position ``t`` commits the same token there.
+    """
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise InvalidArgument(f"temperature must be a finite number >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise InvalidArgument(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+        if not (0.0 < self.top_p <= 1.0):
+            raise InvalidArgument(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.seed < 0:
+            raise InvalidArgument(f"seed must be >= 0, got {self.seed}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass(frozen=True)
+class StopParams:
+    """When a generation ends: EOS (every EOS id of the model), a stop string, or a token budget."""
+
+    max_new_tokens: int = 128
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise InvalidArgument(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if any(not s for s in self.stop):
+            raise InvalidArgument("stop strings must not be empty")
+
+
+@dataclass(frozen=True)
+class TreeParams:
+    """Shape of the draft tree and of the chains the target verifies.
+
+    width:      K, primary nodes per layer (the tier C).
+    branch:     k, children kept per expanded node (the tier B); 0 means ``width``.
+    max_depth:  layers grown below the root before the drafter idles until a correction.
+    max_chain:  most drafted tokens the target verifies in one forward.
+    b_extension: extend the chain by the best secondary-tier child of its last node.
+    min_path_prob: cut the chain before the first token whose path score (the draft's
+                probability of the prefix up to it) is below this; 0 never cuts. A row pays when
+                its chance of acceptance exceeds its verify cost over the time per token: on a
+                GPU an extra row is nearly free; on a CPU it costs a slice of a forward.
+    """
+
+    width: int = 4
+    branch: int = 0
+    max_depth: int = 8
+    max_chain: int = 8
+    b_extension: bool = True
+    min_path_prob: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.width <= 64:
+            raise InvalidArgument(f"tree width K must be in [1, 64], got {self.width}")
+        if not 0 <= self.branch <= 64:
+            raise InvalidArgument(f"branch k must be in [0, 64], got {self.branch}")
+        if self.max_depth < 1:
+            raise InvalidArgument(f"max_depth must be >= 1, got {self.max_depth}")
+        if self.max_chain < 0:
+            raise InvalidArgument(f"max_chain must be >= 0, got {self.max_chain}")
+        if not 0.0 <= self.min_path_prob <= 1.0:
+            raise InvalidArgument(f"min_path_prob must be in [0, 1], got {self.min_path_prob}")
+
+    def with_overrides(self, **overrides: object) -> TreeParams:
+        """These params with every override that is not None applied: the one way flags (or a
+        request's ChainPolicy) go over a default."""
+        return dataclasses.replace(self, **{k: v for k, v in overrides.items() if v is not None})
+
+    @property
+    def chain(self) -> ChainPolicy:
+        """The chain fields, every one set (what a session uses)."""
+        return ChainPolicy(self.max_chain, self.min_path_prob, self.b_extension)
+
+    @property
+    def k(self) -> int:
+        return self.branch or self.width
+
+
+@dataclass(frozen=True)
+class ChainPolicy:
+    """The chain fields of TreeParams that one request may set for its own cache session.
+
+    The tree's shape (width, branch, depth) belongs to the draft worker that grows it; how much of
+    the tree the target verifies per forward is the request's to choose. ``None`` keeps the
+    serving side's value. ``over(tree)`` validates through TreeParams.
+    """
+
+    max_chain: int | None = None
+    min_path_prob: float | None = None
+    b_extension: bool | None = None
+
+    def over(self, tree: TreeParams) -> TreeParams:
+        return tree.with_overrides(**dataclasses.asdict(self))
+
+    @property
+    def empty(self) -> bool:
+        return all(v is None for v in dataclasses.asdict(self).values())
+
+
+@dataclass(frozen=True)
+class NgramConfig:
+    """max_order / min_order: the longest and shortest n-grams matched; table_mb: the shared
+    table's budget (0: no shared table, each session drafts from its own text alone);
+    max_followers: followers kept per n-gram; corpus: a text file whose n-grams warm the shared
+    table at start; lookahead: cascade only, the n-gram tokens a neural draft's forward checks
+    below each node it expands."""
+
+    max_order: int = 4
+    min_order: int = 2
+    table_mb: float = 64.0
+    max_followers: int = 8
+    corpus: str | None = None
+    lookahead: int = 4
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.min_order <= self.max_order <= 16:
+            raise InvalidArgument(f"n-gram orders must satisfy 1 <= min ({self.min_order}) <= max "
+                                  f"({self.max_order}) <= 16")
+        if not (math.isfinite(self.table_mb) and self.table_mb >= 0):
+            raise InvalidArgument(f"the n-gram table budget must be >= 0 MB, got {self.table_mb}")
+        if not 0 <= self.lookahead <= 64:
+            raise InvalidArgument(f"lookahead must be in [0, 64], got {self.lookahead}")
+        if self.max_followers < 1:
+            raise InvalidArgument(f"max_followers must be >= 1, got {self.max_followers}")
+        if self.corpus is not None and not Path(self.corpus).is_file():
+            raise InvalidArgument(f"the n-gram corpus {self.corpus} is not a file")
+
+    @property
+    def budget_bytes(self) -> int:
+        return int(self.table_mb * 2**20)
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """Everything one generation needs besides the models."""
+
+    prompt_ids: tuple[int, ...]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    stop: StopParams = field(default_factory=StopParams)
+    chain: ChainPolicy = field(default_factory=ChainPolicy)
+
+
+# Layer shape by hardware, measured on the Qwen2.5-Coder 0.5B -> 1.5B pair (docs/performance.md).
+# CPU: three primary nodes per layer, 4 secondary children each. With the draft in fp32 (MKL) a
+# layer of K nodes cost nearly K/2 single-token forwards and K=1 won (1.84x vs 1.25x for K=4); the
+# int8 draft's layer is nearly flat in K (26 / 30 / 36 ms for K = 1 / 2 / 4 on the AVX-512 box),
+# and the wider tier turns secondary hits (after which the tree below the new root is empty) into
+# hits: GSM8K 5x64 in one interleaved run, K=1 1.49x, K=2 1.56x, K=3 1.67x, K=4 (depth 6) 1.59x.
+# Depth 8, not deeper: an int8 draft fills it during a verification and then idles, and in-process
+# the target borrows its core meanwhile (card.engine.inprocess.core_lending); depth 16 kept the draft busy and
+# the target on half the cores (1.25x vs 1.41x, GSM8K 3x64, round 2).
+# GPUs forward K nodes for about the price of one, so the wider tree pays there.
+# No wait for longer chains (the design's "the target never waits"): an in-process policy that
+# waited for 2-token chains raised card's accepted length on GSM8K 10x128 from 2.84 to 3.27 but not
+# its speed (4.77 vs 4.79 tok/s), and was removed.
+# min_path_prob stays 0: on the AVX-512 box a verified row costs ~15 ms of a ~105 ms token, and
+# cutting at 0.2 or 0.35 gave no gain on GSM8K or MT-Bench (docs/performance.md).
+CPU_TREE = TreeParams(width=3, branch=4, max_depth=8, max_chain=6)
+GPU_TREE = TreeParams()
+# The model-free drafter (card.engine.draft.ngram) grows a layer in microseconds, so its tree is deep: the
+# chain a target gets right after a correction is what survives below the hit, and a tree that
+# reaches twice the chain length leaves a full chain there while a copy goes on. Its chains are
+# long: a copy runs for dozens of tokens, and a verified row costs a 1.5B target on this CPU
+# little beside reading its weights (code editing, Qwen2.5-Coder 1.5B: chains of 6 gave 3.68x
+# vanilla at accepted length 4.58, transformers' prompt lookup with 10 candidates 4.36x at 6.06).
+NGRAM_DEPTH = 24
+NGRAM_CHAIN = 12
+
+
+def default_tree_params(device_type: str, drafter: DrafterKind = DrafterKind.NEURAL) -> TreeParams:
+    """The tree shape for a model running on ``device_type`` ("cpu", "cuda", ...), grown by
+    ``drafter``."""
+    tree = CPU_TREE if device_type == "cpu" else GPU_TREE
+    if drafter is DrafterKind.NGRAM:
+        return dataclasses.replace(tree, max_depth=NGRAM_DEPTH, max_chain=max(tree.max_chain, NGRAM_CHAIN))
+    return tree
+
+
+def tree_params(device: str, drafter: DrafterKind = DrafterKind.NEURAL, **overrides: object) -> TreeParams:
+    """The hardware default for ``device`` (a device spec, ``auto`` included) and ``drafter``,
+    with every flag that was given (not None) over it: what every entry point builds its tree
+    settings with."""
+    return default_tree_params(resolve_device(device).type, drafter).with_overrides(**overrides)

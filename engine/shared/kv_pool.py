@@ -1,0 +1,270 @@
+"""The KV cache of a model serving many sessions, and its one forward: allocated once, written
+by index. The target (engine.target.scheduler) and the draft worker (engine.draft.worker) both run
+on it.
+
+    keys[layer], values[layer]: [slots, kv_heads, max_len rounded up to whole KV_BLOCKs, head_dim]
+
+A session owns one slot while it lives (gpt-fast's static cache, with a slot dimension). A forward
+runs the new tokens of every session in the iteration as one flattened row of ``T`` tokens
+(vLLM / nano-vllm's layout): every linear layer, norm and rotary embedding sees ``[T, hidden]``, and
+only attention is per session, over that session's own slot. Each token's key and value are
+written at ``(slot, row)``; no concatenation, nothing allocated per step.
+
+Target segments are causal: row = position, a query sees rows <= its own, so accepting a chain
+keeps its rows where they are and rejected rows are junk the next forward overwrites. Draft tree
+segments carry their own rotary ``positions`` (a node at depth d sits at position committed-1+d,
+whatever row it is written to) and a ``visible`` mask (its ancestors and itself, card.engine.draft.drafter);
+after a correction the drafter moves the rows it keeps to the front (``KVPool.keep``).
+
+Exactness under batching: a session's attention has the same shapes and inputs whatever runs
+beside it, and the CPU's prepacked linears (card.engine.loading.cpu_linear) are row-invariant, so a
+session's logits do not depend on its neighbours. No padding exists to change a value.
+
+Supported: decoder-only models whose ``*ForCausalLM`` is ``model.embed_tokens / layers / norm /
+rotary_emb`` + ``lm_head`` (Llama, Qwen2, Mistral without a sliding window, ...), the families the
+tree attention of the drafter supports too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from card.engine.shared.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
+from card.engine.shared.exact_attention import attend_rows, span
+
+ATTN = "card_slots"
+
+# Rows per slot when no --max-model-len is given (and the model's context window is longer).
+DEFAULT_MAX_MODEL_LEN = 4096
+
+# Prompt tokens per prefill chunk. Fixed for every entry point: the chunking is part of a
+# generation's arithmetic (in-process reference runs and card-target must chunk alike), and a long
+# prompt in chunks does not stall the sessions decoding beside it (target and draft alike).
+PREFILL_CHUNK = 256
+
+
+@dataclass(frozen=True, eq=False)
+class Segment:
+    """One session's part of a forward: ``length`` tokens written at rows ``start...`` of ``slot``.
+
+    positions: [length] rotary positions; None = the rows (start, start+1, ...).
+    visible:   [length, start+length] bool, the rows each query attends to; None = causal
+               (every row up to the query's own).
+    exact:     causal rows whose attention must not depend on the segment's length (the target's
+               decoding rows): card.engine.shared.exact_attention instead of SDPA.
+    """
+
+    slot: int
+    start: int
+    length: int
+    positions: torch.Tensor | None = None
+    visible: torch.Tensor | None = None
+    exact: bool = False
+
+    @property
+    def end(self) -> int:
+        return self.start + self.length
+
+
+class KVPool:
+    """Preallocated keys and values for ``slots`` sessions of at most ``max_len`` tokens each."""
+
+    def __init__(self, model: torch.nn.Module, slots: int, max_len: int) -> None:
+        if slots < 1 or max_len < 2:
+            raise ResourceExhausted(f"a KV cache needs >= 1 slot of >= 2 tokens, got {slots} x {max_len}")
+        enable(model)
+        cfg = model.config
+        param = next(model.parameters())
+        kv_heads, head_dim = _kv_shape(cfg)
+        dtype = _kv_dtype(model)
+        layers = range(cfg.num_hidden_layers)
+        # whole KV_BLOCKs per slot: exact attention reads a row's span, rounded up to a block
+        shape = (slots, kv_heads, span(max_len - 1), head_dim)
+        # torch.empty on the CPU: pages become resident only when a session first writes them, so
+        # a generous max_len costs address space, not memory. No query reads an unwritten row
+        # unmasked (exact attention zeroes the junk rows of its span first). Zeros elsewhere: a
+        # GPU allocation may hold anything.
+        alloc = torch.empty if param.device.type == "cpu" else torch.zeros
+        self.keys = [alloc(shape, dtype=dtype, device=param.device) for _ in layers]
+        self.values = [alloc(shape, dtype=dtype, device=param.device) for _ in layers]
+        self.slots = slots
+        self.max_len = max_len
+        self.device = param.device
+        self._free = list(range(slots - 1, -1, -1))
+
+    @staticmethod
+    def bytes_per_token(model: torch.nn.Module) -> int:
+        """Keys and values of one token over every layer."""
+        kv_heads, head_dim = _kv_shape(model.config)
+        itemsize = torch.empty(0, dtype=_kv_dtype(model)).element_size()
+        return 2 * model.config.num_hidden_layers * kv_heads * head_dim * itemsize
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
+
+    @property
+    def free_slots(self) -> int:
+        return len(self._free)
+
+    def acquire(self) -> int | None:
+        return self._free.pop() if self._free else None
+
+    def release(self, slot: int) -> None:
+        if not 0 <= slot < self.slots or slot in self._free:
+            raise ValueError(f"slot {slot} is not held")
+        self._free.append(slot)
+
+    def keep(self, slot: int, first: int, rows: torch.Tensor) -> None:
+        """Move ``rows`` [n] of ``slot`` (any order, any rows) to rows ``first...first+n-1``."""
+        if not rows.numel():
+            return
+        rows = rows.to(self.device)
+        end = first + rows.numel()
+        for t in (*self.keys, *self.values):
+            t[slot, :, first:end] = t[slot, :, rows]  # the gather copies before the write
+
+
+def check_sizing(kv_cache_gb: float | None, max_model_len: int | None) -> None:
+    """The sizing flags every service with a KV cache takes (--kv-cache-gb, --max-model-len)."""
+    if kv_cache_gb is not None and not kv_cache_gb > 0:
+        raise InvalidArgument(f"kv-cache-gb must be > 0, got {kv_cache_gb}")
+    if max_model_len is not None and max_model_len < 2:
+        raise InvalidArgument(f"max-model-len must be >= 2, got {max_model_len}")
+
+
+def pool_shape(max_slots: int, max_model_len: int | None, context_window: int, bytes_per_token: int,
+               kv_cache_gb: float | None, extra_rows: int = 0) -> tuple[int, int]:
+    """(slots, tokens per slot): ``max_slots`` sequences of ``max_model_len`` tokens (None: the
+    context window, at most DEFAULT_MAX_MODEL_LEN), fewer slots where ``kv_cache_gb`` (None = no
+    cap) holds fewer; each slot also holds ``extra_rows`` (a draft's tree)."""
+    max_len = min(max_model_len or DEFAULT_MAX_MODEL_LEN, context_window)
+    per_slot = bytes_per_token * (max_len + extra_rows)
+    if kv_cache_gb is None:
+        return max_slots, max_len
+    slots = min(int(kv_cache_gb * 2**30 // per_slot), max_slots)
+    if slots < 1:
+        raise ResourceExhausted(
+            f"--kv-cache-gb {kv_cache_gb:g} holds no sequence of {max_len} tokens "
+            f"({per_slot / 2**30:.3f} GB each); raise it or lower --max-model-len")
+    return slots, max_len
+
+
+def _kv_shape(cfg: object) -> tuple[int, int]:
+    heads = cfg.num_attention_heads
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    return kv_heads, head_dim
+
+
+def _kv_dtype(model: torch.nn.Module) -> torch.dtype:
+    # keys and values come out of the k/v projections in the activations' dtype: the embedding's
+    return model.get_input_embeddings().weight.dtype
+
+
+class _Batch:
+    """What one forward's attention needs: handed to every layer as ``past_key_values`` (its
+    ``update`` writes the new keys and values in place) and as the ``card_batch`` keyword."""
+
+    def __init__(self, pool: KVPool, segments: Sequence[Segment]) -> None:
+        self.pool = pool
+        self.segments = segments
+        dev = pool.device
+        self.slot_index = torch.cat(
+            [torch.full((s.length,), s.slot, dtype=torch.int64) for s in segments]).to(dev)
+        self.rows = torch.cat([torch.arange(s.start, s.end) for s in segments]).to(dev)
+        self.positions = torch.cat([torch.arange(s.start, s.end) if s.positions is None else s.positions
+                                    for s in segments]).to(dev)
+        self.offsets = [0]
+        for s in segments:
+            self.offsets.append(self.offsets[-1] + s.length)
+        # per segment: None (every row up to its end is visible to every query: one query, or a
+        # causal block from row 0) or a boolean mask [length, end]
+        self.masks = [s.visible.to(dev) if s.visible is not None
+                      else None if s.length == 1 or s.exact else _causal(s, dev) for s in segments]
+
+    def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int,
+               cache_kwargs: object = None) -> tuple[torch.Tensor, torch.Tensor]:
+        # key, value: [1, kv_heads, T, head_dim] -> rows (slot_t, :, row_t)
+        self.pool.keys[layer_idx][self.slot_index, :, self.rows] = key[0].transpose(0, 1)
+        self.pool.values[layer_idx][self.slot_index, :, self.rows] = value[0].transpose(0, 1)
+        return key, value
+
+
+def _causal(seg: Segment, device: torch.device) -> torch.Tensor:
+    query_pos = torch.arange(seg.start, seg.end, device=device)[:, None]
+    return torch.arange(seg.end, device=device)[None, :] <= query_pos  # [length, end]
+
+
+def _slot_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                    attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
+                    card_batch: _Batch | None = None, **kwargs: object) -> tuple[torch.Tensor, None]:
+    """Attention per session over its own slot; any other forward (a plain HF call on the same
+    model object, a reference in the tests) takes transformers' SDPA path unchanged."""
+    if card_batch is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                      scaling=scaling, **kwargs)
+    pool, layer = card_batch.pool, module.layer_idx
+    keys, values = pool.keys[layer], pool.values[layer]
+    out = query.new_empty(1, query.shape[2], query.shape[1], query.shape[3])  # [1, T, heads, dim]
+    gqa = query.shape[1] != keys.shape[1]
+    for seg, q0, mask in zip(card_batch.segments, card_batch.offsets, card_batch.masks, strict=False):
+        q = query[:, :, q0:q0 + seg.length]  # [1, heads, n, dim]
+        if seg.exact:
+            out[0, q0:q0 + seg.length] = attend_rows(q[0], keys[seg.slot], values[seg.slot], seg.start,
+                                                     scaling if scaling is not None else q.shape[-1] ** -0.5)
+            continue
+        k = keys[seg.slot, :, :seg.end][None]  # [1, kv_heads, end, dim], a view
+        v = values[seg.slot, :, :seg.end][None]
+        o = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling,
+                                                             enable_gqa=gqa)
+        out[0, q0:q0 + seg.length] = o[0].transpose(0, 1)
+    return out, None
+
+
+_registered = False
+
+
+def enable(model: torch.nn.Module) -> None:
+    """Let ``model`` run batched forwards (idempotent). Plain forwards keep transformers' SDPA."""
+    global _registered
+    inner = getattr(model, "model", None)
+    if not all(hasattr(inner, a) for a in ("embed_tokens", "layers", "norm", "rotary_emb")) or not hasattr(
+            model, "lm_head"):
+        raise FailedPrecondition(
+            f"{type(model).__name__} is not a supported architecture (a decoder-only model "
+            "with model.embed_tokens/layers/norm/rotary_emb and lm_head, e.g. Llama or Qwen2)")
+    if getattr(model.config, "sliding_window", None) and getattr(model.config, "use_sliding_window", False):
+        raise FailedPrecondition(f"{type(model).__name__} uses a sliding window, which the KV "
+                                 "cache does not support")
+    if not _registered:
+        AttentionInterface.register(ATTN, _slot_attention)
+        AttentionMaskInterface.register(ATTN, sdpa_mask)
+        _registered = True
+    if model.config._attn_implementation != ATTN:
+        model.set_attn_implementation(ATTN)
+
+
+@torch.inference_mode()
+def forward(model: torch.nn.Module, pool: KVPool, segments: Sequence[Segment], tokens: torch.Tensor,
+            logit_rows: torch.Tensor) -> torch.Tensor:
+    """One forward over every segment's tokens (``tokens`` [T], segments in order); the logits of
+    the flattened rows ``logit_rows`` [R] only (a prefill chunk needs none or its last row)."""
+    batch = _Batch(pool, segments)
+    inner = model.model
+    hidden = inner.embed_tokens(tokens.to(pool.device)[None])  # [1, T, hidden]
+    positions = batch.positions[None]
+    rotary = inner.rotary_emb(hidden, positions)
+    for layer in inner.layers[: model.config.num_hidden_layers]:
+        hidden = layer(hidden, position_ids=positions, past_key_values=batch, position_embeddings=rotary,
+                       card_batch=batch)
+    if not logit_rows.numel():
+        return hidden.new_empty(0, 0)
+    hidden = inner.norm(hidden[:, logit_rows.to(pool.device)])  # per-row: select first, then norm
+    return model.lm_head(hidden)[0]  # [R, vocab]

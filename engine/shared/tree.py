@@ -1,0 +1,374 @@
+"""The two-tier candidate tree (DESIGN.md §2) as columns of tensors.
+
+Glossary, as used here:
+    root        the node the tree grows from: a real node id after a hit, else the *virtual root*
+                of the epoch, ``virtual_root_id(epoch)`` (negative), standing for the last
+                committed token. Both sides derive virtual ids from the epoch, so a miss needs no
+                extra message to agree on the new root.
+    C (primary) rows of the node columns: at most K nodes per layer, each with a node id that is
+                never reused within a session. Rows are appended layer by layer, so a parent's row
+                always precedes its children's and node ids ascend with rows.
+    B (secondary) for every expanded node, its top-k children as (parent id, token, local logp),
+                including those promoted into C.
+    path score  product of local probabilities from the root; stored as ``path_logp`` (its log),
+                re-based on every hit so the new root has score 1.
+
+The tree is shared logic: the cache service (and the in-process runner) apply draft layers and
+target corrections to it; the drafter keeps a mirror and re-roots it with the cache's verdict, so
+both hold the same node ids after every correction.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from card.engine.shared.errors import Aborted, InvalidArgument
+
+NO_NODE = -1  # node id of a chain token taken from tier B (it has no node)
+# What a cache accepts in one layer (K is 3-8 in practice; the bounds only stop abuse)
+MAX_LAYER_NODES = 1024
+MAX_LAYER_SECONDARY = 16384
+LOGP_SLACK = 1e-4  # a log-softmax can round a hair above 0
+
+
+def virtual_root_id(epoch: int) -> int:
+    """Id of the root of a tree started (at session start or after a miss) at ``epoch``."""
+    return -(epoch + 2)
+
+
+class Outcome(enum.Enum):
+    HIT = "hit"
+    SECONDARY_HIT = "secondary_hit"
+    MISS = "miss"
+
+
+def _i64(values: list[int] | torch.Tensor, device: torch.device) -> torch.Tensor:
+    return torch.as_tensor(values, dtype=torch.int64, device=device).reshape(-1)
+
+
+def _f32(values: list[float] | torch.Tensor, device: torch.device) -> torch.Tensor:
+    return torch.as_tensor(values, dtype=torch.float32, device=device).reshape(-1)
+
+
+@dataclass(frozen=True)
+class Layer:
+    """One layer published by the drafter.
+
+    parent_ids, node_ids, tokens, local_logp: [N] primary nodes (N <= K).
+    b_parent_ids, b_tokens, b_logp:           [M] secondary entries (M <= K*k), empty on a regrow.
+    epoch: the drafter's epoch when it built the layer (informational; node ids decide).
+    """
+
+    parent_ids: torch.Tensor
+    node_ids: torch.Tensor
+    tokens: torch.Tensor
+    local_logp: torch.Tensor
+    b_parent_ids: torch.Tensor
+    b_tokens: torch.Tensor
+    b_logp: torch.Tensor
+    epoch: int = 0
+
+    @property
+    def size(self) -> int:
+        return int(self.node_ids.numel())
+
+    def check(self, vocab_size: int = 0) -> None:
+        """InvalidArgument unless the layer is one a drafter can have grown: columns of equal
+        length, at most MAX_LAYER_NODES primary and MAX_LAYER_SECONDARY secondary entries, unique
+        node ids, tokens in [0, vocab_size) (0: no upper bound), log-probs finite and <= 0.
+        The cache applies it to every layer it receives (a draft is not trusted with a tree)."""
+        n, m = self.size, int(self.b_tokens.numel())
+        if not (self.parent_ids.numel() == self.tokens.numel() == self.local_logp.numel() == n):
+            raise InvalidArgument("the layer's primary columns differ in length")
+        if not (self.b_parent_ids.numel() == self.b_logp.numel() == m):
+            raise InvalidArgument("the layer's secondary columns differ in length")
+        if n > MAX_LAYER_NODES or m > MAX_LAYER_SECONDARY:
+            raise InvalidArgument(f"the layer has {n} nodes and {m} secondary entries (at most "
+                                  f"{MAX_LAYER_NODES} and {MAX_LAYER_SECONDARY})")
+        if torch.unique(self.node_ids).numel() != n:
+            raise InvalidArgument("the layer repeats a node id")
+        for tokens in (self.tokens, self.b_tokens):
+            if tokens.numel() and (int(tokens.min()) < 0 or (vocab_size and int(tokens.max()) >= vocab_size)):
+                raise InvalidArgument(
+                    f"the layer holds a token outside the vocabulary [0, {vocab_size or '...'})")
+        for logp in (self.local_logp, self.b_logp):
+            if logp.numel() and not bool((torch.isfinite(logp) & (logp <= LOGP_SLACK)).all()):
+                raise InvalidArgument("the layer holds a log-probability that is not finite or is above 0")
+
+
+@dataclass(frozen=True)
+class Chain:
+    """The candidate continuation the target verifies next.
+
+    ``node_ids[i]`` is the node of ``tokens[i]``, or ``NO_NODE`` for a tier-B extension.
+    """
+
+    tokens: tuple[int, ...] = ()
+    node_ids: tuple[int, ...] = ()
+    epoch: int = 0
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+
+@dataclass(frozen=True)
+class Correction:
+    """What the target made of a chain: the accepted prefix and its own next token."""
+
+    epoch: int
+    accepted_tokens: tuple[int, ...]
+    accepted_node_ids: tuple[int, ...]
+    next_token: int
+
+
+@dataclass(frozen=True)
+class Advance:
+    """A correction as the drafter needs it: the new epoch and the cache's hit verdict."""
+
+    epoch: int
+    accepted_tokens: tuple[int, ...]
+    accepted_node_ids: tuple[int, ...]
+    next_token: int
+    outcome: Outcome
+    hit_node_id: int | None = None
+
+
+@dataclass(frozen=True)
+class _HostView:
+    ids: list[int]
+    parents: list[int]
+    tokens: list[int]
+    path: list[float]
+    b_parents: list[int]
+    b_tokens: list[int]
+    b_logp: list[float]
+
+
+@dataclass
+class TreeSizes:
+    nodes: int
+    secondary: int
+    depth: int
+
+
+@dataclass
+class TwoTierTree:
+    """Tiers C and B of one session, on ``device``."""
+
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    epoch: int = 0
+
+    def __post_init__(self) -> None:
+        self.device = torch.device(self.device)
+        self.reset(self.epoch)
+
+    # ---- state -------------------------------------------------------------------------------
+    def reset(self, epoch: int) -> None:
+        """Empty tree under the virtual root of ``epoch``."""
+        self.epoch = epoch
+        self.root_id = virtual_root_id(epoch)
+        empty_i = torch.empty(0, dtype=torch.int64, device=self.device)
+        empty_f = torch.empty(0, dtype=torch.float32, device=self.device)
+        self.ids = empty_i  # [N] node ids, ascending
+        self.parents = empty_i  # [N] parent node ids (root_id for depth 1)
+        self.tokens = empty_i  # [N]
+        self.depth = empty_i  # [N] 1 = child of root
+        self.local_logp = empty_f  # [N] log p_draft(token | path)
+        self.path_logp = empty_f  # [N] sum of local_logp from the root
+        self.b_parents = empty_i  # [M]
+        self.b_tokens = empty_i  # [M]
+        self.b_logp = empty_f  # [M] local logp of the secondary child
+        self._view: _HostView | None = None
+
+    def sizes(self) -> TreeSizes:
+        depth = int(self.depth.max().item()) if self.ids.numel() else 0
+        return TreeSizes(int(self.ids.numel()), int(self.b_tokens.numel()), depth)
+
+    def __len__(self) -> int:
+        return int(self.ids.numel())
+
+    def _known(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Ids, depths and path logps of the root followed by every node (root first, ascending)."""
+        root = torch.tensor([self.root_id], dtype=torch.int64, device=self.device)
+        zero_i = torch.zeros(1, dtype=torch.int64, device=self.device)
+        zero_f = torch.zeros(1, dtype=torch.float32, device=self.device)
+        return (
+            torch.cat([root, self.ids]),
+            torch.cat([zero_i, self.depth]),
+            torch.cat([zero_f, self.path_logp]),
+        )
+
+    def rows_of(self, node_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Row index into ``_known()`` (0 = root) of each id, and whether the id is present."""
+        known, _, _ = self._known()
+        pos = torch.searchsorted(known, node_ids.contiguous()).clamp(max=known.numel() - 1)
+        return pos, known[pos] == node_ids
+
+    # ---- draft side --------------------------------------------------------------------------
+    def apply_layer(self, layer: Layer) -> torch.Tensor:
+        """Add a layer's nodes whose parent is still in the tree; returns the kept mask [N].
+
+        Nodes under a pruned parent (a layer built before a correction arrived) are dropped, as
+        are ids already present (a layer delivered twice).
+        """
+        parent_ids = layer.parent_ids.to(self.device)
+        node_ids = layer.node_ids.to(self.device)
+        _, known_depth, known_path = self._known()
+        prow, present = self.rows_of(parent_ids)
+        keep = present & ~torch.isin(node_ids, self.ids) & (node_ids > self.root_id)
+        if bool(keep.any()):
+            local = layer.local_logp.to(self.device, torch.float32)[keep]
+            self.ids = torch.cat([self.ids, node_ids[keep]])
+            self.parents = torch.cat([self.parents, parent_ids[keep]])
+            self.tokens = torch.cat([self.tokens, layer.tokens.to(self.device)[keep]])
+            self.depth = torch.cat([self.depth, known_depth[prow[keep]] + 1])
+            self.local_logp = torch.cat([self.local_logp, local])
+            self.path_logp = torch.cat([self.path_logp, known_path[prow[keep]] + local])
+            order = torch.argsort(self.ids)  # late layers may interleave ids; keep them ascending
+            if not bool((order == torch.arange(order.numel(), device=self.device)).all()):
+                self._take(order)
+        self._view = None
+        b_parents = layer.b_parent_ids.to(self.device)
+        if b_parents.numel():
+            _, b_present = self.rows_of(b_parents)
+            self.b_parents = torch.cat([self.b_parents, b_parents[b_present]])
+            self.b_tokens = torch.cat([self.b_tokens, layer.b_tokens.to(self.device)[b_present]])
+            self.b_logp = torch.cat(
+                [self.b_logp, layer.b_logp.to(self.device, torch.float32)[b_present]]
+            )
+        return keep
+
+    def _take(self, rows: torch.Tensor) -> None:
+        self._view = None
+        self.ids = self.ids[rows]
+        self.parents = self.parents[rows]
+        self.tokens = self.tokens[rows]
+        self.depth = self.depth[rows]
+        self.local_logp = self.local_logp[rows]
+        self.path_logp = self.path_logp[rows]
+
+    # ---- target side -------------------------------------------------------------------------
+    def _host(self) -> _HostView:
+        """Host lists of the columns, rebuilt only after the tree changed.
+
+        Queries walk a few dozen nodes; on such sizes a Python pass over host lists costs ~6 us
+        where the equivalent chain of torch ops costs ~110 us (launch overhead per op, a device
+        sync per ``.item()``). The tensors stay the storage and take the bulk updates.
+        """
+        if self._view is None:
+            self._view = _HostView(
+                ids=self.ids.tolist(), parents=self.parents.tolist(), tokens=self.tokens.tolist(),
+                path=self.path_logp.tolist(), b_parents=self.b_parents.tolist(),
+                b_tokens=self.b_tokens.tolist(), b_logp=self.b_logp.tolist(),
+            )
+        return self._view
+
+    def best_chain(self, max_len: int, b_extension: bool = True, min_path_prob: float = 0.0) -> Chain:
+        """Greedy descent by path score through C from the root, then one tier-B token.
+
+        The chain stops before the first token whose path score (the draft's probability of the
+        whole prefix up to it) is below ``min_path_prob``: that score estimates how likely the
+        target is to reach the token, and where a verified row has a price (CPU) an unlikely
+        row costs more than it is expected to save.
+        """
+        view = self._host()
+        floor = math.log(min_path_prob) if min_path_prob > 0 else -math.inf
+        best: dict[int, int] = {}  # parent id -> row of its best child (ties: earliest row)
+        for i, parent in enumerate(view.parents):
+            b = best.get(parent)
+            if b is None or view.path[i] > view.path[b]:
+                best[parent] = i
+        tokens: list[int] = []
+        node_ids: list[int] = []
+        cur, cur_path = self.root_id, 0.0
+        while len(tokens) < max_len and cur in best and view.path[best[cur]] >= floor:
+            r = best[cur]
+            tokens.append(view.tokens[r])
+            node_ids.append(view.ids[r])
+            cur, cur_path = view.ids[r], view.path[r]
+        if b_extension and len(tokens) < max_len and cur not in best:
+            # cur has no C children here, so none of its B children was promoted into C
+            j = max((i for i, p in enumerate(view.b_parents) if p == cur),
+                    key=view.b_logp.__getitem__, default=None)
+            if j is not None and cur_path + view.b_logp[j] >= floor:
+                tokens.append(view.b_tokens[j])
+                node_ids.append(NO_NODE)
+        return Chain(tuple(tokens), tuple(node_ids), self.epoch)
+
+    def classify(self, correction: Correction) -> tuple[Outcome, int | None]:
+        """Hit / secondary hit / miss of the correction's next token below the accepted path."""
+        if correction.epoch != self.epoch:
+            raise Aborted(f"stale epoch {correction.epoch}: the session is at epoch {self.epoch}")
+        if len(correction.accepted_tokens) != len(correction.accepted_node_ids):
+            raise InvalidArgument("accepted_tokens and accepted_node_ids differ in length")
+        accepted = list(correction.accepted_node_ids)
+        if NO_NODE in accepted[:-1]:
+            raise InvalidArgument("a tier-B token can only end the accepted path")
+        if accepted and accepted[-1] == NO_NODE:
+            return Outcome.MISS, None
+        view = self._host()
+        row = {nid: i for i, nid in enumerate(view.ids)}
+        anchor = self.root_id
+        for nid, token in zip(accepted, correction.accepted_tokens, strict=True):
+            r = row.get(nid)
+            if r is None or view.parents[r] != anchor:
+                raise InvalidArgument(f"accepted node {nid} is not on a path from the root")
+            if view.tokens[r] != token:
+                raise InvalidArgument(f"accepted node {nid} does not hold the accepted token {token}")
+            anchor = nid
+        nxt = correction.next_token
+        for i, parent in enumerate(view.parents):
+            if parent == anchor and view.tokens[i] == nxt:
+                return Outcome.HIT, view.ids[i]
+        if any(p == anchor and t == nxt for p, t in zip(view.b_parents, view.b_tokens, strict=True)):
+            return Outcome.SECONDARY_HIT, None
+        return Outcome.MISS, None
+
+    def apply_correction(self, correction: Correction) -> Advance:
+        """Classify, re-root and bump the epoch; the returned Advance goes to the drafter."""
+        outcome, hit_id = self.classify(correction)
+        advance = Advance(
+            epoch=self.epoch + 1,
+            accepted_tokens=correction.accepted_tokens,
+            accepted_node_ids=correction.accepted_node_ids,
+            next_token=correction.next_token,
+            outcome=outcome,
+            hit_node_id=hit_id,
+        )
+        self.reroot(advance)
+        return advance
+
+    def reroot(self, advance: Advance) -> torch.Tensor:
+        """Keep only the subtree below the hit node (or nothing); returns the kept rows."""
+        if advance.hit_node_id is None:
+            self.reset(advance.epoch)
+            return torch.empty(0, dtype=torch.int64, device=self.device)
+        hit = advance.hit_node_id
+        view = self._host()
+        if hit not in view.ids:
+            raise InvalidArgument(f"hit node {hit} is not in the tree")
+        r = view.ids.index(hit)
+        hit_depth, hit_path = self.depth[r].clone(), self.path_logp[r].clone()
+        # rows are in creation order, so one pass sees every parent before its children
+        kept_ids, kept_rows = {hit}, []
+        for i, (nid, parent) in enumerate(zip(view.ids, view.parents, strict=True)):
+            if parent in kept_ids:
+                kept_ids.add(nid)
+                kept_rows.append(i)
+        rows = _i64(kept_rows, self.device)
+        self._take(rows)
+        self.depth = self.depth - hit_depth
+        self.path_logp = self.path_logp - hit_path
+        survivors = torch.cat([_i64([hit], self.device), self.ids])
+        b_keep = torch.isin(self.b_parents, survivors)
+        self.b_parents = self.b_parents[b_keep]
+        self.b_tokens = self.b_tokens[b_keep]
+        self.b_logp = self.b_logp[b_keep]
+        self._view = None
+        self.root_id = hit
+        self.epoch = advance.epoch
+        return rows

@@ -1,0 +1,222 @@
+"""One generation as a passive record; the target engine (engine.target.scheduler) drives it.
+
+    open     the chain source opens at the prompt
+    prefill  next_input: a chunk of the prompt        absorb: nothing, or (last chunk) token t0
+    decode   next_input: chain = source.step(Correction(epoch, accepted, t_next))   # never waits
+                         -> [t_next, *chain]           absorb: accepted, t_next = target.accept(chain)
+             stream accepted + [t_next], stopping at EOS / stop string / budget / context window
+    close    the source closes, given the generation's stats; ``result`` is set
+
+Every mode and every entry point runs this: alone (engine.target.scheduler.run_alone: an engine
+of one slot) or beside others in card-target's engine, one forward per iteration for all of them.
+The record holds no model: the engine that owns the model feeds it its logits.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from card.engine.shared.config import GenerationRequest
+from card.engine.shared.errors import InvalidArgument
+from card.engine.shared.stats import GenerationStats
+from card.engine.shared.tree import Correction, Outcome
+from card.engine.target.chain_source import ChainSource, StepResult
+from card.engine.target.speculation import Acceptance
+from card.engine.target.stopping import OutputTracker
+from card.engine.target.verify import TargetState
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """Tokens committed by one target forward (after stop handling) and the text they released."""
+
+    token_ids: tuple[int, ...]
+    text: str
+
+
+@dataclass
+class GenerationResult:
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    stats: GenerationStats
+
+    def to_dict(self) -> dict:
+        return {
+            "text": self.text,
+            "token_ids": self.token_ids,
+            "finish_reason": self.finish_reason,
+            "stats": self.stats.to_dict(),
+        }
+
+
+def check_prompt(prompt_ids: Sequence[int], context_window: int, model_name: str) -> None:
+    if not prompt_ids:
+        raise InvalidArgument("the prompt is empty")
+    if len(prompt_ids) >= context_window:
+        raise InvalidArgument(
+            f"the prompt has {len(prompt_ids)} tokens but the context window of {model_name} "
+            f"is {context_window} tokens (room is needed for at least one new token)"
+        )
+
+
+class Generation:
+    """One generation; ``result`` is set once it ends. An engine drives it through ``open /
+    next_input (prefill) or correction + take_step (decode) / absorb / close``. ``vocab_size``:
+    the target's (a chain token outside it is cut; 0: no check)."""
+
+    def __init__(
+        self,
+        request: GenerationRequest,
+        source: ChainSource,
+        *,
+        eos_ids: frozenset[int],
+        decode: Callable[[list[int]], str],
+        context_window: int,
+        mode: str,
+        model_name: str = "the target model",
+        vocab_size: int = 0,
+    ) -> None:
+        check_prompt(request.prompt_ids, context_window, model_name)
+        self.request = request
+        self.source = source
+        self.context_window = context_window
+        self.tracker = OutputTracker(request.stop, eos_ids, decode)
+        self.stats = GenerationStats(mode=mode, prompt_tokens=len(request.prompt_ids))
+        self.target = TargetState(request.prompt_ids, request.sampling)
+        self.acceptance = Acceptance()  # how often this generation's drafted tokens are accepted
+        self._vocab = vocab_size or 2**62
+        self.result: GenerationResult | None = None
+        self.slot: int | None = None  # the engine's KV slot while it runs
+        self._t0 = 0.0
+        self._prefilled = 0  # prompt tokens whose keys and values are in the KV cache
+        self._pending: Sequence[int] = ()  # the prefill chunk or chain in flight
+        self._pending_ids: Sequence[int] = ()
+        self._epoch, self._accepted, self._accepted_ids = 0, (), ()
+
+    @property
+    def kv_len(self) -> int:
+        return self.kv_rows(self.request, self.context_window)
+
+    @staticmethod
+    def kv_rows(request: GenerationRequest, context_window: int) -> int:
+        """KV rows a generation can ever write: prompt + budget, within the context window."""
+        return min(context_window, len(request.prompt_ids) + request.stop.max_new_tokens)
+
+    @property
+    def done(self) -> bool:
+        return self.tracker.done
+
+    @property
+    def prefill_left(self) -> int:
+        """Prompt tokens not yet in the KV cache."""
+        return len(self.request.prompt_ids) - self._prefilled
+
+    @property
+    def prefilling(self) -> bool:
+        return self.prefill_left > 0
+
+    # ---- driven by the engine ----------------------------------------------------------------
+    def open(self) -> None:
+        """Open the chain source (idempotent: a server may open it before the engine admits the
+        generation, so that a remote session's round trip is not on the engine's loop)."""
+        if self._t0:
+            return
+        self._t0 = time.perf_counter()
+        # the committed sequence has one owner, the target state; the source may read it
+        self.source.open(self.target.committed)
+
+    def next_input(self, prefill_chunk: int) -> tuple[Sequence[int], int]:
+        """While prefilling: the next chunk of the prompt and the position of its first token."""
+        n = min(prefill_chunk, self.prefill_left)
+        self._pending = self.target.committed[self._prefilled:self._prefilled + n]
+        return self._pending, self._prefilled
+
+    def correction(self) -> Correction:
+        """What the target verified last, for the source's next step (decoding only)."""
+        return Correction(self._epoch, self._accepted, self._accepted_ids, self.target.committed[-1])
+
+    def take_step(self, step: StepResult, waited_s: float) -> tuple[Sequence[int], int]:
+        """The input of a decoding forward, ``[t_next, *chain]`` and the position of ``t_next``,
+        given the source's answer to ``correction()``: the chain within the token budget, the
+        context window and the vocabulary (the engine may cut it further, ``trim_chain``)."""
+        committed = self.target.committed
+        token = committed[-1]
+        self.stats.target_idle_s += waited_s
+        self._count(step.outcome)
+        chain = step.chain
+        self._epoch = chain.epoch
+        # no point verifying past the token budget or the context window
+        room = min(
+            self.request.stop.max_new_tokens - len(self.tracker.token_ids),
+            self.context_window - len(committed),
+        ) - 1
+        tokens = chain.tokens[: max(room, 0)]
+        # a chain comes from another process: a token outside the vocabulary (a broken or hostile
+        # draft) would fail the whole batch's forward, so the chain stops before it
+        bad = next((i for i, t in enumerate(tokens) if not 0 <= t < self._vocab), None)
+        self._pending = tokens if bad is None else tokens[:bad]
+        self._pending_ids = chain.node_ids[: len(self._pending)]
+        return [token, *self._pending], len(committed) - 1
+
+    def trim_chain(self, length: int) -> list[int]:
+        """Verify only the chain's first ``length`` tokens (the engine's speculation budget; the
+        output never depends on it); the step's new input."""
+        self._pending = self._pending[:length]
+        self._pending_ids = self._pending_ids[:length]
+        return [self.target.committed[-1], *self._pending]
+
+    def absorb(self, logits: torch.Tensor) -> Chunk | None:
+        """Take this generation's logits of the forward (all rows of a step; the last row of a
+        prompt's last chunk; none of an earlier chunk); the chunk it commits, if any."""
+        self.target.forwards += 1
+        if self.prefilling:
+            self._prefilled += len(self._pending)
+            if self.prefilling:
+                return None
+            token = self.target.first(logits[-1])
+            self.stats.prefill_s = time.perf_counter() - self._t0
+            return self._commit([token], 1)
+        n, token = self.target.accept(self._pending, logits)
+        self.acceptance.observe(len(self._pending), n)
+        self._accepted, self._accepted_ids = tuple(self._pending[:n]), tuple(self._pending_ids[:n])
+        return self._commit([*self._accepted, token], n + 1)
+
+    def _commit(self, tokens: list[int], accepted_length: int) -> Chunk:
+        self.stats.accepted_lengths.append(accepted_length)
+        kept, text = self.tracker.feed(tokens)
+        if not self.tracker.done and len(self.target.committed) >= self.context_window:
+            self.tracker.finish_reason = "length"
+        return Chunk(tuple(kept), text)
+
+    def close(self) -> GenerationResult:
+        """End the generation (finished, failed or cancelled: ``aborted``); idempotent."""
+        if self.result is not None:
+            return self.result
+        stats, tracker = self.stats, self.tracker
+        # target-side stats first: a remote source records them with the cache when it closes
+        stats.wall_s = time.perf_counter() - self._t0 if self._t0 else 0.0
+        stats.new_tokens = len(tracker.token_ids)
+        stats.target_forwards = self.target.forwards
+        try:
+            src = self.source.close(stats)
+            stats.draft_forwards = src.draft_forwards
+            stats.draft_idle_s = src.draft_idle_s
+            stats.step_rtt_ms = src.step_rtt_ms
+        finally:
+            self.result = GenerationResult(
+                tracker.text, list(tracker.token_ids), tracker.finish_reason or "aborted", stats
+            )
+        return self.result
+
+    def _count(self, outcome: Outcome | None) -> None:
+        if outcome is Outcome.HIT:
+            self.stats.hits += 1
+        elif outcome is Outcome.SECONDARY_HIT:
+            self.stats.secondary_hits += 1
+        elif outcome is Outcome.MISS:
+            self.stats.misses += 1

@@ -1,0 +1,59 @@
+"""Token selection by the target: greedy, or seeded sampling keyed by committed position.
+
+A position-keyed uniform (not a stateful generator) is what makes sampling exact across modes:
+vanilla draws position t after t forwards, card may draw it inside a 6-token verification, and
+both use the same number ``u(seed, t)``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from card.engine.shared.config import SamplingParams
+
+_MASK64 = (1 << 64) - 1
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def position_uniform(seed: int, position: int) -> float:
+    """A uniform number in [0, 1) that depends only on (seed, position)."""
+    bits = _splitmix64(_splitmix64(seed) ^ (position & _MASK64))
+    return (bits >> 11) * (1.0 / (1 << 53))
+
+
+def filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Softmax of ``logits`` [V] after temperature, top-k and top-p, in float64 on the CPU."""
+    scaled = logits.detach().to("cpu", torch.float64) / params.temperature
+    if params.top_k and params.top_k < scaled.numel():
+        kth = torch.topk(scaled, params.top_k).values[-1]
+        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    probs = torch.softmax(scaled, dim=-1)
+    if params.top_p < 1.0:
+        sorted_p, order = torch.sort(probs, descending=True)
+        # keep the smallest prefix whose mass reaches top_p (always at least one token)
+        drop = torch.cumsum(sorted_p, 0) - sorted_p >= params.top_p
+        sorted_p = sorted_p.masked_fill(drop, 0.0)
+        probs = torch.zeros_like(probs).scatter_(0, order, sorted_p)
+        probs = probs / probs.sum()
+    return probs
+
+
+def select_token(logits: torch.Tensor, position: int, params: SamplingParams) -> int:
+    """The target's token at committed ``position`` given its logits [V] there."""
+    if params.greedy:
+        return int(torch.argmax(logits).item())
+    probs = filtered_probs(logits, params)
+    cdf = torch.cumsum(probs, 0)
+    u = position_uniform(params.seed, position) * float(cdf[-1])
+    idx = int(torch.searchsorted(cdf, torch.tensor([u], dtype=cdf.dtype), right=True).item())
+    # searchsorted can land on a zero-probability tail token through rounding; step back onto mass
+    idx = min(idx, probs.numel() - 1)
+    while probs[idx] == 0 and idx > 0:
+        idx -= 1
+    return idx

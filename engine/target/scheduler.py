@@ -1,0 +1,257 @@
+"""The target engine: one loop owns the model; each iteration is one forward over every live
+generation (continuous batching, nano-vllm's shape).
+
+    admit    waiting generations take a free KV slot (card.engine.shared.kv_pool.KVPool), in arrival order
+    plan     each running generation gives its next input: a prefill chunk, or [t_next, *chain]
+             after its chain source's step; steps first, then prefill chunks while the iteration
+             has token budget (``max_batch_tokens``; the first input always goes)
+    budget   each chain is cut to what pays at this iteration's measured cost (card.engine.target.speculation)
+    forward  one flattened forward over all of them (card.engine.shared.kv_pool.forward), timed
+    commit   each generation absorbs its rows' logits and streams what it committed; finished
+             ones close and give their slot back
+
+Requests join and leave between iterations. A prompt is prefilled in chunks of ``prefill_chunk``
+tokens, so a long prompt does not stall everyone else's decoding; the chunk size is fixed (not a
+function of the load), so a generation's arithmetic is the same alone and in any batch.
+
+One generation failing (its source raised, its input was bad) ends that generation only.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+from card.engine.shared.kv_pool import PREFILL_CHUNK, KVPool, Segment, forward
+from card.engine.target.chain_source import step_all
+from card.engine.target.generation import Chunk, Generation, GenerationResult
+from card.engine.target.speculation import CostModel, chain_lengths
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class Planned:
+    """One generation's part of an iteration: ``tokens`` forwarded from position ``start``;
+    ``decoding``: a step (``[t_next, *chain]``, every row judged) or a prefill chunk (only the
+    prompt's last row, in its last chunk); ``rows``: how many logits rows it gets back."""
+
+    gen: Generation
+    tokens: list[int]
+    start: int
+    decoding: bool
+    rows: int = 0
+
+
+@dataclass
+class Event:
+    """What one iteration did for one generation: a chunk it committed (None while prefilling),
+    and, when it ended, ``done`` (``error``: the exception that ended it early)."""
+
+    generation: Generation
+    chunk: Chunk | None = None
+    done: bool = False
+    error: BaseException | None = None
+
+
+class TargetEngine:
+    def __init__(self, model: torch.nn.Module, pool: KVPool, max_batch_tokens: int = 2048,
+                 prefill_chunk: int = PREFILL_CHUNK, adaptive: bool = True, exact: bool = True) -> None:
+        self.model = model
+        self.pool = pool
+        self.adaptive = adaptive  # cut chains by measured cost (card.engine.target.speculation)
+        # decoding rows through card.engine.shared.exact_attention: a row's logits are the same
+        # alone, in a chain or in any batch (False: the vendor SDPA, faster, outputs marked inexact)
+        self.exact = exact
+        self.cost = CostModel()
+        self.max_batch_tokens = max(max_batch_tokens, 1)
+        self.prefill_chunk = prefill_chunk
+        self.waiting: deque[Generation] = deque()
+        self.running: list[Generation] = []
+        self.forwards = 0
+
+    @classmethod
+    def alone(cls, model: torch.nn.Module, kv_len: int, adaptive: bool = True,
+              exact: bool = True) -> TargetEngine:
+        """An engine of one slot of ``kv_len`` rows: one generation run by itself."""
+        return cls(model, KVPool(model, slots=1, max_len=max(kv_len, 2)), adaptive=adaptive, exact=exact)
+
+    # ---- queue -------------------------------------------------------------------------------
+    def add(self, gen: Generation) -> None:
+        self.waiting.append(gen)
+
+    @property
+    def idle(self) -> bool:
+        return not self.waiting and not self.running
+
+    def cancel(self, gen: Generation) -> Event:
+        """End ``gen`` now (its client went away): it leaves the queue or the batch, closes its
+        source and gives its slot back. Between iterations only (the engine's thread)."""
+        if gen in self.waiting:
+            self.waiting.remove(gen)
+        return self._finish(gen)
+
+    # ---- one iteration: plan -> forward -> commit ---------------------------------------------
+    def step(self) -> list[Event]:
+        events = self._admit()
+        plan = self._plan(events)
+        if plan:
+            if self.adaptive:
+                self._budget(plan)
+            self._commit(plan, self._forward(plan), events)
+        return events
+
+    def _plan(self, events: list[Event]) -> list[Planned]:
+        """Every running generation's input: decoding steps first (a token or a short chain each,
+        all sources stepped together), then prefill chunks while the iteration has token budget
+        (the first input always goes)."""
+        plan: list[Planned] = []
+        budget = self.max_batch_tokens
+        decoding = [g for g in self.running if not g.prefilling]
+        t_step = time.perf_counter()
+        steps = step_all([g.source for g in decoding], [g.correction() for g in decoding])
+        waited = time.perf_counter() - t_step
+        for gen, step in zip(decoding, steps, strict=True):
+            try:
+                if isinstance(step, Exception):
+                    raise step
+                tokens, start = gen.take_step(step, waited)
+            except Exception as exc:  # its source failed: this generation ends, the batch goes on
+                events.append(self._fail(gen, exc))
+                continue
+            plan.append(Planned(gen, list(tokens), start, decoding=True))
+            budget -= len(tokens)
+        for gen in [g for g in self.running if g.prefilling]:
+            if plan and budget < min(self.prefill_chunk, gen.prefill_left):
+                continue
+            tokens, start = gen.next_input(self.prefill_chunk)
+            plan.append(Planned(gen, list(tokens), start, decoding=False))
+            budget -= len(tokens)
+        return plan
+
+    def _budget(self, plan: list[Planned]) -> None:
+        """Cut each step's chain to what pays at this iteration's measured cost."""
+        steps = [p for p in plan if p.decoding]
+        fixed = sum(len(p.tokens) for p in plan if not p.decoding) + len(steps)
+        lengths = chain_lengths([len(p.tokens) - 1 for p in steps],
+                                [p.gen.acceptance.alpha for p in steps], fixed, self.cost.fit())
+        for p, length in zip(steps, lengths, strict=True):
+            if length < len(p.tokens) - 1:
+                p.tokens = p.gen.trim_chain(length)
+
+    def _forward(self, plan: list[Planned]) -> torch.Tensor:
+        """One flattened forward over every input; the logits of the rows that need them, in
+        plan order (``Planned.rows`` of each)."""
+        segments, rows, offset = [], [], 0
+        for p in plan:
+            assert p.gen.slot is not None
+            segments.append(Segment(p.gen.slot, p.start, len(p.tokens), exact=self.exact and p.decoding))
+            if p.decoding:  # every row of [t_next, *chain] is judged
+                p.rows = len(p.tokens)
+                rows.append(torch.arange(offset, offset + p.rows))
+            elif p.start + len(p.tokens) == len(p.gen.request.prompt_ids):  # the prompt's last chunk
+                p.rows = 1
+                rows.append(torch.tensor([offset + len(p.tokens) - 1]))
+            offset += len(p.tokens)
+        flat = torch.tensor([t for p in plan for t in p.tokens], dtype=torch.int64)  # [sum n_i]
+        t0 = time.perf_counter()
+        logits = forward(self.model, self.pool, segments, flat,
+                         torch.cat(rows) if rows else torch.empty(0, dtype=torch.int64))  # [sum rows_i, V]
+        self.cost.observe(flat.numel(), time.perf_counter() - t0)
+        self.forwards += 1
+        return logits
+
+    def _commit(self, plan: list[Planned], logits: torch.Tensor, events: list[Event]) -> None:
+        """Each generation absorbs its rows' logits and streams what it committed; finished ones
+        close and give their slot back."""
+        first = 0
+        for p in plan:
+            mine = logits[first:first + p.rows]
+            first += p.rows
+            try:
+                chunk = p.gen.absorb(mine)
+            except Exception as exc:
+                events.append(self._fail(p.gen, exc))
+                continue
+            if p.gen.done:
+                event = self._finish(p.gen)
+                event.chunk = chunk
+                events.append(event)
+            elif chunk is not None:
+                events.append(Event(p.gen, chunk))
+
+    def _admit(self) -> list[Event]:
+        events = []
+        while self.waiting and self.pool.free_slots:
+            gen = self.waiting.popleft()
+            if gen.kv_len > self.pool.max_len:  # the servicer sizes context windows; a guard
+                events.append(self._fail(gen, ValueError(
+                    f"generation needs {gen.kv_len} KV rows, the cache holds {self.pool.max_len}")))
+                continue
+            gen.slot = self.pool.acquire()
+            gen.stats.exact = self.exact
+            self.running.append(gen)
+            try:
+                gen.open()
+            except Exception as exc:
+                events.append(self._fail(gen, exc))
+        return events
+
+    def _fail(self, gen: Generation, exc: BaseException) -> Event:
+        log.warning("generation ended by an error: %s", exc)
+        event = self._finish(gen)
+        event.error = exc
+        return event
+
+    def _finish(self, gen: Generation) -> Event:
+        if gen in self.running:
+            self.running.remove(gen)
+        if gen.slot is not None:
+            self.pool.release(gen.slot)
+            gen.slot = None
+        try:
+            gen.close()
+        except Exception:  # closing the source is best effort; the output stands
+            log.exception("closing a generation's chain source failed")
+        return Event(gen, done=True)
+
+    # ---- one generation, here and now --------------------------------------------------------
+    def stream(self, gen: Generation) -> Iterator[Chunk]:
+        """Run ``gen`` to its end, yielding its chunks; an error it met is raised; a consumer that
+        stops early cancels it."""
+        self.add(gen)
+        try:
+            while True:
+                for event in self.step():
+                    if event.generation is not gen:
+                        continue
+                    if event.chunk is not None:
+                        yield event.chunk
+                    if event.error is not None:
+                        raise event.error
+                    if event.done:
+                        return
+        finally:
+            if gen.result is None:
+                self.cancel(gen)
+
+
+def run_alone(model: torch.nn.Module, gen: Generation, adaptive: bool = True,
+              exact: bool = True) -> Iterator[Chunk]:
+    """Run ``gen`` by itself on ``model`` (an engine of one slot), yielding its chunks.
+    ``adaptive=False`` verifies every chain whole (the measured-cost cut is off): the forward
+    count then depends on the draft alone, not on how busy the machine is."""
+    yield from TargetEngine.alone(model, gen.kv_len, adaptive, exact).stream(gen)
+
+
+def finish_alone(model: torch.nn.Module, gen: Generation, exact: bool = True) -> GenerationResult:
+    """Run ``gen`` by itself to its end; its result."""
+    for _ in run_alone(model, gen, exact=exact):
+        pass
+    assert gen.result is not None
+    return gen.result
