@@ -91,6 +91,11 @@ class EngineLoop:
                     event.error = exc
             if events or engine.running:
                 metrics.BATCH_SIZE.observe(len(engine.running) + sum(e.done for e in events))
+            if (times := engine.last) is not None:
+                engine.last = None
+                metrics.ITERATION.labels("plan").observe(times.plan)
+                metrics.ITERATION.labels("forward").observe(times.forward)
+                metrics.ITERATION.labels("commit").observe(times.commit)
             for event in events:
                 self._deliver(event)
         for gen in [*engine.running, *engine.waiting]:  # shutdown: nothing is left half-open

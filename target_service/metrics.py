@@ -22,3 +22,8 @@ DEGRADED = Counter("card_target_degraded_generations_total",
                    "Card generations decoded without a draft because no session could be opened")
 TOKENS_PER_S = Histogram("card_target_tokens_per_second", "Throughput of each generation",
                          buckets=(1, 2, 5, 10, 20, 50, 100, 200, 500, 1000))
+ITERATION = Histogram("card_target_iteration_seconds",
+                      "Engine iteration time by phase: plan (sources' steps, chain cut), forward (the "
+                      "model), commit (sampling, stops, detokenizing); all but forward is host cost",
+                      ["phase"], buckets=(0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25,
+                                          0.5, 1.0))

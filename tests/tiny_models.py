@@ -42,9 +42,33 @@ def tiny_model(kind: str = "llama", seed: int = 0, vocab: int = 97, layers: int 
     return model
 
 
+def with_idle_layers(model: torch.nn.Module, idle: int) -> torch.nn.Module:
+    """``model`` followed by ``idle`` more decoder layers whose attention and MLP outputs are
+    exactly zero (o_proj and down_proj zeroed): the same logits bit for bit, at a higher cost.
+
+    A draft is the plain model, its target this one: the draft gets ahead by construction, where a
+    draft as costly as its target only sometimes wins the race (and on a loaded CI core, never)."""
+    if idle <= 0:
+        return model
+    spec = model.config.to_dict()
+    spec["num_hidden_layers"] += idle
+    spec.pop("layer_types", None)  # per-layer lists (Qwen2) are rebuilt for the new depth
+    config = model.config.__class__.from_dict(spec)
+    dearer = model.__class__(config).to(model.dtype).eval()
+    missing, unexpected = dearer.load_state_dict(model.state_dict(), strict=False)
+    assert not unexpected and all(".layers." in key for key in missing), (missing, unexpected)
+    with torch.no_grad():
+        for layer in dearer.model.layers[-idle:]:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+    return dearer
+
+
 def save_tiny_checkpoint(path: Path, kind: str = "llama", seed: int = 0, perturb: float = 0.0,
-                         dtype: torch.dtype = torch.float32, layers: int = 2, hidden: int = 32) -> Path:
-    """A loadable checkpoint folder: tiny weights + the SmolLM2 tokenizer (vocab 49152).
+                         dtype: torch.dtype = torch.float32, layers: int = 2, hidden: int = 32,
+                         idle_layers: int = 0) -> Path:
+    """A loadable checkpoint folder: tiny weights + the SmolLM2 tokenizer (vocab 49152);
+    ``idle_layers``: see ``with_idle_layers`` (same outputs as without, dearer forwards).
 
     Skips the calling test where the tokenizer (in ../shared beside the checkout) is absent."""
     missing = [name for name in TOKENIZER_FILES if not (SMOLLM2_DIR / name).is_file()]
@@ -54,6 +78,7 @@ def save_tiny_checkpoint(path: Path, kind: str = "llama", seed: int = 0, perturb
         pytest.skip(f"the SmolLM2 tokenizer ({', '.join(missing)}) is not in {SMOLLM2_DIR}")
     model = tiny_model(kind, seed, vocab=SMOLLM2_VOCAB, layers=layers, hidden=hidden,
                        perturb=perturb, dtype=dtype)
+    model = with_idle_layers(model, idle_layers)
     model.config.eos_token_id = 2
     model.config.bos_token_id = 1
     path.mkdir(parents=True, exist_ok=True)

@@ -119,7 +119,7 @@ def main(target_model: str, draft_model: str | None, draft_quantize: str, prepac
          threads: str, reps: int, beside_draft: bool, out: Path | None) -> None:
     """Print target verify and draft layer costs (ms, min / median)."""
     thread_counts = [int(t) for t in threads.split(",")]
-    target = load_model(ModelConfig(spec=target_model, prepack=prepack))
+    target = load_model(ModelConfig(spec=target_model, prepack=prepack, exact=True))  # as served
     prompt = target.encode_prompt("Natalia sold clips to 48 of her friends in April, and then she sold half "
                                   "as many clips in May. How many clips did Natalia sell altogether?")
     result: dict = {"target": {}, "draft": {}}

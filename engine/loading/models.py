@@ -13,7 +13,8 @@ quantize (``none`` or ``int8``: dynamic int8 Linear layers, CPU only), layers (k
 first N decoder layers: a self-speculative draft, engine.loading.draft_variants; 0 keeps all), prepack
 (fp32 and bf16 on the CPU: Linear weights reordered once for oneDNN, card.engine.loading.cpu_linear; faster
 multi-token forwards, on by default) and exact (row-wise layers made batch-invariant for the device,
-card.engine.loading.invariant; on by default, a target's --exact off turns it off).
+card.engine.loading.invariant; off unless asked: a target asks, by default, and --exact off stops it;
+a draft never needs it, its tokens only change the speed).
 """
 
 from __future__ import annotations
@@ -55,7 +56,10 @@ class ModelConfig:
     quantize: str = "none"
     layers: int = 0
     prepack: bool = True
-    exact: bool = True  # row-wise layers batch-invariant (card.engine.loading.invariant)
+    # row-wise layers batch-invariant (card.engine.loading.invariant). Only a target's outputs
+    # must not depend on the batch: its loaders ask for it (--exact); a draft only proposes, and
+    # fixed tiles would make every draft forward pay for rows it does not have
+    exact: bool = False
 
     def __post_init__(self) -> None:
         if not self.spec:

@@ -48,6 +48,24 @@ class Planned:
     rows: int = 0
 
 
+@dataclass(frozen=True)
+class IterationTimes:
+    """Where one iteration's wall time went, in seconds: ``plan`` (admission, chain sources'
+    steps, chain cut), ``forward`` (the model: every layer and the LM head), ``commit`` (sampling,
+    acceptance, stop checks, detokenizing, finishing); ``rows`` forwarded, ``generations`` in it.
+    Everything but ``forward`` is the engine's host cost (docs/performance.md)."""
+
+    plan: float
+    forward: float
+    commit: float
+    rows: int
+    generations: int
+
+    @property
+    def total(self) -> float:
+        return self.plan + self.forward + self.commit
+
+
 @dataclass
 class Event:
     """What one iteration did for one generation: a chunk it committed (None while prefilling),
@@ -74,6 +92,7 @@ class TargetEngine:
         self.waiting: deque[Generation] = deque()
         self.running: list[Generation] = []
         self.forwards = 0
+        self.last: IterationTimes | None = None  # the latest iteration that ran a forward
 
     @classmethod
     def alone(cls, model: torch.nn.Module, kv_len: int, adaptive: bool = True,
@@ -98,12 +117,17 @@ class TargetEngine:
 
     # ---- one iteration: plan -> forward -> commit ---------------------------------------------
     def step(self) -> list[Event]:
+        t0 = time.perf_counter()
         events = self._admit()
         plan = self._plan(events)
         if plan:
             if self.adaptive:
                 self._budget(plan)
-            self._commit(plan, self._forward(plan), events)
+            logits, model_s = self._forward(plan)
+            t1 = time.perf_counter()
+            self._commit(plan, logits, events)
+            self.last = IterationTimes(t1 - t0 - model_s, model_s, time.perf_counter() - t1,
+                                       sum(len(p.tokens) for p in plan), len(plan))
         return events
 
     def _plan(self, events: list[Event]) -> list[Planned]:
@@ -144,9 +168,9 @@ class TargetEngine:
             if length < len(p.tokens) - 1:
                 p.tokens = p.gen.trim_chain(length)
 
-    def _forward(self, plan: list[Planned]) -> torch.Tensor:
-        """One flattened forward over every input; the logits of the rows that need them, in
-        plan order (``Planned.rows`` of each)."""
+    def _forward(self, plan: list[Planned]) -> tuple[torch.Tensor, float]:
+        """One flattened forward over every input: the logits of the rows that need them, in
+        plan order (``Planned.rows`` of each), and the model's seconds."""
         segments, rows, offset = [], [], 0
         for p in plan:
             assert p.gen.slot is not None
@@ -162,9 +186,10 @@ class TargetEngine:
         t0 = time.perf_counter()
         logits = forward(self.model, self.pool, segments, flat,
                          torch.cat(rows) if rows else torch.empty(0, dtype=torch.int64))  # [sum rows_i, V]
-        self.cost.observe(flat.numel(), time.perf_counter() - t0)
+        seconds = time.perf_counter() - t0
+        self.cost.observe(flat.numel(), seconds)
         self.forwards += 1
-        return logits
+        return logits, seconds
 
     def _commit(self, plan: list[Planned], logits: torch.Tensor, events: list[Event]) -> None:
         """Each generation absorbs its rows' logits and streams what it committed; finished ones

@@ -107,3 +107,24 @@ def test_sd_equals_vanilla(kind: str, draft: str, gamma: int) -> None:
         if draft == "self":
             # the draft is the target: every chain of gamma tokens is accepted in full
             assert run.result.stats.target_forwards == full_chain_forwards(budget, gamma)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_idle_layers_keep_the_logits_and_only_raise_the_cost(kind):
+    """The service tests' dearer twin (tests.tiny_models.with_idle_layers) gives its base's logits
+    bit for bit, which is what lets it serve as the target of a draft that must stay ahead; the
+    same layers left un-zeroed change them (the control)."""
+    import torch
+
+    from tests.tiny_models import tiny_model, with_idle_layers
+
+    base = tiny_model(kind, seed=0)
+    twin = with_idle_layers(base, 6)
+    ids = torch.tensor([[5, 17, 3, 88, 41, 2, 60]])
+    with torch.no_grad():
+        want = base(ids).logits
+        assert len(twin.model.layers) == len(base.model.layers) + 6
+        assert torch.equal(twin(ids).logits, want)
+        for layer in twin.model.layers[-6:]:
+            layer.mlp.down_proj.weight.fill_(0.01)
+        assert not torch.equal(twin(ids).logits, want)

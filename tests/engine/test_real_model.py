@@ -26,7 +26,7 @@ NEW_TOKENS = 32
 
 @pytest.fixture(scope="module")
 def target() -> LoadedModel:
-    return load_model(ModelConfig(spec=str(SMOLLM2_DIR), device="cpu"))
+    return load_model(ModelConfig(spec=str(SMOLLM2_DIR), device="cpu", exact=True))
 
 
 @pytest.fixture(scope="module")

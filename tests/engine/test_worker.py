@@ -148,7 +148,7 @@ def tiny_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Pa
 
 def test_runner_card_and_sd_equal_vanilla_and_leak_nothing(tiny_checkpoints) -> None:
     target_dir, draft_dir = tiny_checkpoints
-    target = load_model(ModelConfig(spec=str(target_dir), dtype="float64", device="cpu"))
+    target = load_model(ModelConfig(spec=str(target_dir), dtype="float64", device="cpu", exact=True))
     draft = load_model(ModelConfig(spec=str(draft_dir), dtype="float64", device="cpu"))
     prompts = [target.encode_prompt(p, chat=c) for p, c in [("Hello there", True), ("a", False)]]
     requests = [GenerationRequest(tuple(p), stop=StopParams(max_new_tokens=12, ignore_eos=True))

@@ -55,7 +55,7 @@ def trio(checkpoints, redis_server, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reference(checkpoints):
-    run = vanilla_reference(load_model(ModelConfig(str(checkpoints["target"]), dtype="float64")))
+    run = vanilla_reference(load_model(ModelConfig(str(checkpoints["target"]), dtype="float64", exact=True)))
 
     def one_thread(*args):
         with torch_threads(1):

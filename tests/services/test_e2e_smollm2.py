@@ -34,7 +34,7 @@ def trio(redis_server, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reference():
-    run = vanilla_reference(load_model(ModelConfig(str(SMOLLM2_DIR))))
+    run = vanilla_reference(load_model(ModelConfig(str(SMOLLM2_DIR), exact=True)))
 
     def one_thread(*args):
         with torch_threads(1):  # the target process runs one thread: same reduction order

@@ -72,7 +72,7 @@ def trio(checkpoints, redis_server, prefix, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reference(checkpoints):
-    model = load_model(ModelConfig(str(checkpoints["target"]), dtype="float64"))
+    model = load_model(ModelConfig(str(checkpoints["target"]), dtype="float64", exact=True))
     run = vanilla_reference(model)
 
     def one_thread(*args):

@@ -35,9 +35,12 @@ LONG = 400  # new tokens of a request that is cancelled long before it ends
 @pytest.fixture(scope="module")
 def trio(redis_server, tmp_path_factory):
     root = tmp_path_factory.mktemp("http-models")
-    target = str(save_tiny_checkpoint(root / "target", seed=0))
+    # the target: the draft's own weights plus idle layers (same tokens, dearer forwards), so the
+    # draft gets ahead by construction and speculation shows in usage on a loaded CI core too
+    target = str(save_tiny_checkpoint(root / "target", seed=0, idle_layers=8))
+    draft = str(save_tiny_checkpoint(root / "draft", seed=0))
     prefix = f"http-{uuid.uuid4().hex[:8]}:"
-    trio = LocalTrio(target_model=target, draft_model=target, draft_name="same", target_threads=1,
+    trio = LocalTrio(target_model=target, draft_model=draft, draft_name="same", target_threads=1,
                      draft_threads=1, dtype="float64", log_dir=tmp_path_factory.mktemp("http-logs"),
                      redis_url=redis_server.url, metrics=True, http_port=0, start_timeout_s=240,
                      extra_args={"cache": ["--redis-prefix", prefix],
@@ -95,8 +98,8 @@ def test_completion_is_raw_text_and_speculation_shows_in_usage(trio, api, model_
     card = got.usage.model_extra["card"]
     assert card["mode"] == "card" and card["draft"] == "same"
     assert card["accepted_draft_tokens"] == 32 - card["target_forwards"]  # one prefill forward
-    # the draft is the target itself, as costly as it: whether it gets ahead is a race on any one
-    # request; a few requests must show speculation in their usage
+    # the draft proposes the target's own tokens at a fraction of its cost; still a race on any
+    # one request, so a few requests must show speculation in their usage
     cards = []
     for n in (64, 96, 128):
         reply = api.completions.create(model=model_id, prompt=PROMPT, max_tokens=n, temperature=0,
@@ -135,8 +138,10 @@ def test_curl_streams_server_sent_events(trio, model_id):
     curl = shutil.which("curl")
     if curl is None:
         pytest.skip("curl is not installed")
+    # plain decoding: one token per forward, so the pieces count what streaming splits (with a
+    # draft as good as this test's, speculation commits several tokens per piece)
     body = json.dumps({"model": model_id, "prompt": PROMPT, "max_tokens": 12, "temperature": 0,
-                       "stream": True, "ignore_eos": True})
+                       "stream": True, "ignore_eos": True, "mode": "vanilla"})
     cmd = [curl, "-sN", f"http://{trio.http_addr}/v1/completions", "-H", f"Authorization: Bearer {KEY}",
            "-H", "Content-Type: application/json", "-d", body]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=60, check=True).stdout
