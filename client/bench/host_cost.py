@@ -90,12 +90,14 @@ class Timers:
             setattr(owner, attr, self.wrap(name, getattr(owner, attr)))
 
         swap(kv_pool, "attend_rows", "attention")
+        swap(exact_attention.RowPlan, "attend", "attention")
         swap(kv_pool, "sdpa_attention_forward", "attention")
         swap(torch.nn.functional, "scaled_dot_product_attention", "attention")
-        for layer in model.model.layers:
-            for module in layer.modules():
-                if hasattr(module, "weight") and module.weight is not None and module.weight.dim() == 2:
-                    swap(module, "forward", "linear")
+        for layer in model.model.layers:  # the supported families' projections (kv_pool.enable)
+            for block, names in ((layer.self_attn, ("q_proj", "k_proj", "v_proj", "o_proj")),
+                                 (layer.mlp, ("gate_proj", "up_proj", "down_proj"))):
+                for name in names:
+                    swap(getattr(block, name), "forward", "linear")
         swap(model.lm_head, "forward", "lm_head")
         try:
             yield
@@ -133,7 +135,8 @@ def summarize(times: list[IterationTimes]) -> dict:
 @click.option("--breakdown/--no-breakdown", default=True, help="A second pass that splits the forward.")
 @click.option("--out", type=click.Path(dir_okay=False, path_type=Path), default=None, help="JSON report.")
 def main(target_model: str, target_dtype: str, draft_model: str | None, mode: str, concurrency: str,
-         tokens: int, dataset: str, threads: int | None, exact: bool, breakdown: bool, out: Path | None) -> None:
+         tokens: int, dataset: str, threads: int | None, exact: bool, breakdown: bool,
+         out: Path | None) -> None:
     """Print each concurrency's iteration time by phase (ms, medians) and the host's share."""
     if threads:
         torch.set_num_threads(threads)
@@ -155,7 +158,8 @@ def main(target_model: str, target_dtype: str, draft_model: str | None, mode: st
                 with timers.patched(target.model):
                     split, again = run_batch(target, runner, prompts[:c], tokens, exact, timers)
                 assert again == outputs, "the timed pass changed the outputs"
-                parts = {k: [s.get(k, 0.0) for s in timers.splits] for k in ("linear", "attention", "lm_head")}
+                parts = {k: [s.get(k, 0.0) for s in timers.splits]
+                         for k in ("linear", "attention", "lm_head")}
                 parts["forward_rest"] = [t.forward - sum(s.values()) for t, s in zip(split, timers.splits,
                                                                                        strict=True)]
                 row["forward_split_ms"] = {k: _ms(v) for k, v in parts.items()}

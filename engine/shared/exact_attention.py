@@ -28,13 +28,27 @@ Cost: the tile computes QUERY_TILE rows even for one; on the CPU in bf16 it is s
 SDPA's one-row path, in fp32 slower (docs/engine.md has the figures). Prefill chunks keep SDPA:
 their shapes are fixed by the prompt's chunking (card.engine.shared.kv_pool.PREFILL_CHUNK), the same
 alone and in any batch.
+
+Many sessions at once (``RowPlan``): attending session by session costs ~15 small ops per
+session per layer, which at 8 in flight was 45% of a SmolLM2 iteration on the CPU
+(docs/performance.md). The plan is built once per forward: every tile of every session, grouped
+by key span, goes through the same three ops as one batched matmul ([tiles x kv_heads] matrices
+of the same fixed shape). A matrix's result in a batched matmul must not depend on how many
+others ride with it: ``batched_is_invariant`` checks that on this device and dtype, with one
+thread and with the process's count, against each tile alone; where it fails, and on CUDA (whose
+library picks kernels by batch count, unverified here), sessions are attended one at a time.
 """
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Sequence
+from dataclasses import dataclass
+
 import torch
 
-QUERY_TILE = 8  # query rows per score matmul: 1 + the longest chain verified in one tile
+QUERY_TILE = 4  # query rows per score matmul (longer chains take several tiles): a lone decoding
+# row pays for 4, not for 8 (the matmul's cost grows with its rows; docs/performance.md)
 KV_BLOCK = 64  # keys are attended in spans of whole blocks of this many rows
 
 
@@ -86,3 +100,130 @@ def _tile(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positio
     probs = torch.softmax(scores, dim=-1).to(values.dtype).view(kv_heads, group * QUERY_TILE, rows)
     mixed = torch.matmul(probs, values).view(heads, QUERY_TILE, dim)  # [heads, QUERY_TILE, dim]
     out.copy_(mixed[:, :m].transpose(0, 1))
+
+
+@dataclass(frozen=True)
+class Rows:
+    """One session's decoding rows in a forward: ``n`` rows at positions ``start...`` of ``slot``,
+    at rows ``offset...`` of the flattened query."""
+
+    slot: int
+    start: int
+    n: int
+    offset: int
+
+
+@dataclass(frozen=True)
+class _Group:
+    """Tiles sharing one key span, as index tensors built once per forward (every layer reuses
+    them): tile ``b`` reads slot ``slots[b]``; its QUERY_TILE query rows are flat rows ``query[b]``
+    (padding repeats the tile's first row: a matmul's rows are independent, its output is
+    dropped); ``bias`` [B, 1, 1, QUERY_TILE, span] float32, 0 where a query sees a key and -inf
+    past it (the causal mask, added: cheaper than a masked fill); the tile rows ``take`` land on
+    flat rows ``dest``."""
+
+    span: int
+    slots: torch.Tensor
+    query: torch.Tensor
+    bias: torch.Tensor
+    take: torch.Tensor
+    dest: torch.Tensor
+
+
+class RowPlan:
+    """Exact attention of many sessions' decoding rows at once (the module docstring, "Many
+    sessions at once"): the tiles ``attend_rows`` would compute one session at a time, batched.
+    The key rows of a span past a session's end must hold finite values (the KV pool zeroes them
+    before a session first reaches them, card.engine.shared.kv_pool.KVPool.ready): a masked key's
+    score is its own plus -inf, and its value is multiplied by a probability of exactly 0."""
+
+    def __init__(self, sessions: Sequence[Rows], device: torch.device) -> None:
+        by_span: dict[int, list[tuple[Rows, int, int]]] = {}
+        for s in sessions:
+            first = 0
+            while first < s.n:  # attend_rows' tiles: rows sharing one span, at most QUERY_TILE
+                rows_span = span(s.start + first)
+                stop = min(s.n, first + QUERY_TILE, rows_span - s.start)
+                by_span.setdefault(rows_span, []).append((s, first, stop - first))
+                first = stop
+        self.groups = [self._group(S, tiles, device) for S, tiles in sorted(by_span.items())]
+
+    @staticmethod
+    def _group(S: int, tiles: list[tuple[Rows, int, int]], device: torch.device) -> _Group:
+        slots, query, masked, take, dest = [], [], [], [], []
+        cols = torch.arange(S)
+        for b, (s, first, m) in enumerate(tiles):
+            rows = [first + i if i < m else first for i in range(QUERY_TILE)]
+            slots.append(s.slot)
+            query.extend(s.offset + r for r in rows)
+            masked.append(cols[None, :] > torch.tensor([s.start + r for r in rows])[:, None])  # [QT, S]
+            take.extend(b * QUERY_TILE + i for i in range(m))
+            dest.extend(s.offset + first + i for i in range(m))
+        bias = torch.zeros(len(tiles), 1, 1, QUERY_TILE, S).masked_fill_(
+            torch.stack(masked)[:, None, None], float("-inf"))
+        return _Group(S, torch.tensor(slots, device=device), torch.tensor(query, device=device),
+                      bias.to(device), torch.tensor(take, device=device), torch.tensor(dest, device=device))
+
+    def attend(self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float,
+               out: torch.Tensor) -> None:
+        """``query`` [heads, T, dim] (the forward's flattened rows); one layer's ``keys`` /
+        ``values`` [slots, kv_heads, rows, dim]; writes the planned rows of ``out`` [T, heads, dim]."""
+        heads, _, dim = query.shape
+        kv_heads = keys.shape[1]
+        group = heads // kv_heads
+        for g in self.groups:
+            B = g.slots.numel()
+            # [heads, B*QT, dim] -> [B, kv_heads, group*QT, dim]: the head group rides in M (GQA),
+            # in the order attend_rows' tile has it
+            q = query.index_select(1, g.query).view(kv_heads, group, B, QUERY_TILE, dim)
+            q = q.permute(2, 0, 1, 3, 4).reshape(B, kv_heads, group * QUERY_TILE, dim)
+            k = keys[:, :, :g.span].index_select(0, g.slots)  # [B, kv_heads, S, dim]
+            v = values[:, :, :g.span].index_select(0, g.slots)
+            scores = torch.matmul(q, k.transpose(2, 3)).float().mul_(scaling)  # [B, kvh, group*QT, S]
+            scores = scores.view(B, kv_heads, group, QUERY_TILE, g.span).add_(g.bias)
+            probs = torch.softmax(scores, dim=-1).to(v.dtype).view(B, kv_heads, group * QUERY_TILE, g.span)
+            mixed = torch.matmul(probs, v).view(B, kv_heads, group, QUERY_TILE, dim)
+            rows = mixed.permute(0, 3, 1, 2, 4).reshape(B * QUERY_TILE, heads, dim)  # [B*QT, heads, dim]
+            out.index_copy_(0, g.dest, rows.index_select(0, g.take))
+
+
+@functools.cache
+def batched_is_invariant(device: torch.device, dtype: torch.dtype, kv_heads: int, group: int,
+                         dim: int) -> bool:
+    """Whether ``RowPlan`` gives each session's rows the same bits in a batch as alone here: 1,
+    2, 5 and 9 sessions (chains of 1 to 8 rows, spans of one to four blocks), one thread and this
+    process's count. Always False on CUDA (see the module docstring)."""
+    if device.type != "cpu":
+        return False
+    gen = torch.Generator().manual_seed(0)
+    slots, rows = 9, 4 * KV_BLOCK
+    keys = torch.randn(slots, kv_heads, rows, dim, generator=gen).to(device, dtype)
+    values = torch.randn(slots, kv_heads, rows, dim, generator=gen).to(device, dtype)
+    lengths = [1, 8, 3, 1, 5, 2, 8, 1, 4]
+    starts = [5, 60, 130, 191, 200, 63, 17, 250, 100]
+    sessions, offset = [], 0
+    for i, (n, start) in enumerate(zip(lengths, starts, strict=True)):
+        sessions.append(Rows(i, start, n, offset))
+        offset += n
+    query = torch.randn(kv_heads * group, offset, dim, generator=gen).to(device, dtype)
+    threads = torch.get_num_threads()
+
+    def run(chosen: Sequence[Rows]) -> torch.Tensor:
+        out = query.new_zeros(offset, kv_heads * group, dim)
+        RowPlan(chosen, device).attend(query, keys.clone(), values.clone(), dim ** -0.5, out)
+        return out
+
+    try:
+        with torch.inference_mode():
+            alone = [run([s]) for s in sessions]
+            for count in sorted({1, threads}):
+                torch.set_num_threads(count)
+                for many in (2, 5, 9):
+                    both = run(sessions[:many])
+                    for s, ref in zip(sessions[:many], alone, strict=False):
+                        part = slice(s.offset, s.offset + s.n)
+                        if not torch.equal(both[part], ref[part]):
+                            return False
+    finally:
+        torch.set_num_threads(threads)
+    return True

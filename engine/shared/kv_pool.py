@@ -36,7 +36,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from card.engine.shared.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
-from card.engine.shared.exact_attention import attend_rows, span
+from card.engine.shared.exact_attention import RowPlan, Rows, attend_rows, batched_is_invariant, span
 
 ATTN = "card_slots"
 
@@ -96,7 +96,10 @@ class KVPool:
         self.slots = slots
         self.max_len = max_len
         self.device = param.device
+        heads = cfg.num_attention_heads
+        self.batched_exact = batched_is_invariant(param.device, dtype, kv_heads, heads // kv_heads, head_dim)
         self._free = list(range(slots - 1, -1, -1))
+        self._ready = [0] * slots  # per slot: rows below this hold finite values (KVPool.ready)
 
     @staticmethod
     def bytes_per_token(model: torch.nn.Module) -> int:
@@ -114,7 +117,23 @@ class KVPool:
         return len(self._free)
 
     def acquire(self) -> int | None:
-        return self._free.pop() if self._free else None
+        if not self._free:
+            return None
+        slot = self._free.pop()
+        self._ready[slot] = 0  # rows past the new session's writes: whatever the last one left
+        return slot
+
+    def ready(self, slot: int, written: int, rows: int) -> None:
+        """Make rows ``written...rows`` of ``slot`` finite before a query reads them masked
+        (exact attention reads whole spans; a never-written row of torch.empty may hold NaN, and
+        NaN + -inf or 0 * NaN is NaN): zeroed once, the first time a session's span reaches them;
+        rows below ``written`` hold the session's keys and values."""
+        if rows <= self._ready[slot]:
+            return
+        first = max(written, self._ready[slot])
+        for t in (*self.keys, *self.values):
+            t[slot, :, first:rows] = 0
+        self._ready[slot] = rows
 
     def release(self, slot: int) -> None:
         if not 0 <= slot < self.slots or slot in self._free:
@@ -188,6 +207,14 @@ class _Batch:
         # causal block from row 0) or a boolean mask [length, end]
         self.masks = [s.visible.to(dev) if s.visible is not None
                       else None if s.length == 1 or s.exact else _causal(s, dev) for s in segments]
+        # every exact segment's rows in one batched attention, where that is invariant here
+        exact = [Rows(s.slot, s.start, s.length, q0) for s, q0 in zip(segments, self.offsets, strict=False)
+                 if s.exact]
+        self.row_plan = None
+        if exact and pool.batched_exact:
+            for s in exact:
+                pool.ready(s.slot, s.start + s.n, span(s.start + s.n - 1))
+            self.row_plan = RowPlan(exact, dev)
 
     def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int,
                cache_kwargs: object = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -214,11 +241,16 @@ def _slot_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
     keys, values = pool.keys[layer], pool.values[layer]
     out = query.new_empty(1, query.shape[2], query.shape[1], query.shape[3])  # [1, T, heads, dim]
     gqa = query.shape[1] != keys.shape[1]
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    planned = card_batch.row_plan
+    if planned is not None:  # every exact segment at once
+        planned.attend(query[0], keys, values, scale, out[0])
     for seg, q0, mask in zip(card_batch.segments, card_batch.offsets, card_batch.masks, strict=False):
+        if seg.exact and planned is not None:
+            continue
         q = query[:, :, q0:q0 + seg.length]  # [1, heads, n, dim]
         if seg.exact:
-            out[0, q0:q0 + seg.length] = attend_rows(q[0], keys[seg.slot], values[seg.slot], seg.start,
-                                                     scaling if scaling is not None else q.shape[-1] ** -0.5)
+            out[0, q0:q0 + seg.length] = attend_rows(q[0], keys[seg.slot], values[seg.slot], seg.start, scale)
             continue
         k = keys[seg.slot, :, :seg.end][None]  # [1, kv_heads, end, dim], a view
         v = values[seg.slot, :, :seg.end][None]
