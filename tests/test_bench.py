@@ -234,3 +234,27 @@ def test_with_matplotlib_the_chart_is_drawn(tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.splitlines()[-1] == f"wrote {out} and {chart}"
     assert report.chart_hint(chart) not in err
+
+
+def test_peer_side_by_side_writes_aiperf_prompts_and_reports_ratios(tmp_path):
+    """card.client.bench.peer: prompts as AIPerf single_turn lines with the token budget; an AIPerf
+    export summarized; two servers' reports in one table, the second as a ratio of the first."""
+    from card.client.bench import peer
+
+    texts = peer.write_prompts("mt_bench:2,gsm8k:1", 64, tmp_path / "p.jsonl")
+    lines = [json.loads(line) for line in (tmp_path / "p.jsonl").read_text().splitlines()]
+    assert len(lines) == 3 and [x["text"] for x in lines] == texts
+    assert all(x["output_length"] == 64 and x["text"] for x in lines)
+    export = {"output_token_throughput": {"avg": 150.0}, "request_throughput": {"avg": 2.0},
+              "time_to_first_token": {"p50": 300.0, "p90": 900.0},
+              "inter_token_latency": {"p50": 40.0, "p90": 50.0}, "request_count": {"avg": 16}}
+    row = peer.summarize(export)
+    assert row == {"output_tok_s": 150.0, "requests_s": 2.0, "ttft_ms": 300.0, "ttft_p90_ms": 900.0,
+                   "itl_ms": 40.0, "itl_p90_ms": 50.0, "requests": 16, "errors": 0}
+    for label, tok_s in (("vllm", 150.0), ("trio", 75.0)):
+        (tmp_path / f"{label}.json").write_text(json.dumps(
+            {"label": label, "levels": {"8": {**row, "output_tok_s": tok_s}}}))
+    result = CliRunner().invoke(peer.main, ["report", str(tmp_path / "vllm.json"),
+                                            str(tmp_path / "trio.json")])
+    assert result.exit_code == 0, result.output
+    assert "| trio | 8 | 75.0 | 0.50x |" in result.output and "| vllm | 8 | 150.0 | 1.00x |" in result.output

@@ -17,7 +17,14 @@ from card.engine.loading.cpu_linear import PackedLinear, can_pack
 from card.engine.loading.invariant import FixedTiles, make_exact, probe
 from card.engine.loading.models import LoadedModel, ModelConfig, load_model
 from card.engine.shared.config import GenerationRequest, SamplingParams, StopParams, TreeParams
-from card.engine.shared.exact_attention import KV_BLOCK, attend_rows, span
+from card.engine.shared.exact_attention import (
+    KV_BLOCK,
+    RowPlan,
+    Rows,
+    attend_rows,
+    batched_is_invariant,
+    span,
+)
 from card.engine.shared.kv_pool import KVPool, Segment, forward
 from card.engine.target.chain_source import NoDraft
 from card.engine.target.generation import Generation
@@ -52,7 +59,7 @@ def _sdpa_rows(query, keys, values, start):
 
 @pytest.mark.parametrize("dtype", [torch.float32, *DTYPES])
 def test_exact_attention_rows_equal_the_row_alone(dtype: torch.dtype) -> None:
-    """Chains of 2-12 rows (tiles of 8 and spans crossing a block edge) at many positions: each
+    """Chains of 2-12 rows (several 4-row tiles and spans crossing a block edge) at many positions: each
     row's output is the bits of that row attended alone, as plain decoding does it."""
     rows = 4 * KV_BLOCK
     query, keys, values = _slot(dtype, rows)
@@ -89,6 +96,61 @@ def test_exact_attention_ignores_junk_past_the_segment() -> None:
     dirty = attend_rows(query[:, :3], keys, values, 10, 0.125)
     assert torch.equal(clean, dirty)
     assert not keys[:, 13:span(12)].any() and not values[:, 13:span(12)].any()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, *DTYPES])
+def test_many_sessions_rows_in_one_plan_equal_each_alone(dtype: torch.dtype) -> None:
+    """RowPlan (every session's decoding rows in one batched attention): each session's rows are
+    the bits of that session planned alone, for chains of 1-9 rows at spans of one to four blocks,
+    and close to the vendor's attention. The engine plans so on this CPU (the probe passes), so
+    the in-flight tests below run through it."""
+    assert batched_is_invariant(torch.device("cpu"), dtype, 3, 3, 64)
+    gen = torch.Generator().manual_seed(3)
+    slots, rows = 6, 4 * KV_BLOCK
+    keys = torch.randn(slots, 3, rows, 64, generator=gen).to(dtype)
+    values = torch.randn(slots, 3, rows, 64, generator=gen).to(dtype)
+    sessions, offset = [], 0
+    for slot, (start, n) in enumerate([(0, 1), (60, 9), (KV_BLOCK, 2), (130, 1), (200, 5), (63, 1)]):
+        sessions.append(Rows(slot, start, n, offset))
+        offset += n
+    query = torch.randn(9, offset, 64, generator=gen).to(dtype)
+
+    def plan(chosen):
+        out = query.new_zeros(offset, 9, 64)
+        RowPlan(chosen, torch.device("cpu")).attend(query, keys, values, 0.125, out)
+        return out
+
+    together = plan(sessions)
+    for s in sessions:
+        part = slice(s.offset, s.offset + s.n)
+        assert torch.equal(together[part], plan([s])[part]), s
+        want = _sdpa_rows(query[:, part], keys[s.slot], values[s.slot], s.start)
+        torch.testing.assert_close(together[part].float(), want.float(), atol=2e-2, rtol=2e-2)
+
+
+def test_the_pool_makes_never_written_rows_safe_for_the_plan() -> None:
+    """RowPlan reads whole spans: KVPool.ready zeroes a slot's rows past the session's end once,
+    so NaN left in never-written memory changes nothing; without it the rows come out NaN (the
+    control)."""
+    model = tiny_model("llama", seed=0, vocab=VOCAB, dtype=torch.float32)
+    pool = KVPool(model, slots=2, max_len=3 * KV_BLOCK)
+    slot = pool.acquire()
+    for t in (*pool.keys, *pool.values):
+        t.fill_(float("nan"))
+        t[slot, :, :10] = 0.5  # the session's ten rows
+    query = torch.randn(4, 3, 8)
+    session = [Rows(slot, 10, 3, 0)]
+
+    def attend():
+        out = query.new_zeros(3, 4, 8)
+        RowPlan(session, torch.device("cpu")).attend(query, pool.keys[0], pool.values[0], 0.125, out)
+        return out
+
+    assert attend().isnan().all()  # control: junk read as is
+    pool.ready(slot, 10, span(12))
+    assert not attend().isnan().any()
+    assert (pool.keys[0][slot, :, :10] == 0.5).all()  # the session's rows are kept
+    assert pool.keys[0][1 - slot].isnan().all()  # the other slot is not touched
 
 
 # ---- row-wise layers ---------------------------------------------------------------------------

@@ -1,0 +1,169 @@
+"""Any OpenAI-compatible server, measured the way a user's load tester sees it: AIPerf.
+
+    python -m card.client.bench.peer run --url http://127.0.0.1:8000 --model NAME --label trio-card \\
+        --tokenizer local/NAME [--hf-home DIR] [--concurrency 1,8] [--tokens 64] --out DIR
+    python -m card.client.bench.peer report DIR [DIR ...]      # one table, JSON and chart
+
+``run`` writes the prompts (``--prompts``: card-bench datasets, ``name:count`` each) as AIPerf's
+``single_turn`` JSONL, then for each concurrency runs ``aiperf profile`` against the chat
+endpoint: streaming, greedy (temperature 0), ``--tokens`` new tokens each (ignore_eos), every
+prompt ``--rounds`` times after two warm-up requests. Each level's summary (output tokens/s,
+requests/s, TTFT and inter-token latency p50/p90, errors) goes to ``DIR/LABEL.json`` beside
+AIPerf's own artifacts. Run it against card-target's front and a peer (vLLM, SGLang,
+llama-server: ``../shared/scripts/peer-vllm-cpu.sh serve``) one after the other on the same
+machine; ``report`` puts them side by side, each label's tok/s also as a ratio to the first label.
+
+AIPerf counts tokens with the model's tokenizer (``--tokenizer``; for a local folder see
+peer-vllm-cpu.sh's ``tokenizer`` command and pass its HF_HOME as ``--hf-home``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import click
+
+from card.client.bench import data
+
+DEFAULT_PROMPTS = "mt_bench:8,gsm8k:8"  # writing, reasoning, extraction, STEM ... and math
+METRICS = {  # AIPerf's name -> ours, the statistic taken
+    "output_token_throughput": ("output_tok_s", "avg"),
+    "request_throughput": ("requests_s", "avg"),
+    "time_to_first_token": ("ttft_ms", "p50"),
+    "inter_token_latency": ("itl_ms", "p50"),
+}
+
+
+def aiperf_binary() -> str:
+    home = Path(os.environ.get("PEER_DIR", Path.home() / ".cache" / "card-peer"))
+    peer = home / "aiperf" / "bin" / "aiperf"
+    found = shutil.which("aiperf") or (str(peer) if peer.is_file() else None)
+    if found is None:
+        raise click.ClickException("aiperf is not installed (pip install aiperf, or "
+                                   "../shared/scripts/peer-vllm-cpu.sh install)")
+    return found
+
+
+def write_prompts(spec: str, tokens: int, path: Path) -> list[str]:
+    """``name:count,...`` of card-bench datasets as AIPerf single_turn lines; the texts."""
+    texts: list[str] = []
+    for part in spec.split(","):
+        name, _, count = part.partition(":")
+        for prompt in data.load(name, int(count) if count else None).prompts:
+            texts.append(prompt if isinstance(prompt, str) else prompt[-1]["content"])
+    path.write_text("".join(json.dumps({"text": t, "output_length": tokens}) + "\n" for t in texts))
+    return texts
+
+
+def summarize(export: dict) -> dict:
+    row: dict = {}
+    for theirs, (ours, stat) in METRICS.items():
+        metric = export.get(theirs) or {}
+        row[ours] = metric.get(stat)
+        if ours in ("ttft_ms", "itl_ms"):
+            row[ours.replace("_ms", "_p90_ms")] = metric.get("p90")
+    row["requests"] = (export.get("request_count") or {}).get("avg")
+    row["errors"] = (export.get("error_request_count") or {}).get("avg", 0) or 0
+    return row
+
+
+@click.group()
+def main() -> None:
+    """Side-by-side serving measurements with AIPerf."""
+
+
+@main.command()
+@click.option("--url", required=True, help="The server's base URL (http://HOST:PORT).")
+@click.option("--model", required=True, help="The served model name.")
+@click.option("--label", required=True, help="This server's name in the report (trio-card, vllm-ngram).")
+@click.option("--tokenizer", required=True, help="For AIPerf's token counts: an HF id or local/NAME.")
+@click.option("--hf-home", default=None, help="HF_HOME where --tokenizer is found offline.")
+@click.option("--prompts", default=DEFAULT_PROMPTS, show_default=True, help="card-bench datasets, name:count.")
+@click.option("--concurrency", default="1,8", show_default=True)
+@click.option("--tokens", default=64, show_default=True, help="New tokens per request (ignore_eos).")
+@click.option("--rounds", default=1, show_default=True, help="Times each prompt is sent per level.")
+@click.option("--api-key", default=None, envvar="CARD_BENCH_API_KEY")
+@click.option("--extra", default="{}", help="JSON merged into every request (e.g. a draft choice).")
+@click.option("--out", type=click.Path(file_okay=False, path_type=Path), required=True)
+def run(url: str, model: str, label: str, tokenizer: str, hf_home: str | None, prompts: str, concurrency: str,
+        tokens: int, rounds: int, api_key: str | None, extra: str, out: Path) -> None:
+    """Measure one server at each concurrency."""
+    out.mkdir(parents=True, exist_ok=True)
+    prompt_file = out / "prompts.jsonl"
+    texts = write_prompts(prompts, tokens, prompt_file)
+    env = dict(os.environ, HF_HUB_OFFLINE="1", **({"HF_HOME": hf_home} if hf_home else {}))
+    inputs = {"temperature": 0, "ignore_eos": True, **json.loads(extra)}
+    report: dict = {"label": label, "url": url, "model": model, "tokens": tokens, "prompts": prompts,
+                    "requests_per_level": len(texts) * rounds, "extra": inputs, "levels": {}}
+    for level in (int(c) for c in concurrency.split(",")):
+        artifacts = out / f"{label}-c{level}"
+        cmd = [aiperf_binary(), "profile", "--model", model, "--url", url, "--endpoint-type", "chat",
+               "--streaming", "--tokenizer", tokenizer, "--input-file", str(prompt_file),
+               "--custom-dataset-type", "single_turn", "--dataset-sampling-strategy", "sequential",
+               "--concurrency", str(level), "--request-count", str(len(texts) * rounds),
+               "--warmup-request-count", "2", "--extra-inputs", json.dumps(inputs),
+               "--output-artifact-dir", str(artifacts), "--ui-type", "none", "--no-auto-plot"]
+        if api_key:
+            cmd += ["--api-key", api_key]
+        click.echo(f"{label}: {level} in flight ...", err=True)
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        (artifacts / "aiperf.log").parent.mkdir(parents=True, exist_ok=True)
+        (artifacts / "aiperf.log").write_text(proc.stdout + proc.stderr)
+        if proc.returncode != 0:
+            raise click.ClickException(f"aiperf failed ({proc.returncode}); see {artifacts / 'aiperf.log'}")
+        exports = sorted(artifacts.rglob("profile_export_aiperf.json"))
+        if not exports:
+            raise click.ClickException(f"aiperf wrote no profile_export_aiperf.json under {artifacts}")
+        row = summarize(json.loads(exports[-1].read_text()))
+        report["levels"][str(level)] = row
+        click.echo(f"{label} c={level}: {json.dumps(row)}")
+    (out / f"{label}.json").write_text(json.dumps(report, indent=2) + "\n")
+
+
+@main.command()
+@click.argument("reports", nargs=-1, type=click.Path(exists=True, path_type=Path))
+@click.option("--chart", type=click.Path(dir_okay=False, path_type=Path), default=None)
+def report(reports: tuple[Path, ...], chart: Path | None) -> None:
+    """One table of every label's levels (files, or folders of LABEL.json); tok/s as a ratio to
+    the first label at the same concurrency."""
+    files = [f for r in reports for f in ([r] if r.is_file() else sorted(r.glob("*.json")))]
+    runs = [json.loads(f.read_text()) for f in files]
+    runs = [r for r in runs if "levels" in r and "label" in r]
+    if not runs:
+        raise click.ClickException("no peer reports found")
+    base = runs[0]
+    click.echo("| server | in flight | output tok/s | vs " + base["label"] + " | TTFT p50 ms | ITL p50 ms |")
+    click.echo("|---|---|---|---|---|---|")
+    for r in runs:
+        for level, row in r["levels"].items():
+            ref = base["levels"].get(level, {}).get("output_tok_s")
+            ratio = f"{row['output_tok_s'] / ref:.2f}x" if ref and row.get("output_tok_s") else "-"
+            click.echo(f"| {r['label']} | {level} | {row['output_tok_s']:.1f} | {ratio} | "
+                       f"{row['ttft_ms']:.0f} | {row['itl_ms']:.1f} |")
+    if chart:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        levels = sorted({int(lv) for r in runs for lv in r["levels"]})
+        fig, ax = plt.subplots(figsize=(7, 4))
+        width = 0.8 / len(runs)
+        for i, r in enumerate(runs):
+            ys = [r["levels"].get(str(lv), {}).get("output_tok_s") or 0 for lv in levels]
+            ax.bar([j + i * width for j in range(len(levels))], ys, width, label=r["label"])
+        ax.set_xticks([j + width * (len(runs) - 1) / 2 for j in range(len(levels))],
+                      [f"{lv} in flight" for lv in levels])
+        ax.set_ylabel("output tokens/s (AIPerf)")
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(chart)
+        click.echo(f"chart: {chart}")
+
+
+if __name__ == "__main__":
+    main()
