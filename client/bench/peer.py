@@ -82,7 +82,7 @@ def main() -> None:
 @click.option("--label", required=True, help="This server's name in the report (trio-card, vllm-ngram).")
 @click.option("--tokenizer", required=True, help="For AIPerf's token counts: an HF id or local/NAME.")
 @click.option("--hf-home", default=None, help="HF_HOME where --tokenizer is found offline.")
-@click.option("--prompts", default=DEFAULT_PROMPTS, show_default=True, help="card-bench datasets, name:count.")
+@click.option("--prompts", default=DEFAULT_PROMPTS, show_default=True, help="Datasets, name:count.")
 @click.option("--concurrency", default="1,8", show_default=True)
 @click.option("--tokens", default=64, show_default=True, help="New tokens per request (ignore_eos).")
 @click.option("--rounds", default=1, show_default=True, help="Times each prompt is sent per level.")
