@@ -18,7 +18,8 @@ class CacheConfig:
     redis_url: ``redis://...`` or ``memory://`` (in-process store, single machine only).
     allow_memory_fallback: use the in-process store when Redis is unreachable at startup.
     device: where the trees live (resolved, never ``auto``), e.g. "cpu", "cuda:0".
-    session_ttl_s: how long finished-session records stay in Redis.
+    session_ttl_s: how long finished-session records stay in Redis (default an hour: they are for
+        debugging; each is a bounded summary, so Redis holds about one per session of the last TTL).
     session_idle_timeout_s: a session with no Step or keepalive for this long is closed as
         abandoned (its target died without closing it); a target's own (OpenSession) is shorter,
         this caps it; 0 = no cap.
@@ -39,7 +40,7 @@ class CacheConfig:
     device: str = "cpu"
     metrics_port: int = 9092
     metrics_host: str = "127.0.0.1"
-    session_ttl_s: int = 86400
+    session_ttl_s: int = 3600
     session_idle_timeout_s: float = 600.0
     heartbeat_interval_s: float = 2.0
     health_check_interval_s: float = 2.0

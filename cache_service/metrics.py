@@ -17,4 +17,12 @@ LAYERS = Counter("card_cache_layers_received", "Draft layers received (applied o
 LAYERS_MALFORMED = Counter("card_cache_layers_malformed",
                            "Draft layers dropped because they could not be decoded (a draft bug)")
 DRAFTS = Gauge("card_cache_drafts_registered", "Draft workers registered")
-REDIS_UP = Gauge("card_cache_redis_up", "1 when the metadata store answers")
+REDIS_UP = Gauge("card_cache_redis_up", "1 when the metadata store answers and takes writes")
+REDIS_OUT_OF_MEMORY = Gauge("card_cache_redis_out_of_memory",
+                            "1 while Redis answers but refuses writes for memory (maxmemory, noeviction)")
+RECORDS_WRITTEN = Counter("card_cache_records_written", "Finished-session records written to the store")
+RECORDS_FAILED = Counter("card_cache_records_failed",
+                         "Finished-session records the store refused (down, out of memory)", ["reason"])
+RECORDS_DROPPED = Counter("card_cache_records_dropped",
+                          "Finished-session records dropped unwritten: the writer's queue was full")
+RECORDS_PENDING = Gauge("card_cache_records_pending", "Finished-session records queued for the store")

@@ -9,10 +9,10 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
+from card.common.drafts import check_named_draft
 from card.engine.shared.commands import DraftCommand
 from card.engine.shared.errors import (
     AlreadyExists,
-    FailedPrecondition,
     InvalidArgument,
     NotFound,
     ResourceExhausted,
@@ -170,15 +170,9 @@ class Registry:
         with self.lock:
             if name:
                 worker = self._by_name.get(name)
-                if worker is None:
-                    known = ", ".join(sorted(self._by_name)) or "none"
-                    raise NotFound(f"draft {name!r} is not registered (registered drafts: {known})")
-                if worker.fingerprint != fingerprint:
-                    raise FailedPrecondition(
-                        f"draft {name!r} runs model {worker.model} with tokenizer {worker.fingerprint}, "
-                        f"but target model {target_model} has tokenizer {fingerprint}; a draft must "
-                        f"share the target's tokenizer"
-                    )
+                check_named_draft(name, (worker.model, worker.fingerprint) if worker else None, self._by_name,
+                                  fingerprint, target_model)
+                assert worker is not None
                 if worker.full:
                     raise ResourceExhausted(
                         f"draft {name!r} is at capacity ({worker.capacity} sessions); retry later or "

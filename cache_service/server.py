@@ -16,6 +16,7 @@ import threading
 
 from card.cache_service.config import CacheConfig
 from card.cache_service.monitor import Monitor
+from card.cache_service.records import RecordWriter
 from card.cache_service.registry import Registry
 from card.cache_service.servicer import CacheServicer
 from card.cache_service.sessions import SessionTable
@@ -49,7 +50,8 @@ SERVICE_NAME = cache_pb2.DESCRIPTOR.services_by_name["CacheService"].full_name
 
 
 class CacheServer:
-    """The gRPC server with the cache's state and background monitor; used like grpc.Server."""
+    """The gRPC server with the cache's state and background threads (the monitor, the writer of
+    finished records); used like grpc.Server."""
 
     def __init__(self, config: CacheConfig, store: MetadataStore, max_workers: int) -> None:
         self.config = config
@@ -58,7 +60,8 @@ class CacheServer:
         self.grpc = make_server(max_workers, [auth])
         self.health = add_health(self.grpc)
         self.registry = Registry()
-        self.sessions = SessionTable(config, store, self.registry)
+        self.records = RecordWriter(store)
+        self.sessions = SessionTable(config, store, self.registry, self.records)
         self.monitor = Monitor(config, store, self.registry, self.sessions, self._set_health)
         self.servicer = CacheServicer(config, store, self.registry, self.sessions, self.monitor)
         cache_pb2_grpc.add_CacheServiceServicer_to_server(self.servicer, self.grpc)
@@ -73,6 +76,7 @@ class CacheServer:
 
     def start(self) -> None:
         self.sessions.retire_predecessors()  # before serving: every live record now is ours
+        self.records.start()
         self.grpc.start()
         self.monitor.start()
 
@@ -84,6 +88,7 @@ class CacheServer:
         self.health.enter_graceful_shutdown()
         self.monitor.stop()
         self.servicer.shutdown()
+        self.records.stop(timeout_s=5.0)  # the sessions' final records, written while Redis answers
 
     def stop(self, grace: float | None) -> threading.Event:
         self.shutdown_sessions()
@@ -126,7 +131,9 @@ def create_server(addr: str, config: CacheConfig, store: MetadataStore | None = 
 @option("--metrics-port", type=int, default=9092, help="Prometheus /metrics port; 0 disables.")
 @option("--metrics-host", default="127.0.0.1",
         help="Interface of the metrics port (0.0.0.0 in containers, where Prometheus scrapes the pod).")
-@option("--session-ttl-s", type=int, default=86400, help="How long finished-session records stay in Redis.")
+@option("--session-ttl-s", type=int, default=3600,
+        help="How long finished-session records (bounded summaries) stay in Redis, for debugging; "
+             "default one hour.")
 @option("--session-idle-timeout-s", type=float, default=600.0,
         help="Close a session with no Step or keepalive for this long (its target died); each target asks "
              "for less at OpenSession (ten of its Step deadlines, at least 5 s) and keeps the sessions it "

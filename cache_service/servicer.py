@@ -31,7 +31,7 @@ from card.common.convert import (
 )
 from card.common.status import grpc_errors, status_code
 from card.common.tensors import ids_from_msg
-from card.engine.shared.errors import CardError, FailedPrecondition, Unavailable
+from card.engine.shared.errors import CardError, FailedPrecondition, NotFound, Unavailable
 from card.v1 import cache_pb2, cache_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -66,16 +66,30 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
         self.registry = registry
         self.sessions = sessions
         self.monitor = monitor
+        self._draft_records_failing = False
 
-    def _require_store(self) -> None:
-        if not self.monitor.store_up:
-            raise Unavailable(f"the metadata store {self.store.url} is unreachable; retry later")
+    def _record_draft(self, worker: Worker) -> None:
+        """The draft's Redis record, best effort: the in-process registry routes sessions, so a
+        draft joins and stays while Redis is down or full (a rolled draft can always join); the
+        next heartbeat writes the record again. One log line per outage, not one per write."""
+        try:
+            self.store.put_draft(worker.name, worker.record(), self.config.worker_ttl_s)
+        except Unavailable as exc:
+            if not self._draft_records_failing:
+                log.warning("draft records not written to %s (drafts still register and route): %s",
+                            self.store.url, exc)
+            self._draft_records_failing = True
+            return
+        if self._draft_records_failing:
+            log.info("draft records are written to %s again", self.store.url)
+        self._draft_records_failing = False
 
     # ---- target -------------------------------------------------------------------------------
     @grpc_errors
     def OpenSession(self, request: cache_pb2.OpenSessionRequest, context: grpc.ServicerContext
                     ) -> cache_pb2.OpenSessionResponse:
-        self._require_store()
+        # no Redis here: a session opens (and speculates) with the store down or full; its records
+        # are written in the background (SessionTable, RecordWriter)
         session = self.sessions.open(ids_from_msg(request.prompt_ids), request.tokenizer_fingerprint,
                                      request.target_model, request.draft,
                                      chain_policy_from_msg(request.chain), request.vocab_size,
@@ -84,8 +98,7 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
 
     @grpc_errors
     def Step(self, request: cache_pb2.StepRequest, context: grpc.ServicerContext) -> cache_pb2.StepResponse:
-        chain, outcome = self.sessions.step(request.session_id, correction_from_msg(request))
-        return chain_to_msg(chain, outcome)
+        return self._step(request)
 
     @grpc_errors
     def StepBatch(self, request: cache_pb2.StepBatchRequest, context: grpc.ServicerContext
@@ -95,12 +108,18 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
         results = []
         for step in request.steps:
             try:
-                chain, outcome = self.sessions.step(step.session_id, correction_from_msg(step))
-                results.append(cache_pb2.StepResult(ok=chain_to_msg(chain, outcome)))
+                results.append(cache_pb2.StepResult(ok=self._step(step)))
             except CardError as exc:  # this session's error; the others' steps stand
                 results.append(cache_pb2.StepResult(error=cache_pb2.StepError(
                     code=status_code(exc).value[0], message=str(exc))))
         return cache_pb2.StepBatchResponse(results=results)
+
+    def _step(self, request: cache_pb2.StepRequest) -> cache_pb2.StepResponse:
+        chain, outcome = self.sessions.step(request.session_id, correction_from_msg(request))
+        reply = chain_to_msg(chain, outcome)
+        with contextlib.suppress(NotFound):  # closed since: its counters are in its record
+            reply.draft_forwards, reply.draft_idle_s = self.sessions.get(request.session_id).draft_totals()
+        return reply
 
     @grpc_errors
     def CloseSession(self, request: cache_pb2.CloseSessionRequest, context: grpc.ServicerContext
@@ -115,13 +134,8 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
                       ) -> cache_pb2.RegisterDraftResponse:
         registration = DraftRegistration(name=request.name, model=request.model,
                                          fingerprint=request.tokenizer_fingerprint, capacity=request.capacity)
-        self._require_store()
         worker, replaced = self.registry.register(registration, self.config.worker_ttl_s)
-        try:
-            self.store.put_draft(worker.name, worker.record(), self.config.worker_ttl_s)
-        except Unavailable:
-            self.registry.remove(worker)
-            raise
+        self._record_draft(worker)
         if replaced is not None:
             log.info("draft %s re-registered; the old registration is replaced", worker.name,
                      extra={"draft": worker.name})
@@ -196,11 +210,7 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
     @grpc_errors
     def Heartbeat(self, request: cache_pb2.HeartbeatRequest, context: grpc.ServicerContext
                   ) -> cache_pb2.HeartbeatResponse:
-        worker = self.registry.heartbeat(request.worker_id)
-        try:
-            self.store.put_draft(worker.name, worker.record(), self.config.worker_ttl_s)
-        except Unavailable as exc:  # the in-process registry still routes; Redis catches up later
-            log.warning("heartbeat of %s not recorded: %s", worker.name, exc)
+        self._record_draft(self.registry.heartbeat(request.worker_id))
         return cache_pb2.HeartbeatResponse()
 
     # ---- operators ----------------------------------------------------------------------------
@@ -209,8 +219,10 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
                ) -> cache_pb2.StatusResponse:
         drafts = {w.name: worker_to_msg(w) for w in self.registry.workers()}
         totals: dict[str, float] = {}
-        connected = self.store.ping()
-        if connected:
+        # connected: the store takes writes (the monitor's last probe; its log line says why not);
+        # reads still work while Redis refuses writes for memory
+        connected = self.monitor.store_up
+        if connected or self.monitor.out_of_memory:
             try:
                 totals = self.store.totals()
                 for rec in self.store.drafts():  # workers registered with other cache replicas

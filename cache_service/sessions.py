@@ -11,14 +11,20 @@ new worker gets ``StartDraft(committed, epoch)``, at once or right after the nex
 the tree still holds nodes the target may be verifying. Output never depends on any of this: the
 target verifies every token.
 
+Records (card.cache_service.records): no session RPC waits for Redis. OpenSession writes
+nothing; a session that lives through a monitor round gets its live record written once, by the
+monitor (``flush_records``); CloseSession hands the finished record (a bounded summary) and its
+totals to the cache's RecordWriter thread and returns.
+
 Lock order: the table lock (shared with the Registry) before any session's lock; Redis is never
-called under either.
+called under either. A session's ``record_lock`` is taken alone (never with the table lock or the
+session's lock held), by the monitor around a live-record write and by the RecordWriter around the
+finished one, so that a live write in flight cannot land after the finished record.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import threading
 import time
@@ -30,6 +36,7 @@ import torch
 
 from card.cache_service import metrics
 from card.cache_service.config import CacheConfig
+from card.cache_service.records import FinishedRecord, RecordWriter, stats_fields
 from card.cache_service.registry import Registry, Worker
 from card.cache_service.store import MetadataStore
 from card.engine.shared.commands import AdvanceDraft, StartDraft, StopDraft
@@ -78,7 +85,9 @@ class Session:
     draft_idle_done: float = 0.0
     draft_forwards: int = 0
     draft_idle_s: float = 0.0
-    flushed_epoch: int = -1
+    # live record: the monitor saw the session in one round (it lived through one), wrote its record
+    seen_by_monitor: bool = False
+    live_written: bool = False
     # serialises Redis writes of this session's record so a late flush cannot revive a closed one
     record_lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -123,10 +132,18 @@ class Session:
 
 
 class SessionTable:
-    def __init__(self, config: CacheConfig, store: MetadataStore, registry: Registry) -> None:
+    """``records``: the writer of finished records (the cache's; started and stopped by it). Without
+    one the table makes and starts its own."""
+
+    def __init__(self, config: CacheConfig, store: MetadataStore, registry: Registry,
+                 records: RecordWriter | None = None) -> None:
         self.config = config
         self.store = store
         self.registry = registry
+        if records is None:
+            records = RecordWriter(store)
+            records.start()
+        self.records = records
         self.lock = registry.lock
         self.device = torch.device(config.device)
         self._sessions: dict[str, Session] = {}
@@ -235,13 +252,7 @@ class SessionTable:
             self._sessions[session.session_id] = session
             if worker is not None:
                 self._attach(session, worker)
-        try:
-            with session.record_lock:
-                self.store.put_session(session.session_id, session.record(), self.config.session_ttl_s)
-                session.flushed_epoch = 0
-        except Unavailable:
-            self._remove(session.session_id)
-            raise
+        # no Redis write here: the monitor writes the live record of a session that outlives a round
         metrics.SESSIONS_OPEN.inc()
         log.info("session %s opened (%d prompt tokens, draft %s)", session.session_id, len(prompt_ids),
                  worker.name if worker else "none", extra={"session_id": session.session_id})
@@ -264,35 +275,31 @@ class SessionTable:
 
     def close(self, session_id: str, stats: GenerationStats | None = None,
               status: str = "finished") -> tuple[int, float]:
-        """End the session everywhere; returns the draft's (forwards, idle seconds)."""
+        """End the session everywhere; returns the draft's (forwards, idle seconds). Its finished
+        record (a bounded summary, whatever ``stats`` holds) goes to the RecordWriter: this never
+        waits for Redis, and a record the writer cannot take is dropped and counted."""
         session = self._remove(session_id)
         forwards, idle = session.draft_totals()
         card = session.card
         cache_counts = {o.value: n for o, n in card.outcomes.items()}
         record: dict[str, str | int | float] = {
+            **session.record(),  # the live fields: the live record may never have been written
             "status": status, "closed_unix": time.time(), "epoch": session.epoch,
             "committed_tokens": len(card.committed), "steps": card.steps, "layers": card.layers,
             "draft_forwards": forwards, "draft_idle_s": idle,
-            **{f"cache_{k}s": v for k, v in cache_counts.items()},
+            **{f"cache_{k}{'es' if k.endswith('s') else 's'}": v for k, v in cache_counts.items()},
         }
+        record.pop("updated_unix", None)
+        record.pop("tree_nodes", None)  # the tree is freed
         totals: dict[str, float] = {
             "sessions": 1, "hits": cache_counts["hit"], "secondary_hits": cache_counts["secondary_hit"],
             "misses": cache_counts["miss"], "draft_forwards": forwards,
         }
         if stats is not None:
-            record.update(mode=stats.mode, new_tokens=stats.new_tokens,
-                          target_forwards=stats.target_forwards, wall_s=stats.wall_s,
-                          tokens_per_s=stats.tokens_per_s,
-                          mean_accepted_length=stats.mean_accepted_length,
-                          stats_json=json.dumps(stats.to_dict()))
+            record.update(stats_fields(stats))
             totals.update(new_tokens=stats.new_tokens, target_forwards=stats.target_forwards)
-        try:
-            with session.record_lock:
-                self.store.finish_session(session_id, record, self.config.session_ttl_s)
-                self.store.incr(totals)
-        except Unavailable as exc:  # the generation is over either way; only the record is lost
-            log.warning("final record of session %s not written: %s", session_id, exc,
-                        extra={"session_id": session_id})
+        self.records.submit(FinishedRecord(session_id, record, totals, self.config.session_ttl_s,
+                                           guard=session.record_lock))
         log.info("session %s closed (%s, %d steps, draft forwards %d)", session_id, status,
                  card.steps, forwards, extra={"session_id": session_id})
         return forwards, idle
@@ -378,18 +385,26 @@ class SessionTable:
         return True
 
     # ---- records ------------------------------------------------------------------------------
-    def flush_records(self, everything: bool = False) -> None:
-        """Write live sessions' records to the store (background; off the Step path): those that
-        moved since the last flush, or all of them (``everything``, after Redis came back empty)."""
+    def flush_records(self, everything: bool = False) -> int:
+        """The monitor's round (background; off every session RPC): write the live record of each
+        session that has lived through one round (the previous one saw it) and has none yet, once
+        per session; with ``everything`` (Redis came back and may have restarted empty) also those
+        already written. Sessions that end within a round never get one. Unavailable: the store
+        refused a write (the rest wait for the next round). Returns how many were written."""
+        written = 0
         for session in self.sessions():
-            epoch = session.epoch
-            if epoch == session.flushed_epoch and not everything:
+            if not session.seen_by_monitor:
+                session.seen_by_monitor = True
+                continue
+            if session.live_written and not everything:
                 continue
             with session.record_lock:
                 if session.closed:
                     continue
                 self.store.put_session(session.session_id, session.record(), self.config.session_ttl_s)
-                session.flushed_epoch = epoch
+                session.live_written = True
+                written += 1
+        return written
 
     def keep_alive(self, session_ids: Sequence[str]) -> None:
         """The target still serves these sessions, which have no Step now (prefill, a KV-slot wait)."""

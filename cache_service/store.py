@@ -1,13 +1,20 @@
 """Metadata in Redis (DESIGN.md §6): session records, the draft registry, counters.
 
 Keys, all under the configured prefix (default ``card:``):
-    {prefix}session:{id}    hash, a live session (refreshed while it lives, TTL as a crash guard)
-    {prefix}finished:{id}   hash, a finished session's record and stats, TTL ``session_ttl_s``
+    {prefix}session:{id}    hash, a live session (written once, after a monitor round; TTL as a crash guard)
+    {prefix}finished:{id}   hash, a finished session's record and summary stats (bounded: counts,
+                            means, a histogram; never per-forward lists), TTL ``session_ttl_s``
     {prefix}draft:{name}    hash, a registered draft worker; TTL 3 heartbeats, so it expires
     {prefix}totals          hash of float counters over finished sessions (HINCRBYFLOAT)
+    {prefix}probe           string, the monitor's write probe (a few rounds' TTL)
 
-Redis holds no tensors and is off the Step path: the service writes records when sessions open
-and close and flushes live-session progress in the background.
+Redis holds no tensors and is off every session RPC: OpenSession, Step and CloseSession never wait
+for it. Live records are written by the monitor, finished records and totals by the cache's
+RecordWriter thread (card.cache_service.records).
+
+Errors: every Redis failure is ``Unavailable``; a write Redis refuses for memory (``maxmemory``
+with ``noeviction``: "OOM command not allowed") is its subclass ``StoreFull``, so the monitor can
+say why the store takes no writes while PING still answers.
 """
 
 from __future__ import annotations
@@ -17,7 +24,7 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol, TypeVar
 
 import redis
@@ -29,10 +36,25 @@ from card.engine.shared.errors import Unavailable
 log = logging.getLogger(__name__)
 
 Fields = Mapping[str, str | int | float]
+Finished = tuple[str, Fields, float]  # a finished session's id, whole record, TTL in seconds
 
 MEMORY_URL = "memory://"
 
 T = TypeVar("T")
+
+
+class StoreFull(Unavailable):
+    """Redis answers but refuses writes: it reached ``maxmemory`` (policy ``noeviction``)."""
+
+
+def out_of_memory(exc: BaseException) -> bool:
+    """Is ``exc`` Redis refusing a write for memory? (redis-py maps "OOM ..." replies to
+    OutOfMemoryError; a pipeline's error may come as a plain ResponseError naming it.)"""
+    if isinstance(exc, redis.exceptions.OutOfMemoryError):
+        return True
+    text = str(exc)
+    return isinstance(exc, redis.ResponseError) and (
+        text.startswith("OOM") or "command not allowed when used memory" in text)
 
 
 class MetadataStore(Protocol):
@@ -43,6 +65,10 @@ class MetadataStore(Protocol):
     def put_session(self, session_id: str, fields: Fields, ttl_s: float) -> None: ...
 
     def finish_session(self, session_id: str, fields: Fields, ttl_s: float) -> None: ...
+
+    def write_finished(self, records: Sequence[Finished], totals: Mapping[str, float]) -> None: ...
+
+    def probe(self, ttl_s: float) -> None: ...
 
     def session(self, session_id: str) -> dict[str, str]: ...
 
@@ -88,6 +114,9 @@ class RedisStore:
         try:
             return fn(*args)
         except redis.RedisError as exc:
+            if out_of_memory(exc):
+                raise StoreFull(f"redis at {self.url} refuses writes, out of memory (maxmemory reached; "
+                                f"{what})") from exc
             raise Unavailable(f"redis at {self.url} is unreachable ({what}): {exc}") from exc
 
     def ping(self) -> bool:
@@ -116,6 +145,27 @@ class RedisStore:
             self._put(done, record, ttl_s)
 
         self._call("finish session", run)
+
+    def write_finished(self, records: Sequence[Finished], totals: Mapping[str, float]) -> None:
+        """Whole finished records (each holds its live fields itself; the live keys go) and what
+        they add to the totals: one transaction, one round trip for the lot."""
+        def run() -> None:
+            pipe = self.client.pipeline(transaction=True)
+            for session_id, fields, ttl_s in records:
+                done = self._k("finished", session_id)
+                pipe.delete(self._k("session", session_id))
+                pipe.hset(done, mapping=_strs(fields))
+                pipe.pexpire(done, _ttl_ms(ttl_s))
+            for name, value in totals.items():
+                pipe.hincrbyfloat(self._k("totals"), name, float(value))
+            pipe.execute()
+
+        self._call("write finished sessions", run)
+
+    def probe(self, ttl_s: float) -> None:
+        """A tiny write with a TTL: Unavailable when Redis is down, StoreFull when it refuses
+        writes for memory (PING answers either way under ``noeviction``)."""
+        self._call("write probe", lambda: self.client.set(self._k("probe"), "1", px=_ttl_ms(ttl_s)))
 
     def session(self, session_id: str) -> dict[str, str]:
         return self._call("get session", self.client.hgetall, self._k("session", session_id))
@@ -205,6 +255,16 @@ class MemoryStore:
             self._hashes.pop(self._k("session", session_id), None)
             record.update(_strs(fields))
             self._put(self._k("finished", session_id), record, ttl_s)
+
+    def write_finished(self, records: Sequence[Finished], totals: Mapping[str, float]) -> None:
+        with self._lock:
+            for session_id, fields, ttl_s in records:
+                self._hashes.pop(self._k("session", session_id), None)
+                self._hashes[self._k("finished", session_id)] = (_strs(fields), time.monotonic() + ttl_s)
+        self.incr(totals)
+
+    def probe(self, ttl_s: float) -> None:
+        pass
 
     def session(self, session_id: str) -> dict[str, str]:
         with self._lock:

@@ -1,10 +1,11 @@
-"""Bearer tokens on gRPC links: who may call which RPC of a service.
+"""Bearer tokens: who may call which RPC of a service, and the one rule for a presented token.
 
-A service that holds tokens (``card-cache --draft-token T1 --target-token T2``) checks every call's
-``authorization: Bearer <token>`` metadata against the role its method needs and answers
-``UNAUTHENTICATED`` otherwise; methods of no role (grpc.health.v1) stay open, so probes work. A
-caller presents its token on every call of its channel (``channel(addr, token=...)``). Tokens are
-compared in constant time and never logged.
+A service that holds tokens (``card-cache --draft-token T1 --target-token T2``, ``card-target
+--api-key K``) checks every call's ``authorization: Bearer <token>`` metadata against the role its
+method needs and answers ``UNAUTHENTICATED`` otherwise; methods of no role (grpc.health.v1) stay
+open, so probes work. A caller presents its token on every call of its channel (``channel(addr,
+token=...)``). card-target's HTTP front checks its ``Authorization`` header by the same rule
+(``bearer_matches``). Tokens are compared in constant time and never logged.
 """
 
 from __future__ import annotations
@@ -23,9 +24,22 @@ CACHE_ROLES: dict[str, str] = {
        for m in ("RegisterDraft", "Commands", "PublishLayers", "Heartbeat")},
 }
 
+# card.v1.TargetService methods by role: users (card-target --api-key; the key of its HTTP front)
+TARGET_ROLES: dict[str, str] = {f"/card.v1.TargetService/{m}": "user" for m in ("Generate", "Info")}
+
 
 def bearer(token: str) -> str:
     return f"Bearer {token}"
+
+
+def bearer_matches(presented: str | bytes, token: str) -> bool:
+    """Whether an ``authorization`` value (``Bearer <token>``, the scheme in any case) carries
+    ``token``; constant time in the token."""
+    if isinstance(presented, str):
+        presented = presented.encode(errors="replace")
+    scheme, _, given = presented.strip().partition(b" ")
+    ok_scheme = scheme.lower() == b"bearer"
+    return hmac.compare_digest(given.strip(), token.encode()) and ok_scheme
 
 
 def _presented(metadata: Any) -> str:
@@ -37,11 +51,14 @@ def _presented(metadata: Any) -> str:
 
 class TokenAuth(grpc.ServerInterceptor):
     """Refuse calls to a method of role R without the token of R (``tokens``: role -> token;
-    a role without a token is open)."""
+    a role without a token is open). ``hints``: role -> what the refusal tells the caller to
+    present (default: the ``--R-token`` flag)."""
 
-    def __init__(self, roles: Mapping[str, str], tokens: Mapping[str, str | None]) -> None:
+    def __init__(self, roles: Mapping[str, str], tokens: Mapping[str, str | None],
+                 hints: Mapping[str, str] | None = None) -> None:
         self.roles = dict(roles)
-        self.expected = {role: bearer(t).encode() for role, t in tokens.items() if t}
+        self.expected = {role: t for role, t in tokens.items() if t}
+        self.hints = dict(hints or {})
 
     def intercept_service(self, continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler],
                           details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler:
@@ -50,10 +67,10 @@ class TokenAuth(grpc.ServerInterceptor):
         want = self.expected.get(role or "")
         if handler is None or want is None:
             return handler
-        if hmac.compare_digest(_presented(details.invocation_metadata).encode(), want):
+        if bearer_matches(_presented(details.invocation_metadata), want):
             return handler
-        return _refusal(handler, f"{details.method} needs the {role} token (authorization: Bearer ...; "
-                                 f"--{role}-token)")
+        hint = self.hints.get(role or "", f"the {role} token (authorization: Bearer ...; --{role}-token)")
+        return _refusal(handler, f"{details.method} needs {hint}")
 
 
 def _refusal(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHandler:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from typing import Any
 
@@ -12,7 +13,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from card.common.auth import PresentToken
 from card.common.serving import MAX_MESSAGE_BYTES
 from card.common.tls import PLAINTEXT, TlsConfig
-from card.engine.shared.errors import Unavailable
+from card.engine.shared.errors import InvalidArgument, Unavailable
 
 log = logging.getLogger(__name__)
 
@@ -33,19 +34,121 @@ CHANNEL_OPTIONS: tuple[tuple[str, Any], ...] = (
 
 def channel(addr: str, token: str | None = None, tls: TlsConfig = PLAINTEXT) -> grpc.Channel:
     """A channel to ``addr`` ("host:port"); with ``token``, every call presents it
-    (``authorization: Bearer``, card.common.auth); TLS when ``tls`` dials with it (card.common.tls)."""
+    (``authorization: Bearer``, card.common.auth); TLS when ``tls`` dials with it (card.common.tls),
+    with the TLS files as they are at each call (``RenewingChannel``)."""
+    ch: grpc.Channel
     if tls.dials:
-        ch = grpc.secure_channel(addr, tls.channel_credentials(), options=[*CHANNEL_OPTIONS,
-                                                                            *tls.channel_options()])
+        ch = RenewingChannel(addr, tls, [*CHANNEL_OPTIONS, *tls.channel_options()])
     else:
         ch = grpc.insecure_channel(addr, options=list(CHANNEL_OPTIONS))
     return grpc.intercept_channel(ch, PresentToken(token)) if token else ch
 
 
+class RenewingChannel(grpc.Channel):
+    """A TLS channel whose credentials follow its files. gRPC reads a client's certificate, key and
+    CA once per channel, and reconnects with them for the channel's life: after cert-manager renews
+    them in place, the next reconnect (a restarted peer) would present an expired certificate or
+    trust a retired CA. Here, at the first call after any of the files changed, a new channel with
+    the files as they are now carries that call and every later one; calls under way finish on the
+    previous channel, which is closed with this one. Files that do not load yet (one written, not
+    the other) leave the current channel in use, tried again at the next call."""
+
+    def __init__(self, addr: str, tls: TlsConfig, options: list[tuple[str, Any]]) -> None:
+        self._addr, self._tls, self._options = addr, tls, options
+        self._lock = threading.Lock()
+        self._stamp = tls.stamp()
+        self._bad_stamp: tuple[int, ...] = ()
+        self._current = self._open()
+        self._retired: list[grpc.Channel] = []
+
+    def _open(self) -> grpc.Channel:
+        return grpc.secure_channel(self._addr, self._tls.channel_credentials(), options=self._options)
+
+    def current(self) -> grpc.Channel:
+        """The channel of the files as they are now (a stat of each file per call)."""
+        stamp = self._tls.stamp()
+        if stamp == self._stamp or stamp == self._bad_stamp:
+            return self._current
+        with self._lock:
+            if stamp != self._stamp:
+                try:
+                    self._tls.check_files()
+                    fresh = self._open()
+                except InvalidArgument as exc:
+                    self._bad_stamp = stamp
+                    log.warning("TLS files for %s changed but cannot be read yet: %s; keeping the "
+                                "previous ones", self._addr, exc)
+                    return self._current
+                self._retired.append(self._current)
+                self._current, self._stamp = fresh, stamp
+                log.info("TLS files changed: calls to %s now use them (%s)", self._addr, self._tls.cert
+                         or self._tls.ca)
+            return self._current
+
+    def unary_unary(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        return _Following(self, "unary_unary", method, args, kwargs)
+
+    def unary_stream(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        return _Following(self, "unary_stream", method, args, kwargs)
+
+    def stream_unary(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        return _Following(self, "stream_unary", method, args, kwargs)
+
+    def stream_stream(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        return _Following(self, "stream_stream", method, args, kwargs)
+
+    def subscribe(self, callback: Any, try_to_connect: bool = False) -> None:
+        self.current().subscribe(callback, try_to_connect)
+
+    def unsubscribe(self, callback: Any) -> None:
+        for ch in (self._current, *self._retired):
+            ch.unsubscribe(callback)
+
+    def close(self) -> None:
+        with self._lock:
+            for ch in (self._current, *self._retired):
+                ch.close()
+            self._retired.clear()
+
+    def __enter__(self) -> RenewingChannel:
+        return self
+
+    def __exit__(self, *exc: object) -> bool:
+        self.close()
+        return False
+
+
+class _Following:
+    """A multi-callable of whichever channel is current at each call (stubs keep theirs for life)."""
+
+    def __init__(self, owner: RenewingChannel, kind: str, method: str, args: tuple, kwargs: dict) -> None:
+        self._owner, self._kind, self._method, self._args, self._kwargs = owner, kind, method, args, kwargs
+        self._bound: tuple[grpc.Channel, Any] | None = None  # one tuple: swapped whole across threads
+
+    def _now(self) -> Any:
+        ch = self._owner.current()
+        bound = self._bound
+        if bound is None or bound[0] is not ch:
+            bound = self._bound = (ch, getattr(ch, self._kind)(self._method, *self._args, **self._kwargs))
+        return bound[1]
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._now()(*args, **kwargs)
+
+    def with_call(self, *args: Any, **kwargs: Any) -> Any:
+        return self._now().with_call(*args, **kwargs)
+
+    def future(self, *args: Any, **kwargs: Any) -> Any:
+        return self._now().future(*args, **kwargs)
+
+
+LOOPBACK = ("127.0.0.1", "::1", "localhost")
+
+
 def warn_if_cleartext(addr: str, token: str | None, tls: TlsConfig, what: str) -> None:
     """One warning at start when a token would cross a network in clear (TLS off, peer not loopback)."""
     host = addr.rsplit(":", 1)[0].strip("[]")
-    if token and not tls.dials and host not in ("127.0.0.1", "::1", "localhost"):
+    if token and not tls.dials and host not in LOOPBACK:
         log.warning("the %s token goes to %s without TLS: anyone on the path can read it (--tls-ca)",
                     what, addr)
 

@@ -24,6 +24,7 @@ from card.engine.shared.errors import (
     InvalidArgument,
     NotFound,
     ResourceExhausted,
+    Unauthenticated,
     Unavailable,
 )
 
@@ -38,6 +39,7 @@ _TABLE: dict[type[CardError], tuple[grpc.StatusCode, int]] = {
     AlreadyExists: (grpc.StatusCode.ALREADY_EXISTS, 409),
     ResourceExhausted: (grpc.StatusCode.RESOURCE_EXHAUSTED, 429),
     Unavailable: (grpc.StatusCode.UNAVAILABLE, 503),
+    Unauthenticated: (grpc.StatusCode.UNAUTHENTICATED, 401),
 }
 STATUS_CODES: dict[type[CardError], grpc.StatusCode] = {cls: codes[0] for cls, codes in _TABLE.items()}
 

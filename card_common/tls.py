@@ -12,14 +12,19 @@ A process has one identity and one trust anchor:
 
 A server serves TLS when it has a certificate; a client dials with TLS when it has a CA or a
 certificate. A plaintext client of a TLS port fails its handshake: the server never reads a byte
-of it. Servers re-read their files when they change (cert-manager renews a Secret in place), at the
-next handshake; clients read theirs once, at start.
+of it. Every process follows its files when they change (cert-manager renews a Secret in place):
+gRPC servers at the next handshake, card-target's HTTP front within a second (``reloader``), and
+clients at the next call (card.common.channels: a new connection with the new files). A
+certificate and key that do not go together yet (one written, not the other) leave the previous
+pair in use until they do.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import ssl
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,6 +46,16 @@ def _read(path: str, what: str) -> bytes:
     return data
 
 
+def check_pair(cert: str, key: str) -> None:
+    """InvalidArgument unless ``key`` is the private key of ``cert``'s certificate (and neither is
+    encrypted: no service could ask for a passphrase)."""
+    try:
+        ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(cert, key, password=b"")
+    except (ssl.SSLError, OSError) as exc:
+        raise InvalidArgument(f"the TLS key {key} does not go with the certificate {cert} (or is "
+                              f"encrypted): {exc}") from None
+
+
 @dataclass(frozen=True)
 class TlsConfig:
     cert: str | None = None
@@ -55,9 +70,7 @@ class TlsConfig:
         if self.client_auth and not (self.ca and self.cert):
             raise InvalidArgument("--tls-client-auth needs --tls-ca (to check client certificates) and a "
                                   "server certificate (--tls-cert / --tls-key)")
-        for path, what in ((self.cert, "certificate"), (self.key, "key"), (self.ca, "CA bundle")):
-            if path is not None:
-                _read(path, what)  # fail at start, with the path, not at the first handshake
+        self.check_files()  # fail at start, with the path, not at the first handshake
 
     @property
     def serves(self) -> bool:
@@ -80,21 +93,38 @@ class TlsConfig:
         ca = _read(self.ca, "CA bundle") if self.ca else None
         return _read(self.cert, "certificate"), _read(self.key, "key"), ca
 
-    def _mtimes(self) -> tuple[float, ...]:
-        return tuple(os.stat(p).st_mtime_ns if os.path.exists(p) else -1
-                     for p in (self.cert, self.key, self.ca) if p)
+    def stamp(self) -> tuple[int, ...]:
+        """The files' modification times (-1: missing): what changes when they are renewed."""
+        out = []
+        for path in (self.cert, self.key, self.ca):
+            if path:
+                try:
+                    out.append(os.stat(path).st_mtime_ns)
+                except OSError:
+                    out.append(-1)
+        return tuple(out)
+
+    def check_files(self) -> None:
+        """InvalidArgument unless every file reads as PEM and the key goes with the certificate
+        (what a renewal must pass before it replaces the files in use)."""
+        for path, what in ((self.cert, "certificate"), (self.key, "key"), (self.ca, "CA bundle")):
+            if path is not None:
+                _read(path, what)
+        if self.cert is not None and self.key is not None:
+            check_pair(self.cert, self.key)
 
     def server_credentials(self) -> grpc.ServerCredentials:
         """Credentials that re-read the files at the first handshake after any of them changed."""
         cert, key, ca = self._server_files()
         initial = grpc.ssl_server_certificate_configuration([(key, cert)], root_certificates=ca)
-        seen = [self._mtimes()]
+        seen = [self.stamp()]
 
         def fetch() -> Any:
-            now = self._mtimes()
+            now = self.stamp()
             if now == seen[0]:
                 return None  # unchanged: gRPC keeps the current configuration
             try:
+                self.check_files()
                 c, k, a = self._server_files()
                 fresh = grpc.ssl_server_certificate_configuration([(k, c)], root_certificates=a)
             except InvalidArgument as exc:  # mid-rotation (one file written, not yet the other)
@@ -106,6 +136,33 @@ class TlsConfig:
 
         return grpc.dynamic_ssl_server_credentials(initial, fetch,
                                                    require_client_authentication=self.client_auth)
+
+    def reloader(self, context: ssl.SSLContext) -> Callable[[], None]:
+        """For a server whose TLS is a Python ``ssl`` context (card-target's HTTP front, on uvicorn):
+        a check that loads the certificate and key into ``context`` at its first call after either
+        file changed. Call it often, on the thread that runs the context's handshakes (an event
+        loop's); files that do not load together yet (mid-rotation) leave the previous pair in use
+        and are tried again at the next call."""
+        assert self.cert is not None and self.key is not None
+        seen, warned = [self.stamp()], [()]
+
+        def check() -> None:
+            now = self.stamp()
+            if now == seen[0]:
+                return
+            try:
+                self.check_files()  # on a scratch context: the live one must never hold half a pair
+                context.load_cert_chain(self.cert, self.key, password=b"")  # type: ignore[arg-type]
+            except (InvalidArgument, ssl.SSLError, OSError) as exc:
+                if warned[0] != now:
+                    warned[0] = now
+                    log.warning("TLS files changed but cannot be read yet: %s; keeping the previous ones",
+                                exc)
+                return
+            seen[0] = now
+            log.info("TLS certificate reloaded from %s", self.cert)
+
+        return check
 
     # ---- clients ---------------------------------------------------------------------------
     def channel_credentials(self) -> grpc.ChannelCredentials:

@@ -52,6 +52,9 @@ def cli(log_level: str) -> None:
 @option("--inprocess", is_flag=True, help="Run draft and target in this process (no services).")
 @option("--target", "target_addr", envvar="CARD_CLIENT_TARGET_ADDR", default=None,
         help="Address of a running card-target (HOST:PORT). Unset: use a local trio.")
+@option("--api-key", envvar="CARD_CLIENT_API_KEY", default=None,
+        help="The key of a --target that has one (its --api-key), presented as 'authorization: Bearer' "
+             "(prefer the variable: a command line is visible in ps).")
 @option("--draft", "draft_name", default=None, help="Name of the draft worker to use (services).")
 @option("--mode", type=click.Choice(["card", "sd", "vanilla"]), default="card", show_default=True)
 @option("--target-model", default=DEFAULT_MODEL, envvar="CARD_CLIENT_TARGET_MODEL", show_default=True,
@@ -91,7 +94,8 @@ def cli(log_level: str) -> None:
 @ngram_options("card-client", envvar_prefix="CARD_CLIENT")
 @tls_options("card-client", serves=False, envvar_prefix="CARD_CLIENT")
 @exit_on_error("card-client")
-def generate(prompt: str, inprocess: bool, target_addr: str | None, draft_name: str | None, mode: str,
+def generate(prompt: str, inprocess: bool, target_addr: str | None, api_key: str | None,
+             draft_name: str | None, mode: str,
              target_model: str, draft_model: str, cascade: str, draft_quantize: str | None, dtype: str,
              device: str,
              max_new_tokens: int, temperature: float, top_k: int, top_p: float, seed: int,
@@ -134,7 +138,7 @@ def generate(prompt: str, inprocess: bool, target_addr: str | None, draft_name: 
     else:
         from card.client.services import generate_via_services
 
-        result = generate_via_services(opts, target_addr, on_text, tls)
+        result = generate_via_services(opts, target_addr, on_text, tls, api_key or None)
     if as_json:
         click.echo(json.dumps(result.to_dict()))
     else:

@@ -126,9 +126,9 @@ def _health(addr: str, tls: TlsConfig) -> str:
             else f"error {code.name if code else err}"
 
 
-def _target_info(addr: str, tls: TlsConfig) -> str:
+def _target_info(addr: str, tls: TlsConfig, api_key: str | None = None) -> str:
     try:
-        with channel(addr, tls=tls) as ch:
+        with channel(addr, api_key, tls) as ch:
             info = target_pb2_grpc.TargetServiceStub(ch).Info(target_pb2.InfoRequest(), timeout=RPC_TIMEOUT_S)
     except grpc.RpcError as err:
         return str(error_from_rpc(err, addr))
@@ -168,15 +168,17 @@ def _totals_line(totals: dict[str, float]) -> str:
         show_default=True, help="Health address of one draft worker.")
 @option("--target-token", envvar="CARD_CLIENT_TARGET_TOKEN", default=None,
         help="The cache's target token, where card-cache requires one (--target-token).")
+@option("--api-key", envvar="CARD_CLIENT_API_KEY", default=None,
+        help="The target's key, where card-target requires one (its --api-key).")
 @tls_options("card-client", serves=False, envvar_prefix="CARD_CLIENT")
 @exit_on_error("card-client")
 def status(target_addr: str, cache_addr: str, draft_addr: str, target_token: str | None,
-           tls: TlsConfig) -> None:
+           api_key: str | None, tls: TlsConfig) -> None:
     """Health of each service, registered drafts, live sessions and totals from the cache."""
     rows = []
     health = {name: _health(addr, tls) for name, addr in
               (("target", target_addr), ("cache", cache_addr), ("draft", draft_addr))}
-    target_detail = _target_info(target_addr, tls) if health["target"] != "unreachable" else ""
+    target_detail = _target_info(target_addr, tls, api_key) if health["target"] != "unreachable" else ""
     cache_detail = ""
     reply: cache_pb2.StatusResponse | None = None
     if health["cache"] != "unreachable":

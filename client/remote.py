@@ -62,8 +62,9 @@ def generate_remote(addr: str, prompt: str | Sequence[int], *, chat: bool | None
                     sampling: SamplingParams | None = None, stop: StopParams | None = None,
                     draft: str | None = None, mode: str = "card", chain: ChainPolicy | None = None,
                     timeout_s: float = 600.0, on_text: Callable[[str], None] | None = None,
-                    tls: TlsConfig = PLAINTEXT) -> RemoteGenerationResult:
+                    tls: TlsConfig = PLAINTEXT, api_key: str | None = None) -> RemoteGenerationResult:
     """Stream one generation from the target at ``addr``; ``prompt`` is text or token ids.
+    ``api_key``: presented on the call (``authorization: Bearer``), where card-target has one.
 
     ``on_text`` gets each piece of text as the target commits it. Raises ``card.engine.shared.errors``
     subclasses: Unavailable when the target cannot be reached (naming ``addr``) or misses the
@@ -75,7 +76,7 @@ def generate_remote(addr: str, prompt: str | Sequence[int], *, chat: bool | None
                             stop=stop or StopParams(), draft=draft, mode=mode, chain=chain)
     received = False
     try:
-        with channel(addr, tls=tls) as ch:
+        with channel(addr, api_key, tls) as ch:
             stream = target_pb2_grpc.TargetServiceStub(ch).Generate(request, timeout=timeout_s)
             for message in stream:
                 received = True

@@ -16,21 +16,21 @@ from card.engine.target.generation import GenerationResult
 
 def generate_via_services(opts: GenerateOptions, target_addr: str | None,
                           on_text: Callable[[str], None] | None,
-                          tls: TlsConfig = PLAINTEXT) -> GenerationResult:
+                          tls: TlsConfig = PLAINTEXT, api_key: str | None = None) -> GenerationResult:
     """Use the target at ``target_addr`` (an error if it is unreachable); with none configured,
     start a local trio (redis-server, card-cache, card-draft, card-target) for this command.
 
     Every tree flag reaches the services: a local trio is started with all of them
     (``card.client.trio.service_args``); a running target gets the chain flags with the request, and
-    the draft-shape flags, which only the running draft worker could honour, are refused. ``tls``:
-    how to dial the running target (a local trio is loopback plaintext)."""
+    the draft-shape flags, which only the running draft worker could honour, are refused. ``tls``
+    and ``api_key``: how to dial the running target (a local trio is loopback plaintext, keyless)."""
     if target_addr:
         if opts.draft_shape:
             raise InvalidArgument(
                 f"{', '.join(opts.draft_shape)} shape(s) the draft worker's tree and cannot travel with a "
                 f"request to --target {target_addr}; set it where card-draft runs (card-draft "
                 f"{opts.draft_shape[0]} N), or drop --target to start a local trio")
-        return _remote(opts, target_addr, on_text, tls)
+        return _remote(opts, target_addr, on_text, tls, api_key)
     click.echo(
         "no card-target configured (--target / CARD_CLIENT_TARGET_ADDR): starting a local trio for this "
         "command; `card-client up` keeps one running",
@@ -54,7 +54,7 @@ def generate_via_services(opts: GenerateOptions, target_addr: str | None,
 
 
 def _remote(opts: GenerateOptions, addr: str, on_text: Callable[[str], None] | None,
-            tls: TlsConfig = PLAINTEXT) -> GenerationResult:
+            tls: TlsConfig = PLAINTEXT, api_key: str | None = None) -> GenerationResult:
     if opts.mode == "sd":
         raise InvalidArgument("--mode sd (classic draft-then-verify) runs in-process only: add --inprocess")
     return generate_remote(
@@ -68,4 +68,5 @@ def _remote(opts: GenerateOptions, addr: str, on_text: Callable[[str], None] | N
         chain=opts.chain,
         on_text=on_text,
         tls=tls,
+        api_key=api_key,
     )

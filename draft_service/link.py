@@ -7,9 +7,15 @@ One connection at a time:
     PublishLayers (client stream)  every layer the DraftWorker grows, any session
     Heartbeat     every half interval, with the number of live sessions
 
-When the cache goes away (a stream breaks, a heartbeat is refused) the worker is useless to any
-session it holds, so it drops them all, reports NOT_SERVING and registers again with backoff;
-the cache hands its sessions' targets empty chains meanwhile, which never changes their output.
+When the link breaks the worker is useless to any session it holds, so it reports NOT_SERVING at
+once, drops them all and registers again with backoff; the cache hands its sessions' targets
+empty chains meanwhile, which never changes their output. Broken means any of: the Commands
+stream ends (error or not), the PublishLayers stream ends (its layers would go nowhere while
+commands still arrive), a heartbeat is refused (NOT_FOUND, UNAVAILABLE), or no heartbeat has
+reached the cache for three intervals (it has dropped the worker by then; e.g. a stopped cache,
+whose streams would hang until the keepalives gave up). Health is SERVING only while one
+registration holds both streams open.
+
 The long-lived streams carry no deadline on purpose: they live as long as the registration, and
 channel keepalives (card.common.channels) detect a dead peer.
 """
@@ -19,6 +25,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable, Iterator
 
 import grpc
@@ -48,6 +55,12 @@ class _Connection:
         self.layers: queue.Queue[cache_pb2.LayerMessage] = queue.Queue()
         self.closed = threading.Event()
         self.commands: grpc.Call | None = None
+
+    def attach_commands(self, call: grpc.Call) -> None:
+        """The Commands stream; cancelled at once when the connection closed meanwhile."""
+        self.commands = call
+        if self.closed.is_set():
+            call.cancel()
 
     def requests(self) -> Iterator[cache_pb2.LayerMessage]:
         """The PublishLayers request stream; ends when the connection closes."""
@@ -151,32 +164,41 @@ class CacheLink:
                 timeout=RPC_TIMEOUT_S,
             )
             conn = _Connection(reply.worker_id, reply.heartbeat_interval_s or 5.0)
-            publish = stub.PublishLayers.future(conn.requests())
-            conn.commands = stub.Commands(cache_pb2.CommandsRequest(worker_id=conn.worker_id))
             with self._lock:
                 self._conn = conn
+            publish = stub.PublishLayers.future(conn.requests())
+            publish.add_done_callback(lambda done: self._layers_ended(conn, done))
+            conn.attach_commands(stub.Commands(cache_pb2.CommandsRequest(worker_id=conn.worker_id)))
+            assert conn.commands is not None
             if self._stop.is_set():  # close() ran while we registered
                 conn.close()
             heartbeat = threading.Thread(target=self._heartbeat, args=(stub, conn), name="heartbeat",
                                          daemon=True)
             heartbeat.start()
             metrics.REGISTRATIONS.inc()
-            metrics.REGISTERED.set(1)
+            with self._lock:  # not when a stream already broke (_lose said NOT_SERVING)
+                if not conn.closed.is_set():
+                    metrics.REGISTERED.set(1)
+                    self.on_serving(True)
             log.info("registered with the cache at %s as %s (worker %s, heartbeat every %.1fs)",
                      cfg.cache_addr, cfg.name, conn.worker_id, conn.interval_s)
-            self.on_serving(True)
             try:
                 for command in conn.commands:
                     self._dispatch(command)
-                log.warning("the cache at %s ended the command stream", cfg.cache_addr)
+                if not conn.closed.is_set():
+                    metrics.LINK_LOST.labels(cause="commands").inc()
+                    log.warning("the cache at %s ended the command stream", cfg.cache_addr)
             except grpc.RpcError as err:
                 if not conn.closed.is_set():
+                    metrics.LINK_LOST.labels(cause="commands").inc()
                     raise
                 log.info("command stream closed (%s)", err.code().name if isinstance(err, grpc.Call) else err)
             finally:
-                conn.close()
-                with self._lock:
+                with self._lock:  # NOT_SERVING now, before waiting on the other threads
                     self._conn = None
+                    metrics.REGISTERED.set(0)
+                    self.on_serving(False)
+                conn.close()
                 heartbeat.join(RPC_TIMEOUT_S)
                 try:
                     publish.result(timeout=RPC_TIMEOUT_S)
@@ -186,20 +208,65 @@ class CacheLink:
                     publish.cancel()
         return True
 
+    def _lose(self, conn: _Connection, cause: str, why: str) -> None:
+        """``conn``'s link to the cache is broken: NOT_SERVING now (one line), then end the
+        connection, so that the loop drops its sessions and registers again. A no-op for a
+        connection already ending (its other stream, shutdown)."""
+        with self._lock:
+            if self._conn is not conn or conn.closed.is_set():
+                return
+            conn.closed.set()  # from here nothing reports this connection SERVING
+            metrics.REGISTERED.set(0)
+            self.on_serving(False)
+        metrics.LINK_LOST.labels(cause=cause).inc()
+        log.warning("link to the cache at %s lost: %s; NOT_SERVING until registered again",
+                    self.config.cache_addr, why)
+        conn.close()  # cancels the command stream: _serve_once returns, _run registers again
+
+    def _layers_ended(self, conn: _Connection, call: grpc.Future) -> None:
+        """Done callback of the PublishLayers stream: unless the connection was ending anyway, the
+        cache no longer hears this worker's layers, whatever the command stream still says."""
+        if conn.closed.is_set():
+            return
+        if call.cancelled():
+            why = "the layer stream was cancelled"
+        else:
+            err = call.exception()
+            why = ("the cache ended the layer stream" if err is None else
+                   f"the layer stream failed: {error_from_rpc(err, self.config.cache_addr)}")  # type: ignore[arg-type]
+        self._lose(conn, "layers", why)
+
     def _heartbeat(self, stub: cache_pb2_grpc.CacheServiceStub, conn: _Connection) -> None:
         # "at least every interval": beat at half of it so one slow beat does not expire us
         period = max(0.1, conn.interval_s / 2)
+        expiry_s = 3 * conn.interval_s  # the cache drops a worker that misses three heartbeats
+        last_ok = time.monotonic()
+        failing = False
         while not conn.closed.wait(period):
             try:
                 stub.Heartbeat(cache_pb2.HeartbeatRequest(worker_id=conn.worker_id,
                                                           active_sessions=self.worker.active_sessions),
                                timeout=max(1.0, conn.interval_s))
             except grpc.RpcError as err:
-                code = err.code() if isinstance(err, grpc.Call) else None
-                log.warning("heartbeat refused: %s", error_from_rpc(err, self.config.cache_addr))
-                if code in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.UNAVAILABLE):
-                    conn.close()  # the cache forgot us or is gone: register again
+                if conn.closed.is_set():
                     return
+                code = err.code() if isinstance(err, grpc.Call) else None
+                error = error_from_rpc(err, self.config.cache_addr)
+                if code in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.UNAVAILABLE):
+                    self._lose(conn, "heartbeat", f"heartbeat refused: {error}")  # forgot us, or gone
+                    return
+                silent_s = time.monotonic() - last_ok
+                if silent_s >= expiry_s:  # e.g. a stopped cache: the streams hang, beats time out
+                    self._lose(conn, "heartbeat", f"no heartbeat reached it for {silent_s:.1f}s ({error})")
+                    return
+                if not failing:  # one line per run of failures
+                    log.warning("heartbeat failed: %s", error)
+                    failing = True
+            else:
+                last_ok = time.monotonic()
+                if failing:
+                    log.info("heartbeats reach the cache again")
+                    failing = False
 
     # ---- commands (link thread) --------------------------------------------------------------
     def _dispatch(self, msg: cache_pb2.DraftCommand) -> None:

@@ -16,3 +16,6 @@ LAYERS_DROPPED = Counter("card_draft_layers_dropped_total",
                          "Layers not sent because their session had ended or the cache was away")
 REGISTRATIONS = Counter("card_draft_registrations_total", "Successful registrations with the cache")
 DISCONNECTS = Counter("card_draft_disconnects_total", "Times the link to the cache was lost")
+LINK_LOST = Counter("card_draft_link_lost_total",
+                    "Registrations given up because the link broke, by what broke first "
+                    "(commands, layers, heartbeat)", ["cause"])

@@ -6,7 +6,8 @@
 It loads one draft model (or, model-free, the target's tokenizer alone), registers with the cache
 service and grows candidate trees for the sessions the cache assigns to it. Its own gRPC port
 serves grpc.health.v1 only: SERVING once the model is loaded and the worker is registered with the
-cache, NOT_SERVING while it (re)connects.
+cache with both of its streams (Commands, PublishLayers) open and heartbeats answered; NOT_SERVING
+from the moment the link breaks until it has registered again (card.draft_service.link).
 """
 
 from __future__ import annotations

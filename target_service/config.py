@@ -37,7 +37,13 @@ class TargetConfig:
     metrics_host: str = "127.0.0.1"
     http_port: int | None = None  # the OpenAI-compatible HTTP front; None: off
     http_host: str = "127.0.0.1"
-    api_key: str | None = field(default=None, repr=False)  # a secret: never in a log line
+    http_tls_cert: str | None = None  # HTTPS on the HTTP front (with http_tls_key); None: plain HTTP
+    http_tls_key: str | None = None
+    http_metrics: bool = True  # /metrics on the HTTP front (behind the API key when there is one)
+    max_body_mb: float = 4.0  # largest HTTP request body; larger ones get 413 before they are read
+    max_waiting: int = 64  # requests waiting for a KV slot; more are refused at once
+    queue_timeout_s: float = 30.0  # how long a request waits for a KV slot before it is refused
+    api_key: str | None = field(default=None, repr=False)  # a secret: never in a log line; both ports
     target_token: str | None = field(default=None, repr=False)  # presented to the cache (a secret)
     tls: TlsConfig = field(default_factory=TlsConfig)  # served on the gRPC port, used to dial the cache
     health_port: int | None = None  # plaintext grpc.health.v1 alone, for probes that cannot speak TLS
@@ -61,13 +67,35 @@ class TargetConfig:
         ports = (self.port, self.metrics_port, 0 if self.http_port is None else self.http_port)
         if not all(0 <= p <= 65535 for p in ports):
             raise InvalidArgument("ports must be in [0, 65535]")
+        if self.max_waiting < 0:
+            raise InvalidArgument(f"max-waiting must be >= 0, got {self.max_waiting}")
+        if not self.queue_timeout_s > 0:
+            raise InvalidArgument(f"queue-timeout-s must be > 0, got {self.queue_timeout_s}")
+        if not self.max_body_mb > 0:
+            raise InvalidArgument(f"max-body-mb must be > 0, got {self.max_body_mb}")
+        if (self.http_tls_cert is None) != (self.http_tls_key is None):
+            raise InvalidArgument("--http-tls-cert and --http-tls-key go together (a certificate and its "
+                                  "private key)")
+        self.http_tls.check_files()  # fail at start, with the path
+
+    @property
+    def http_tls(self) -> TlsConfig:
+        """What the HTTP front serves (a certificate and key; no client certificates)."""
+        return TlsConfig(cert=self.http_tls_cert, key=self.http_tls_key)
+
+    @property
+    def max_body_bytes(self) -> int:
+        return int(self.max_body_mb * 2**20)
 
     @classmethod
     def from_options(cls, *, model: str, dtype: str, device: str, exact: bool, cache_addr: str | None,
-                     api_key: str | None, target_token: str | None, **options: object) -> TargetConfig:
+                     api_key: str | None, target_token: str | None, http_tls_cert: str | None = None,
+                     http_tls_key: str | None = None, **options: object) -> TargetConfig:
         """The config of card-target's flags (one keyword per flag; every other flag is a field)."""
         return cls(model=ModelConfig(model, dtype, device, exact=exact), cache_addr=cache_addr or None,
-                   api_key=api_key or None, target_token=target_token or None, **options)  # type: ignore[arg-type]
+                   api_key=api_key or None, target_token=target_token or None,
+                   http_tls_cert=http_tls_cert or None, http_tls_key=http_tls_key or None,
+                   **options)  # type: ignore[arg-type]
 
     def kv_shape(self, context_window: int, bytes_per_token: int) -> tuple[int, int]:
         """(slots, rows per slot) of the KV cache for a model with this context window and

@@ -2,10 +2,15 @@
 there is work, and sleeps when there is none.
 
 Fronts (gRPC and HTTP threads) never touch the model: ``submit`` queues a generation with the
-sink its events go to (a queue's ``put``, or a hand-off to an asyncio loop); ``cancel`` asks for it
-to end (applied between iterations, so a cancelled
-request stops within one forward and gives back its KV slot, its cache session and its draft
-session at once).
+sink its events go to (a queue's ``put``, or a hand-off to an asyncio loop) and, optionally, a
+callback for when it is admitted to a KV slot; ``cancel`` asks for it to end (applied between
+iterations, so a cancelled request stops within one forward and gives back its KV slot, its cache
+session and its draft session at once).
+
+Bounded: past ``max_waiting`` generations waiting for a slot, ``submit`` refuses at once
+(ResourceExhausted). A submit after ``stop`` or after the thread died is refused (Unavailable),
+never left hanging; a thread that dies ends every generation with Unavailable and calls
+``on_death`` (card-target's health goes NOT_SERVING).
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from collections.abc import Callable
 
 import torch
 
+from card.engine.shared.errors import ResourceExhausted, Unavailable
 from card.engine.target.generation import Generation
 from card.engine.target.scheduler import Event, TargetEngine
 from card.target_service import metrics
@@ -24,14 +30,20 @@ log = logging.getLogger(__name__)
 
 
 class EngineLoop:
-    def __init__(self, engine: TargetEngine, threads: int | None = None) -> None:
+    def __init__(self, engine: TargetEngine, threads: int | None = None, max_waiting: int | None = None,
+                 on_death: Callable[[BaseException], None] | None = None) -> None:
         self.engine = engine
         self.threads = threads
+        self.max_waiting = max_waiting
+        self.on_death = on_death
         self._cv = threading.Condition()
         self._inbox: list[Generation] = []
         self._cancels: list[Generation] = []
         self._sinks: dict[Generation, Callable[[Event], None]] = {}
+        self._on_admit: dict[Generation, Callable[[], None]] = {}
         self._stopping = False
+        self.died: BaseException | None = None
+        metrics.ENGINE_ALIVE.set(1)
         self._thread = threading.Thread(target=self._run, name="target-engine", daemon=True)
         metrics.KV_SLOTS.set(engine.pool.slots)
         metrics.KV_SLOTS_FREE.set_function(lambda: engine.pool.free_slots)
@@ -47,11 +59,32 @@ class EngineLoop:
             self._cv.notify()
         self._thread.join(timeout_s)
 
-    def submit(self, gen: Generation, sink: Callable[[Event], None]) -> None:
+    @property
+    def alive(self) -> bool:
+        return self.died is None and not self._stopping
+
+    def waiting(self) -> int:
+        """Generations submitted and not yet admitted to a KV slot."""
+        return len(self._inbox) + len(self.engine.waiting)
+
+    def submit(self, gen: Generation, sink: Callable[[Event], None],
+               on_admit: Callable[[], None] | None = None) -> None:
         """Queue ``gen``; each of its events is handed to ``sink`` on the engine's thread (it must
-        not block)."""
+        not block), and ``on_admit`` once it has a KV slot or has ended. Unavailable: the loop
+        stopped or died; ResourceExhausted: ``max_waiting`` generations wait already."""
         with self._cv:
+            if self.died is not None:
+                raise Unavailable(f"card-target's engine stopped ({self.died!r}); retry another replica")
+            if self._stopping:
+                raise Unavailable("card-target is shutting down; retry against another replica")
+            # those a free slot takes at the next iteration do not wait
+            room = None if self.max_waiting is None else self.max_waiting + self.engine.pool.free_slots
+            if room is not None and self.waiting() >= room:
+                raise ResourceExhausted(f"{self.waiting()} requests wait for a KV slot already "
+                                        f"(--max-waiting {self.max_waiting}); retry later")
             self._sinks[gen] = sink
+            if on_admit is not None:
+                self._on_admit[gen] = on_admit
             self._inbox.append(gen)
             self._cv.notify()
 
@@ -66,6 +99,26 @@ class EngineLoop:
 
     # ---- the engine's thread -----------------------------------------------------------------
     def _run(self) -> None:
+        try:
+            self._loop()
+        except BaseException as exc:  # a bug: nothing must wait for this thread any more
+            log.critical("the engine's thread died; every request ends and health is NOT_SERVING",
+                         exc_info=exc)
+            with self._cv:
+                self.died = exc
+                sinks, self._sinks = self._sinks, {}
+                self._inbox, self._cancels, self._on_admit = [], [], {}
+            metrics.ENGINE_ALIVE.set(0)
+            error = Unavailable("card-target's engine stopped; retry against another replica")
+            for gen, sink in sinks.items():
+                try:
+                    sink(Event(gen, done=True, error=error))
+                except Exception:
+                    log.exception("delivering a generation's end failed")
+            if self.on_death is not None:
+                self.on_death(exc)
+
+    def _loop(self) -> None:
         if self.threads:
             torch.set_num_threads(self.threads)  # per thread: this one runs every forward
         engine = self.engine
@@ -98,14 +151,39 @@ class EngineLoop:
                 metrics.ITERATION.labels("commit").observe(times.commit)
             for event in events:
                 self._deliver(event)
-        for gen in [*engine.running, *engine.waiting]:  # shutdown: nothing is left half-open
+            self._admitted()
+        with self._cv:
+            inbox, self._inbox = self._inbox, []
+        for gen in [*engine.running, *engine.waiting, *inbox]:  # shutdown: nothing is left half-open
             self._deliver(engine.cancel(gen))
+
+    def _admitted(self) -> None:
+        """Tell the fronts waiting on admission which of their generations got a slot (or ended)."""
+        if not self._on_admit:
+            return
+        with self._cv:
+            ready = [(g, cb) for g, cb in self._on_admit.items() if self.admitted(g)]
+            for gen, _ in ready:
+                del self._on_admit[gen]
+        for _, callback in ready:
+            try:
+                callback()
+            except Exception:
+                log.exception("an admission callback failed")
 
     def _deliver(self, event: Event) -> None:
         with self._cv:
             sink = self._sinks.get(event.generation)
             if event.done:
                 self._sinks.pop(event.generation, None)
+                callback = self._on_admit.pop(event.generation, None)
+            else:
+                callback = None
+        if callback is not None:
+            try:
+                callback()
+            except Exception:
+                log.exception("an admission callback failed")
         if sink is not None:
             try:
                 sink(event)

@@ -4,11 +4,14 @@ OpenAI-compatible HTTP (openai_api.py) both come here with engine types.
     prompt_ids(prompt, chat)        text, a conversation or token ids -> validated token ids
     request(ids, sampling, stop)    -> a GenerationRequest that fits this target (context window,
                                        sampling and chain values checked)
-    start(request, mode, draft)     build the Generation with its chain source (RemoteCard or
-                                       NoDraft), open it (the cache session opens here, off the
-                                       engine's thread), submit it to the engine loop
+    start(request, mode, draft)     a named draft checked against the cache's (DraftDirectory),
+                                       the Generation built with its chain source (RemoteCard or
+                                       NoDraft) and submitted to the engine loop, which refuses it
+                                       at once past --max-waiting; its cache session opens when it
+                                       is admitted to a KV slot, never before
     Running.next_event(timeout)     its events, in order; a request that is not admitted (no free
-                                       KV slot) before its deadline gets RESOURCE_EXHAUSTED
+                                       KV slot) before its deadline or --queue-timeout-s gets
+                                       RESOURCE_EXHAUSTED
     Running.cancel()                the client went away or its deadline passed: the generation
                                        leaves the batch at the next iteration, its cache session
                                        closes and the draft drops its tree and KV
@@ -30,9 +33,10 @@ from card.engine.target.chain_source import ChainSource, NoDraft
 from card.engine.target.generation import Generation, GenerationResult, check_prompt
 from card.engine.target.scheduler import Event
 from card.target_service import metrics
+from card.target_service.cache_link import CacheLink, CacheTarget
 from card.target_service.config import TargetConfig
 from card.target_service.engine_loop import EngineLoop
-from card.target_service.remote_card import CacheTarget, RemoteCard, SessionKeeper, session_idle_timeout_s
+from card.target_service.remote_card import RemoteCard
 from card.v1 import cache_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -48,13 +52,15 @@ class Running:
     """One submitted generation, seen from its front."""
 
     def __init__(self, gen: Generation, source: ChainSource, loop: EngineLoop,
-                 sink: Callable[[Event], None] | None) -> None:
+                 sink: Callable[[Event], None] | None, queue_timeout_s: float | None = None,
+                 on_admit: Callable[[], None] | None = None) -> None:
         self.gen = gen
         self.source = source
         self.loop = loop
+        self.queue_timeout_s = queue_timeout_s
         self.t0 = time.monotonic()
         self._box: queue.Queue[Event] | None = None if sink else queue.Queue()
-        loop.submit(gen, sink or self._box.put)  # type: ignore[union-attr]
+        loop.submit(gen, sink or self._box.put, on_admit)  # type: ignore[union-attr]
 
     @property
     def admitted(self) -> bool:
@@ -74,18 +80,26 @@ class Running:
         assert self._box is not None, "events go to the sink given at start"
         if deadline_s is not None and deadline_s > _NO_DEADLINE_S:
             deadline_s = None  # gRPC reports a call without a deadline as ~forever, past what a wait takes
+        if self.queue_timeout_s is not None:
+            waited = time.monotonic() - self.t0
+            left = max(0.0, self.queue_timeout_s - waited)
+            deadline_s = left if deadline_s is None else min(deadline_s, left)
         while True:
             try:
                 return self._box.get(timeout=None if self.admitted else deadline_s)
             except queue.Empty:
                 if self.admitted:
                     continue
-                self.cancel()
-                metrics.REFUSED.labels(code="RESOURCE_EXHAUSTED").inc()
-                raise ResourceExhausted(
-                    f"all {self.loop.engine.pool.slots} KV slots stayed busy for "
-                    f"{time.monotonic() - self.t0:.1f}s (the request's deadline); retry later, or give "
-                    "card-target more KV cache (--kv-cache-gb, --max-batch-size)") from None
+                raise self.not_admitted() from None
+
+    def not_admitted(self) -> ResourceExhausted:
+        """The request waited for a KV slot as long as it may: it leaves the queue."""
+        self.cancel()
+        metrics.REFUSED.labels(code="RESOURCE_EXHAUSTED").inc()
+        return ResourceExhausted(
+            f"all {self.loop.engine.pool.slots} KV slots stayed busy for {time.monotonic() - self.t0:.1f}s "
+            "(the request's deadline or --queue-timeout-s); retry later, or give card-target more KV "
+            "cache (--kv-cache-gb, --max-batch-size)")
 
     def cancel(self) -> None:
         if self.gen.result is None:
@@ -114,22 +128,27 @@ class Frontend:
         self.vocab_size = 0
         self.context_window = 0
         self.draining = False  # shutdown began: health says so, requests under way finish
-        self.keeper = (SessionKeeper(cache, session_idle_timeout_s(config.step_timeout_ms / 1000.0),
-                                     config.cache_addr or "") if cache is not None else None)
+        self.link: CacheLink | None = None  # at ready: the sessions need the model's facts
 
     def ready(self, model: LoadedModel, loop: EngineLoop) -> None:
         self.vocab_size = int(getattr(model.model.config, "vocab_size", 0) or 0)
         # a generation's keys and values live in one KV slot: its rows bound the context
         self.context_window = min(model.context_window, loop.engine.pool.max_len)
-        self.cache_target = CacheTarget(self.config.cache_addr or "", model.name, model.fingerprint,
-                                        self.vocab_size, self.context_window,
-                                        step_timeout_s=self.config.step_timeout_ms / 1000.0)
+        if self.cache is not None:
+            self.link = CacheLink(self.cache, CacheTarget(
+                self.config.cache_addr or "", model.name, model.fingerprint, self.vocab_size,
+                self.context_window, step_timeout_s=self.config.step_timeout_ms / 1000.0))
         self.loop = loop
         self._model = model
 
     @property
     def is_ready(self) -> bool:
         return self._model is not None
+
+    @property
+    def serving(self) -> bool:
+        """Ready, not draining, and the engine's thread alive (health of both fronts)."""
+        return self.is_ready and not self.draining and self.loop is not None and self.loop.alive
 
     @property
     def model(self) -> LoadedModel:
@@ -147,6 +166,7 @@ class Frontend:
             return self.model.encode_prompt(items, True if chat is None else chat)
         if not items:
             raise InvalidArgument("the prompt is empty")
+        self.check_length(len(items))  # before any per-id work
         if not all(isinstance(t, int) and not isinstance(t, bool) for t in items):
             raise InvalidArgument("a prompt is text, a list of messages, or a list of token ids")
         bad = [t for t in items if t < 0 or (self.vocab_size and t >= self.vocab_size)]
@@ -155,15 +175,22 @@ class Frontend:
                                   f"[0, {self.vocab_size}), e.g. {bad[0]}")
         return items
 
+    def check_length(self, tokens: int) -> None:
+        """InvalidArgument when a prompt of ``tokens`` tokens leaves no room for a new one."""
+        model = self.model
+        if tokens >= self.context_window and self.context_window < model.context_window:
+            raise InvalidArgument(
+                f"the prompt has {tokens} tokens but this card-target holds {self.context_window} "
+                f"tokens per request (--max-model-len; the context window of {model.name} is "
+                f"{model.context_window}); room is needed for at least one new token")
+        if tokens >= self.context_window:
+            check_prompt(range(tokens), self.context_window, model.name)
+
     def request(self, prompt_ids: Sequence[int], sampling: SamplingParams, max_new_tokens: int | None,
                 stop: Sequence[str] = (), ignore_eos: bool = False,
                 chain: ChainPolicy | None = None) -> GenerationRequest:
         model = self.model
-        if len(prompt_ids) >= self.context_window and self.context_window < model.context_window:
-            raise InvalidArgument(
-                f"the prompt has {len(prompt_ids)} tokens but this card-target holds {self.context_window} "
-                f"tokens per request (--max-model-len; the context window of {model.name} is "
-                f"{model.context_window}); room is needed for at least one new token")
+        self.check_length(len(prompt_ids))
         check_prompt(prompt_ids, self.context_window, model.name)
         if max_new_tokens is not None and max_new_tokens < 1:
             raise InvalidArgument(f"the token budget must be >= 1, got {max_new_tokens}")
@@ -173,9 +200,11 @@ class Frontend:
         return GenerationRequest(tuple(prompt_ids), sampling, budget, chain)
 
     def start(self, request: GenerationRequest, mode: str, draft: str = "",
-              sink: Callable[[Event], None] | None = None) -> Running:
-        """Open and submit one generation. Events go to ``sink`` (called on the engine's thread)
-        or, without one, to ``Running.next_event``."""
+              sink: Callable[[Event], None] | None = None, on_admit: Callable[[], None] | None = None,
+              ) -> Running:
+        """Submit one generation. Events go to ``sink`` (called on the engine's thread) or,
+        without one, to ``Running.next_event``; ``on_admit`` is called (on the engine's thread)
+        once it has a KV slot or has ended. Its chain source opens when it is admitted."""
         if mode not in MODES:
             raise InvalidArgument(f"mode must be one of {', '.join(MODES)}, got {mode!r} "
                                   "(sd runs in-process only: card-client generate --inprocess --mode sd)")
@@ -185,8 +214,7 @@ class Frontend:
         gen = Generation(request, source, eos_ids=model.eos_ids, decode=model.decode,
                          context_window=self.context_window, mode=mode, model_name=model.name,
                          vocab_size=model.model.get_input_embeddings().num_embeddings)
-        gen.open()  # the cache session opens here, off the engine's loop (NOT_FOUND etc. raise here)
-        return Running(gen, source, loop, sink)
+        return Running(gen, source, loop, sink, self.config.queue_timeout_s, on_admit)
 
     def _source(self, mode: str, draft: str, chain: ChainPolicy) -> ChainSource:
         if mode == "vanilla":
@@ -196,4 +224,7 @@ class Frontend:
                 raise NotFound(f"draft {draft!r} is not available: this target runs without a cache "
                                "service (start it with --cache HOST:PORT)")
             return NoDraft()
-        return RemoteCard(self.cache, self.cache_target, draft, chain, self.keeper)
+        assert self.link is not None
+        if draft:  # refused here, in one line, before it waits for a slot
+            self.link.directory.check(draft, self.model.fingerprint, self.model.name)
+        return RemoteCard(self.link, draft, chain)

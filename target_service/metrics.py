@@ -17,9 +17,9 @@ BATCH_SIZE = Histogram("card_target_batch_size", "Generations in each engine ite
 STEP_RTT = Histogram("card_target_step_rtt_seconds", "Step round trip to the cache service",
                      buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5))
 STEP_FAILURES = Counter("card_target_step_failures_total", "Step calls that failed", ["code"])
-RESYNCS = Counter("card_target_session_resyncs_total", "Sessions re-opened after a failed Step")
+RESYNCS = Counter("card_target_session_resyncs_total", "Sessions re-opened after a failed Step or open")
 DEGRADED = Counter("card_target_degraded_generations_total",
-                   "Card generations decoded without a draft because no session could be opened")
+                   "Card generations decoded without a draft because the cache refused their session")
 TOKENS_PER_S = Histogram("card_target_tokens_per_second", "Throughput of each generation",
                          buckets=(1, 2, 5, 10, 20, 50, 100, 200, 500, 1000))
 ITERATION = Histogram("card_target_iteration_seconds",
@@ -27,3 +27,12 @@ ITERATION = Histogram("card_target_iteration_seconds",
                       "model), commit (sampling, stops, detokenizing); all but forward is host cost",
                       ["phase"], buckets=(0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25,
                                           0.5, 1.0))
+CACHE_BREAKER = Gauge("card_target_cache_breaker_state",
+                      "The circuit breaker over the cache: 0 closed (sessions open), 1 open (none opened "
+                      "until the cool-down ends), 2 half-open (one probe under way)")
+CLOSES_DROPPED = Counter("card_target_session_closes_dropped_total",
+                         "CloseSession calls not sent because too many calls to the cache were under way "
+                         "(the cache's idle timeout ends those sessions)")
+STALE_OPENS = Counter("card_target_stale_opens_total",
+                      "Sessions that opened after their generation's text moved on (closed, opened again)")
+ENGINE_ALIVE = Gauge("card_target_engine_alive", "1 while the engine's thread runs, 0 once it died")

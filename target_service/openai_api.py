@@ -4,7 +4,12 @@
     POST /v1/completions         raw text (or token ids) in, text out
     POST /v1/chat/completions    a conversation through the model's chat template
     GET  /health                 200 once the model serves; 503 before, and once shutdown begins
-    GET  /metrics                Prometheus, the same registry as --metrics-port
+    GET  /metrics                Prometheus, the same registry as --metrics-port (--no-http-metrics: off)
+
+The door (``Guard``) comes before FastAPI reads a byte of a body: with ``--api-key``, every path
+but /health needs ``Authorization: Bearer <key>`` (401 otherwise), and a body over
+``--max-body-mb`` gets 413 (at once by its Content-Length, or as soon as a chunked body passes
+it). ``--http-tls-cert/--http-tls-key`` serve HTTPS, renewed files within a second.
 
 ``stream: true`` answers with server-sent events in OpenAI's chunk shapes, then ``data: [DONE]``;
 ``stream_options.include_usage`` adds the usage chunk. Every request's ``usage`` carries a ``card``
@@ -23,24 +28,26 @@ from __future__ import annotations
 
 import abc
 import asyncio
-import hmac
+import contextlib
 import json
 import logging
 import socket
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any, Literal
 
 import uvicorn
-from fastapi import Depends, FastAPI, Request
+from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict, Field
 
+from card.common.auth import bearer_matches
 from card.common.status import http_status
+from card.common.tls import PLAINTEXT, TlsConfig
 from card.engine.shared.config import GenerationRequest, SamplingParams
 from card.engine.shared.errors import CardError, InvalidArgument, NotFound
 from card.engine.shared.stats import GenerationStats
@@ -170,23 +177,87 @@ def _error_json(exc: BaseException) -> dict:
     return _error(http_status(exc), str(exc), exc.code if isinstance(exc, CardError) else "INTERNAL")
 
 
+def _unauthorized() -> JSONResponse:
+    return error_response(401, "a valid API key is required (Authorization: Bearer <key>)",
+                          code="invalid_api_key")
+
+
+# ---- the door: the key and the body limit, before the body is read ---------------------------
+OPEN_PATHS = frozenset({"/health"})  # probes: no key
+DEFAULT_MAX_BODY_BYTES = 4 * 2**20
+RETRY_AFTER_S = 1  # what a 429 (no KV slot) or a 503 (draining, loading) asks a client to wait
+
+
+class _BodyTooLarge(Exception):
+    """A chunked body passed the limit while the app read it."""
+
+
+class Guard:
+    """A pure ASGI middleware in front of the app: with ``api_key``, a request to any path but
+    ``OPEN_PATHS`` without ``Authorization: Bearer <key>`` is answered 401 from its headers alone;
+    a body over ``max_body_bytes`` is answered 413, at once when its Content-Length says so, or as
+    soon as a chunked body passes the limit while the app reads it (never more than the limit is
+    held). Neither response reads the rest of the body: uvicorn drains and drops it."""
+
+    def __init__(self, app: Any, api_key: str | None = None,
+                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> None:
+        self.app = app
+        self.api_key = api_key or None
+        self.max_body_bytes = max_body_bytes
+
+    def _too_large(self) -> JSONResponse:
+        return error_response(413, f"request body over {self.max_body_bytes / 2**20:g} MB, the most this "
+                                   "server takes (card-target --max-body-mb)", code="request_too_large")
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = dict(scope.get("headers") or ())  # the last of a repeated header wins
+        if self.api_key and scope["path"] not in OPEN_PATHS \
+                and not bearer_matches(headers.get(b"authorization", b""), self.api_key):
+            await _unauthorized()(scope, receive, send)
+            return
+        try:
+            length = int(headers.get(b"content-length", b"0"))
+        except ValueError:
+            length = 0  # uvicorn refuses a malformed Content-Length before an app sees it
+        if length > self.max_body_bytes:
+            await self._too_large()(scope, receive, send)
+            return
+        received, over, started = 0, False, False
+
+        async def counted() -> dict:
+            nonlocal received, over
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_body_bytes:
+                    over = True
+                    raise _BodyTooLarge
+            return message
+
+        async def guarded(message: dict) -> None:
+            nonlocal started
+            if over:
+                return  # whatever the app makes of the cut body; the 413 goes below
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        with contextlib.suppress(_BodyTooLarge):  # FastAPI makes it a 400 first: dropped above
+            await self.app(scope, counted, guarded)
+        if over and not started:
+            await self._too_large()(scope, receive, send)
+
+
 # ---- the app --------------------------------------------------------------------------------
-def create_app(front: Frontend, api_key: str | None = None) -> FastAPI:
+def create_app(front: Frontend, api_key: str | None = None, *,
+               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, serve_metrics: bool = True) -> FastAPI:
+    """The OpenAI-compatible app behind its ``Guard`` (``api_key``, ``max_body_bytes``);
+    ``serve_metrics``: /metrics (behind the key when there is one)."""
     app = FastAPI(title="card-target", description="OpenAI-compatible API of a CARD target",
                   docs_url=None, redoc_url=None)
-
-    async def authorized(request: Request) -> None:
-        if not api_key:
-            return
-        header = request.headers.get("authorization", "")
-        scheme, _, token = header.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), api_key.encode()):
-            raise _UnauthorizedError
-
-    @app.exception_handler(_UnauthorizedError)
-    async def _unauthorized(request: Request, exc: Exception) -> JSONResponse:
-        return error_response(401, "a valid API key is required (Authorization: Bearer <key>)",
-                              code="invalid_api_key")
+    app.add_middleware(Guard, api_key=api_key, max_body_bytes=max_body_bytes)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -201,7 +272,10 @@ def create_app(front: Frontend, api_key: str | None = None) -> FastAPI:
     @app.exception_handler(CardError)
     async def _card_error(request: Request, exc: CardError) -> JSONResponse:
         metrics.REFUSED.labels(code=exc.code).inc()
-        return JSONResponse(_error_json(exc), status_code=http_status(exc))
+        status = http_status(exc)
+        # refused for load (no KV slot: 429) or not serving now (503): a client may come back
+        retry = {"Retry-After": str(RETRY_AFTER_S)} if status in (429, 503) else None
+        return JSONResponse(_error_json(exc), status_code=status, headers=retry)
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, exc: Exception) -> JSONResponse:
@@ -213,21 +287,24 @@ def create_app(front: Frontend, api_key: str | None = None) -> FastAPI:
     async def health() -> JSONResponse:
         if front.draining:
             return JSONResponse({"status": "draining"}, status_code=503)
+        if front.is_ready and not front.serving:  # the engine's thread died
+            return JSONResponse({"status": "engine stopped"}, status_code=503)
         if front.is_ready:
             return JSONResponse({"status": "ok", "model": front.model.name})
         return JSONResponse({"status": "loading"}, status_code=503)
 
-    @app.get("/metrics")
-    async def prometheus() -> Response:
-        return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
+    if serve_metrics:
+        @app.get("/metrics")
+        async def prometheus() -> Response:
+            return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/v1/models", dependencies=[Depends(authorized)])
+    @app.get("/v1/models")
     async def models() -> dict:
         model = front.model
         return {"object": "list", "data": [{"id": model.name, "object": "model", "created": _STARTED,
                                             "owned_by": "card", "max_model_len": front.context_window}]}
 
-    @app.post("/v1/completions", dependencies=[Depends(authorized)])
+    @app.post("/v1/completions")
     async def completions(body: CompletionBody, request: Request) -> Any:
         prompt: Any = body.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
@@ -237,7 +314,7 @@ def create_app(front: Frontend, api_key: str | None = None) -> FastAPI:
         gen_request = await asyncio.to_thread(_request, front, body, prompt, False, body.max_tokens)
         return await _serve(front, body, gen_request, request, _CompletionShape(front.model.name))
 
-    @app.post("/v1/chat/completions", dependencies=[Depends(authorized)])
+    @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatBody, request: Request) -> Any:
         messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text}
                     for m in body.messages]
@@ -246,10 +323,6 @@ def create_app(front: Frontend, api_key: str | None = None) -> FastAPI:
         return await _serve(front, body, gen_request, request, _ChatShape(front.model.name))
 
     return app
-
-
-class _UnauthorizedError(Exception):
-    """No or a wrong API key (answered 401 in OpenAI's shape)."""
 
 
 _STARTED = int(time.time())
@@ -266,8 +339,6 @@ def _request(front: Frontend, body: _Common, prompt: Any, chat: bool,
         stop: tuple[str, ...] = (body.stop,)
     else:
         stop = tuple(body.stop or ())
-    if len(stop) > 4:
-        raise InvalidArgument("stop: at most 4 sequences")
     sampling = SamplingParams(
         temperature=1.0 if body.temperature is None else body.temperature,
         top_k=body.top_k or 0,
@@ -286,8 +357,25 @@ async def _serve(front: Frontend, body: _Common, gen_request: GenerationRequest,
     def sink(event: Event) -> None:  # on the engine's thread
         loop.call_soon_threadsafe(events.put_nowait, event)
 
-    running = await asyncio.to_thread(front.start, gen_request, body.mode, body.draft, sink)
+    admitted = loop.create_future()
+
+    def on_admit() -> None:  # on the engine's thread: it has a KV slot, or it ended
+        loop.call_soon_threadsafe(lambda: admitted.done() or admitted.set_result(None))
+
+    running = await asyncio.to_thread(front.start, gen_request, body.mode, body.draft, sink, on_admit)
     watcher = asyncio.create_task(_cancel_on_disconnect(request, running))
+    # no response starts before the request has a slot: past --queue-timeout-s it is a 429 with
+    # Retry-After, streaming or not, and leaves nothing behind (its session opens at admission)
+    try:
+        await asyncio.wait_for(asyncio.shield(admitted), front.config.queue_timeout_s)
+    except TimeoutError:
+        if not running.admitted:
+            watcher.cancel()
+            raise running.not_admitted() from None
+    except BaseException:
+        watcher.cancel()
+        running.cancel()
+        raise
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return StreamingResponse(_sse(running, events, watcher, shape, include_usage),
@@ -452,23 +540,43 @@ class _ChatShape(_Shape):
 
 
 # ---- the listener ---------------------------------------------------------------------------
-class HttpServer:
-    """uvicorn on its own thread, on a socket bound here (so port 0 gives the OS-chosen port)."""
+class _Server(uvicorn.Server):
+    """uvicorn, plus a look at the TLS files once a second (on the event loop's thread, which runs
+    every handshake)."""
 
-    def __init__(self, app: FastAPI, host: str, port: int, grace_s: float) -> None:
+    def __init__(self, config: uvicorn.Config, reload_tls: Callable[[], None] | None) -> None:
+        super().__init__(config)
+        self.reload_tls = reload_tls
+
+    async def on_tick(self, counter: int) -> bool:
+        if self.reload_tls is not None and counter % 10 == 0:
+            self.reload_tls()
+        return await super().on_tick(counter)
+
+
+class HttpServer:
+    """uvicorn on its own thread, on a socket bound here (so port 0 gives the OS-chosen port);
+    HTTPS when ``tls`` serves (its certificate and key, followed when they are renewed)."""
+
+    def __init__(self, app: FastAPI, host: str, port: int, grace_s: float,
+                 tls: TlsConfig = PLAINTEXT) -> None:
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self.sock = socket.socket(family, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             self.sock.bind((host, port))
+            self.sock.listen(2048)  # connections queue from now on, not refused until uvicorn runs
         except OSError as exc:
             self.sock.close()
             raise InvalidArgument(f"cannot serve HTTP on {host}:{port} ({exc.strerror or exc}); choose "
                                   "another --http-port") from None
         self.port = self.sock.getsockname()[1]
         config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
-                                timeout_graceful_shutdown=int(grace_s))
-        self.server = uvicorn.Server(config)
+                                timeout_graceful_shutdown=int(grace_s), ssl_certfile=tls.cert,
+                                ssl_keyfile=tls.key)
+        config.load()  # builds the ssl context here, so that the reloader holds the one uvicorn serves
+        reload_tls = tls.reloader(config.ssl) if config.ssl is not None else None
+        self.server = _Server(config, reload_tls)
         self._thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
                                         name="http", daemon=True)
 

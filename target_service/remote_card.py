@@ -1,169 +1,98 @@
 """CARD through the cache service: the target loop's chain source over gRPC.
 
-    open   OpenSession(prompt)        -> session id, assigned draft worker (maybe none yet)
+    open   OpenSession(committed), under way while the generation prefills (cache_link.CacheLink)
     step   Step(correction), deadline -> next chain (possibly empty) and the verdict
-    close  CloseSession(final stats)  -> draft-side stats
+    close  CloseSession(final stats), nobody waiting for it
 
 The chain only decides how fast the target goes, never what it emits: the target verifies every
-token. So every failure here degrades to plain decoding instead of failing the request:
+token. So every failure here degrades to plain decoding instead of failing the request, and the
+engine's thread waits on the network in one place only: the Step of each iteration, with its
+deadline.
 
-- OpenSession fails (cache down, timeout, anything but NOT_FOUND / FAILED_PRECONDITION, which are
-  the user's to see): this request decodes alone.
-- Step fails (timeout, cache restarted, stale epoch): that step gets an empty chain; a step after a
-  short pause re-opens a session at the committed text so far (retrying with backoff while the
-  cache is down).
+- An open is a future the engine polls at the generation's next step; until it has answered, the
+  step gets an empty chain. A session that answered after its generation committed more than one
+  token opened at a text that is gone: it is closed and another is opened at the text now.
+- OpenSession fails (cache down, timeout): plain steps, and a new open after a backoff, while the
+  breaker lets it (cache_link.Breaker). NOT_FOUND / FAILED_PRECONDITION (the named draft left
+  after the front checked it): this request decodes without a draft.
+- Step fails (timeout, cache restarted, stale epoch): that step gets an empty chain, the session is
+  closed (fire-and-forget) and another opened at the committed text after a short pause.
 
 The source owns the session's epoch (a re-opened session starts again at 0, whatever the chains
-before it said) and its round-trip times; the committed sequence is the generation's, read (never
-copied) when a session must be re-opened.
+before it said), its round-trip times and the draft's counters (from each Step's answer); the
+committed sequence is the generation's, read (never copied) when a session must be opened.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-import threading
 import time
-import weakref
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import grpc
 
-from card.common.convert import chain_policy_to_msg, correction_to_msg, stats_to_msg, step_result_from_msg
+from card.common.convert import correction_to_msg, step_result_from_msg
 from card.common.status import error_from_rpc, error_from_status, status_from_value
-from card.common.tensors import ids_to_msg
 from card.engine.shared.config import ChainPolicy
 from card.engine.shared.errors import CardError, InvalidArgument
 from card.engine.shared.stats import GenerationStats
 from card.engine.shared.tree import Chain, Correction
 from card.engine.target.chain_source import SourceStats, StepResult
 from card.target_service import metrics
-from card.v1 import cache_pb2, cache_pb2_grpc
+from card.target_service.cache_link import CACHE_TROUBLE, CacheLink
+from card.v1 import cache_pb2
 
 log = logging.getLogger(__name__)
 
 # refused to the user as they are: the request named a draft that cannot serve it
 _USER_ERRORS = (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION)
+_STALE_OPENS_BEFORE_BACKOFF = 3
 
 
-def _code(err: grpc.RpcError) -> grpc.StatusCode | None:
+def _code(err: BaseException) -> grpc.StatusCode | None:
     return err.code() if isinstance(err, grpc.Call) else None
-
-
-def session_idle_timeout_s(step_timeout_s: float) -> float:
-    """How long the cache keeps one of this target's sessions without a Step or keepalive: ten
-    Step deadlines, at least 5 s. A target that died frees its sessions' draft capacity this soon;
-    a live one keeps every session it still serves alive (SessionKeeper), however long its prefill
-    or its wait for a KV slot."""
-    return max(5.0, 10.0 * step_timeout_s)
-
-
-class SessionKeeper:
-    """Sends the cache, every quarter of the idle timeout, the ids of this target's open sessions
-    that had no Step or open in that time (one StepBatch with keepalive ids, no steps): a session
-    is closed for idleness only when its target is gone."""
-
-    def __init__(self, stub: cache_pb2_grpc.CacheServiceStub, idle_timeout_s: float, cache_addr: str) -> None:
-        self.stub = stub
-        self.period_s = idle_timeout_s / 4.0
-        self.cache_addr = cache_addr
-        self._sources: weakref.WeakSet[RemoteCard] = weakref.WeakSet()
-        self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="session-keeper", daemon=True)
-        self._thread.start()
-
-    def add(self, source: RemoteCard) -> None:
-        with self._lock:
-            self._sources.add(source)
-
-    def discard(self, source: RemoteCard) -> None:
-        with self._lock:
-            self._sources.discard(source)
-
-    def stop(self) -> None:
-        self._stop.set()
-
-    def quiet_sessions(self) -> list[str]:
-        now = time.monotonic()
-        with self._lock:
-            sources = list(self._sources)
-        return [s.session_id for s in sources if s.session_id and now - s.last_contact >= self.period_s]
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.period_s):
-            ids = self.quiet_sessions()
-            if not ids:
-                continue
-            try:
-                self.stub.StepBatch(cache_pb2.StepBatchRequest(keepalive_session_ids=ids),
-                                    timeout=self.period_s)
-            except grpc.RpcError as err:  # the cache is down: its sessions are lost anyway
-                log.debug("keepalive of %d session(s) failed: %s", len(ids),
-                          error_from_rpc(err, self.cache_addr))
-
-
-@dataclass(frozen=True)
-class CacheTarget:
-    """What every session of one card-target tells the cache, and how long it waits: built once
-    (target_service.frontend), shared by every RemoteCard. ``vocab_size`` and ``context_window``
-    are the target's: the cache checks prompts and the draft's layers against them."""
-
-    cache_addr: str
-    target_model: str
-    fingerprint: str
-    vocab_size: int = 0
-    context_window: int = 0
-    step_timeout_s: float = 1.0
-    open_timeout_s: float = 5.0
-    retry_initial_s: float = 0.5
-    retry_max_s: float = 5.0
-
-    @property
-    def idle_timeout_s(self) -> float:
-        return session_idle_timeout_s(self.step_timeout_s)
 
 
 class RemoteCard:
     """A ``ChainSource`` backed by the cache service for one request: ``draft`` is the worker it
-    names ("" = any), ``chain`` its ChainPolicy, sent with every OpenSession."""
+    names ("" = any), ``chain`` its ChainPolicy, sent with every OpenSession. Driven by the
+    engine's thread only (the keeper reads ``session_id`` and ``last_contact``)."""
 
-    def __init__(self, stub: cache_pb2_grpc.CacheServiceStub, target: CacheTarget, draft: str = "",
-                 chain: ChainPolicy | None = None, keeper: SessionKeeper | None = None) -> None:
-        self.stub = stub
-        self.target = target
-        self.cache_addr = target.cache_addr
+    def __init__(self, link: CacheLink, draft: str = "", chain: ChainPolicy | None = None) -> None:
+        self.link = link
+        self.stub = link.stub
+        self.target = link.target
+        self.cache_addr = link.target.cache_addr
         self.draft = draft
         self.chain = chain or ChainPolicy()
-        self.step_timeout_s = target.step_timeout_s
-        self.keeper = keeper
+        self.step_timeout_s = link.target.step_timeout_s
         self.last_contact = time.monotonic()  # the last open or answered Step (SessionKeeper)
         self.session_id = ""
         self.draft_name = ""  # the worker that served the (last) session
         self.epoch = 0  # of the current session's latest chain
         self.committed: Sequence[int] = ()  # the generation's (card.engine.target.chain_source)
         self.rtt_ms: list[float] = []
-        self._degraded = False  # the first open failed: plain decoding for this request
+        self._opening: grpc.Future | None = None  # an OpenSession under way
+        self._opened_at = 0  # committed tokens it opens at
+        self._opens = 0  # opens sent (every one after the first is a resync)
+        self._stale = 0  # opens in a row that answered after the text moved on
+        self._degraded = False  # the cache refused the named draft: plain decoding for this request
         self._retry_at = 0.0
-        self._retry_s = target.retry_initial_s
-        self._draft_forwards = 0  # from sessions closed before the last one
-        self._draft_idle_s = 0.0
+        self._retry_s = link.target.retry_initial_s
+        self._draft_done = (0, 0.0)  # draft forwards and idle seconds of sessions that ended
+        self._draft_now = (0, 0.0)  # the current session's, from its latest Step
+
+    def _draft_totals(self) -> tuple[int, float]:
+        return self._draft_done[0] + self._draft_now[0], self._draft_done[1] + self._draft_now[1]
 
     # ---- ChainSource -------------------------------------------------------------------------
     def open(self, committed: Sequence[int]) -> None:
+        """Start opening a session at ``committed`` (the engine admitted the generation); it
+        serves from the first step after it has answered."""
         self.committed = committed
-        if self.keeper is not None:
-            self.keeper.add(self)
-        try:
-            self._open_session(list(committed))
-        except grpc.RpcError as err:
-            if _code(err) in _USER_ERRORS:
-                raise error_from_rpc(err, self.cache_addr) from None
-            self._degraded = True
-            metrics.DEGRADED.inc()
-            log.warning("cannot open a session at the cache %s, decoding without a draft: %s",
-                        self.cache_addr, error_from_rpc(err, self.cache_addr))
+        self.link.keeper.add(self)
+        self._begin_open()
 
     def step(self, correction: Correction) -> StepResult:
         return RemoteCard.step_batch([self], [correction])[0]
@@ -205,8 +134,11 @@ class RemoteCard:
         if self._degraded:
             return self._plain()
         if not self.session_id:
-            # the committed text before next_token (the generation has committed this correction)
-            if time.monotonic() < self._retry_at or not self._reopen(list(self.committed[:-1])):
+            if self._opening is None:
+                if time.monotonic() >= self._retry_at:
+                    self._begin_open()
+                return self._plain()
+            if not self._opened():
                 return self._plain()
             # the new session's committed text ends before next_token, at epoch 0
             correction = Correction(0, (), (), correction.next_token)
@@ -229,81 +161,108 @@ class RemoteCard:
             self._abandon(close=True)
             return self._plain()
         self._record_rtt(t0)
+        self.link.breaker.success()
         self.epoch = result.chain.epoch
         self.last_contact = time.monotonic()
+        self._draft_now = (reply.ok.draft_forwards, reply.ok.draft_idle_s)
         return result
 
     def _failed(self, code: grpc.StatusCode, error: CardError, t0: float) -> StepResult:
         self._record_rtt(t0)
         metrics.STEP_FAILURES.labels(code=code.name).inc()
+        if code in CACHE_TROUBLE:
+            self.link.breaker.failure()
         log.warning("Step failed for session %s, plain decoding until it is re-opened: %s",
                     self.session_id, error, extra={"session_id": self.session_id})
         self._abandon(close=code is not grpc.StatusCode.NOT_FOUND)
         return self._plain()
 
     def close(self, stats: GenerationStats) -> SourceStats:
-        if self.keeper is not None:
-            self.keeper.discard(self)
+        """End the session; the cache records ``stats`` when CloseSession reaches it (nobody
+        waits for that: the draft's counters came with each Step's answer)."""
+        self.link.keeper.discard(self)
+        if self._opening is not None:
+            self.link.close_when_open(self._opening)
+            self._opening = None
         if self.session_id:
-            self._close_session(dataclasses.replace(stats, step_rtt_ms=list(self.rtt_ms)))
-        return SourceStats(draft_forwards=self._draft_forwards, draft_idle_s=self._draft_idle_s,
-                           step_rtt_ms=self.rtt_ms)
+            final = dataclasses.replace(stats, step_rtt_ms=list(self.rtt_ms))
+            self.link.close_session(self.session_id, final)
+            self.session_id = ""
+        forwards, idle = self._draft_totals()
+        return SourceStats(draft_forwards=forwards, draft_idle_s=idle, step_rtt_ms=self.rtt_ms)
 
     # ---- sessions ----------------------------------------------------------------------------
-    def _open_session(self, committed: list[int], timeout_s: float | None = None) -> None:
-        target = self.target
-        reply = self.stub.OpenSession(
-            cache_pb2.OpenSessionRequest(prompt_ids=ids_to_msg(committed), vocab_size=target.vocab_size,
-                                         context_window=target.context_window,
-                                         tokenizer_fingerprint=target.fingerprint,
-                                         target_model=target.target_model, draft=self.draft,
-                                         chain=chain_policy_to_msg(self.chain),
-                                         idle_timeout_ms=round(target.idle_timeout_s * 1000)),
-            timeout=timeout_s or target.open_timeout_s,
-        )
-        self.last_contact = time.monotonic()
+    def _begin_open(self) -> None:
+        """Send OpenSession at the committed text now, when the breaker and the bound on calls in
+        flight let it; otherwise try again after a pause."""
+        if not self.link.breaker.allow():
+            self._retry_at = time.monotonic() + max(self.link.breaker.retry_in(), self.target.retry_initial_s)
+            return
+        future = self.link.open_session(list(self.committed), self.draft, self.chain)
+        if future is None:
+            self._retry_at = time.monotonic() + self.target.retry_initial_s
+            return
+        self._opening, self._opened_at = future, len(self.committed)
+        self._opens += 1
+
+    def _opened(self) -> bool:
+        """Whether the open under way answered with a session this step can use (non-blocking)."""
+        future = self._opening
+        assert future is not None
+        if not future.done():
+            return False
+        self._opening = None
+        err = future.exception() if not future.cancelled() else grpc.FutureCancelledError()
+        if err is not None:
+            code = _code(err)
+            if code in _USER_ERRORS:  # the named draft left after the front checked it
+                self._degraded = True
+                metrics.DEGRADED.inc()
+                log.warning("the cache refused this request's session, decoding without a draft: %s",
+                            error_from_rpc(err, self.cache_addr))  # type: ignore[arg-type]
+                return False
+            self._backoff()
+            log.info("opening a session at the cache %s failed (next try in %.1fs): %s", self.cache_addr,
+                     self._retry_s, error_from_rpc(err, self.cache_addr) if isinstance(err, grpc.RpcError)
+                     else err)
+            return False
+        reply = future.result()
+        # the Step this serves carries one new token (next_token) past the text it opened at
+        if len(self.committed) != self._opened_at + 1:
+            metrics.STALE_OPENS.inc()
+            self.link.close_session(reply.session_id)
+            self._stale += 1
+            if self._stale < _STALE_OPENS_BEFORE_BACKOFF:
+                self._begin_open()
+            else:  # the cache answers slower than this target commits: not every step
+                self._stale = 0
+                self._backoff()
+            return False
+        self._stale = 0
+        if self._opens > 1:
+            metrics.RESYNCS.inc()
         self.session_id = reply.session_id
         self.draft_name = reply.draft or self.draft_name
         self.epoch = 0
+        self.last_contact = time.monotonic()
         self._retry_s = self.target.retry_initial_s
         log.debug("session %s opened (draft %s)", self.session_id, reply.draft or "none",
                   extra={"session_id": self.session_id})
-
-    def _reopen(self, committed: list[int]) -> bool:
-        try:
-            # mid-generation every second counts: never stall the target longer than one Step may
-            self._open_session(committed, timeout_s=min(self.step_timeout_s, self.target.open_timeout_s))
-        except grpc.RpcError as err:
-            self._retry_at = time.monotonic() + self._retry_s
-            self._retry_s = min(self._retry_s * 2, self.target.retry_max_s)
-            log.warning("re-opening a session at the cache %s failed (next try in %.1fs): %s",
-                        self.cache_addr, self._retry_s, error_from_rpc(err, self.cache_addr))
-            return False
-        metrics.RESYNCS.inc()
         return True
 
+    def _backoff(self) -> None:
+        self._retry_at = time.monotonic() + self._retry_s
+        self._retry_s = min(self._retry_s * 2, self.target.retry_max_s)
+
     def _abandon(self, close: bool) -> None:
-        if close:
-            self._close_session(None)
+        if close and self.session_id:
+            self.link.close_session(self.session_id)
         self.session_id = ""
+        self._draft_done, self._draft_now = self._draft_totals(), (0, 0.0)
         # not at once: a failed Step often means the cache is restarting, and a session opened on
         # a cache that is shutting down would be lost with it
         self._retry_at = time.monotonic() + self.target.retry_initial_s
         self._retry_s = self.target.retry_initial_s
-
-    def _close_session(self, stats: GenerationStats | None) -> None:
-        """End the session; ``stats`` (the generation's, at its end) are recorded by the cache."""
-        request = cache_pb2.CloseSessionRequest(session_id=self.session_id)
-        if stats is not None:
-            request.stats.CopyFrom(stats_to_msg(stats))
-        try:
-            reply = self.stub.CloseSession(request, timeout=self.target.open_timeout_s)
-            self._draft_forwards += reply.draft_forwards
-            self._draft_idle_s += reply.draft_idle_s
-        except grpc.RpcError as err:
-            log.warning("CloseSession failed for session %s: %s", self.session_id,
-                        error_from_rpc(err, self.cache_addr), extra={"session_id": self.session_id})
-        self.session_id = ""
 
     # ---- helpers -----------------------------------------------------------------------------
     def _plain(self) -> StepResult:

@@ -13,10 +13,12 @@ from __future__ import annotations
 import logging
 import os
 
+import click
 import grpc
 import torch
 
-from card.common.channels import channel, wait_serving, warn_if_cleartext
+from card.common.auth import TARGET_ROLES, TokenAuth
+from card.common.channels import LOOPBACK, channel, wait_serving, warn_if_cleartext
 from card.common.cli import exact_option, exit_on_error, logging_options, option, service_command, tls_options
 from card.common.serving import (
     add_health,
@@ -45,16 +47,40 @@ log = logging.getLogger("target_service")
 SERVICE_NAME = "card.v1.TargetService"
 
 
-def create_server(addr: str, max_workers: int = 16, tls: TlsConfig = PLAINTEXT) -> tuple[grpc.Server, int]:
-    """A gRPC server bound to ``addr`` ("host:port", port 0 = OS-chosen); not started."""
-    server = make_server(max_workers=max_workers)
+API_KEY_HINT = "the API key (authorization: Bearer KEY; card-client --api-key / CARD_CLIENT_API_KEY)"
+
+
+def create_server(addr: str, max_workers: int = 16, tls: TlsConfig = PLAINTEXT,
+                  api_key: str | None = None) -> tuple[grpc.Server, int]:
+    """A gRPC server bound to ``addr`` ("host:port", port 0 = OS-chosen); not started. With
+    ``api_key``, Generate and Info answer UNAUTHENTICATED to a call without it (health stays open)."""
+    auth = TokenAuth(TARGET_ROLES, {"user": api_key}, hints={"user": API_KEY_HINT})
+    server = make_server(max_workers=max_workers, interceptors=[auth])
     return server, bind(server, addr, tls)
+
+
+def warn_if_open(config: TargetConfig) -> None:
+    """One warning at start for each port that listens beyond this machine without a key, or
+    whose key and prompts would cross the network in clear."""
+    ports = [("gRPC", config.host, config.tls.serves, "--tls-cert")]
+    if config.http_port is not None:
+        ports.append(("HTTP", config.http_host, config.http_tls.serves, "--http-tls-cert"))
+    for what, host, tls, flag in ports:
+        if host in LOOPBACK:
+            continue
+        if not config.api_key:
+            log.warning("the %s API listens on %s without --api-key: anyone who reaches it can generate "
+                        "(set --api-key / CARD_TARGET_API_KEY)", what, host)
+        elif not tls:
+            log.warning("the %s API listens on %s without TLS: the API key and prompts cross the network "
+                        "in clear (%s)", what, host, flag)
 
 
 def serve(config: TargetConfig) -> None:
     # every streaming Generate holds a server thread, waiting ones too; health and Info need some
     server, port = create_server(f"{config.host}:{config.port}", max_workers=4 * config.max_batch_size + 16,
-                                 tls=config.tls)
+                                 tls=config.tls, api_key=config.api_key)
+    warn_if_open(config)
     health = add_health(server)
     cache_channel = None
     stub = None
@@ -70,12 +96,14 @@ def serve(config: TargetConfig) -> None:
     print(f"card-target listening on {config.host}:{port}", flush=True)
     http = None
     if config.http_port is not None:
-        http = HttpServer(create_app(front, config.api_key), config.http_host, config.http_port,
-                          config.shutdown_grace_s)
+        app = create_app(front, config.api_key, max_body_bytes=config.max_body_bytes,
+                         serve_metrics=config.http_metrics)
+        http = HttpServer(app, config.http_host, config.http_port, config.shutdown_grace_s,
+                          tls=config.http_tls)
         http.start()
+        log.info("HTTP on %s:%d (%s)", config.http_host, http.port,
+                 "TLS" if config.http_tls.serves else "plaintext")
         print(f"card-target http listening on {config.http_host}:{http.port}", flush=True)
-    elif config.api_key:
-        log.warning("--api-key is set but the HTTP front is off (--http-port): the key guards nothing")
     start_metrics_server(config.metrics_port, config.metrics_host)
     if config.threads:
         torch.set_num_threads(config.threads)
@@ -95,7 +123,10 @@ def serve(config: TargetConfig) -> None:
     log.info("KV cache: %d slots x %d tokens (%.2f GB)", slots, max_len, pool.nbytes / 2**30)
     engine = TargetEngine(model.model, pool, config.max_batch_tokens, adaptive=config.adaptive_chains,
                           exact=model.exact)
-    loop = EngineLoop(engine, threads=config.threads)
+    def engine_died(exc: BaseException) -> None:
+        set_serving(health, False, [SERVICE_NAME])
+
+    loop = EngineLoop(engine, threads=config.threads, max_waiting=config.max_waiting, on_death=engine_died)
     loop.start()
     front.ready(model, loop)
     set_serving(health, True, [SERVICE_NAME])
@@ -112,8 +143,9 @@ def serve(config: TargetConfig) -> None:
             http.stop(grace + 1)
         stopped.wait(grace + 1)
         loop.stop()
-        if front.keeper is not None:
-            front.keeper.stop()
+        if front.link is not None:
+            front.link.stop()
+            front.link.drain(2.0)  # the last CloseSessions reach the cache before its channel closes
         if cache_channel is not None:
             cache_channel.close()
 
@@ -155,11 +187,28 @@ def serve(config: TargetConfig) -> None:
         help="Serve the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models, "
              "/health, /metrics) on this port (0 = OS-chosen; default: off).")
 @option("--http-host", default="127.0.0.1", help="Interface of the HTTP API (0.0.0.0 in containers).")
+@option("--http-tls-cert", type=click.Path(dir_okay=False), default=None,
+        help="PEM certificate chain the HTTP API serves (HTTPS; re-read when renewed). Default: plain "
+             "HTTP.")
+@option("--http-tls-key", type=click.Path(dir_okay=False), default=None, help="PEM private key of "
+        "--http-tls-cert.")
+@option("--http-metrics/--no-http-metrics", default=True,
+        help="Also serve /metrics on the HTTP API (behind --api-key when one is set); the metrics port "
+             "serves them either way.")
+@option("--max-body-mb", default=4.0, type=float,
+        help="Largest HTTP request body; a larger one is refused with 413 before it is read.")
+@option("--max-waiting", default=64, type=int,
+        help="Most requests waiting for a KV slot; more are refused at once (RESOURCE_EXHAUSTED / 429).")
+@option("--queue-timeout-s", default=30.0, type=float,
+        help="How long a request waits for a KV slot before it is refused (RESOURCE_EXHAUSTED / HTTP 429 "
+             "with Retry-After); a gRPC deadline shorter than this wins.")
 @option("--target-token", default=None,
         help="Present this token to the cache (authorization: Bearer), where card-cache requires one "
              "(its --target-token).")
 @option("--api-key", default=None,
-        help="Require 'Authorization: Bearer <key>' on the HTTP API's /v1 routes (401 otherwise).")
+        help="Require this key on both APIs: 'Authorization: Bearer <key>' on every HTTP path but /health "
+             "(401 otherwise, checked before the body is read), and the same as 'authorization: Bearer "
+             "<key>' metadata on gRPC Generate and Info (UNAUTHENTICATED otherwise; health stays open).")
 @tls_options("card-target")
 @logging_options
 def main(**options: object) -> None:

@@ -83,6 +83,8 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             if not prompt:
                 raise InvalidArgument("the conversation has no messages")
         elif which == "prompt_ids":
+            if request.prompt_ids.shape:  # the length first: millions of ids are never listed
+                self.front.check_length(request.prompt_ids.shape[0])
             prompt = ids_from_msg(request.prompt_ids)
         else:
             raise InvalidArgument("the request has no prompt: set prompt, messages or prompt_ids")

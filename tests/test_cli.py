@@ -240,3 +240,26 @@ def test_a_local_trio_does_not_outlive_the_process_that_started_it(tmp_path) -> 
         time.sleep(0.1)
     os.kill(redis_pid, signal.SIGKILL)
     pytest.fail("redis-server outlived the process that started it")
+
+
+def test_the_key_and_the_request_limits_are_flags_and_variables():
+    """card-client and card-bench present a target's key from a flag or their variable; card-target's
+    guard and limits are flags with CARD_TARGET_* variables, shown in --help."""
+    from click.testing import CliRunner
+
+    from card.client.bench.cli import main as bench
+    from card.client.cli import cli
+    from card.target_service.server import main as target
+
+    runner = CliRunner()
+    for command, args, variables in (
+            (cli, ["generate", "--help"], ["CARD_CLIENT_API_KEY"]),
+            (bench, ["--help"], ["CARD_BENCH_API_KEY"]),
+            (target, ["--help"], ["CARD_TARGET_API_KEY", "CARD_TARGET_HTTP_TLS_CERT",
+                                  "CARD_TARGET_HTTP_TLS_KEY", "CARD_TARGET_MAX_BODY_MB",
+                                  "CARD_TARGET_HTTP_METRICS", "CARD_TARGET_MAX_WAITING",
+                                  "CARD_TARGET_QUEUE_TIMEOUT_S"])):
+        page = runner.invoke(command, args, terminal_width=200).output
+        assert "--api-key" in page or command is target
+        for name in variables:
+            assert name in page, (args, name)

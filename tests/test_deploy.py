@@ -367,6 +367,37 @@ def test_tls_component_gives_every_service_its_certificate_and_the_cache_mutual_
     assert "CARD_TARGET_TLS_CLIENT_AUTH" not in by_script["card-target"].env  # users need no certificate
 
 
+def test_tls_component_serves_the_targets_http_port_as_https_too() -> None:
+    """Both ports the target's Service exposes carry TLS with the component: the HTTP front serves
+    the same certificate (--http-tls-cert/--http-tls-key), its readiness probe and Service say HTTPS."""
+    command = command_for("card-target")
+    plain = next(c for c in card_containers(render(OVERLAYS["cpu"])) if c.script == "card-target")
+    assert effective(command, plain.env, "--http-tls-cert") == "None"
+    assert plain.container["readinessProbe"]["httpGet"].get("scheme", "HTTP") == "HTTP"
+    rendered = render(OVERLAYS["cpu"], components=(TLS,))
+    target = next(c for c in card_containers(rendered) if c.script == "card-target")
+    for http_flag, grpc_flag in (("--http-tls-cert", "--tls-cert"), ("--http-tls-key", "--tls-key")):
+        assert effective(command, target.env, http_flag) == effective(command, target.env, grpc_flag)
+    assert target.container["readinessProbe"]["httpGet"]["scheme"] == "HTTPS"
+    ports = {p["name"]: p for p in rendered.get("Service", "card-target")["spec"]["ports"]}
+    assert ports["http"]["appProtocol"] == "https" and ports["http"]["targetPort"] == "http"
+    assert ports["grpc"]["appProtocol"] == "grpc"
+
+
+def test_the_api_key_guards_every_port_the_targets_service_exposes(variant: tuple[str, Rendered]) -> None:
+    """Users reach the target's Service on gRPC and HTTP; card-target checks --api-key on both, so
+    the key (from its Secret) is all it takes, and the Service exposes nothing else (metrics and
+    health stay on the pod's own ports; /metrics is off on the HTTP port)."""
+    _, rendered = variant
+    target = next(c for c in card_containers(rendered) if c.script == "card-target")
+    key = next(v for v in target.container["env"] if v["name"] == "CARD_TARGET_API_KEY")
+    assert key["valueFrom"]["secretKeyRef"]["name"] == "card-target-api-key"
+    assert "CARD_TARGET_API_KEY" in accepted_envvars(command_for("card-target"))
+    exposed = {p["targetPort"] for p in rendered.get("Service", "card-target")["spec"]["ports"]}
+    assert exposed == {"grpc", "http"}
+    assert effective(command_for("card-target"), target.env, "--http-metrics").lower() in ("false", "0")
+
+
 def test_network_policies_let_only_targets_and_drafts_reach_the_cache(variant: tuple[str, Rendered]) -> None:
     _, rendered = variant
     pods = {d["metadata"]["name"]: d["spec"]["template"] for d in rendered.of_kind("Deployment")}

@@ -201,6 +201,8 @@ def _parse_variant(value: str) -> tuple[str, dict[str, object]]:
 @click.option("--target", "target_addr", default=None, envvar="CARD_BENCH_TARGET_ADDR", show_envvar=True,
               help="with --services and only svc-* modes: load this running card-target (HOST:PORT) instead "
                    "of starting a local trio; the model flags then only label the results")
+@click.option("--api-key", default=None, envvar="CARD_BENCH_API_KEY", show_envvar=True,
+              help="with --target: the key of that card-target (its --api-key), presented on every call")
 @click.option("--no-progress", is_flag=True, help="no progress bar")
 @tls_options("card-bench", serves=False, envvar_prefix="CARD_BENCH")
 @ngram_options("card-bench", envvar_prefix="CARD_BENCH")
@@ -220,7 +222,7 @@ def bench(*, target_model: str, draft_model: str, target_dtype: str, draft_dtype
           ignore_eos: bool, threads: int | None, target_threads: int | None, draft_threads: int | None,
           warmup_tokens: int, out: Path | None, chart: Path | None, services: bool, concurrency: str | None,
           no_progress: bool, target_addr: str | None = None, tls: TlsConfig = PLAINTEXT,
-          ngram: NgramConfig | None = None, exact: bool = True) -> int:
+          ngram: NgramConfig | None = None, exact: bool = True, api_key: str | None = None) -> int:
     ngram = ngram or NgramConfig()
     levels = _parse_levels(concurrency)
     if levels and not services:
@@ -250,7 +252,7 @@ def bench(*, target_model: str, draft_model: str, target_dtype: str, draft_dtype
             raise InvalidArgument(f"--modes {modes} runs through the services: add --services")
         return _services_only(target_model, draft_model, target_dtype, draft_quantize, tree, settings,
                               requested, loaded, levels or (1,), max_new_tokens, ignore_eos, out,
-                              target_addr, tls)
+                              target_addr, tls, api_key or None)
     mode_names = _parse_modes(modes)
 
     t0 = time.perf_counter()
@@ -336,17 +338,18 @@ def _echo_err(line: str) -> None:
 def _services_only(target_model: str, draft_model: str, target_dtype: str, draft_quantize: str,
                    tree: TreeParams, settings: ModeSettings, modes: list[str], loaded: list[data.Dataset],
                    levels: tuple[int, ...], max_new_tokens: int, ignore_eos: bool, out: Path | None,
-                   target_addr: str | None = None, tls: TlsConfig = PLAINTEXT) -> int:
+                   target_addr: str | None = None, tls: TlsConfig = PLAINTEXT,
+                   api_key: str | None = None) -> int:
     """The load through the services alone: no model in this process (text prompts; the target
     applies its chat template), svc-vanilla always run as the reference. ``target_addr``: a running
-    card-target (dialed with ``tls``) instead of a local trio."""
+    card-target (dialed with ``tls``, presenting ``api_key``) instead of a local trio."""
     modes = list(dict.fromkeys([load.REFERENCE, *modes]))
     prompts = [p for ds in loaded for p in ds.prompts]
     with contextlib.ExitStack() as stack:
         addr = target_addr or stack.enter_context(
             _trio(target_model, draft_model, target_dtype, draft_quantize, tree, settings)).target_addr
         records, rows = load.run_load(addr, modes, prompts, levels, max_new_tokens, ignore_eos,
-                                      log=_echo_err, tls=tls)
+                                      log=_echo_err, tls=tls, api_key=api_key)
     config = {"target_model": target_model, "draft_model": draft_model, "draft_quantize": draft_quantize,
               "exact": settings.exact, "modes": modes, "datasets": {d.name: str(d.path) for d in loaded},
               "n": len(prompts),

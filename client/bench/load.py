@@ -28,9 +28,9 @@ REFERENCE = "svc-vanilla"
 
 
 def one_request(addr: str, prompt: str | Sequence[int], mode: str, max_new_tokens: int, ignore_eos: bool,
-                timeout_s: float = 600.0, tls: TlsConfig = PLAINTEXT) -> dict:
+                timeout_s: float = 600.0, tls: TlsConfig = PLAINTEXT, api_key: str | None = None) -> dict:
     """Stream one generation of ``prompt`` (text, with the target's chat template, or token ids);
-    its tokens and timings (seconds from the call)."""
+    its tokens and timings (seconds from the call). ``api_key``: the target's, where it has one."""
     request = target_pb2.GenerateRequest(mode=mode, max_new_tokens=max_new_tokens, ignore_eos=ignore_eos)
     if isinstance(prompt, str):
         request.prompt = prompt
@@ -40,7 +40,7 @@ def one_request(addr: str, prompt: str | Sequence[int], mode: str, max_new_token
     stamps: list[tuple[float, int]] = []
     tokens: list[int] = []
     stats = None
-    with channel(addr, tls=tls) as ch:
+    with channel(addr, api_key, tls) as ch:
         for msg in target_pb2_grpc.TargetServiceStub(ch).Generate(request, timeout=timeout_s):
             if msg.WhichOneof("kind") == "chunk":
                 if msg.chunk.token_ids:
@@ -57,7 +57,7 @@ def one_request(addr: str, prompt: str | Sequence[int], mode: str, max_new_token
 
 def run_level(addr: str, mode: str, prompts: Sequence[str | Sequence[int]], concurrency: int,
               max_new_tokens: int, ignore_eos: bool, ramp_s: float = 0.0,
-              tls: TlsConfig = PLAINTEXT) -> tuple[list[dict], float]:
+              tls: TlsConfig = PLAINTEXT, api_key: str | None = None) -> tuple[list[dict], float]:
     """Every one of ``concurrency`` clients sends every prompt, client c starting ``c * ramp_s``
     after the first (so that equal requests do not arrive, and end, in waves); records and the
     load's wall time."""
@@ -71,7 +71,7 @@ def run_level(addr: str, mode: str, prompts: Sequence[str | Sequence[int]], conc
         for i in order:
             try:
                 rec = one_request(addr, prompts[i], mode.removeprefix("svc-"), max_new_tokens, ignore_eos,
-                                  tls=tls)
+                                  tls=tls, api_key=api_key)
             except BaseException as exc:
                 with lock:
                     errors.append(exc)
@@ -93,7 +93,7 @@ def run_level(addr: str, mode: str, prompts: Sequence[str | Sequence[int]], conc
 
 def run_load(addr: str, modes: Sequence[str], prompts: Sequence[str | Sequence[int]], levels: Sequence[int],
              max_new_tokens: int, ignore_eos: bool, log=print,
-             tls: TlsConfig = PLAINTEXT) -> tuple[list[dict], list[dict]]:
+             tls: TlsConfig = PLAINTEXT, api_key: str | None = None) -> tuple[list[dict], list[dict]]:
     records: list[dict] = []
     walls: dict[tuple[str, int], float] = {}
     alone: dict[str, float] = {}
@@ -101,7 +101,8 @@ def run_load(addr: str, modes: Sequence[str], prompts: Sequence[str | Sequence[i
         for mode in modes:
             # clients start spread over one request's time alone (measured at the lowest level)
             ramp = alone.get(mode, 0.0) / level
-            recs, wall = run_level(addr, mode, prompts, level, max_new_tokens, ignore_eos, ramp, tls)
+            recs, wall = run_level(addr, mode, prompts, level, max_new_tokens, ignore_eos, ramp, tls,
+                                   api_key)
             alone.setdefault(mode, statistics.median(r["wall_s"] for r in recs))
             records += recs
             walls[(mode, level)] = wall

@@ -97,27 +97,18 @@ class WorkerLink:
             self.delivered = True
 
 
-class InlineLink:
+class InlineLink(SyncLink):
     """The model-free drafter in the caller's thread: every start or advance grows the tree
     until it is ``depth`` deep (a chain's worth), a few dict probes a layer."""
 
     def __init__(self, drafter: NgramDrafter, session: CardSession, depth: int) -> None:
-        self.drafter = drafter
-        self.session = session
+        super().__init__(drafter, session)
         self.depth = depth
         self.delivered = False
 
     def start(self, committed: Sequence[int], epoch: int) -> None:
         self.delivered = False
-        self.drafter.start(committed, epoch)
-        self._grow()
-
-    def advance(self, advance: Advance) -> None:
-        self.drafter.advance(advance)
-        self._grow()
-
-    def stop(self) -> None:
-        self.drafter.release()
+        super().start(committed, epoch)
 
     def _grow(self) -> None:
         depth = self.drafter.tree.sizes().depth

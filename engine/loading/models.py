@@ -114,11 +114,33 @@ class LoadedModel:
                 raise InvalidArgument("the prompt is empty")
             messages = [{"role": "user", "content": prompt}]
         if use_chat:
-            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+            ids = self._apply_chat_template(messages)
             if isinstance(ids, dict) or hasattr(ids, "input_ids"):
                 ids = ids["input_ids"]
             return list(ids)
         return list(self.tokenizer(prompt, add_special_tokens=True)["input_ids"])
+
+    def _apply_chat_template(self, messages: list[dict]) -> object:
+        """The chat template over ``messages``; a template that refuses them (``raise_exception``,
+        e.g. "Conversation roles must alternate") or fails on them is the request's error: one
+        InvalidArgument with the template's own message, no traceback."""
+        from jinja2 import TemplateError
+
+        try:
+            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        except TemplateError as err:
+            raise InvalidArgument(f"the chat template of {self.name} refused the conversation: "
+                                  f"{_one_line(err)}") from None
+        except (TypeError, ValueError, KeyError, IndexError) as err:
+            # raised while rendering: the template cannot handle these messages (their shape)
+            raise InvalidArgument(f"the chat template of {self.name} failed on the conversation: "
+                                  f"{type(err).__name__}: {_one_line(err)}") from None
+
+
+def _one_line(err: BaseException, limit: int = 300) -> str:
+    """An exception's message on one line, at most ``limit`` characters."""
+    text = " ".join(str(err).split()) or type(err).__name__
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:

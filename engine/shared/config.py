@@ -68,14 +68,27 @@ class DrafterKind(enum.Enum):
         return f"{model_label}+{NGRAM}" if self is DrafterKind.CASCADE else model_label
 
 
+# A temperature below this samples as greedy: the scaled logits ``logits / temperature`` overflow to
+# inf (and the softmax to NaN) long before a temperature reaches the smallest float, and under it the
+# filtered distribution is one-hot on the argmax anyway (vLLM's _SAMPLING_EPS, same value).
+SAMPLING_EPS = 1e-5
+# Temperatures above this are refused: a distribution that flat is noise whatever the model, and a
+# value like 1e300 is a mistake or a probe.
+MAX_TEMPERATURE = 100.0
+# Stop strings per request, and characters per stop string. Each front (gRPC, OpenAI HTTP) gets the
+# limit from StopParams; the engine's per-token stop matching is bounded by these (stopping.py).
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 256
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How the target picks each token.
 
-    ``temperature == 0`` is greedy. Otherwise the token at committed position ``t`` is drawn from
-    the target's (temperature, top-k, top-p)-filtered distribution with a uniform number derived
-    from ``(seed, t)`` only, so every mode (vanilla, sd, card) that sees the same target logits at
-    position ``t`` commits the same token there.
+    ``temperature`` below SAMPLING_EPS (0 included) is greedy. Otherwise the token at committed
+    position ``t`` is drawn from the target's (temperature, top-k, top-p)-filtered distribution with
+    a uniform number derived from ``(seed, t)`` only, so every mode (vanilla, sd, card) that sees
+    the same target logits at position ``t`` commits the same token there.
     """
 
     temperature: float = 0.0
@@ -84,8 +97,9 @@ class SamplingParams:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if not math.isfinite(self.temperature) or self.temperature < 0:
-            raise InvalidArgument(f"temperature must be a finite number >= 0, got {self.temperature}")
+        if not (math.isfinite(self.temperature) and 0 <= self.temperature <= MAX_TEMPERATURE):
+            raise InvalidArgument(f"temperature must be a number in [0, {MAX_TEMPERATURE:g}], "
+                                  f"got {self.temperature}")
         if self.top_k < 0:
             raise InvalidArgument(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
         if not (0.0 < self.top_p <= 1.0):
@@ -95,12 +109,17 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        """Greedy decoding: temperature 0, or one so small that dividing by it would overflow."""
+        return self.temperature < SAMPLING_EPS
 
 
 @dataclass(frozen=True)
 class StopParams:
-    """When a generation ends: EOS (every EOS id of the model), a stop string, or a token budget."""
+    """When a generation ends: EOS (every EOS id of the model), a stop string, or a token budget.
+
+    At most MAX_STOP_STRINGS stop strings of 1 to MAX_STOP_CHARS characters each: the one rule
+    every front applies by building this value (InvalidArgument otherwise, before any work).
+    """
 
     max_new_tokens: int = 128
     stop: tuple[str, ...] = ()
@@ -109,8 +128,19 @@ class StopParams:
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
             raise InvalidArgument(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        if any(not s for s in self.stop):
+        rule = f"stop: at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_CHARS} characters each"
+        if isinstance(self.stop, str):  # one string is one stop string, not a sequence of characters
+            object.__setattr__(self, "stop", (self.stop,))
+        if len(self.stop) > MAX_STOP_STRINGS:  # counted before anything is copied or scanned
+            raise InvalidArgument(f"{rule}; got {len(self.stop)}")
+        stop = tuple(self.stop)
+        if not all(isinstance(s, str) for s in stop):
+            raise InvalidArgument(f"{rule}; got something other than a string")
+        if any(not s for s in stop):
             raise InvalidArgument("stop strings must not be empty")
+        if (longest := max(map(len, stop), default=0)) > MAX_STOP_CHARS:
+            raise InvalidArgument(f"{rule}; got one of {longest} characters")
+        object.__setattr__(self, "stop", stop)
 
 
 @dataclass(frozen=True)

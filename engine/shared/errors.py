@@ -53,3 +53,9 @@ class Unavailable(CardError):
     """A peer is down or not serving yet."""
 
     code = "UNAVAILABLE"
+
+
+class Unauthenticated(CardError):
+    """A call without the credential its port requires (card-target --api-key, a cache token)."""
+
+    code = "UNAUTHENTICATED"

@@ -190,7 +190,7 @@ class Generation:
         self.stats.accepted_lengths.append(accepted_length)
         kept, text = self.tracker.feed(tokens)
         if not self.tracker.done and len(self.target.committed) >= self.context_window:
-            self.tracker.finish_reason = "length"
+            text += self.tracker.finish("length")  # what was held back is streamed too
         return Chunk(tuple(kept), text)
 
     def close(self) -> GenerationResult:

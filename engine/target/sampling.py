@@ -28,8 +28,16 @@ def position_uniform(seed: int, position: int) -> float:
 
 
 def filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Softmax of ``logits`` [V] after temperature, top-k and top-p, in float64 on the CPU."""
-    scaled = logits.detach().to("cpu", torch.float64) / params.temperature
+    """Softmax of ``logits`` [V] after temperature, top-k and top-p, in float64 on the CPU.
+
+    Greedy params (a temperature below SAMPLING_EPS) give the one-hot distribution on the argmax,
+    the limit of the softmax as the temperature goes to 0: dividing by such a temperature would
+    overflow the logits to inf and the softmax to NaN.
+    """
+    logits = logits.detach().to("cpu", torch.float64)
+    if params.greedy:
+        return torch.zeros_like(logits).index_fill_(0, torch.argmax(logits).view(1), 1.0)
+    scaled = logits / params.temperature
     if params.top_k and params.top_k < scaled.numel():
         kth = torch.topk(scaled, params.top_k).values[-1]
         scaled = scaled.masked_fill(scaled < kth, float("-inf"))

@@ -157,3 +157,37 @@ def test_different_seeds_give_different_tokens() -> None:
         for s in range(8)
     }
     assert len(outs) == 8
+
+
+# ---- temperatures too small to divide by ---------------------------------------------------------
+@pytest.mark.parametrize("temperature", [1e-320, 5e-324, 1e-300, 1e-6])
+def test_a_vanishing_temperature_samples_greedily_in_every_mode(temperature: float) -> None:
+    """Below SAMPLING_EPS a temperature is greedy: the output equals greedy decoding's in vanilla,
+    sd and card (whatever the seed), never a run of one token drawn from NaN probabilities."""
+    from card.engine.target.sampling import filtered_probs
+
+    target = target_model("llama")
+    greedy = generate(target, NoDraft(), PROMPT, max_new_tokens=24).tokens
+    tiny = SamplingParams(temperature=temperature, seed=5)
+    assert tiny.greedy
+    assert generate(target, NoDraft(), PROMPT, max_new_tokens=24, sampling=tiny).tokens == greedy
+    assert generate(target, SyncDraft(target, 3), PROMPT, max_new_tokens=24, sampling=tiny).tokens == greedy
+    with card_source(target, TreeParams(width=2, max_depth=4, max_chain=3), lockstep_depth=3) as card:
+        assert generate(target, card, PROMPT, max_new_tokens=24, sampling=tiny).tokens == greedy
+    assert len(set(greedy)) > 3, "the greedy output is not a constant token"
+    logits, _ = plain_forward(target, PROMPT)
+    probs = filtered_probs(logits[-1], tiny)
+    assert torch.isfinite(probs).all() and int(torch.argmax(probs)) == greedy[0] and float(probs.sum()) == 1.0
+
+
+def test_dividing_by_a_vanishing_temperature_gives_nan_which_is_why_it_is_greedy() -> None:
+    """Negative control: the plain temperature scaling (what filtered_probs did for any temperature
+    above 0) overflows at 1e-320 and its softmax is NaN; at SAMPLING_EPS it is still finite."""
+    from card.engine.shared.config import SAMPLING_EPS
+
+    logits, _ = plain_forward(target_model("llama"), PROMPT)
+    scaled = logits[-1].double() / 1e-320
+    assert not torch.isfinite(scaled).all()
+    assert torch.isnan(torch.softmax(scaled, -1)).any()
+    at_eps = torch.softmax(logits[-1].double() / SAMPLING_EPS, -1)
+    assert torch.isfinite(at_eps).all() and not SamplingParams(temperature=SAMPLING_EPS).greedy

@@ -80,6 +80,17 @@ def rkeys(url: str, pattern: str) -> list[str]:
         return sorted(r.scan_iter(pattern))
 
 
+def rhash(url: str, key: str) -> dict[str, str]:
+    with redis.Redis.from_url(url, decode_responses=True) as r:
+        return r.hgetall(key)
+
+
+def wait_live_record(url: str, prefix: str, sid: str) -> dict[str, str]:
+    """The live record the monitor writes once the session has lived through one of its rounds."""
+    wait_for(lambda: bool(rhash(url, f"{prefix}session:{sid}")), what=f"the live record of {sid}")
+    return rhash(url, f"{prefix}session:{sid}")
+
+
 def expect_advance(draft: HandDraft, sid: str) -> Advance:
     cmd = draft.next_command()
     assert isinstance(cmd, AdvanceDraft), cmd
@@ -204,9 +215,8 @@ def test_chain_policy_per_session(cache: Cache, redis_url: str, redis_prefix: st
     assert all(r.outcome is Outcome.HIT for r in chains.values())
     assert len(chains[short].chain) <= 1 and chains[short].chain.tokens == (20,)
     assert chains[full].chain.tokens == (20, 30, 40)  # the cache's max_chain (8): the whole path
-    with redis.Redis.from_url(redis_url, decode_responses=True) as r:
-        assert r.hget(f"{redis_prefix}session:{short}", "max_chain") == "1"
-        assert r.hget(f"{redis_prefix}session:{full}", "max_chain") == "8"
+    assert wait_live_record(redis_url, redis_prefix, short)["max_chain"] == "1"
+    assert wait_live_record(redis_url, redis_prefix, full)["max_chain"] == "8"
 
     open_before = len(cache.server.sessions)
     for bad, field_name in ((ChainPolicy(min_path_prob=2.0), "min_path_prob"),
@@ -364,7 +374,7 @@ def test_close_session_leaves_no_state(cache: Cache, redis_url: str, redis_prefi
     sids = [cache.target.open(PROMPT).session_id for _ in range(3)]
     for _ in sids:
         draft.next_command()
-    assert len(rkeys(redis_url, f"{redis_prefix}session:*")) == 3
+    wait_for(lambda: len(rkeys(redis_url, f"{redis_prefix}session:*")) == 3, what="three live records")
     sid = sids[0]
     root = virtual_root_id(0)
     draft.publish(sid, layer([root], [0], [10], [0.9]), draft_forwards=3, draft_idle_s=0.5)
@@ -378,6 +388,7 @@ def test_close_session_leaves_no_state(cache: Cache, redis_url: str, redis_prefi
     for other in sids[1:]:
         cache.target.close_session(other)
 
+    assert cache.server.records.flush(TIMEOUT)  # finished records are written in the background
     assert rkeys(redis_url, f"{redis_prefix}session:*") == []
     assert len(cache.server.sessions) == 0 and cache.target.status().sessions == []
     with redis.Redis.from_url(redis_url, decode_responses=True) as r:
@@ -403,19 +414,25 @@ def test_status(cache: Cache) -> None:
         sid, "smol-target", "d0", 0, 3)
 
 
-def test_live_records_are_flushed(cache: Cache, redis_url: str, redis_prefix: str) -> None:
+def test_live_records_are_written_once(cache: Cache, redis_url: str, redis_prefix: str) -> None:
+    """OpenSession writes nothing; a session that lives through a monitor round gets its live
+    record, once (Redis holds what a debugger needs, not every step's progress)."""
     sid = cache.target.open(PROMPT).session_id
     cache.target.step(sid, 0, 4)
     cache.target.step(sid, 1, 5)
     key = f"{redis_prefix}session:{sid}"
-
-    def flushed() -> bool:
-        with redis.Redis.from_url(redis_url, decode_responses=True) as r:
-            return r.hget(key, "epoch") == "2"
-
-    wait_for(flushed, what="the live record to reach epoch 2")
+    record = wait_live_record(redis_url, redis_prefix, sid)
+    assert record["status"] == "live" and record["target_model"] == "target-model"
+    assert (record["epoch"], record["committed_tokens"]) == ("2", "5")
     with redis.Redis.from_url(redis_url, decode_responses=True) as r:
-        assert r.hget(key, "committed_tokens") == "5" and r.ttl(key) > 0
+        assert 0 < r.ttl(key) <= 600
+    cache.target.step(sid, 2, 6)
+    time.sleep(0.5)  # five monitor rounds: the record is not rewritten
+    assert rhash(redis_url, key)["epoch"] == "2"
+    cache.target.close_session(sid)
+    assert cache.server.records.flush(TIMEOUT)
+    assert rkeys(redis_url, f"{redis_prefix}session:*") == []
+    assert rhash(redis_url, f"{redis_prefix}finished:{sid}")["epoch"] == "3"
 
 
 def test_a_session_lives_by_its_targets_idle_timeout_and_keepalives(cache: Cache) -> None:
@@ -483,6 +500,7 @@ def test_abandoned_sessions_are_closed(redis_url: str, redis_prefix: str) -> Non
 
         wait_for(all_delivered, what="every advance and the stop")
         assert [x for x in commands if isinstance(x, StopDraft)] == [StopDraft(abandoned)]
+        assert c.server.records.flush(TIMEOUT)
         with redis.Redis.from_url(redis_url, decode_responses=True) as r:
             assert r.hget(f"{redis_prefix}finished:{abandoned}", "status") == "abandoned"
             assert not r.exists(f"{redis_prefix}session:{abandoned}")
@@ -503,8 +521,10 @@ def test_health_follows_redis(redis_prefix: str) -> None:
             wait_for(lambda: health_status(c.addr) == "NOT_SERVING", what="NOT_SERVING")
             assert health_status(c.addr, SERVICE_NAME) == "NOT_SERVING"
             assert not c.target.status().redis_connected
-            err = rpc_error(c.target.open, PROMPT)
-            assert err.code() is grpc.StatusCode.UNAVAILABLE and "unreachable" in err.details()
+            # sessions do not wait for Redis: one opens, steps and closes while it is down
+            down = c.target.open(PROMPT).session_id
+            c.target.step(down, 0, 5)
+            c.target.close_session(down)
             again: RedisServer
             with running_redis(port) as again:
                 assert again.port == port
@@ -541,8 +561,7 @@ def test_card_cache_process(redis_url: str, redis_prefix: str) -> None:
         sid = target.open(PROMPT).session_id
         target.step(sid, 0, 5)
         target.close()
-        with redis.Redis.from_url(redis_url, decode_responses=True) as r:  # the CPU default under the flag
-            record = r.hgetall(f"{redis_prefix}session:{sid}")
+        record = wait_live_record(redis_url, redis_prefix, sid)  # the CPU default under the flag
         assert (record["max_chain"], record["min_path_prob"], record["b_extension"]) == ("6", "0.25", "1")
         with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=TIMEOUT) as resp:
             exposition = resp.read().decode()
@@ -582,6 +601,7 @@ def test_a_restarted_cache_retires_live_records_of_a_killed_one(redis_url: str, 
                 target = HandTarget(addr)
                 sid = target.open(PROMPT).session_id
                 target.close()
+                wait_live_record(redis_url, redis_prefix, sid)  # it lived through a monitor round
                 proc.kill()
                 proc.wait(10)
                 assert rkeys(redis_url, f"{redis_prefix}session:*") == [f"{redis_prefix}session:{sid}"]

@@ -8,9 +8,9 @@ from collections.abc import Iterator
 import pytest
 import redis
 
-from card.cache_service.store import MemoryStore, MetadataStore, RedisStore, open_store
+from card.cache_service.store import MemoryStore, MetadataStore, RedisStore, StoreFull, open_store
 from card.engine.shared.errors import Unavailable
-from tests.services.conftest import free_port
+from tests.services.conftest import free_port, running_redis
 
 
 @pytest.fixture(params=["redis", "memory"])
@@ -53,6 +53,42 @@ def test_drafts_and_totals(store: MetadataStore) -> None:
     assert store.totals() == {"sessions": 2.0, "hits": 2.5}
 
 
+def test_finished_records_are_written_whole_in_one_go(store: MetadataStore) -> None:
+    """The RecordWriter's write: whole records (they carry their live fields), live keys gone,
+    totals added, all at once."""
+    store.put_session("a", {"status": "live", "epoch": 1, "target_model": "t"}, ttl_s=60)
+    store.write_finished([("a", {"status": "finished", "epoch": 3}, 60), ("b", {"status": "abandoned"}, 60)],
+                         {"sessions": 2, "hits": 1.5})
+    assert store.session("a") == {} and store.live_session_ids() == []
+    assert store.finished_session("a") == {"status": "finished", "epoch": "3"}
+    assert store.finished_session("b") == {"status": "abandoned"}
+    assert store.totals() == {"sessions": 2.0, "hits": 1.5}
+    store.probe(1.0)  # the store takes writes
+
+
+def test_a_full_redis_is_store_full_not_unreachable(redis_prefix: str) -> None:
+    """Redis at maxmemory (noeviction) answers PING and reads and refuses writes: StoreFull, an
+    Unavailable that says so; the probe tells it, PING cannot."""
+    with running_redis() as own:
+        with own.client() as r:
+            r.config_set("maxmemory", 2 * 2**20)
+            r.config_set("maxmemory-policy", "noeviction")
+            r.setrange(f"{redis_prefix}junk", 4 * 2**20, "x")  # past the cap in one small command
+        s = RedisStore(own.url, redis_prefix)
+        assert s.ping() and s.session("x") == {} and s.totals() == {}
+        with pytest.raises(StoreFull, match="out of memory"):
+            s.probe(1.0)
+        with pytest.raises(StoreFull, match="out of memory"):
+            s.write_finished([("a", {"status": "finished"}, 60)], {"sessions": 1})
+        with pytest.raises(StoreFull):
+            s.put_session("a", {"status": "live"}, 60)
+        with own.client() as r:
+            r.delete(f"{redis_prefix}junk")
+            s.probe(1.0)
+            assert 0 < r.pttl(f"{redis_prefix}probe") <= 1000
+        s.close()
+
+
 def test_keys_stay_under_the_prefix(redis_url: str, redis_prefix: str) -> None:
     s = RedisStore(redis_url, redis_prefix)
     s.put_session("x", {"a": 1}, 60)
@@ -75,3 +111,6 @@ def test_unreachable_redis() -> None:
     assert not s.ping()
     with pytest.raises(Unavailable, match=url):
         s.put_session("x", {"a": 1}, 60)
+    with pytest.raises(Unavailable, match="unreachable") as info:
+        s.probe(1.0)
+    assert not isinstance(info.value, StoreFull)

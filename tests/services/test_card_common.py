@@ -29,7 +29,7 @@ from card.common.convert import (
     step_result_from_msg,
 )
 from card.common.serving import add_health, make_server, set_serving
-from card.common.status import STATUS_CODES, error_from_rpc, grpc_errors, status_code
+from card.common.status import STATUS_CODES, error_from_rpc, grpc_errors, http_status, status_code
 from card.common.tensors import from_tensor_msg, ids_from_msg, ids_to_msg, to_tensor_msg
 from card.engine.shared import errors
 from card.engine.shared.commands import AdvanceDraft, StartDraft, StopDraft
@@ -163,7 +163,9 @@ def test_status_table() -> None:
     assert status_code(errors.NotFound("x")) is grpc.StatusCode.NOT_FOUND
     assert status_code(ValueError("x")) is grpc.StatusCode.INTERNAL
     assert status_code(errors.CardError("x")) is grpc.StatusCode.INTERNAL
-    assert len(set(STATUS_CODES.values())) == len(STATUS_CODES) == 7
+    assert len(set(STATUS_CODES.values())) == len(STATUS_CODES) == 8
+    assert status_code(errors.Unauthenticated("no key")) is grpc.StatusCode.UNAUTHENTICATED
+    assert http_status(errors.Unauthenticated("no key")) == 401
     for cls, code in STATUS_CODES.items():
         assert cls.code == code.name  # the engine's own names agree with the table
 

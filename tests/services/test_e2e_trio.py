@@ -96,7 +96,8 @@ def test_greedy_output_equals_in_process_vanilla(trio, reference, mode):
         assert remote.stats.new_tokens == 48 and remote.stats.mode == mode
         if mode == "card":
             assert remote.draft == "same"
-            assert len(remote.stats.step_rtt_ms) == remote.stats.target_forwards - 1  # one per step
+            # one per step sent: the first steps are plain while the session opens beside the prefill
+            assert 0 < len(remote.stats.step_rtt_ms) <= remote.stats.target_forwards - 1
         else:
             assert remote.stats.step_rtt_ms == [] and remote.draft == ""
 
@@ -343,11 +344,17 @@ def test_chain_flags_travel_with_a_request(trio, reference, redis_server, prefix
     out = json.loads(proc.stdout)
     assert out["token_ids"] == reference(PROMPTS[0], GREEDY, stop).token_ids
     assert max(out["stats"]["accepted_lengths"]) <= 2, out["stats"]
-    (key,) = set(client.scan_iter(f"{prefix}finished:*")) - before
+
+    def new_records() -> set:  # written in the background once CloseSession reaches the cache
+        return set(client.scan_iter(f"{prefix}finished:*")) - before
+
+    wait_until(lambda: len(new_records()) == 1, what="the session's finished record")
+    (key,) = new_records()
     assert client.hget(key, "max_chain") in (b"1", "1")
     remote = generate_remote(trio.target_addr, PROMPTS[0], sampling=GREEDY, stop=stop, draft="same",
                              timeout_s=60)
-    (key,) = set(client.scan_iter(f"{prefix}finished:*")) - before - {key}
+    wait_until(lambda: len(new_records()) == 2, what="the second session's finished record")
+    (key,) = new_records() - {key}
     assert int(client.hget(key, "max_chain")) > 1  # the cache's own setting for a plain request
     assert remote.token_ids == out["token_ids"]
 

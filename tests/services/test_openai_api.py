@@ -20,7 +20,8 @@ import pytest
 
 from card.client.remote import generate_remote
 from card.client.trio import LocalTrio, console_script
-from card.engine.shared.config import SamplingParams, StopParams
+from card.common.channels import channel
+from card.engine.shared.config import MAX_STOP_STRINGS, SamplingParams, StopParams
 from card.v1 import cache_pb2, cache_pb2_grpc, target_pb2, target_pb2_grpc
 from tests.services.e2e_support import metric, scrape, wait_until
 from tests.tiny_models import save_tiny_checkpoint
@@ -63,6 +64,7 @@ def model_id(api) -> str:
 
 def card_client_json(trio, *args: str) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith("CARD_")}
+    env["CARD_CLIENT_API_KEY"] = KEY  # the target's key guards gRPC too
     out = subprocess.run([console_script("card-client"), "generate", "--target", trio.target_addr, "--json",
                           *args], capture_output=True, text=True, env=env, timeout=120, check=True)
     return json.loads(out.stdout)
@@ -91,7 +93,7 @@ def test_chat_completion_equals_card_client_streaming_and_not(trio, api, model_i
 
 def test_completion_is_raw_text_and_speculation_shows_in_usage(trio, api, model_id):
     want = generate_remote(trio.target_addr, PROMPT, chat=False, sampling=SamplingParams(),
-                           stop=StopParams(32, ignore_eos=True), draft="same")
+                           stop=StopParams(32, ignore_eos=True), draft="same", api_key=KEY)
     got = api.completions.create(model=model_id, prompt=PROMPT, max_tokens=32, temperature=0,
                                  extra_body={"ignore_eos": True, "draft": "same"})
     assert got.choices[0].text == want.text
@@ -157,7 +159,7 @@ def test_curl_streams_server_sent_events(trio, model_id):
 def test_a_grpc_call_without_a_deadline_is_served(trio):
     """A call with no deadline (time_remaining() ~ forever) waits for its KV slot without limit."""
     request = target_pb2.GenerateRequest(prompt=PROMPT, max_new_tokens=4, mode="vanilla")
-    with grpc.insecure_channel(trio.target_addr) as ch:
+    with channel(trio.target_addr, KEY) as ch:
         replies = list(target_pb2_grpc.TargetServiceStub(ch).Generate(request))
     assert replies[-1].final.stats.new_tokens == 4
 
@@ -165,7 +167,7 @@ def test_a_grpc_call_without_a_deadline_is_served(trio):
 # ---- refusals, auth, health --------------------------------------------------------------------
 @pytest.mark.parametrize("extra", [{"n": 2}, {"logprobs": True}, {"tools": [{"type": "function", "function": {
     "name": "f", "parameters": {}}}]}, {"presence_penalty": 0.5}, {"top_p": 0}, {"no_such_field": 1},
-    {"stop": ["a", "b", "c", "d", "e"]}])
+    {"stop": [chr(97 + i) for i in range(MAX_STOP_STRINGS + 1)]}])
 def test_fields_that_would_change_output_are_refused(api, model_id, extra):
     with pytest.raises(openai.BadRequestError) as err:
         api.chat.completions.create(model=model_id, messages=[{"role": "user", "content": "hi"}],
@@ -178,7 +180,7 @@ def test_unknown_model_is_404(api):
         api.completions.create(model="no-such-model", prompt="hi", max_tokens=2)
 
 
-def test_api_key_is_required_on_v1_only(trio, model_id):
+def test_api_key_is_required_on_every_path_but_health(trio, model_id):
     for key in ("wrong", None):
         client = openai.OpenAI(base_url=f"http://{trio.http_addr}/v1", api_key=key or "x", max_retries=0,
                                default_headers={} if key else {"Authorization": ""})
@@ -187,8 +189,15 @@ def test_api_key_is_required_on_v1_only(trio, model_id):
         assert err.value.status_code == 401 and err.value.body["code"] == "invalid_api_key"
     health = httpx.get(f"http://{trio.http_addr}/health", timeout=10)
     assert health.status_code == 200 and health.json()["status"] == "ok"
-    page = httpx.get(f"http://{trio.http_addr}/metrics", timeout=10).text
+    assert httpx.get(f"http://{trio.http_addr}/metrics", timeout=10).status_code == 401
+    page = httpx.get(f"http://{trio.http_addr}/metrics", headers={"Authorization": f"Bearer {KEY}"},
+                     timeout=10).text
     assert "card_target_generations_total" in page
+    # gRPC: the same key, as metadata (tests/services/test_target_auth.py has the rest)
+    request = target_pb2.GenerateRequest(prompt=PROMPT, max_new_tokens=2, mode="vanilla")
+    with grpc.insecure_channel(trio.target_addr) as ch, pytest.raises(grpc.RpcError) as err:
+        list(target_pb2_grpc.TargetServiceStub(ch).Generate(request, timeout=30))
+    assert err.value.code() is grpc.StatusCode.UNAUTHENTICATED
 
 
 # ---- cancellation ------------------------------------------------------------------------------
@@ -221,7 +230,7 @@ def http_cancel(trio, model_id: str) -> None:
 
 def grpc_cancel(trio, *, deadline: bool) -> None:
     request = target_pb2.GenerateRequest(prompt=PROMPT, max_new_tokens=LONG, ignore_eos=True)
-    with grpc.insecure_channel(trio.target_addr) as ch:
+    with channel(trio.target_addr, KEY) as ch:
         stream = target_pb2_grpc.TargetServiceStub(ch).Generate(request, timeout=0.4 if deadline else 60)
         if deadline:
             with pytest.raises(grpc.RpcError) as err:

@@ -10,16 +10,18 @@ from pathlib import Path
 
 import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from card.cache_service.config import CacheConfig
 from card.cache_service.server import create_server
 from card.common.channels import channel, health_status, wait_serving
-from card.common.serving import start_health_port
+from card.common.serving import add_health, bind, make_server, set_serving, start_health_port
 from card.common.tls import TlsConfig
 from card.engine.shared.errors import InvalidArgument
 from card.v1 import cache_pb2, cache_pb2_grpc
 from tests.services.cache_helpers import TIMEOUT
 from tests.services.certs import Pki, make_pki
+from tests.services.conftest import free_port
 
 
 @pytest.fixture(scope="module")
@@ -123,6 +125,46 @@ def test_a_renewed_certificate_is_served_from_the_next_handshake(
         server.stop(1.0).wait()
 
 
+def test_a_client_presents_its_renewed_files_when_it_reconnects(tmp_path: Path) -> None:
+    """The client's certificate, key and CA are renewed in place (here to a new CA: the old one is
+    retired), and the server restarts trusting only the new CA. The client's channel, made before
+    the renewal, reconnects with the new files; gRPC alone would keep the files it read at start
+    and fail every call from then on (UNAVAILABLE: the handshake fails both ways)."""
+    old, new = make_pki(tmp_path / "old"), make_pki(tmp_path / "new")
+    live = tmp_path / "live"
+    live.mkdir()
+    for f in ("cert.pem", "key.pem", "ca.pem"):
+        shutil.copy(old.cert.parent / f, live / f)
+    addr = f"127.0.0.1:{free_port()}"
+
+    def serve(pki: Pki) -> grpc.Server:  # mutual TLS, trusting ``pki``'s CA only
+        server = make_server(4)
+        set_serving(add_health(server), True)
+        bind(server, addr, pki.tls(client_auth=True))
+        server.start()
+        return server
+
+    def check() -> str:
+        reply = stub.Check(health_pb2.HealthCheckRequest(), timeout=TIMEOUT)
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+
+    server = serve(old)
+    with channel(addr, tls=TlsConfig(cert=str(live / "cert.pem"), key=str(live / "key.pem"),
+                                     ca=str(live / "ca.pem"))) as ch:
+        stub = health_pb2_grpc.HealthStub(ch)
+        try:
+            assert check() == "SERVING"
+            shutil.copy(new.cert, live / "cert.pem")  # mid-rotation: new certificate, old key
+            assert check() == "SERVING"  # the current channel stays in use
+            for f in ("key.pem", "ca.pem"):
+                shutil.copy(new.cert.parent / f, live / f)
+            server.stop(0).wait()
+            server = serve(new)
+            assert check() == "SERVING"  # the same stub: a new connection with the renewed files
+        finally:
+            server.stop(0).wait()
+
+
 def test_bad_tls_files_fail_at_start_with_the_path(tmp_path: Path, pki: Pki) -> None:
     with pytest.raises(InvalidArgument, match="go together"):
         TlsConfig(cert=str(pki.cert))
@@ -134,3 +176,6 @@ def test_bad_tls_files_fail_at_start_with_the_path(tmp_path: Path, pki: Pki) -> 
         TlsConfig(ca=str(not_pem))
     with pytest.raises(InvalidArgument, match="--tls-client-auth needs"):
         TlsConfig(cert=str(pki.cert), key=str(pki.key), client_auth=True)
+    other = make_pki(tmp_path / "other")
+    with pytest.raises(InvalidArgument, match="does not go with the certificate"):
+        TlsConfig(cert=str(pki.cert), key=str(other.key))

@@ -50,16 +50,20 @@ class StepRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., epoch: _Optional[int] = ..., accepted_tokens: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., accepted_node_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., next_token: _Optional[int] = ...) -> None: ...
 
 class StepResponse(_message.Message):
-    __slots__ = ("epoch", "chain_tokens", "chain_node_ids", "outcome")
+    __slots__ = ("epoch", "chain_tokens", "chain_node_ids", "outcome", "draft_forwards", "draft_idle_s")
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     CHAIN_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CHAIN_NODE_IDS_FIELD_NUMBER: _ClassVar[int]
     OUTCOME_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_FORWARDS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_IDLE_S_FIELD_NUMBER: _ClassVar[int]
     epoch: int
     chain_tokens: _common_pb2.Tensor
     chain_node_ids: _common_pb2.Tensor
     outcome: _common_pb2.Outcome
-    def __init__(self, epoch: _Optional[int] = ..., chain_tokens: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., chain_node_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., outcome: _Optional[_Union[_common_pb2.Outcome, str]] = ...) -> None: ...
+    draft_forwards: int
+    draft_idle_s: float
+    def __init__(self, epoch: _Optional[int] = ..., chain_tokens: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., chain_node_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., outcome: _Optional[_Union[_common_pb2.Outcome, str]] = ..., draft_forwards: _Optional[int] = ..., draft_idle_s: _Optional[float] = ...) -> None: ...
 
 class StepBatchRequest(_message.Message):
     __slots__ = ("steps", "keepalive_session_ids")
