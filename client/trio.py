@@ -14,8 +14,6 @@ so sessions end and workers unregister while the cache still runs), SIGKILL afte
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import functools
 import os
 import random
 import re
@@ -70,21 +68,26 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _die_with_parent(parent: int) -> None:
-    """In the child, before exec: SIGTERM when the process that started the trio dies, however it
-    dies (SIGKILL, the OOM killer), so no service outlives it as an orphan. Linux only (prctl
-    PR_SET_PDEATHSIG); elsewhere a no-op. The signal follows the *thread* that forked: start trios
-    from a thread that lives as long as they should (the main thread, as card-client and
-    card-bench do)."""
+# Run by a fresh interpreter between fork and the service's exec: arm PR_SET_PDEATHSIG (kept
+# across exec), give up if the parent already died, then become the service.
+_GUARD = ("import ctypes, os, signal, sys; ctypes.CDLL(None).prctl(1, signal.SIGTERM); "
+          "os.getppid() == int(sys.argv[1]) or os._exit(1); os.execvp(sys.argv[2], sys.argv[2:])")
+
+
+def die_with_parent(cmd: list[str]) -> list[str]:
+    """``cmd`` wrapped so that the child gets SIGTERM when the process that started it dies, however
+    it dies (SIGKILL, the OOM killer), and no service outlives it as an orphan. Linux only
+    (prctl PR_SET_PDEATHSIG); elsewhere ``cmd`` as is. The signal follows the *thread* that
+    forked: start trios from a thread that lives as long as they should (the main thread, as
+    card-client and card-bench do).
+
+    Why not ``preexec_fn``: it makes Python fork() rather than vfork(), which runs gRPC's atfork
+    handlers in the child; grpcio >= 1.81 then restarts its poller there, which dies on the
+    descriptors ``close_fds`` closes (SIGABRT before exec, grpc/grpc#43055) in any process that
+    has used a channel, as card-bench and the tests have."""
     if not sys.platform.startswith("linux"):
-        return
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-    if os.getppid() != parent:  # the parent died before prctl took effect
-        os._exit(1)
-
-
-PR_SET_PDEATHSIG = 1
+        return cmd
+    return [sys.executable, "-I", "-S", "-c", _GUARD, str(os.getpid()), *cmd]
 
 
 def console_script(name: str) -> str:
@@ -353,13 +356,12 @@ class LocalTrio:
             n += 1
             log_path = self.log_dir / f"{label}-{n}.log"
         metrics_port = free_port() if self.metrics else 0
-        cmd = [console_script(script), *args, "--metrics-port", str(metrics_port)]
+        cmd = die_with_parent([console_script(script), *args, "--metrics-port", str(metrics_port)])
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false",
                **{k: v for k, v in (env or {}).items() if v is not None}}
         with open(log_path, "wb") as log:
             proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                    env=env, start_new_session=True,
-                                    preexec_fn=functools.partial(_die_with_parent, os.getpid()))
+                                    env=env, start_new_session=True)
         service = ServiceProcess(label, proc, log_path, metrics_port=metrics_port, tls=self.tls)
         self.processes.append(service)
         return service
@@ -378,10 +380,9 @@ class LocalTrio:
         port = free_port()
         with open(self.log_dir / "redis.log", "wb") as log:
             self.redis = subprocess.Popen(
-                [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-                 "--dir", str(self.log_dir)],
+                die_with_parent([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                                 "--appendonly", "no", "--dir", str(self.log_dir)]),
                 stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
-                preexec_fn=functools.partial(_die_with_parent, os.getpid()),
             )
         deadline = time.monotonic() + 20
         while time.monotonic() < deadline:

@@ -33,6 +33,7 @@ CACHE_BREAKER = Gauge("card_target_cache_breaker_state",
 CLOSES_DROPPED = Counter("card_target_session_closes_dropped_total",
                          "CloseSession calls not sent because too many calls to the cache were under way "
                          "(the cache's idle timeout ends those sessions)")
-STALE_OPENS = Counter("card_target_stale_opens_total",
-                      "Sessions that opened after their generation's text moved on (closed, opened again)")
+CATCH_UPS = Counter("card_target_session_catch_ups_total",
+                    "Sessions that opened after their generation committed more tokens; their first Step "
+                    "tells them the tokens since")
 ENGINE_ALIVE = Gauge("card_target_engine_alive", "1 while the engine's thread runs, 0 once it died")

@@ -10,8 +10,9 @@ engine's thread waits on the network in one place only: the Step of each iterati
 deadline.
 
 - An open is a future the engine polls at the generation's next step; until it has answered, the
-  step gets an empty chain. A session that answered after its generation committed more than one
-  token opened at a text that is gone: it is closed and another is opened at the text now.
+  step gets an empty chain. A session that answered after its generation committed more tokens
+  catches up in its first Step: they go as an accepted path of NO_NODE (a miss; the draft
+  restarts from the text now), so however fast the target commits, the open is never wasted.
 - OpenSession fails (cache down, timeout): plain steps, and a new open after a backoff, while the
   breaker lets it (cache_link.Breaker). NOT_FOUND / FAILED_PRECONDITION (the named draft left
   after the front checked it): this request decodes without a draft.
@@ -37,7 +38,7 @@ from card.common.status import error_from_rpc, error_from_status, status_from_va
 from card.engine.shared.config import ChainPolicy
 from card.engine.shared.errors import CardError, InvalidArgument
 from card.engine.shared.stats import GenerationStats
-from card.engine.shared.tree import Chain, Correction
+from card.engine.shared.tree import NO_NODE, Chain, Correction
 from card.engine.target.chain_source import SourceStats, StepResult
 from card.target_service import metrics
 from card.target_service.cache_link import CACHE_TROUBLE, CacheLink
@@ -47,7 +48,6 @@ log = logging.getLogger(__name__)
 
 # refused to the user as they are: the request named a draft that cannot serve it
 _USER_ERRORS = (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION)
-_STALE_OPENS_BEFORE_BACKOFF = 3
 
 
 def _code(err: BaseException) -> grpc.StatusCode | None:
@@ -76,7 +76,6 @@ class RemoteCard:
         self._opening: grpc.Future | None = None  # an OpenSession under way
         self._opened_at = 0  # committed tokens it opens at
         self._opens = 0  # opens sent (every one after the first is a resync)
-        self._stale = 0  # opens in a row that answered after the text moved on
         self._degraded = False  # the cache refused the named draft: plain decoding for this request
         self._retry_at = 0.0
         self._retry_s = link.target.retry_initial_s
@@ -140,8 +139,12 @@ class RemoteCard:
                 return self._plain()
             if not self._opened():
                 return self._plain()
-            # the new session's committed text ends before next_token, at epoch 0
-            correction = Correction(0, (), (), correction.next_token)
+            # the session's text ends where it opened, at epoch 0: the tokens committed since (all
+            # but next_token) are a path the tree never held
+            since = tuple(self.committed[self._opened_at:-1])
+            correction = Correction(0, since, (NO_NODE,) * len(since), correction.next_token)
+            if since:
+                metrics.CATCH_UPS.inc()
         else:
             correction = Correction(self.epoch, correction.accepted_tokens,
                                     correction.accepted_node_ids, correction.next_token)
@@ -227,18 +230,6 @@ class RemoteCard:
                      else err)
             return False
         reply = future.result()
-        # the Step this serves carries one new token (next_token) past the text it opened at
-        if len(self.committed) != self._opened_at + 1:
-            metrics.STALE_OPENS.inc()
-            self.link.close_session(reply.session_id)
-            self._stale += 1
-            if self._stale < _STALE_OPENS_BEFORE_BACKOFF:
-                self._begin_open()
-            else:  # the cache answers slower than this target commits: not every step
-                self._stale = 0
-                self._backoff()
-            return False
-        self._stale = 0
         if self._opens > 1:
             metrics.RESYNCS.inc()
         self.session_id = reply.session_id

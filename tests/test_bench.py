@@ -72,7 +72,7 @@ def test_bench_through_services(pair, tmp_path):
     out = tmp_path / "r.json"
     result = CliRunner().invoke(main, [
         "--target-model", str(target), "--draft-model", str(draft), "--draft-quantize", "none",
-        "--dataset", f"gsm8k={data}", "--n", "1", "--max-new-tokens", "6", "--modes", "vanilla",
+        "--dataset", f"gsm8k={data}", "--n", "1", "--max-new-tokens", "24", "--modes", "vanilla",
         "--services", "--ignore-eos", "--out", str(out), "--no-progress", "--warmup-tokens", "2",
     ])
     assert result.exit_code == 0, result.output

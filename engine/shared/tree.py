@@ -28,7 +28,9 @@ import torch
 
 from card.engine.shared.errors import Aborted, InvalidArgument
 
-NO_NODE = -1  # node id of a chain token taken from tier B (it has no node)
+# node id of a token that has no node: a chain's tier-B extension, or text the target committed
+# while the session was not there to see it (a catch-up); a path that leaves the tree stays out
+NO_NODE = -1
 # What a cache accepts in one layer (K is 3-8 in practice; the bounds only stop abuse)
 MAX_LAYER_NODES = 1024
 MAX_LAYER_SECONDARY = 16384
@@ -306,9 +308,9 @@ class TwoTierTree:
         if len(correction.accepted_tokens) != len(correction.accepted_node_ids):
             raise InvalidArgument("accepted_tokens and accepted_node_ids differ in length")
         accepted = list(correction.accepted_node_ids)
-        if NO_NODE in accepted[:-1]:
-            raise InvalidArgument("a tier-B token can only end the accepted path")
-        if accepted and accepted[-1] == NO_NODE:
+        if NO_NODE in accepted:
+            if any(nid != NO_NODE for nid in accepted[accepted.index(NO_NODE):]):
+                raise InvalidArgument("an accepted path that leaves the tree cannot come back to it")
             return Outcome.MISS, None
         view = self._host()
         row = {nid: i for i, nid in enumerate(view.ids)}

@@ -165,6 +165,15 @@ def test_chain_from_b_alone_when_the_root_has_no_c_children() -> None:
     assert advance.outcome is Outcome.MISS
 
 
+def test_a_catch_up_of_text_the_tree_never_saw_is_a_miss_that_empties_it() -> None:
+    """A session that opened late is told the tokens committed meanwhile as a path of NO_NODE
+    alone: a miss, the tree empties and the epoch moves on (the draft restarts from that text)."""
+    tree = built()
+    advance = tree.apply_correction(Correction(0, (10, 20, 30), (NO_NODE,) * 3, 40))
+    assert advance.outcome is Outcome.MISS and advance.hit_node_id is None
+    assert len(tree) == 0 and tree.epoch == 1 and advance.accepted_tokens == (10, 20, 30)
+
+
 # ---- corrections ---------------------------------------------------------------------------------
 def test_hit_keeps_subtree_rebases_depths_and_scores_and_keeps_b_of_survivors() -> None:
     tree = built()
@@ -231,7 +240,7 @@ def test_stale_epoch_after_a_correction() -> None:
 
 
 @pytest.mark.parametrize(
-    ("tokens", "ids"), [((10, 20), (0,)), ((30, 20), (NO_NODE, 2))], ids=["length-mismatch", "b-token-inside"]
+    ("tokens", "ids"), [((10, 20), (0,)), ((30, 20), (NO_NODE, 2))], ids=["length-mismatch", "back-into-tree"]
 )
 def test_malformed_accepted_path_is_invalid(tokens: tuple, ids: tuple) -> None:
     with pytest.raises(InvalidArgument):

@@ -20,7 +20,6 @@ runs the command with CARD_BENCH_TARGET_ADDR and CARD_BENCH_TLS_* pointing at th
 from __future__ import annotations
 
 import argparse
-import functools
 import os
 import random
 import shutil
@@ -30,7 +29,7 @@ import tempfile
 import uuid
 from pathlib import Path
 
-from card.client.trio import ServiceProcess, _die_with_parent, console_script, tls_env
+from card.client.trio import ServiceProcess, console_script, die_with_parent, tls_env
 from card.common.tls import TlsConfig
 from card.engine.shared.errors import Unavailable
 from tests.services.certs import make_pki
@@ -127,14 +126,13 @@ class NetnsTrio:
 
     def _spawn(self, host: str, script: str, args: list[str], env: dict[str, str | None]) -> ServiceProcess:
         log_path = self.log_dir / f"{script}.log"
-        cmd = ["ip", "netns", "exec", self.hosts.ns[host], console_script(script), *args,
-               "--host", self.hosts.addr[host], "--port", "0", "--metrics-port", "0"]
+        cmd = die_with_parent(["ip", "netns", "exec", self.hosts.ns[host], console_script(script), *args,
+                               "--host", self.hosts.addr[host], "--port", "0", "--metrics-port", "0"])
         full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false",
                     **{k: v for k, v in env.items() if v is not None}}
         with open(log_path, "wb") as log:
             proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                    env=full_env, start_new_session=True,
-                                    preexec_fn=functools.partial(_die_with_parent, os.getpid()))
+                                    env=full_env, start_new_session=True)
         service = ServiceProcess(script, proc, log_path, tls=self.tls)
         self.processes.append(service)
         return service
@@ -144,11 +142,11 @@ class NetnsTrio:
         redis_port = 6379  # the cache host's own loopback: nothing else listens there
         with open(self.log_dir / "redis.log", "wb") as log:
             self.redis = subprocess.Popen(
-                ["ip", "netns", "exec", self.hosts.ns["cache"],
-                 shutil.which("redis-server") or "redis-server", "--port", str(redis_port),
-                 "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", str(self.log_dir)],
-                stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                preexec_fn=functools.partial(_die_with_parent, os.getpid()))
+                die_with_parent(["ip", "netns", "exec", self.hosts.ns["cache"],
+                                 shutil.which("redis-server") or "redis-server", "--port", str(redis_port),
+                                 "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+                                 "--dir", str(self.log_dir)]),
+                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         mutual = TlsConfig(self.tls.cert, self.tls.key, self.tls.ca, client_auth=True)
         cache = self._spawn("cache", "card-cache", ["--redis-url", f"redis://127.0.0.1:{redis_port}/0",
                                                     *extra.get("cache", [])],

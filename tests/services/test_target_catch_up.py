@@ -1,0 +1,63 @@
+"""A session that opens after its generation moved on (a fast target, a slow cache) catches up in
+its first Step instead of being thrown away: the tokens committed meanwhile reach the cache as a
+path the tree never held (a miss), the draft is told them, and the session serves from then on.
+The cache is a real in-process server; the draft is driven by hand."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import grpc
+import pytest
+from prometheus_client import REGISTRY
+
+from card.engine.shared.stats import GenerationStats
+from card.engine.shared.tree import NO_NODE, Correction, Outcome
+from card.target_service.cache_link import CacheLink, CacheTarget
+from card.target_service.remote_card import RemoteCard
+from card.v1 import cache_pb2_grpc
+from tests.services.cache_helpers import FP_A, wait_for
+from tests.services.test_cache_service import Cache, expect_advance, expect_start, make_config, start_cache
+
+
+@pytest.fixture
+def cache(redis_url: str, redis_prefix: str) -> Iterator[Cache]:
+    c = start_cache(make_config(redis_url, redis_prefix))
+    yield c
+    c.close()
+
+
+def _catch_ups() -> float:
+    return REGISTRY.get_sample_value("card_target_session_catch_ups_total") or 0.0
+
+
+def test_a_late_open_catches_up_with_the_text_committed_meanwhile(cache: Cache) -> None:
+    draft = cache.draft("d0")
+    with grpc.insecure_channel(cache.addr) as ch:
+        link = CacheLink(cache_pb2_grpc.CacheServiceStub(ch),
+                         CacheTarget(cache.addr, "target-model", FP_A, vocab_size=1000))
+        committed = [1, 2, 3]
+        source = RemoteCard(link)
+        source.open(committed)  # at admission, the prompt
+        opening = source._opening
+        assert opening is not None
+        wait_for(opening.done, what="the OpenSession answer")
+        # meanwhile the target committed 5 tokens with plain steps (the last is this step's)
+        committed += [40, 41, 42, 43, 44]
+        before = _catch_ups()
+        result = source.step(Correction(0, (), (), 44))
+        assert source.session_id, "the late session was kept"
+        assert result.chain.epoch == 1 and result.outcome is Outcome.MISS
+        assert _catch_ups() == before + 1
+        assert list(expect_start(draft).committed) == [1, 2, 3]
+        advance = expect_advance(draft, source.session_id)
+        assert advance.accepted_tokens == (40, 41, 42, 43) and advance.next_token == 44
+        assert advance.accepted_node_ids == (NO_NODE,) * 4
+        info = {s.session_id: s for s in cache.target.status().sessions}[source.session_id]
+        assert info.committed_tokens == len(committed) and info.epoch == 1
+        # and it goes on as any session: the next step is an ordinary correction
+        committed.append(45)
+        assert source.step(Correction(1, (), (), 45)).chain.epoch == 2
+        assert _catch_ups() == before + 1
+        stats = source.close(GenerationStats())
+        assert len(stats.step_rtt_ms) == 2
