@@ -246,14 +246,69 @@ class NgramConfig:
         return int(self.table_mb * 2**20)
 
 
+class Verify(enum.Enum):
+    """How the target judges a drafted chain (engine.target.verify).
+
+        exact   a drafted token is kept only where it is the target's own token (greedy, or the
+                seeded draw at that position): the output is plain decoding's, token for token
+        loose   FLy (arXiv 2511.22972), lossy: a mismatch is also kept where the target is unsure
+                there (its top-3 entropy reaches ``entropy_threshold``) and the target agrees with
+                the ``window - 1`` drafted tokens after it; a differently worded continuation
+                survives, the output is no longer plain decoding's
+    """
+
+    EXACT = "exact"
+    LOOSE = "loose"
+
+    @classmethod
+    def parse(cls, value: str) -> Verify:
+        try:
+            return cls(value or "exact")
+        except ValueError:
+            raise InvalidArgument(f"verify must be one of {', '.join(v.value for v in cls)}, "
+                                  f"got {value!r}") from None
+
+
+MAX_LOGPROBS = 20  # alternatives per token a request may ask for (OpenAI's top_logprobs bound)
+
+
+@dataclass(frozen=True)
+class VerifyPolicy:
+    """The request's acceptance rule; the FLy thresholds matter to ``loose`` only (the paper's
+    defaults: top-3 entropy 0.3 nats, a window of 6 tokens)."""
+
+    mode: Verify = Verify.EXACT
+    entropy_threshold: float = 0.3
+    window: int = 6
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.entropy_threshold) and self.entropy_threshold >= 0):
+            raise InvalidArgument(f"the loose entropy threshold must be a number >= 0, got "
+                                  f"{self.entropy_threshold}")
+        if not 2 <= self.window <= 64:
+            raise InvalidArgument(f"the loose window must be in [2, 64] tokens, got {self.window}")
+
+    @property
+    def lossy(self) -> bool:
+        return self.mode is Verify.LOOSE
+
+
 @dataclass(frozen=True)
 class GenerationRequest:
-    """Everything one generation needs besides the models."""
+    """Everything one generation needs besides the models. ``logprobs``: None, or report each
+    committed token's log-probability with that many likeliest alternatives (0 to MAX_LOGPROBS)."""
 
     prompt_ids: tuple[int, ...]
     sampling: SamplingParams = field(default_factory=SamplingParams)
     stop: StopParams = field(default_factory=StopParams)
     chain: ChainPolicy = field(default_factory=ChainPolicy)
+    verify: VerifyPolicy = field(default_factory=VerifyPolicy)
+    logprobs: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise InvalidArgument(f"logprobs must be in [0, {MAX_LOGPROBS}] alternatives per token, "
+                                  f"got {self.logprobs}")
 
 
 # Layer shape by hardware, measured on the Qwen2.5-Coder 0.5B -> 1.5B pair (docs/performance.md).

@@ -22,6 +22,31 @@ class GenerationStats:
     step_rtt_ms: list[float] = field(default_factory=list)
     accepted_lengths: list[int] = field(default_factory=list)
     exact: bool = True  # the target's batch-invariant forward ran (False: --exact off)
+    verify: str = "exact"  # the acceptance rule (config.Verify); "loose" is lossy
+    draft_tokens: int = 0  # drafted tokens the target verified
+    accepted_draft_tokens: int = 0  # of them, kept (loose: including loose_kept)
+    loose_kept: int = 0  # kept drafted tokens that were not the target's own (loose only)
+    # acceptance_histogram[j]: verification steps with a drafted chain that kept exactly j of it
+    acceptance_histogram: list[int] = field(default_factory=list)
+
+    def observe_step(self, drafted: int, kept: int) -> None:
+        """One verification of ``drafted`` chain tokens that kept ``kept`` (no chain: no step)."""
+        if drafted <= 0:
+            return
+        self.draft_tokens += drafted
+        self.accepted_draft_tokens += kept
+        if len(self.acceptance_histogram) <= kept:
+            self.acceptance_histogram += [0] * (kept + 1 - len(self.acceptance_histogram))
+        self.acceptance_histogram[kept] += 1
+
+    @property
+    def lossy(self) -> bool:
+        """The tokens may differ from plain decoding's by the request's choice (verify loose)."""
+        return self.verify == "loose"
+
+    @property
+    def spec_steps(self) -> int:
+        return sum(self.acceptance_histogram)
 
     @property
     def tokens_per_s(self) -> float:
@@ -51,6 +76,7 @@ class GenerationStats:
             mean_accepted_length=self.mean_accepted_length,
             hit_rate=self.hit_rate,
             secondary_hit_rate=self.secondary_hit_rate,
+            lossy=self.lossy,
         )
         return d
 
@@ -63,4 +89,7 @@ class GenerationStats:
             line += f", hit rate {self.hit_rate:.0%} (secondary {self.secondary_hit_rate:.0%})"
         if not self.exact:
             line += ", inexact (--exact off: vendor kernels, tokens may change with the load)"
+        if self.lossy:
+            line += (f", LOSSY (verify loose: {self.loose_kept} drafted tokens kept that plain "
+                     "decoding would not have chosen)")
         return line

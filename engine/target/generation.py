@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -27,15 +27,17 @@ from card.engine.shared.tree import Correction, Outcome
 from card.engine.target.chain_source import ChainSource, StepResult
 from card.engine.target.speculation import Acceptance
 from card.engine.target.stopping import OutputTracker
-from card.engine.target.verify import TargetState
+from card.engine.target.verify import TargetState, TokenLogprob
 
 
 @dataclass(frozen=True)
 class Chunk:
-    """Tokens committed by one target forward (after stop handling) and the text they released."""
+    """Tokens committed by one target forward (after stop handling) and the text they released;
+    ``logprobs``: one per token when the request asked for them."""
 
     token_ids: tuple[int, ...]
     text: str
+    logprobs: tuple[TokenLogprob, ...] = ()
 
 
 @dataclass
@@ -44,14 +46,19 @@ class GenerationResult:
     token_ids: list[int]
     finish_reason: str
     stats: GenerationStats
+    logprobs: list[TokenLogprob] = field(default_factory=list)
 
     def to_dict(self) -> dict:
-        return {
+        out = {
             "text": self.text,
             "token_ids": self.token_ids,
             "finish_reason": self.finish_reason,
             "stats": self.stats.to_dict(),
         }
+        if self.logprobs:
+            out["logprobs"] = [{"token": lp.token, "logprob": lp.logprob, "top": [list(t) for t in lp.top]}
+                               for lp in self.logprobs]
+        return out
 
 
 def check_prompt(prompt_ids: Sequence[int], context_window: int, model_name: str) -> None:
@@ -86,8 +93,10 @@ class Generation:
         self.source = source
         self.context_window = context_window
         self.tracker = OutputTracker(request.stop, eos_ids, decode)
-        self.stats = GenerationStats(mode=mode, prompt_tokens=len(request.prompt_ids))
-        self.target = TargetState(request.prompt_ids, request.sampling)
+        self.stats = GenerationStats(mode=mode, prompt_tokens=len(request.prompt_ids),
+                                     verify=request.verify.mode.value)
+        self.target = TargetState(request.prompt_ids, request.sampling, request.verify, request.logprobs)
+        self.logprobs: list[TokenLogprob] = []  # of the tokens streamed so far, when asked for
         self.acceptance = Acceptance()  # how often this generation's drafted tokens are accepted
         self._vocab = vocab_size or 2**62
         self.result: GenerationResult | None = None
@@ -183,6 +192,7 @@ class Generation:
             return self._commit([token], 1)
         n, token = self.target.accept(self._pending, logits)
         self.acceptance.observe(len(self._pending), n)
+        self.stats.observe_step(len(self._pending), n)
         self._accepted, self._accepted_ids = tuple(self._pending[:n]), tuple(self._pending_ids[:n])
         return self._commit([*self._accepted, token], n + 1)
 
@@ -191,7 +201,9 @@ class Generation:
         kept, text = self.tracker.feed(tokens)
         if not self.tracker.done and len(self.target.committed) >= self.context_window:
             text += self.tracker.finish("length")  # what was held back is streamed too
-        return Chunk(tuple(kept), text)
+        logprobs = tuple(self.target.take_logprobs()[:len(kept)])  # a stop cuts both alike
+        self.logprobs += logprobs
+        return Chunk(tuple(kept), text, logprobs)
 
     def close(self) -> GenerationResult:
         """End the generation (finished, failed or cancelled: ``aborted``); idempotent."""
@@ -202,6 +214,7 @@ class Generation:
         stats.wall_s = time.perf_counter() - self._t0 if self._t0 else 0.0
         stats.new_tokens = len(tracker.token_ids)
         stats.target_forwards = self.target.forwards
+        stats.loose_kept = self.target.loose_kept
         try:
             src = self.source.close(stats)
             stats.draft_forwards = src.draft_forwards
@@ -209,7 +222,8 @@ class Generation:
             stats.step_rtt_ms = src.step_rtt_ms
         finally:
             self.result = GenerationResult(
-                tracker.text, list(tracker.token_ids), tracker.finish_reason or "aborted", stats
+                tracker.text, list(tracker.token_ids), tracker.finish_reason or "aborted", stats,
+                self.logprobs,
             )
         return self.result
 

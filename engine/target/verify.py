@@ -4,52 +4,144 @@ Committed sequence = prompt + every token the target emitted; it has one owner p
 object. The KV cache (card.engine.shared.kv_pool, filled by the engine's batched forwards) covers every
 committed token but the last one (the *next token*), which rides at the head of the next
 verification: a step forwards ``[next_token, *chain]`` at positions ``len(committed) - 1 ...``.
+
+The acceptance rule is the request's ``VerifyPolicy``:
+
+    exact   keep the longest prefix of the chain where each token is the target's own (argmax, or
+            the seeded draw at that position): the tokens are plain decoding's
+    loose   FLy: a mismatch at j is kept too when the target's top-3 entropy there is at least
+            the threshold and the target's own tokens at j+1 .. j+W-1 (which it computed after
+            the drafted token at j) all match the chain; a mismatch among the chain's last W
+            tokens cannot be judged and ends the prefix, as in the paper's code
+
+Either way the target's own token after the kept prefix is committed too, so every step commits
+``accepted + 1`` tokens, and logprobs (when asked) are read off the same rows.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
-from card.engine.shared.config import SamplingParams
-from card.engine.target.sampling import select_token
+from card.engine.shared.config import SamplingParams, Verify, VerifyPolicy
+from card.engine.target.sampling import filtered_probs, select_token
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A committed token's log-probability and the ``top`` likeliest tokens there (id,
+    log-probability), best first. Greedy requests: the model's own distribution (temperature 1);
+    sampled ones: the distribution the token was drawn from (temperature, top-k, top-p applied:
+    a token outside them is -inf and never an alternative)."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+def token_logprobs(logits: torch.Tensor, tokens: Sequence[int], sampling: SamplingParams,
+                   top: int) -> list[TokenLogprob]:
+    """Logprobs of ``tokens`` [n] under the rows ``logits`` [n, V] that chose them."""
+    rows = logits.detach().to("cpu", torch.float64)
+    if sampling.greedy:
+        logp = torch.log_softmax(rows, dim=-1)
+    else:
+        logp = torch.log(torch.stack([filtered_probs(row, sampling) for row in rows]))
+    chosen = logp.gather(1, torch.tensor(list(tokens), dtype=torch.int64).view(-1, 1)).view(-1).tolist()
+    if not top:
+        return [TokenLogprob(t, lp) for t, lp in zip(tokens, chosen, strict=True)]
+    values, ids = torch.topk(logp, min(top, logp.shape[-1]), dim=-1)
+    out = []
+    for t, lp, vs, ix in zip(tokens, chosen, values.tolist(), ids.tolist(), strict=True):
+        alternatives = tuple((i, v) for i, v in zip(ix, vs, strict=True) if v != float("-inf"))
+        out.append(TokenLogprob(t, lp, alternatives))
+    return out
+
+
+def top3_entropy(logits: torch.Tensor) -> list[float]:
+    """FLy's gate: -sum p log p over the three likeliest tokens of each row of ``logits`` [k, V]
+    (the model's own distribution, not renormalised)."""
+    top = torch.topk(torch.log_softmax(logits.detach().to("cpu", torch.float64), dim=-1), 3, dim=-1).values
+    return (-(top.exp() * top).sum(dim=-1)).tolist()
 
 
 class TargetState:
-    def __init__(self, prompt_ids: Sequence[int], sampling: SamplingParams) -> None:
+    """``verify``: the acceptance rule; ``logprobs``: None, or report each committed token's
+    logprob with that many alternatives (``take_logprobs``)."""
+
+    def __init__(self, prompt_ids: Sequence[int], sampling: SamplingParams,
+                 verify: VerifyPolicy | None = None, logprobs: int | None = None) -> None:
         self.sampling = sampling
+        self.verify = verify or VerifyPolicy()
+        self.logprobs = logprobs
         self.committed: list[int] = list(prompt_ids)
         self.forwards = 0
+        self.loose_kept = 0  # drafted tokens kept that were not the target's own (loose only)
+        self._logprobs: list[TokenLogprob] = []
 
     def first(self, logits: torch.Tensor) -> int:
         """Commit the first new token from the prompt's last logits [V]; returns it."""
         token = select_token(logits, len(self.committed), self.sampling)
         self.committed.append(token)
+        self._record(logits.view(1, -1), [token])
         return token
 
     def accept(self, chain: Sequence[int], logits: torch.Tensor) -> tuple[int, int]:
         """Judge ``chain`` given the logits [1 + len(chain), V] of ``[next_token, *chain]``;
-        returns (accepted count, new next token).
+        returns (accepted count, new next token)."""
+        if self.verify.mode is Verify.LOOSE and len(chain) > self.verify.window:
+            accepted, token = self._loose(chain, logits)
+        else:  # loose never judges a mismatch among a chain's last W tokens: this is exact too
+            accepted, token = self._exact(chain, logits)
+        self.committed.extend(chain[:accepted])
+        self.committed.append(token)
+        self._record(logits[:accepted + 1], [*chain[:accepted], token])
+        return accepted, token
 
-        Accepts the longest prefix where the target's own token equals the chain token; the
-        target's token after it is committed too, so every call commits ``accepted + 1`` tokens.
-        """
+    def take_logprobs(self) -> list[TokenLogprob]:
+        """The logprobs of the tokens committed since the last call (empty unless asked for)."""
+        out, self._logprobs = self._logprobs, []
+        return out
+
+    # ---- rules -------------------------------------------------------------------------------
+    def _exact(self, chain: Sequence[int], logits: torch.Tensor) -> tuple[int, int]:
         start = len(self.committed) - 1  # position of the next token
         if self.sampling.greedy:
             picks = torch.argmax(logits, dim=-1).tolist()
             accepted = 0
             while accepted < len(chain) and picks[accepted] == chain[accepted]:
                 accepted += 1
-            token = picks[accepted]
-        else:
-            accepted = 0
-            while True:
-                token = select_token(logits[accepted], start + 1 + accepted, self.sampling)
-                if accepted < len(chain) and token == chain[accepted]:
-                    accepted += 1
-                    continue
-                break
-        self.committed.extend(chain[:accepted])
-        self.committed.append(token)
-        return accepted, token
+            return accepted, picks[accepted]
+        accepted = 0
+        while True:
+            token = select_token(logits[accepted], start + 1 + accepted, self.sampling)
+            if accepted < len(chain) and token == chain[accepted]:
+                accepted += 1
+                continue
+            return accepted, token
+
+    def _loose(self, chain: Sequence[int], logits: torch.Tensor) -> tuple[int, int]:
+        k, window = len(chain), self.verify.window
+        picks = self._picks(logits)  # the target's own token after each drafted prefix
+        match = [picks[j] == chain[j] for j in range(k)]
+        kept = list(match)
+        if not all(match[:k - window]):
+            entropy, threshold = top3_entropy(logits[:k - window]), self.verify.entropy_threshold
+            for j in range(k - window):
+                if not match[j] and entropy[j] >= threshold and all(match[j + 1:j + window]):
+                    kept[j] = True
+        accepted = next((j for j in range(k) if not kept[j]), k)
+        self.loose_kept += sum(1 for j in range(accepted) if not match[j])
+        return accepted, picks[accepted]
+
+    def _picks(self, logits: torch.Tensor) -> list[int]:
+        if self.sampling.greedy:
+            return torch.argmax(logits, dim=-1).tolist()
+        start = len(self.committed) - 1
+        return [select_token(logits[j], start + 1 + j, self.sampling) for j in range(logits.shape[0])]
+
+    def _record(self, rows: torch.Tensor, tokens: list[int]) -> None:
+        if self.logprobs is not None:
+            self._logprobs += token_logprobs(rows, tokens, self.sampling, self.logprobs)

@@ -21,7 +21,14 @@ from card.engine.draft.ngram import NgramTable
 from card.engine.draft.worker import DraftWorker
 from card.engine.inprocess.runner import InProcessRunner
 from card.engine.inprocess.sources import LocalCard, SyncDraft
-from card.engine.shared.config import GenerationRequest, NgramConfig, SamplingParams, StopParams, TreeParams
+from card.engine.shared.config import (
+    GenerationRequest,
+    NgramConfig,
+    SamplingParams,
+    StopParams,
+    TreeParams,
+    VerifyPolicy,
+)
 from card.engine.shared.session import CardSession, StepResult
 from card.engine.shared.tree import Advance, Correction, Layer, TwoTierTree
 from card.engine.target.chain_source import ChainSource, NoDraft
@@ -129,13 +136,15 @@ def generate(model: torch.nn.Module, source: ChainSource, prompt: Sequence[int],
              max_new_tokens: int, sampling: SamplingParams | None = None,
              stop: Sequence[str] = (), eos_ids: frozenset[int] = frozenset(), ignore_eos: bool = True,
              decode: Callable[[list[int]], str] = letters, context_window: int = 512,
-             adaptive: bool = False) -> Run:
+             adaptive: bool = False, verify: VerifyPolicy | None = None, logprobs: int | None = None) -> Run:
     """Run one generation alone. Chains are verified whole unless ``adaptive`` (the engine's
     measured-cost cut reads the clock, so forward counts would follow the machine's load)."""
     request = GenerationRequest(
         tuple(prompt),
         sampling or SamplingParams(),
         StopParams(max_new_tokens=max_new_tokens, stop=tuple(stop), ignore_eos=ignore_eos),
+        verify=verify or VerifyPolicy(),
+        logprobs=logprobs,
     )
     gen = Generation(request, source, eos_ids=eos_ids, decode=decode, context_window=context_window,
                      mode="test", vocab_size=model.config.vocab_size)
@@ -144,6 +153,7 @@ def generate(model: torch.nn.Module, source: ChainSource, prompt: Sequence[int],
     # what was streamed is exactly the result, whatever the mode
     assert [t for c in chunks for t in c.token_ids] == gen.result.token_ids
     assert "".join(c.text for c in chunks) == gen.result.text
+    assert [lp for c in chunks for lp in c.logprobs] == gen.result.logprobs
     return Run(gen.result, chunks)
 
 
