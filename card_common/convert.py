@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 import torch
 
 from card.common.tensors import DTYPES, from_tensor_msg, ids_from_msg, ids_to_msg, to_tensor_msg
 from card.engine.shared.commands import AdvanceDraft, DraftCommand, StartDraft, StopDraft
-from card.engine.shared.config import ChainPolicy, SamplingParams
+from card.engine.shared.config import ChainPolicy, SamplingParams, Verify
 from card.engine.shared.errors import InvalidArgument
 from card.engine.shared.session import StepResult
 from card.engine.shared.stats import GenerationStats
 from card.engine.shared.tree import Advance, Chain, Correction, Layer, Outcome
-from card.v1 import cache_pb2, common_pb2
+from card.engine.target.verify import TokenLogprob
+from card.v1 import cache_pb2, common_pb2, target_pb2
 
 # ---- outcome ----------------------------------------------------------------------------------
 _OUTCOMES: dict[Outcome, int] = {
@@ -204,6 +207,11 @@ def stats_to_msg(stats: GenerationStats) -> common_pb2.GenerationStats:
         step_rtt_ms=stats.step_rtt_ms,
         accepted_lengths=stats.accepted_lengths,
         exact=stats.exact,
+        verify=stats.verify,
+        draft_tokens=stats.draft_tokens,
+        accepted_draft_tokens=stats.accepted_draft_tokens,
+        loose_kept=stats.loose_kept,
+        acceptance_histogram=stats.acceptance_histogram,
     )
 
 
@@ -224,7 +232,34 @@ def stats_from_msg(msg: common_pb2.GenerationStats) -> GenerationStats:
         step_rtt_ms=list(msg.step_rtt_ms),
         accepted_lengths=list(msg.accepted_lengths),
         exact=msg.exact,
+        verify=msg.verify or "exact",
+        draft_tokens=msg.draft_tokens,
+        accepted_draft_tokens=msg.accepted_draft_tokens,
+        loose_kept=msg.loose_kept,
+        acceptance_histogram=list(msg.acceptance_histogram),
     )
+
+
+# ---- logprobs and the acceptance rule (target <-> client) ---------------------------------------
+def logprobs_to_msg(logprobs: Sequence[TokenLogprob]) -> list[target_pb2.TokenLogprob]:
+    return [target_pb2.TokenLogprob(token=lp.token, logprob=lp.logprob, top_tokens=[t for t, _ in lp.top],
+                                    top_logprobs=[v for _, v in lp.top]) for lp in logprobs]
+
+
+def logprobs_from_msg(msgs: Sequence[target_pb2.TokenLogprob]) -> list[TokenLogprob]:
+    return [TokenLogprob(m.token, m.logprob, tuple(zip(m.top_tokens, m.top_logprobs, strict=False)))
+            for m in msgs]
+
+
+def verify_to_msg(mode: Verify, entropy_threshold: float | None = None,
+                  window: int | None = None) -> target_pb2.VerifyPolicy:
+    """The request's rule; thresholds left unset are the target's own (--loose-*)."""
+    msg = target_pb2.VerifyPolicy(mode=mode.value)
+    if entropy_threshold is not None:
+        msg.entropy_threshold = entropy_threshold
+    if window is not None:
+        msg.window = window
+    return msg
 
 
 # ---- chain policy (client -> target -> cache) -------------------------------------------------

@@ -30,6 +30,8 @@ from card.engine.shared.config import (
     NgramConfig,
     SamplingParams,
     StopParams,
+    Verify,
+    check_logprobs,
     tree_params,
 )
 
@@ -89,6 +91,19 @@ def cli(log_level: str) -> None:
 @option("--chat/--no-chat", default=None, help="Apply the chat template (default: when there is one).")
 @option("--target-threads", type=int, default=None, help="torch threads of the target.")
 @option("--draft-threads", type=int, default=None, help="torch threads of the draft.")
+@option("--verify", type=click.Choice([v.value for v in Verify]), default="exact", show_default=True,
+        envvar="CARD_CLIENT_VERIFY",
+        help="How the target judges drafted tokens: exact (the output is plain decoding's, token for "
+             "token) or loose (FLy: lossy; keeps a differently worded continuation the target agrees "
+             "with, and the stats say so).")
+@option("--loose-entropy-threshold", type=float, default=None, envvar="CARD_CLIENT_LOOSE_ENTROPY_THRESHOLD",
+        help="--verify loose: the target's top-3 entropy (nats) at or above which a mismatch may be kept "
+             "(default: the target's; in process FLy's 0.3).")
+@option("--loose-window", type=int, default=None, envvar="CARD_CLIENT_LOOSE_WINDOW",
+        help="--verify loose: a kept mismatch and the drafted tokens after it the target must agree with "
+             "(default: the target's; in process FLy's 6).")
+@option("--logprobs", type=int, default=None, envvar="CARD_CLIENT_LOGPROBS",
+        help="Report each token's log-probability with this many alternatives (0-20) in --json output.")
 @option("--json", "as_json", is_flag=True, help="Print one JSON object: text, token_ids, stats.")
 @exact_option("CARD_CLIENT")
 @ngram_options("card-client", envvar_prefix="CARD_CLIENT")
@@ -101,7 +116,8 @@ def generate(prompt: str, inprocess: bool, target_addr: str | None, api_key: str
              max_new_tokens: int, temperature: float, top_k: int, top_p: float, seed: int,
              stop: tuple[str, ...], ignore_eos: bool, tree_flags: dict[str, object],
              backoff: bool, gamma: int, chat: bool | None, target_threads: int | None,
-             draft_threads: int | None,
+             draft_threads: int | None, verify: str, loose_entropy_threshold: float | None,
+             loose_window: int | None, logprobs: int | None,
              as_json: bool, exact: bool, tls: TlsConfig, ngram: NgramConfig) -> None:
     """Generate text for PROMPT, streaming it as the target commits it; a stats line follows."""
     if draft_quantize is None:
@@ -129,7 +145,13 @@ def generate(prompt: str, inprocess: bool, target_addr: str | None, api_key: str
         draft_name=draft_name,
         drafter=drafter,
         ngram=ngram,
+        verify=Verify.parse(verify),
+        loose_entropy_threshold=loose_entropy_threshold,
+        loose_window=loose_window,
+        logprobs=logprobs,
     )
+    opts.verify_policy()  # bad loose settings are refused before anything loads
+    check_logprobs(logprobs)  # the bound the target applies, before anything loads
     on_text = None if as_json else _echo_text
     if inprocess:
         from card.client.inprocess import generate_inprocess

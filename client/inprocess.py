@@ -25,7 +25,8 @@ def generate_inprocess(opts: GenerateOptions, on_text: Callable[[str], None] | N
         draft = load_model(opts.draft)
     runner = InProcessRunner(target, draft, config)
     try:
-        generation = runner.generation(GenerationRequest(tuple(prompt_ids), opts.sampling, opts.stop))
+        generation = runner.generation(GenerationRequest(
+            tuple(prompt_ids), opts.sampling, opts.stop, verify=opts.verify_policy(), logprobs=opts.logprobs))
         for chunk in runner.stream(generation):
             if on_text is not None and chunk.text:
                 on_text(chunk.text)

@@ -14,6 +14,8 @@ from card.engine.shared.config import (
     SamplingParams,
     StopParams,
     TreeParams,
+    Verify,
+    VerifyPolicy,
 )
 
 # The embedded default pair: SmolLM2-135M-Instruct drafting for itself, dynamically quantized to
@@ -54,6 +56,18 @@ class GenerateOptions:
     draft_name: str | None = None
     drafter: DrafterKind = DrafterKind.NEURAL
     ngram: NgramConfig = field(default_factory=NgramConfig)
+    verify: Verify = Verify.EXACT
+    loose_entropy_threshold: float | None = None  # None: the target's (in process: FLy's default)
+    loose_window: int | None = None
+    logprobs: int | None = None
+
+    def verify_policy(self) -> VerifyPolicy:
+        """The acceptance rule of an in-process run (a target service fills its own defaults)."""
+        base = VerifyPolicy()
+        return VerifyPolicy(self.verify,
+                            base.entropy_threshold if self.loose_entropy_threshold is None
+                            else self.loose_entropy_threshold,
+                            base.window if self.loose_window is None else self.loose_window)
 
     def runner_config(self) -> RunnerConfig:
         if self.mode == "vanilla":

@@ -14,7 +14,12 @@ from dataclasses import dataclass
 import grpc
 
 from card.common.channels import channel
-from card.common.convert import chain_policy_to_msg, sampling_to_msg, stats_from_msg
+from card.common.convert import (
+    chain_policy_to_msg,
+    logprobs_from_msg,
+    sampling_to_msg,
+    stats_from_msg,
+)
 from card.common.status import error_from_rpc
 from card.common.tensors import ids_from_msg, ids_to_msg
 from card.common.tls import PLAINTEXT, TlsConfig
@@ -38,8 +43,9 @@ class RemoteGenerationResult(GenerationResult):
 
 
 def build_request(prompt: str | Sequence[int], *, chat: bool | None, sampling: SamplingParams,
-                  stop: StopParams, draft: str | None, mode: str,
-                  chain: ChainPolicy | None = None) -> target_pb2.GenerateRequest:
+                  stop: StopParams, draft: str | None, mode: str, chain: ChainPolicy | None = None,
+                  verify: target_pb2.VerifyPolicy | None = None,
+                  logprobs: int | None = None) -> target_pb2.GenerateRequest:
     request = target_pb2.GenerateRequest(
         sampling=sampling_to_msg(sampling),
         max_new_tokens=stop.max_new_tokens,
@@ -51,6 +57,10 @@ def build_request(prompt: str | Sequence[int], *, chat: bool | None, sampling: S
     )
     if chain is not None and not chain.empty:
         request.chain.CopyFrom(chain_policy_to_msg(chain))
+    if verify is not None:
+        request.verify.CopyFrom(verify)
+    if logprobs is not None:
+        request.logprobs = logprobs
     if isinstance(prompt, str):
         request.prompt = prompt
     else:
@@ -62,9 +72,13 @@ def generate_remote(addr: str, prompt: str | Sequence[int], *, chat: bool | None
                     sampling: SamplingParams | None = None, stop: StopParams | None = None,
                     draft: str | None = None, mode: str = "card", chain: ChainPolicy | None = None,
                     timeout_s: float = 600.0, on_text: Callable[[str], None] | None = None,
-                    tls: TlsConfig = PLAINTEXT, api_key: str | None = None) -> RemoteGenerationResult:
+                    tls: TlsConfig = PLAINTEXT, api_key: str | None = None,
+                    verify: target_pb2.VerifyPolicy | None = None,
+                    logprobs: int | None = None) -> RemoteGenerationResult:
     """Stream one generation from the target at ``addr``; ``prompt`` is text or token ids.
     ``api_key``: presented on the call (``authorization: Bearer``), where card-target has one.
+    ``verify``: the acceptance rule (``convert.verify_to_msg``; None: exact); ``logprobs``:
+    alternatives per token to report in the result's ``logprobs`` (None: none).
 
     ``on_text`` gets each piece of text as the target commits it. Raises ``card.engine.shared.errors``
     subclasses: Unavailable when the target cannot be reached (naming ``addr``) or misses the
@@ -73,7 +87,8 @@ def generate_remote(addr: str, prompt: str | Sequence[int], *, chat: bool | None
     if timeout_s <= 0:
         raise InvalidArgument(f"timeout must be > 0 seconds, got {timeout_s}")
     request = build_request(prompt, chat=chat, sampling=sampling or SamplingParams(),
-                            stop=stop or StopParams(), draft=draft, mode=mode, chain=chain)
+                            stop=stop or StopParams(), draft=draft, mode=mode, chain=chain,
+                            verify=verify, logprobs=logprobs)
     received = False
     try:
         with channel(addr, api_key, tls) as ch:
@@ -85,8 +100,9 @@ def generate_remote(addr: str, prompt: str | Sequence[int], *, chat: bool | None
                         on_text(message.chunk.text)
                     continue
                 final = message.final
-                return RemoteGenerationResult(final.text, ids_from_msg(final.token_ids),
-                                              final.finish_reason, stats_from_msg(final.stats), final.draft)
+                return RemoteGenerationResult(final.text, ids_from_msg(final.token_ids), final.finish_reason,
+                                              stats_from_msg(final.stats), logprobs_from_msg(final.logprobs),
+                                              draft=final.draft)
     except grpc.RpcError as err:
         code = err.code() if isinstance(err, grpc.Call) else None
         if code is grpc.StatusCode.UNAVAILABLE and not received:

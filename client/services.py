@@ -9,6 +9,7 @@ import click
 from card.client.options import GenerateOptions
 from card.client.remote import generate_remote
 from card.client.trio import LocalTrio
+from card.common.convert import verify_to_msg
 from card.common.tls import PLAINTEXT, TlsConfig
 from card.engine.shared.errors import InvalidArgument
 from card.engine.target.generation import GenerationResult
@@ -69,4 +70,6 @@ def _remote(opts: GenerateOptions, addr: str, on_text: Callable[[str], None] | N
         on_text=on_text,
         tls=tls,
         api_key=api_key,
+        verify=verify_to_msg(opts.verify, opts.loose_entropy_threshold, opts.loose_window),
+        logprobs=opts.logprobs,
     )

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from card.common.tls import TlsConfig
 from card.engine.loading.models import ModelConfig
+from card.engine.shared.config import Verify, VerifyPolicy
 from card.engine.shared.errors import InvalidArgument
 from card.engine.shared.kv_pool import check_sizing, pool_shape
 
@@ -43,6 +44,9 @@ class TargetConfig:
     max_body_mb: float = 4.0  # largest HTTP request body; larger ones get 413 before they are read
     max_waiting: int = 64  # requests waiting for a KV slot; more are refused at once
     queue_timeout_s: float = 30.0  # how long a request waits for a KV slot before it is refused
+    allow_loose: bool = True  # serve requests that ask for verify loose (lossy, by their choice)
+    loose_entropy_threshold: float = 0.3  # FLy's gate for loose requests that set none
+    loose_window: int = 6  # FLy's deferred window for loose requests that set none
     api_key: str | None = field(default=None, repr=False)  # a secret: never in a log line; both ports
     target_token: str | None = field(default=None, repr=False)  # presented to the cache (a secret)
     tls: TlsConfig = field(default_factory=TlsConfig)  # served on the gRPC port, used to dial the cache
@@ -54,6 +58,7 @@ class TargetConfig:
         if self.max_batch_size < 1:
             raise InvalidArgument(f"max-batch-size must be >= 1, got {self.max_batch_size}")
         check_sizing(self.kv_cache_gb, self.max_model_len)
+        VerifyPolicy(Verify.LOOSE, self.loose_entropy_threshold, self.loose_window)  # refused here
         if self.max_batch_tokens < 1:
             raise InvalidArgument(f"max-batch-tokens must be >= 1, got {self.max_batch_tokens}")
         if self.default_max_new_tokens < 1:

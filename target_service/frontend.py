@@ -27,7 +27,15 @@ import time
 from collections.abc import Callable, Sequence
 
 from card.engine.loading.models import LoadedModel
-from card.engine.shared.config import ChainPolicy, GenerationRequest, SamplingParams, StopParams, TreeParams
+from card.engine.shared.config import (
+    ChainPolicy,
+    GenerationRequest,
+    SamplingParams,
+    StopParams,
+    TreeParams,
+    Verify,
+    VerifyPolicy,
+)
 from card.engine.shared.errors import InvalidArgument, NotFound, ResourceExhausted, Unavailable
 from card.engine.target.chain_source import ChainSource, NoDraft
 from card.engine.target.generation import Generation, GenerationResult, check_prompt
@@ -113,6 +121,9 @@ class Running:
         metrics.GENERATIONS.labels(mode=stats.mode, finish_reason=result.finish_reason).inc()
         metrics.TOKENS.inc(stats.new_tokens)
         metrics.TOKENS_PER_S.observe(stats.tokens_per_s)
+        metrics.DRAFT_TOKENS.inc(stats.draft_tokens)
+        metrics.ACCEPTED_DRAFT_TOKENS.inc(stats.accepted_draft_tokens)
+        metrics.LOOSE_KEPT.inc(stats.loose_kept)
         log.info("generation done: %s", stats.summary())
         return result
 
@@ -186,9 +197,21 @@ class Frontend:
         if tokens >= self.context_window:
             check_prompt(range(tokens), self.context_window, model.name)
 
+    def verify_policy(self, mode: str = "", entropy_threshold: float | None = None,
+                      window: int | None = None) -> VerifyPolicy:
+        """A request's acceptance rule, the server's FLy settings where it sets none; a loose
+        request is refused here when this server does not allow it (--no-allow-loose)."""
+        verify = Verify.parse(mode)
+        if verify is Verify.LOOSE and not self.config.allow_loose:
+            raise InvalidArgument("verify loose (lossy) is not allowed on this server (--no-allow-loose); "
+                                  "ask for verify exact")
+        c = self.config
+        threshold = c.loose_entropy_threshold if entropy_threshold is None else entropy_threshold
+        return VerifyPolicy(verify, threshold, c.loose_window if window is None else window)
+
     def request(self, prompt_ids: Sequence[int], sampling: SamplingParams, max_new_tokens: int | None,
-                stop: Sequence[str] = (), ignore_eos: bool = False,
-                chain: ChainPolicy | None = None) -> GenerationRequest:
+                stop: Sequence[str] = (), ignore_eos: bool = False, chain: ChainPolicy | None = None,
+                verify: VerifyPolicy | None = None, logprobs: int | None = None) -> GenerationRequest:
         model = self.model
         self.check_length(len(prompt_ids))
         check_prompt(prompt_ids, self.context_window, model.name)
@@ -197,7 +220,8 @@ class Frontend:
         chain = chain or ChainPolicy()
         chain.over(TreeParams())  # refuse bad values here, not at the cache mid-request
         budget = StopParams(max_new_tokens or self.config.default_max_new_tokens, tuple(stop), ignore_eos)
-        return GenerationRequest(tuple(prompt_ids), sampling, budget, chain)
+        return GenerationRequest(tuple(prompt_ids), sampling, budget, chain, verify or VerifyPolicy(),
+                                 logprobs)
 
     def start(self, request: GenerationRequest, mode: str, draft: str = "",
               sink: Callable[[Event], None] | None = None, on_admit: Callable[[], None] | None = None,

@@ -37,3 +37,9 @@ CATCH_UPS = Counter("card_target_session_catch_ups_total",
                     "Sessions that opened after their generation committed more tokens; their first Step "
                     "tells them the tokens since")
 ENGINE_ALIVE = Gauge("card_target_engine_alive", "1 while the engine's thread runs, 0 once it died")
+# vLLM's spec-decode counters, by the same names' meaning: drafted tokens verified, and kept
+DRAFT_TOKENS = Counter("card_target_spec_decode_draft_tokens_total", "Drafted tokens the target verified")
+ACCEPTED_DRAFT_TOKENS = Counter("card_target_spec_decode_accepted_tokens_total",
+                                "Drafted tokens the target kept (verify loose: its kept mismatches included)")
+LOOSE_KEPT = Counter("card_target_loose_kept_tokens_total",
+                     "Drafted tokens kept by verify loose that plain decoding would not have chosen (lossy)")

@@ -13,11 +13,17 @@ it). ``--http-tls-cert/--http-tls-key`` serve HTTPS, renewed files within a seco
 
 ``stream: true`` answers with server-sent events in OpenAI's chunk shapes, then ``data: [DONE]``;
 ``stream_options.include_usage`` adds the usage chunk. Every request's ``usage`` carries a ``card``
-object (this request's mode, draft, target forwards, accepted draft tokens, mean accepted length,
-hit rate), an extension as vLLM's per-request metrics are. Fields that would change the output and
-are not served here (``n > 1``, ``logprobs``, tools, penalties, ``logit_bias``, ...) are refused with
-400 in OpenAI's error shape, never ignored; so is any field this server does not know.
-Extensions: ``mode`` ("card" or "vanilla"), ``draft`` (a worker name), ``top_k``, ``ignore_eos``.
+object (this request's mode, draft, target forwards, drafted and accepted tokens, mean accepted
+length, hit rate, its acceptance rule and whether it is lossy), and every answer vLLM's per-request
+``metrics.speculative_decoding`` (on the usage chunk when streaming, else on the last chunk), the
+object AIPerf reads. ``logprobs`` (completions: 0-20 alternatives; chat: ``logprobs`` with
+``top_logprobs`` <= 20) come in OpenAI's shapes, streaming or not: the target's own log-probabilities
+of each token, the same in every mode. Fields that would change the output and are not served here
+(``n > 1``, tools, penalties, ``logit_bias``, ...) are refused with 400 in OpenAI's error shape,
+never ignored; so is any field this server does not know.
+Extensions: ``mode`` ("card" or "vanilla"), ``draft`` (a worker name), ``top_k``, ``ignore_eos``,
+``verify`` ("exact", the default, or "loose": FLy, lossy) with ``verify_entropy_threshold`` and
+``verify_window``.
 
 Defaults follow OpenAI's API, not card-client's: ``temperature`` 1.0 and ``top_p`` 1.0; ``seed``
 makes sampling reproducible (default 0). A client that disconnects ends its generation within one
@@ -35,7 +41,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any, Literal
 
 import uvicorn
@@ -53,6 +59,7 @@ from card.engine.shared.errors import CardError, InvalidArgument, NotFound
 from card.engine.shared.stats import GenerationStats
 from card.engine.target.generation import GenerationResult
 from card.engine.target.scheduler import Event
+from card.engine.target.verify import TokenLogprob
 from card.target_service import metrics
 from card.target_service.frontend import Frontend, Running
 
@@ -90,6 +97,13 @@ class _Common(BaseModel):
     draft: str = ""
     top_k: int | None = None
     ignore_eos: bool = False
+    verify: Literal["exact", "loose"] = "exact"
+    verify_entropy_threshold: float | None = None  # loose: FLy's gate (the server's by default)
+    verify_window: int | None = None  # loose: FLy's deferred window (the server's by default)
+
+    def logprobs_wanted(self) -> int | None:
+        """Alternatives per token to report, or None for no logprobs."""
+        return None
 
     def refusals(self) -> list[str]:
         out = []
@@ -119,9 +133,10 @@ class CompletionBody(_Common):
             out.append("best_of > 1")
         if self.suffix:
             out.append("suffix")
-        if self.logprobs is not None:
-            out.append("logprobs")
         return out
+
+    def logprobs_wanted(self) -> int | None:
+        return self.logprobs
 
 
 class TextPart(BaseModel):
@@ -151,10 +166,13 @@ class ChatBody(_Common):
     parallel_tool_calls: bool | None = None
     response_format: dict[str, Any] | None = None
 
+    def logprobs_wanted(self) -> int | None:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise InvalidArgument("top_logprobs needs logprobs: true")
+        return (self.top_logprobs or 0) if self.logprobs else None
+
     def refusals(self) -> list[str]:
         out = super().refusals()
-        if self.logprobs or self.top_logprobs:
-            out.append("logprobs")
         if self.tools or self.tool_choice not in (None, "none"):
             out.append("tools")
         if self.response_format and self.response_format.get("type") != "text":
@@ -312,7 +330,8 @@ def create_app(front: Frontend, api_key: str | None = None, *,
                 raise InvalidArgument("one prompt per request (a batch of prompts is n requests)")
             prompt = prompt[0]
         gen_request = await asyncio.to_thread(_request, front, body, prompt, False, body.max_tokens)
-        return await _serve(front, body, gen_request, request, _CompletionShape(front.model.name))
+        shape = _CompletionShape(front.model.name, front.model.decode)
+        return await _serve(front, body, gen_request, request, shape)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatBody, request: Request) -> Any:
@@ -320,7 +339,8 @@ def create_app(front: Frontend, api_key: str | None = None, *,
                     for m in body.messages]
         budget = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         gen_request = await asyncio.to_thread(_request, front, body, messages, True, budget)
-        return await _serve(front, body, gen_request, request, _ChatShape(front.model.name))
+        shape = _ChatShape(front.model.name, front.model.decode)
+        return await _serve(front, body, gen_request, request, shape)
 
     return app
 
@@ -345,8 +365,10 @@ def _request(front: Frontend, body: _Common, prompt: Any, chat: bool,
         top_p=1.0 if body.top_p is None else body.top_p,
         seed=body.seed or 0,
     )
+    logprobs = body.logprobs_wanted()
+    verify = front.verify_policy(body.verify, body.verify_entropy_threshold, body.verify_window)
     ids = front.prompt_ids(prompt, chat)
-    return front.request(ids, sampling, budget, stop, body.ignore_eos)
+    return front.request(ids, sampling, budget, stop, body.ignore_eos, verify=verify, logprobs=logprobs)
 
 
 async def _serve(front: Frontend, body: _Common, gen_request: GenerationRequest, request: Request,
@@ -408,12 +430,16 @@ async def _cancel_on_disconnect(request: Request, running: Running) -> None:
 
 async def _sse(running: Running, events: asyncio.Queue[Event], watcher: asyncio.Task, shape: _Shape,
                include_usage: bool) -> AsyncIterator[str]:
+    logprobs: list[TokenLogprob] = []  # of tokens whose text is held back (a possible stop string)
     try:
         yield _data(shape.chunk(shape.first_delta(), None))
         while True:
             event = await events.get()
-            if event.chunk is not None and event.chunk.text:
-                yield _data(shape.chunk(shape.delta(event.chunk.text), None))
+            if event.chunk is not None:
+                logprobs += event.chunk.logprobs
+                if event.chunk.text:
+                    yield _data(shape.chunk(shape.delta(event.chunk.text), None, logprobs))
+                    logprobs = []
             if event.error is not None:
                 yield _data(_error_json(event.error))
                 break
@@ -421,10 +447,15 @@ async def _sse(running: Running, events: asyncio.Queue[Event], watcher: asyncio.
                 if running.result is None:
                     return  # cancelled
                 result = running.finished()
-                yield _data(shape.chunk(shape.last_delta(), _FINISH.get(result.finish_reason, "stop")))
+                # the acceptance object rides once: on the usage chunk, else on the last chunk
+                last = shape.chunk(shape.last_delta(), _FINISH.get(result.finish_reason, "stop"), logprobs)
+                if not include_usage:
+                    last["metrics"] = spec_metrics(result.stats)
+                yield _data(last)
                 if include_usage:
                     yield _data({**shape.chunk(None, None), "choices": [],
-                                 "usage": usage(result.stats, running.draft_name)})
+                                 "usage": usage(result.stats, running.draft_name),
+                                 "metrics": spec_metrics(result.stats)})
                 break
         yield "data: [DONE]\n\n"
     finally:
@@ -445,12 +476,31 @@ def usage(stats: GenerationStats, draft: str) -> dict:
             "mode": stats.mode,
             "draft": draft,
             "target_forwards": stats.target_forwards,
-            # each forward commits its accepted draft tokens + one of the target's own
-            "accepted_draft_tokens": sum(max(n - 1, 0) for n in stats.accepted_lengths),
+            "draft_tokens": stats.draft_tokens,
+            "accepted_draft_tokens": stats.accepted_draft_tokens,
             "mean_accepted_length": round(stats.mean_accepted_length, 4),
             "hit_rate": round(stats.hit_rate, 4),
+            "verify": stats.verify,
+            # loose: the tokens are not plain decoding's, by this request's choice
+            "lossy": stats.lossy,
+            "loose_kept_tokens": stats.loose_kept,
         },
     }
+
+
+def spec_metrics(stats: GenerationStats) -> dict:
+    """vLLM's per-request ``metrics.speculative_decoding`` (what AIPerf reads): steps are the
+    verifications of a drafted chain; the histogram is dense, [j] = steps that kept j drafted
+    tokens. No ``num_spec_tokens``: card's chains have no fixed length."""
+    steps, kept, drafted = stats.spec_steps, stats.accepted_draft_tokens, stats.draft_tokens
+    return {"speculative_decoding": {
+        "mean_acceptance_length": round(1.0 + kept / steps, 6) if steps else 1.0,
+        "draft_acceptance_rate": round(kept / drafted, 6) if drafted else 0.0,
+        "acceptance_histogram": list(stats.acceptance_histogram) or [0],
+        "num_spec_steps": steps,
+        "num_draft_tokens": drafted,
+        "num_accepted_draft_tokens": kept,
+    }}
 
 
 # ---- response shapes ------------------------------------------------------------------------
@@ -460,20 +510,29 @@ class _Shape(abc.ABC):
     object_whole = ""
     object_chunk = ""
 
-    def __init__(self, model: str, prefix: str) -> None:
+    def __init__(self, model: str, prefix: str, decode: Callable[[list[int]], str]) -> None:
         self.model = model
         self.id = f"{prefix}-{uuid.uuid4().hex}"
         self.created = int(time.time())
+        self.decode = decode  # a token's text, for logprobs
+        self.logprobs_on = False  # the request asked for them (set by the first chunk that has some)
 
     def _head(self, obj: str) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
-    def chunk(self, delta: Any, finish: str | None) -> dict:
-        choices = [] if delta is None else [self.choice_chunk(delta, finish)]
+    def chunk(self, delta: Any, finish: str | None, logprobs: Sequence[TokenLogprob] = ()) -> dict:
+        choices = [] if delta is None else [self.choice_chunk(delta, finish, self._logprobs(logprobs))]
         return {**self._head(self.object_chunk), "choices": choices}
 
+    def _logprobs(self, logprobs: Sequence[TokenLogprob]) -> dict | None:
+        return self.format_logprobs(logprobs) if logprobs else None
+
     @abc.abstractmethod
-    def choice_chunk(self, delta: Any, finish: str | None) -> dict: ...
+    def format_logprobs(self, logprobs: Sequence[TokenLogprob]) -> dict:
+        """OpenAI's logprobs object of this endpoint for ``logprobs``."""
+
+    @abc.abstractmethod
+    def choice_chunk(self, delta: Any, finish: str | None, logprobs: dict | None) -> dict: ...
 
     @abc.abstractmethod
     def first_delta(self) -> Any: ...
@@ -491,11 +550,22 @@ class _Shape(abc.ABC):
 class _CompletionShape(_Shape):
     object_whole = object_chunk = "text_completion"
 
-    def __init__(self, model: str) -> None:
-        super().__init__(model, "cmpl")
+    def __init__(self, model: str, decode: Callable[[list[int]], str]) -> None:
+        super().__init__(model, "cmpl", decode)
+        self.offset = 0  # text_offset runs on across a stream's chunks
 
-    def choice_chunk(self, delta: str, finish: str | None) -> dict:
-        return {"index": 0, "text": delta, "logprobs": None, "finish_reason": finish}
+    def format_logprobs(self, logprobs: Sequence[TokenLogprob]) -> dict:
+        tokens = [self.decode([lp.token]) for lp in logprobs]
+        offsets = []
+        for text in tokens:
+            offsets.append(self.offset)
+            self.offset += len(text)
+        return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in logprobs],
+                "top_logprobs": [{self.decode([t]): v for t, v in lp.top} for lp in logprobs],
+                "text_offset": offsets}
+
+    def choice_chunk(self, delta: str, finish: str | None, logprobs: dict | None) -> dict:
+        return {"index": 0, "text": delta, "logprobs": logprobs, "finish_reason": finish}
 
     def first_delta(self) -> str:
         return ""
@@ -508,20 +578,29 @@ class _CompletionShape(_Shape):
 
     def whole(self, result: GenerationResult, draft: str) -> dict:
         return {**self._head(self.object_whole),
-                "choices": [{"index": 0, "text": result.text, "logprobs": None,
+                "choices": [{"index": 0, "text": result.text, "logprobs": self._logprobs(result.logprobs),
                              "finish_reason": _FINISH.get(result.finish_reason, "stop")}],
-                "usage": usage(result.stats, draft)}
+                "usage": usage(result.stats, draft), "metrics": spec_metrics(result.stats)}
 
 
 class _ChatShape(_Shape):
     object_whole = "chat.completion"
     object_chunk = "chat.completion.chunk"
 
-    def __init__(self, model: str) -> None:
-        super().__init__(model, "chatcmpl")
+    def __init__(self, model: str, decode: Callable[[list[int]], str]) -> None:
+        super().__init__(model, "chatcmpl", decode)
 
-    def choice_chunk(self, delta: dict, finish: str | None) -> dict:
-        return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+    def _entry(self, token: int, logprob: float) -> dict:
+        text = self.decode([token])
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+    def format_logprobs(self, logprobs: Sequence[TokenLogprob]) -> dict:
+        return {"content": [{**self._entry(lp.token, lp.logprob),
+                             "top_logprobs": [self._entry(t, v) for t, v in lp.top]} for lp in logprobs],
+                "refusal": None}
+
+    def choice_chunk(self, delta: dict, finish: str | None, logprobs: dict | None) -> dict:
+        return {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
 
     def first_delta(self) -> dict:
         return {"role": "assistant", "content": ""}
@@ -535,8 +614,9 @@ class _ChatShape(_Shape):
     def whole(self, result: GenerationResult, draft: str) -> dict:
         return {**self._head(self.object_whole),
                 "choices": [{"index": 0, "message": {"role": "assistant", "content": result.text},
-                             "logprobs": None, "finish_reason": _FINISH.get(result.finish_reason, "stop")}],
-                "usage": usage(result.stats, draft)}
+                             "logprobs": self._logprobs(result.logprobs),
+                             "finish_reason": _FINISH.get(result.finish_reason, "stop")}],
+                "usage": usage(result.stats, draft), "metrics": spec_metrics(result.stats)}
 
 
 # ---- the listener ---------------------------------------------------------------------------

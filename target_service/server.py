@@ -202,6 +202,15 @@ def serve(config: TargetConfig) -> None:
 @option("--queue-timeout-s", default=30.0, type=float,
         help="How long a request waits for a KV slot before it is refused (RESOURCE_EXHAUSTED / HTTP 429 "
              "with Retry-After); a gRPC deadline shorter than this wins.")
+@option("--allow-loose/--no-allow-loose", default=True,
+        help="Serve requests that ask for verify loose (FLy: lossy by the request's choice; its answer "
+             "says so). Off: they are refused (INVALID_ARGUMENT / 400). Requests are exact unless they ask.")
+@option("--loose-entropy-threshold", default=0.3, type=float,
+        help="verify loose: the target's top-3 entropy (nats) at or above which a drafted token it would "
+             "not have chosen may be kept, for requests that set none (FLy's 0.3).")
+@option("--loose-window", default=6, type=int,
+        help="verify loose: a kept mismatch and the drafted tokens after it that the target must agree "
+             "with, for requests that set none (FLy's 6). Chains no longer than this are judged exactly.")
 @option("--target-token", default=None,
         help="Present this token to the cache (authorization: Bearer), where card-cache requires one "
              "(its --target-token).")

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 
 import grpc
 
-from card.common.convert import chain_policy_from_msg, sampling_from_msg, stats_to_msg
+from card.common.convert import chain_policy_from_msg, logprobs_to_msg, sampling_from_msg, stats_to_msg
 from card.common.status import grpc_errors, status_code
 from card.common.tensors import ids_from_msg, ids_to_msg
 from card.engine.shared.config import GenerationRequest, SamplingParams
@@ -54,7 +54,8 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
                 event = running.next_event(context.time_remaining())
                 if event.chunk is not None and (event.chunk.token_ids or event.chunk.text):
                     yield target_pb2.GenerateResponse(chunk=target_pb2.Chunk(
-                        token_ids=event.chunk.token_ids, text=event.chunk.text))
+                        token_ids=event.chunk.token_ids, text=event.chunk.text,
+                        logprobs=logprobs_to_msg(event.chunk.logprobs)))
                 if event.error is not None:
                     raise event.error
                 if event.done:
@@ -68,7 +69,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         yield target_pb2.GenerateResponse(final=target_pb2.Final(
             finish_reason=result.finish_reason, text=result.text,
             token_ids=ids_to_msg(result.token_ids), stats=stats_to_msg(result.stats),
-            draft=running.draft_name,
+            draft=running.draft_name, logprobs=logprobs_to_msg(result.logprobs),
         ))
 
     def _parse(self, request: target_pb2.GenerateRequest) -> GenerationRequest:
@@ -91,5 +92,10 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         prompt_ids = self.front.prompt_ids(prompt, _CHAT[request.chat])
         sampling = sampling_from_msg(request.sampling) if request.HasField("sampling") else SamplingParams()
         chain = chain_policy_from_msg(request.chain) if request.HasField("chain") else None
+        v = request.verify
+        verify = self.front.verify_policy(
+            v.mode, v.entropy_threshold if v.HasField("entropy_threshold") else None,
+            v.window if v.HasField("window") else None)
+        logprobs = request.logprobs if request.HasField("logprobs") else None
         return self.front.request(prompt_ids, sampling, request.max_new_tokens or None, request.stop,
-                                  request.ignore_eos, chain)
+                                  request.ignore_eos, chain, verify, logprobs)

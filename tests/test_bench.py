@@ -65,6 +65,39 @@ def test_bench_end_to_end(pair, tmp_path):
     assert "card" in result.output and "hf-assisted" in result.output
 
 
+def test_bench_samples_and_compares_acceptance_rules_in_one_run(pair, tmp_path):
+    """--temperature/--seed sample in every mode (exact card still equals vanilla); --verify
+    exact,loose adds card+loose, reported lossy, never a failed exactness check; GSM8K answers are
+    scored against their references."""
+    target, draft = pair
+    gsm = _jsonl(tmp_path / "g.jsonl", [{"question": "What is 2 + 3?", "answer": "2 + 3 = 5\n#### 5"},
+                                        {"question": "Name a colour.", "answer": "#### 1,000"}])
+    out = tmp_path / "r.json"
+    result = CliRunner().invoke(main, [
+        "--target-model", str(target), "--draft-model", str(draft), "--draft-quantize", "none",
+        "--dataset", f"gsm8k={gsm}", "--n", "2", "--max-new-tokens", "24", "--modes", "vanilla,card",
+        "--temperature", "0.8", "--seed", "4", "--verify", "exact,loose", "--loose-window", "2",
+        "--loose-entropy-threshold", "0", "--ignore-eos", "--out", str(out), "--no-progress",
+    ])
+    assert result.exit_code == 0, result.output
+    payload = json.loads(out.read_text())
+    modes = {r["mode"] for r in payload["records"]}
+    assert modes == {"vanilla", "card", "card+loose"}
+    for r in payload["records"]:
+        assert r["reference"] in ("5", "1000") and r["correct"] in (True, False)
+        assert r["verify"] == ("loose" if r["mode"] == "card+loose" else "exact")
+        if r["mode"] == "card":
+            assert r["matches_vanilla"], "sampled exact card equals sampled vanilla"
+    summary = {row["mode"]: row for row in payload["summary"]}
+    assert summary["card+loose"]["lossy"] and not summary["card"]["lossy"]
+    assert summary["vanilla"]["accuracy"] is not None
+    assert payload["config"]["temperature"] == 0.8 and not payload["config"]["greedy"]
+    # HF's greedy modes cannot sample: refused in one line, not run greedily beside sampled ones
+    refused = CliRunner().invoke(main, ["--target-model", str(target), "--modes", "vanilla,hf",
+                                        "--temperature", "0.5", "--dataset", f"gsm8k={gsm}", "--n", "1"])
+    assert refused.exit_code != 0 and "--temperature 0" in refused.output
+
+
 def test_bench_through_services(pair, tmp_path):
     """--services: the same prompts through a real local trio (redis, cache, draft, target)."""
     target, draft = pair

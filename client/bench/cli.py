@@ -41,7 +41,14 @@ from card.common.cli import exact_option, exit_on_error, ngram_options, tls_opti
 from card.common.tls import PLAINTEXT, TlsConfig
 from card.engine.loading.cpu_linear import PackedLinear, pack_linears
 from card.engine.loading.models import DTYPES, LoadedModel, ModelConfig, load_model
-from card.engine.shared.config import NgramConfig, TreeParams, default_tree_params
+from card.engine.shared.config import (
+    NgramConfig,
+    SamplingParams,
+    TreeParams,
+    Verify,
+    VerifyPolicy,
+    default_tree_params,
+)
 from card.engine.shared.errors import InvalidArgument
 
 EXIT_MISMATCH = 1
@@ -92,9 +99,11 @@ def run_bench(target: LoadedModel, draft: LoadedModel | None, modes: list[Mode],
                 for mode in modes[shift:] + modes[:shift]:
                     bar.set_postfix_str(f"{ds.name} #{i} {mode.name}")
                     out = mode.run(prompt_ids, max_new_tokens)
+                    reference = ds.reference(i)
+                    correct = data.answer_correct(target.decode(out.token_ids), reference)
                     record = {"dataset": ds.name, "prompt_index": i, "mode": mode.name,
                               "finish_reason": out.finish_reason, "token_ids": out.token_ids,
-                              **out.stats.to_dict()}
+                              "reference": reference, "correct": correct, **out.stats.to_dict()}
                     record["mode"] = mode.name
                     records.append(record)
                     bar.update(1)
@@ -203,6 +212,16 @@ def _parse_variant(value: str) -> tuple[str, dict[str, object]]:
                    "of starting a local trio; the model flags then only label the results")
 @click.option("--api-key", default=None, envvar="CARD_BENCH_API_KEY", show_envvar=True,
               help="with --target: the key of that card-target (its --api-key), presented on every call")
+@click.option("--temperature", type=click.FloatRange(0.0, 100.0), default=0.0, show_default=True,
+              help="every mode samples at this temperature with --seed (0: greedy); sampled outputs of "
+                   "exact modes still equal vanilla's token for token")
+@click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True, help="sampling seed")
+@click.option("--verify", "verify_policies", default="exact", show_default=True, metavar="POLICY,...",
+              help="acceptance rules of the card modes: exact, loose (FLy, lossy); each one past the first "
+                   "adds the card modes again as MODE+POLICY, so they compare in one run")
+@click.option("--loose-entropy-threshold", type=float, default=None,
+              help="verify loose: FLy's top-3 entropy gate (default 0.3)")
+@click.option("--loose-window", type=int, default=None, help="verify loose: FLy's window (default 6)")
 @click.option("--no-progress", is_flag=True, help="no progress bar")
 @tls_options("card-bench", serves=False, envvar_prefix="CARD_BENCH")
 @ngram_options("card-bench", envvar_prefix="CARD_BENCH")
@@ -222,8 +241,12 @@ def bench(*, target_model: str, draft_model: str, target_dtype: str, draft_dtype
           ignore_eos: bool, threads: int | None, target_threads: int | None, draft_threads: int | None,
           warmup_tokens: int, out: Path | None, chart: Path | None, services: bool, concurrency: str | None,
           no_progress: bool, target_addr: str | None = None, tls: TlsConfig = PLAINTEXT,
-          ngram: NgramConfig | None = None, exact: bool = True, api_key: str | None = None) -> int:
+          ngram: NgramConfig | None = None, exact: bool = True, api_key: str | None = None,
+          temperature: float = 0.0, seed: int = 0, verify_policies: str = "exact",
+          loose_entropy_threshold: float | None = None, loose_window: int | None = None) -> int:
     ngram = ngram or NgramConfig()
+    sampling = SamplingParams(temperature=temperature, seed=seed)
+    policies = _parse_policies(verify_policies, loose_entropy_threshold, loose_window)
     levels = _parse_levels(concurrency)
     if levels and not services:
         raise InvalidArgument("--concurrency loads the services: add --services")
@@ -242,7 +265,7 @@ def bench(*, target_model: str, draft_model: str, target_dtype: str, draft_dtype
                             target_threads=target_threads or split[0],
                             draft_threads=draft_threads or split[1],
                             ignore_eos=ignore_eos, backoff=backoff, ngram=ngram, ngram_tree=ngram_tree,
-                            exact=exact)
+                            exact=exact, sampling=sampling, verify=policies[0])
     loaded = [data.load(spec, n_prompts, data_dir) for spec in datasets]
     if target_addr and not services_only:
         raise InvalidArgument(f"--target loads a running card-target: only {', '.join(SERVICE_MODES)} run "
@@ -250,6 +273,9 @@ def bench(*, target_model: str, draft_model: str, target_dtype: str, draft_dtype
     if services_only:
         if not services:
             raise InvalidArgument(f"--modes {modes} runs through the services: add --services")
+        if not sampling.greedy or len(policies) > 1 or policies[0].lossy:
+            raise InvalidArgument("--modes svc-* alone measures greedy, exact load; --temperature and "
+                                  "--verify go with the in-process modes (add vanilla,card)")
         return _services_only(target_model, draft_model, target_dtype, draft_quantize, tree, settings,
                               requested, loaded, levels or (1,), max_new_tokens, ignore_eos, out,
                               target_addr, tls, api_key or None)
@@ -277,6 +303,15 @@ def bench(*, target_model: str, draft_model: str, target_dtype: str, draft_dtype
         built += [build_card(name, target, draft, dataclasses.replace(settings, tree=variant))
                   for name, variant in variants.items()]
         mode_names += list(variants)
+        for policy in policies[1:]:  # the card modes again under each further acceptance rule
+            again = [m for m in mode_names if report.is_card(m) and "+" not in m]
+            with_policy = dataclasses.replace(settings, verify=policy)
+            built += [build_mode(m, target, draft, with_policy) if m not in variants else
+                      build_card(m, target, draft, dataclasses.replace(with_policy, tree=variants[m]))
+                      for m in again]
+            for m, mode in zip(again, built[-len(again):], strict=True):
+                mode.name = f"{m}+{policy.mode.value}"
+            mode_names += [f"{m}+{policy.mode.value}" for m in again]
         for m in built:
             stack.callback(m.close)
         if services:
@@ -287,8 +322,13 @@ def bench(*, target_model: str, draft_model: str, target_dtype: str, draft_dtype
             trio = stack.enter_context(_trio(target_model, draft_model, target_dtype, draft_quantize, tree,
                                              settings))
             threads = {"target": settings.target_threads, "draft": settings.draft_threads}
-            built += [ServiceMode(m, trio.target_addr, threads, ignore_eos) for m in SERVICE_MODES]
+            built += [ServiceMode(m, trio.target_addr, threads, ignore_eos, sampling,
+                                  policies[0] if m == "svc-card" else None) for m in SERVICE_MODES]
             mode_names += list(SERVICE_MODES)
+            for policy in policies[1:]:
+                name = f"svc-card+{policy.mode.value}"
+                built.append(ServiceMode(name, trio.target_addr, threads, ignore_eos, sampling, policy))
+                mode_names.append(name)
         records = run_bench(target, draft, built, loaded, max_new_tokens, warmup_tokens,
                             progress=not no_progress)
         if levels:
@@ -308,15 +348,27 @@ def bench(*, target_model: str, draft_model: str, target_dtype: str, draft_dtype
         "one_model_threads": settings.all_threads, "step_ms_by_threads": step_ms,
         "backoff": backoff, "gamma": gamma, "warmup_tokens": warmup_tokens,
         "ngram": vars(ngram), "ngram_tree": vars(ngram_tree),
-        "greedy": True,
+        "greedy": sampling.greedy, "temperature": temperature, "seed": seed,
+        "verify": [{"mode": p.mode.value, "entropy_threshold": p.entropy_threshold, "window": p.window}
+                   for p in policies],
     }
     machine = report.machine_info({m.name: m.threads for m in built})
+    how = "greedy" if sampling.greedy else f"temperature {temperature:g}, seed {seed}"
     title = (f"{target.name} / draft {draft.name if draft else '-'}; {max_new_tokens} new tokens, "
-             f"greedy; {machine['cpu_model']} x{cores}")
+             f"{how}; {machine['cpu_model']} x{cores}")
     code = finish(records, config, machine, out, chart or out.with_suffix(".png"), title)
     if levels:
         code = max(code, _finish_load(load_records, load_rows, config, machine, out, title))
     return code
+
+
+def _parse_policies(value: str, entropy_threshold: float | None, window: int | None) -> list[VerifyPolicy]:
+    """``exact,loose`` -> the acceptance rules, in order, each once."""
+    base = VerifyPolicy()
+    names = list(dict.fromkeys(v.strip() for v in value.split(",") if v.strip())) or ["exact"]
+    threshold = base.entropy_threshold if entropy_threshold is None else entropy_threshold
+    size = base.window if window is None else window
+    return [VerifyPolicy(Verify.parse(n), threshold, size) for n in names]
 
 
 def _parse_levels(value: str | None) -> tuple[int, ...]:

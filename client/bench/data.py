@@ -14,6 +14,7 @@ from __future__ import annotations
 import gzip
 import json
 import os
+import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,9 +35,41 @@ SAMPLED = frozenset({"gsm8k"})  # packaged as a sample of the published set, not
 
 @dataclass(frozen=True)
 class Dataset:
+    """``references``: per prompt, the reference answer a generation can be scored against (GSM8K's
+    final number), or None."""
+
     name: str
     path: Path
     prompts: tuple[str | list[dict], ...]  # text, or a chat's messages
+    references: tuple[str | None, ...] = ()
+
+    def reference(self, i: int) -> str | None:
+        return self.references[i] if i < len(self.references) else None
+
+
+_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
+
+
+def reference_of(record: dict) -> str | None:
+    """GSM8K's final answer (after ``####``), normalised; None for records without one."""
+    answer = record.get("answer")
+    if not isinstance(answer, str) or "####" not in answer:
+        return None
+    return _normalise(answer.rsplit("####", 1)[1].strip())
+
+
+def _normalise(number: str) -> str:
+    value = number.replace(",", "").rstrip(".")
+    return value[:-2] if value.endswith(".0") else value
+
+
+def answer_correct(text: str, reference: str | None) -> bool | None:
+    """Whether the last number in ``text`` is the reference (GSM8K's usual scoring); None when
+    there is no reference."""
+    if reference is None:
+        return None
+    numbers = _NUMBER.findall(text)
+    return bool(numbers) and _normalise(numbers[-1]) == reference
 
 
 def data_dir(override: str | Path | None = None) -> Path:
@@ -80,13 +113,16 @@ def load(spec: str, n: int | None = None, directory: str | Path | None = None) -
         raise NotFound(f"dataset {spec!r}: {path} does not exist (give gsm8k, humaneval, mt_bench, "
                        f"name=path or a path to a jsonl file{where})")
     opener = gzip.open if path.suffix == ".gz" else open
-    prompts: list[str] = []
+    prompts: list[str | list[dict]] = []
+    references: list[str | None] = []
     with opener(path, "rt", encoding="utf-8") as f:
         for line in f:
             if n is not None and len(prompts) >= n:
                 break
             if line.strip():
-                prompts.append(prompt_of(json.loads(line)))
+                record = json.loads(line)
+                prompts.append(prompt_of(record))
+                references.append(reference_of(record))
     if not prompts:
         raise InvalidArgument(f"dataset {spec!r} ({path}) holds no prompts")
     if n is not None and len(prompts) < n:
@@ -95,4 +131,4 @@ def load(spec: str, n: int | None = None, directory: str | Path | None = None) -
         else:
             note = f"{path} has {len(prompts)} prompts, fewer than the {n} asked for"
         print(f"{name}: {note}", file=sys.stderr)
-    return Dataset(name, path, tuple(prompts))
+    return Dataset(name, path, tuple(prompts), tuple(references))

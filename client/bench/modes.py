@@ -27,9 +27,18 @@ from typing import Protocol
 import torch
 
 from card.client.bench.costs import verify_costs
+from card.common.convert import verify_to_msg
 from card.engine.inprocess.runner import InProcessRunner, RunnerConfig
 from card.engine.loading.models import LoadedModel
-from card.engine.shared.config import DrafterKind, GenerationRequest, NgramConfig, StopParams, TreeParams
+from card.engine.shared.config import (
+    DrafterKind,
+    GenerationRequest,
+    NgramConfig,
+    SamplingParams,
+    StopParams,
+    TreeParams,
+    VerifyPolicy,
+)
 from card.engine.shared.errors import InvalidArgument
 from card.engine.shared.stats import GenerationStats
 
@@ -63,9 +72,12 @@ class EngineMode:
     """vanilla / sd / card through the in-process runner (one runner, reused for every prompt)."""
 
     def __init__(self, name: str, target: LoadedModel, draft: LoadedModel | None, config: RunnerConfig,
-                 target_threads: int, draft_threads: int | None = None, ignore_eos: bool = False) -> None:
+                 target_threads: int, draft_threads: int | None = None, ignore_eos: bool = False,
+                 sampling: SamplingParams | None = None, verify: VerifyPolicy | None = None) -> None:
         self.name = name
         self.ignore_eos = ignore_eos
+        self.sampling = sampling or SamplingParams()
+        self.verify = verify or VerifyPolicy()
         self.runner = InProcessRunner(target, draft, config)
         self.target_threads = target_threads
         self.threads = {"target": target_threads}
@@ -74,8 +86,9 @@ class EngineMode:
 
     def run(self, prompt_ids: Sequence[int], max_new_tokens: int) -> ModeOutput:
         torch.set_num_threads(self.target_threads)
-        request = GenerationRequest(tuple(prompt_ids), stop=StopParams(max_new_tokens=max_new_tokens,
-                                                                           ignore_eos=self.ignore_eos))
+        request = GenerationRequest(tuple(prompt_ids), self.sampling,
+                                    StopParams(max_new_tokens=max_new_tokens, ignore_eos=self.ignore_eos),
+                                    verify=self.verify)
         result = self.runner.run(request)
         return ModeOutput(result.token_ids, result.stats, result.finish_reason)
 
@@ -158,19 +171,25 @@ class ServiceMode:
     """
 
     def __init__(self, name: str, target_addr: str, threads: dict[str, int],
-                 ignore_eos: bool = False) -> None:
+                 ignore_eos: bool = False, sampling: SamplingParams | None = None,
+                 verify: VerifyPolicy | None = None) -> None:
         self.name = name
         self.addr = target_addr
-        self.remote_mode = name.removeprefix("svc-")
+        self.remote_mode = name.removeprefix("svc-").split("+")[0]
         self.threads = threads
         self.ignore_eos = ignore_eos
+        self.sampling = sampling or SamplingParams()
+        self.verify = verify or VerifyPolicy()
 
     def run(self, prompt_ids: Sequence[int], max_new_tokens: int) -> ModeOutput:
         from card.client.remote import generate_remote
 
         stop = StopParams(max_new_tokens=max_new_tokens, ignore_eos=self.ignore_eos)
         t0 = time.perf_counter()
-        result = generate_remote(self.addr, list(prompt_ids), stop=stop, mode=self.remote_mode)
+        v = self.verify
+        result = generate_remote(self.addr, list(prompt_ids), stop=stop, mode=self.remote_mode,
+                                 sampling=self.sampling,
+                                 verify=verify_to_msg(v.mode, v.entropy_threshold, v.window))
         stats = result.stats
         stats.wall_s = time.perf_counter() - t0
         stats.mode = self.name
@@ -194,6 +213,8 @@ class ModeSettings:
     ngram: NgramConfig = field(default_factory=NgramConfig)
     ngram_tree: TreeParams | None = None
     exact: bool = True  # the target's batch-invariant forward (--exact), in-process and in the trio
+    sampling: SamplingParams = field(default_factory=SamplingParams)  # every mode's (HF modes: greedy)
+    verify: VerifyPolicy = field(default_factory=VerifyPolicy)  # card modes' acceptance rule
 
 
 def build_mode(name: str, target: LoadedModel, draft: LoadedModel | None, s: ModeSettings) -> Mode:
@@ -201,10 +222,10 @@ def build_mode(name: str, target: LoadedModel, draft: LoadedModel | None, s: Mod
         raise InvalidArgument(f"mode {name} needs a draft model")
     if name == "vanilla":
         return EngineMode(name, target, None, RunnerConfig(mode="vanilla"), s.all_threads,
-                          ignore_eos=s.ignore_eos)
+                          ignore_eos=s.ignore_eos, sampling=s.sampling)
     if name == "sd":
         return EngineMode(name, target, draft, RunnerConfig(mode="sd", gamma=s.gamma), s.all_threads,
-                          ignore_eos=s.ignore_eos)
+                          ignore_eos=s.ignore_eos, sampling=s.sampling)
     if name == "card":
         return build_card(name, target, draft, s)
     if name in ("card-cascade", "card-auto"):
@@ -213,8 +234,12 @@ def build_mode(name: str, target: LoadedModel, draft: LoadedModel | None, s: Mod
         config = RunnerConfig(mode="card", tree=s.ngram_tree or s.tree, backoff=s.backoff,
                               drafter=DrafterKind.NGRAM,
                               ngram=s.ngram, target_threads=s.all_threads)
-        return EngineMode(name, target, None, config, s.all_threads, ignore_eos=s.ignore_eos)
+        return EngineMode(name, target, None, config, s.all_threads, ignore_eos=s.ignore_eos,
+                          sampling=s.sampling, verify=s.verify)
     if name in HF_MODES:
+        if not s.sampling.greedy:
+            raise InvalidArgument(f"mode {name} runs transformers' greedy generate: drop it, or "
+                                  "--temperature 0")
         return HFMode(name, target, draft, s.all_threads, s.ignore_eos)
     raise InvalidArgument(f"unknown mode {name!r}; choose from {', '.join(MODES)}")
 
@@ -226,7 +251,8 @@ def build_card(name: str, target: LoadedModel, draft: LoadedModel, s: ModeSettin
     config = RunnerConfig(mode="card", tree=s.tree, target_threads=s.target_threads,
                           draft_threads=s.draft_threads, backoff=s.backoff,
                           lend_cores=s.all_threads > s.target_threads, drafter=drafter, ngram=s.ngram)
-    return EngineMode(name, target, draft, config, s.target_threads, s.draft_threads, s.ignore_eos)
+    return EngineMode(name, target, draft, config, s.target_threads, s.draft_threads, s.ignore_eos,
+                      sampling=s.sampling, verify=s.verify)
 
 
 def step_ms_by_threads(model: torch.nn.Module, max_threads: int, reps: int = 5) -> dict[int, float]:

@@ -272,6 +272,12 @@ class Verify(enum.Enum):
 MAX_LOGPROBS = 20  # alternatives per token a request may ask for (OpenAI's top_logprobs bound)
 
 
+def check_logprobs(n: int | None) -> None:
+    """None (no logprobs) or 0 to MAX_LOGPROBS alternatives per token; InvalidArgument otherwise."""
+    if n is not None and not 0 <= n <= MAX_LOGPROBS:
+        raise InvalidArgument(f"logprobs must be in [0, {MAX_LOGPROBS}] alternatives per token, got {n}")
+
+
 @dataclass(frozen=True)
 class VerifyPolicy:
     """The request's acceptance rule; the FLy thresholds matter to ``loose`` only (the paper's
@@ -306,9 +312,7 @@ class GenerationRequest:
     logprobs: int | None = None
 
     def __post_init__(self) -> None:
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
-            raise InvalidArgument(f"logprobs must be in [0, {MAX_LOGPROBS}] alternatives per token, "
-                                  f"got {self.logprobs}")
+        check_logprobs(self.logprobs)
 
 
 # Layer shape by hardware, measured on the Qwen2.5-Coder 0.5B -> 1.5B pair (docs/performance.md).

@@ -125,7 +125,8 @@ def _card_run(policy: VerifyPolicy, sampling: SamplingParams | None = None):
         return generate(target, card, PROMPT, max_new_tokens=60, sampling=sampling, verify=policy)
 
 
-@pytest.mark.parametrize("sampling", [None, SamplingParams(temperature=0.9, seed=3)], ids=["greedy", "seeded"])
+@pytest.mark.parametrize("sampling", [None, SamplingParams(temperature=0.9, seed=3)],
+                         ids=["greedy", "seeded"])
 def test_loose_with_its_gate_closed_is_exact(sampling: SamplingParams | None) -> None:
     """Top-3 entropy never exceeds 3/e nats: a threshold of 2 never opens the gate."""
     want = generate(target_model("qwen2"), NoDraft(), PROMPT, max_new_tokens=60, sampling=sampling)

@@ -136,6 +136,87 @@ def test_seeded_sampling_and_stop_equal_card_client(trio, api, model_id):
     assert cut.choices[0].text == want["text"][:want["text"].index(stop)]
 
 
+def _chat_logprobs(api, model_id, mode: str, stream: bool, **sampling) -> list[dict]:
+    kwargs = dict(model=model_id, messages=[{"role": "user", "content": PROMPT}], max_completion_tokens=40,
+                  logprobs=True, top_logprobs=4, extra_body={"ignore_eos": True, "mode": mode, "draft": ""},
+                  **sampling)
+    if not stream:
+        reply = api.chat.completions.create(**kwargs)
+        return [e.model_dump() for e in reply.choices[0].logprobs.content]
+    out = []
+    for chunk in api.chat.completions.create(stream=True, **kwargs):
+        if chunk.choices and chunk.choices[0].logprobs is not None:
+            out += [e.model_dump() for e in chunk.choices[0].logprobs.content]
+    return out
+
+
+def _same_logprobs(a: list[dict], b: list[dict]) -> None:
+    assert [e["token"] for e in a] == [e["token"] for e in b]
+    for x, y in zip(a, b, strict=True):
+        assert abs(x["logprob"] - y["logprob"]) <= 1e-5
+        assert [t["token"] for t in x["top_logprobs"]] == [t["token"] for t in y["top_logprobs"]]
+        assert all(abs(t["logprob"] - u["logprob"]) <= 1e-5
+                   for t, u in zip(x["top_logprobs"], y["top_logprobs"], strict=True))
+
+
+@pytest.mark.parametrize("sampling", [{"temperature": 0}, {"temperature": 0.8, "seed": 5}],
+                         ids=["greedy", "seeded"])
+def test_logprobs_are_the_same_with_speculation_and_without(api, model_id, sampling):
+    """The openai client's own parsing of chat logprobs: card equals vanilla to 1e-5, streaming
+    equals non-streaming, one entry per generated token, four alternatives each."""
+    want = _chat_logprobs(api, model_id, "vanilla", False, **sampling)
+    assert len(want) == 40 and all(len(e["top_logprobs"]) == 4 for e in want)
+    assert all(e["bytes"] == list(e["token"].encode()) for e in want)
+    _same_logprobs(_chat_logprobs(api, model_id, "card", False, **sampling), want)
+    _same_logprobs(_chat_logprobs(api, model_id, "card", True, **sampling), want)
+
+
+def test_completion_logprobs_shape_and_the_acceptance_metrics_object(trio, model_id):
+    """Completions' logprobs (tokens, token_logprobs, top_logprobs, text_offset) and vLLM's
+    metrics.speculative_decoding, whose counts add up as AIPerf checks them."""
+    body = {"model": model_id, "prompt": PROMPT, "max_tokens": 48, "temperature": 0, "logprobs": 2,
+            "ignore_eos": True, "draft": "same"}
+    headers = {"Authorization": f"Bearer {KEY}"}
+    url = f"http://{trio.http_addr}/v1/completions"
+    reply = httpx.post(url, json=body, headers=headers, timeout=60).json()
+    lp = reply["choices"][0]["logprobs"]
+    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == 48
+    assert "".join(lp["tokens"]) == reply["choices"][0]["text"]
+    assert lp["text_offset"][0] == 0 and lp["text_offset"] == sorted(lp["text_offset"])
+    assert all(len(top) <= 2 and max(top.values()) >= v - 1e-9
+               for top, v in zip(lp["top_logprobs"], lp["token_logprobs"], strict=True))
+    spec = reply["metrics"]["speculative_decoding"]
+    hist = spec["acceptance_histogram"]
+    assert sum(hist) == spec["num_spec_steps"]
+    assert sum(j * c for j, c in enumerate(hist)) == spec["num_accepted_draft_tokens"]
+    assert spec["num_accepted_draft_tokens"] <= spec["num_draft_tokens"]
+    card = reply["usage"]["card"]
+    assert spec["num_accepted_draft_tokens"] == card["accepted_draft_tokens"] == 48 - card["target_forwards"]
+    if spec["num_spec_steps"]:
+        assert spec["mean_acceptance_length"] == pytest.approx(
+            1 + spec["num_accepted_draft_tokens"] / spec["num_spec_steps"], abs=1e-5)
+    assert card["verify"] == "exact" and card["lossy"] is False
+    # streaming: the object rides once, on the usage chunk
+    events = []
+    with httpx.stream("POST", url, headers=headers, timeout=60,
+                      json={**body, "stream": True, "stream_options": {"include_usage": True}}) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                events.append(json.loads(line[6:]))
+    carrying = [e for e in events if "metrics" in e]
+    assert len(carrying) == 1 and carrying[0]["usage"]["completion_tokens"] == 48
+    streamed = [t for e in events for c in e["choices"] if c["logprobs"] for t in c["logprobs"]["tokens"]]
+    assert streamed == lp["tokens"]
+
+
+def test_a_loose_request_is_marked_lossy(api, model_id):
+    reply = api.completions.create(model=model_id, prompt=PROMPT, max_tokens=16, temperature=0,
+                                   extra_body={"ignore_eos": True, "verify": "loose", "verify_window": 2,
+                                               "verify_entropy_threshold": 0.0})
+    card = reply.usage.model_extra["card"]
+    assert card["verify"] == "loose" and card["lossy"] is True and card["loose_kept_tokens"] >= 0
+
+
 def test_curl_streams_server_sent_events(trio, model_id):
     curl = shutil.which("curl")
     if curl is None:
@@ -165,7 +246,9 @@ def test_a_grpc_call_without_a_deadline_is_served(trio):
 
 
 # ---- refusals, auth, health --------------------------------------------------------------------
-@pytest.mark.parametrize("extra", [{"n": 2}, {"logprobs": True}, {"tools": [{"type": "function", "function": {
+@pytest.mark.parametrize("extra", [{"n": 2}, {"top_logprobs": 2}, {"logprobs": True, "top_logprobs": 21},
+                                   {"verify": "lossy"}, {"verify": "loose", "verify_window": 1},
+                                   {"tools": [{"type": "function", "function": {
     "name": "f", "parameters": {}}}]}, {"presence_penalty": 0.5}, {"top_p": 0}, {"no_such_field": 1},
     {"stop": [chr(97 + i) for i in range(MAX_STOP_STRINGS + 1)]}])
 def test_fields_that_would_change_output_are_refused(api, model_id, extra):

@@ -26,7 +26,7 @@ class ChatMessage(_message.Message):
     def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompt", "messages", "prompt_ids", "sampling", "max_new_tokens", "stop", "draft", "mode", "chat", "ignore_eos", "chain")
+    __slots__ = ("prompt", "messages", "prompt_ids", "sampling", "max_new_tokens", "stop", "draft", "mode", "chat", "ignore_eos", "chain", "logprobs", "verify")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
     PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -38,6 +38,8 @@ class GenerateRequest(_message.Message):
     CHAT_FIELD_NUMBER: _ClassVar[int]
     IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
     CHAIN_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_FIELD_NUMBER: _ClassVar[int]
     prompt: str
     messages: Conversation
     prompt_ids: _common_pb2.Tensor
@@ -49,7 +51,31 @@ class GenerateRequest(_message.Message):
     chat: ChatMode
     ignore_eos: bool
     chain: _common_pb2.ChainPolicy
-    def __init__(self, prompt: _Optional[str] = ..., messages: _Optional[_Union[Conversation, _Mapping]] = ..., prompt_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., draft: _Optional[str] = ..., mode: _Optional[str] = ..., chat: _Optional[_Union[ChatMode, str]] = ..., ignore_eos: _Optional[bool] = ..., chain: _Optional[_Union[_common_pb2.ChainPolicy, _Mapping]] = ...) -> None: ...
+    logprobs: int
+    verify: VerifyPolicy
+    def __init__(self, prompt: _Optional[str] = ..., messages: _Optional[_Union[Conversation, _Mapping]] = ..., prompt_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., draft: _Optional[str] = ..., mode: _Optional[str] = ..., chat: _Optional[_Union[ChatMode, str]] = ..., ignore_eos: _Optional[bool] = ..., chain: _Optional[_Union[_common_pb2.ChainPolicy, _Mapping]] = ..., logprobs: _Optional[int] = ..., verify: _Optional[_Union[VerifyPolicy, _Mapping]] = ...) -> None: ...
+
+class VerifyPolicy(_message.Message):
+    __slots__ = ("mode", "entropy_threshold", "window")
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    ENTROPY_THRESHOLD_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_FIELD_NUMBER: _ClassVar[int]
+    mode: str
+    entropy_threshold: float
+    window: int
+    def __init__(self, mode: _Optional[str] = ..., entropy_threshold: _Optional[float] = ..., window: _Optional[int] = ...) -> None: ...
+
+class TokenLogprob(_message.Message):
+    __slots__ = ("token", "logprob", "top_tokens", "top_logprobs")
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    TOP_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    token: int
+    logprob: float
+    top_tokens: _containers.RepeatedScalarFieldContainer[int]
+    top_logprobs: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, token: _Optional[int] = ..., logprob: _Optional[float] = ..., top_tokens: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class Conversation(_message.Message):
     __slots__ = ("messages",)
@@ -66,26 +92,30 @@ class GenerateResponse(_message.Message):
     def __init__(self, chunk: _Optional[_Union[Chunk, _Mapping]] = ..., final: _Optional[_Union[Final, _Mapping]] = ...) -> None: ...
 
 class Chunk(_message.Message):
-    __slots__ = ("token_ids", "text")
+    __slots__ = ("token_ids", "text", "logprobs")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     text: str
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ...) -> None: ...
+    logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class Final(_message.Message):
-    __slots__ = ("finish_reason", "text", "token_ids", "stats", "draft")
+    __slots__ = ("finish_reason", "text", "token_ids", "stats", "draft", "logprobs")
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     STATS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     finish_reason: str
     text: str
     token_ids: _common_pb2.Tensor
     stats: _common_pb2.GenerationStats
     draft: str
-    def __init__(self, finish_reason: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., stats: _Optional[_Union[_common_pb2.GenerationStats, _Mapping]] = ..., draft: _Optional[str] = ...) -> None: ...
+    logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
+    def __init__(self, finish_reason: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., stats: _Optional[_Union[_common_pb2.GenerationStats, _Mapping]] = ..., draft: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class InfoRequest(_message.Message):
     __slots__ = ()
