@@ -36,6 +36,12 @@ def run_cli(*args: str, timeout: float = 180) -> subprocess.CompletedProcess:
     return subprocess.run([CLIENT, *args], capture_output=True, text=True, timeout=timeout, env=env)
 
 
+@pytest.fixture(scope="module")
+def vanilla(models) -> dict:
+    """Plain greedy decoding of generate_json's prompt, the reference of several tests (run once)."""
+    return generate_json(models, "vanilla")
+
+
 def generate_json(models: dict[str, Path], mode: str, *extra: str) -> dict:
     proc = run_cli("generate", "Tell me about the sea.", "--inprocess", "--json", "--mode", mode,
                    "--target-model", str(models["target"]), "--draft-model", str(models["draft"]),
@@ -46,19 +52,23 @@ def generate_json(models: dict[str, Path], mode: str, *extra: str) -> dict:
 
 @pytest.mark.parametrize("sampling", [(), ("--temperature", "0.9", "--top-p", "0.9", "--seed", "11")])
 def test_card_and_sd_equal_vanilla_through_the_cli(models, sampling):
-    vanilla = generate_json(models, "vanilla", *sampling)
-    assert len(vanilla["token_ids"]) == 24
+    """Tokens, text and --logprobs: the same in every mode, greedy and seeded."""
+    want = generate_json(models, "vanilla", *sampling, "--logprobs", "2")
+    assert len(want["token_ids"]) == 24 and len(want["logprobs"]) == 24
     for mode in ("card", "sd"):  # --no-backoff: a tiny draft may not pay; here it must run
-        out = generate_json(models, mode, *sampling, *(("--no-backoff",) if mode == "card" else ()))
-        assert out["token_ids"] == vanilla["token_ids"], mode
-        assert out["text"] == vanilla["text"]
+        out = generate_json(models, mode, *sampling, "--logprobs", "2",
+                            *(("--no-backoff",) if mode == "card" else ()))
+        assert out["token_ids"] == want["token_ids"], mode
+        assert out["text"] == want["text"]
         assert out["stats"]["mode"] == mode
         assert out["stats"]["new_tokens"] == 24
         assert out["stats"]["draft_forwards"] > 0
+        for got, ref in zip(out["logprobs"], want["logprobs"], strict=True):
+            assert got["token"] == ref["token"] and abs(got["logprob"] - ref["logprob"]) <= 1e-5
+            assert [t for t, _ in got["top"]] == [t for t, _ in ref["top"]]
 
 
-def test_model_free_and_cascade_drafts_equal_vanilla_through_the_cli(models):
-    vanilla = generate_json(models, "vanilla")
+def test_model_free_and_cascade_drafts_equal_vanilla_through_the_cli(models, vanilla):
     for extra in (("--draft-model", "ngram"), ("--cascade", "ngram", "--no-backoff")):
         out = generate_json(models, "card", *extra)
         assert out["token_ids"] == vanilla["token_ids"], extra
@@ -115,14 +125,26 @@ def test_bad_sampling_values(models, flags, word):
     _assert_one_line_error(proc, "INVALID_ARGUMENT", word)
 
 
-@pytest.mark.parametrize("flags", [("--tree-width", "0"), ("--max-chain", "-1"), ("--min-path-prob", "2")])
-def test_bad_tree_values_are_refused_as_flags(flags):
-    """The tree flags carry their ranges (card.common.cli.tree_options): click refuses them
-    before anything loads, naming the flag."""
+@pytest.mark.parametrize("flags", [("--tree-width", "0"), ("--max-chain", "-1"), ("--min-path-prob", "2"),
+                                   ("--verify", "lossy")])
+def test_bad_flag_values_are_refused_as_flags(flags):
+    """Flags that carry their ranges or choices (card.common.cli.tree_options, --verify): click
+    refuses them before anything loads, naming the flag (in process: nothing here imports a model)."""
+    from click.testing import CliRunner
+
+    from card.client.cli import cli
+
+    result = CliRunner().invoke(cli, ["generate", "hi", "--inprocess", *flags])
+    assert result.exit_code == 2, result.output  # click's usage error, no traceback
+    assert not isinstance(result.exception, Exception) or isinstance(result.exception, SystemExit)
+    assert "Invalid value" in result.output and flags[0] in result.output
+
+
+@pytest.mark.parametrize("flags, word", [(("--logprobs", "21"), "logprobs"),
+                                         (("--verify", "loose", "--loose-window", "1"), "window")])
+def test_bad_verify_and_logprobs_values_are_one_line(flags, word):
     proc = run_cli("generate", "hi", "--inprocess", *flags)
-    assert proc.returncode == 2
-    assert "Invalid value" in proc.stderr and flags[0] in proc.stderr
-    assert "Traceback" not in proc.stderr
+    _assert_one_line_error(proc, "INVALID_ARGUMENT", word)
 
 
 def test_unreachable_target_is_one_line():
@@ -161,11 +183,10 @@ def test_every_tree_field_reaches_a_service():
             assert cache[param] == getattr(tree, field), field
 
 
-def test_tree_flags_reach_a_local_trio(models):
+def test_tree_flags_reach_a_local_trio(models, vanilla):
     """--max-chain 1 caps every verification at the next token plus one drafted token; --exact off
     reaches the trio's card-target, whose stats say so (the tiny fp32 model's tokens stay the same:
     at its width the vendor kernels agree with the exact ones)."""
-    vanilla = generate_json(models, "vanilla")
     proc = run_cli("generate", "Tell me about the sea.", "--json", "--target-model", str(models["target"]),
                    "--draft-model", str(models["target"]), "--max-new-tokens", "24", "--ignore-eos",
                    "--max-chain", "1", "--tree-width", "2", "--exact", "off", timeout=600)
@@ -176,8 +197,8 @@ def test_tree_flags_reach_a_local_trio(models):
     assert out["stats"]["exact"] is False
 
 
-def test_exact_off_marks_the_stats_in_process(models):
-    assert generate_json(models, "vanilla")["stats"]["exact"] is True
+def test_exact_off_marks_the_stats_in_process(models, vanilla):
+    assert vanilla["stats"]["exact"] is True
     out = generate_json(models, "card", "--exact", "off", "--no-backoff")
     assert out["stats"]["exact"] is False
 
@@ -187,18 +208,20 @@ def test_draft_shape_flags_are_refused_with_a_running_target():
     _assert_one_line_error(proc, "INVALID_ARGUMENT", "--tree-width", "--max-depth", "card-draft")
 
 
-def test_generate_without_services_starts_a_local_trio(models):
-    """The README's main job: no target configured, so generate brings up a trio for itself."""
-    vanilla = generate_json(models, "vanilla")
+def test_generate_without_services_starts_a_local_trio(models, vanilla):
+    """The README's main job: no target configured, so generate brings up a trio for itself; the
+    acceptance rule and logprobs travel over gRPC (loose with its gate closed is exact)."""
     proc = run_cli("generate", "Tell me about the sea.", "--json", "--target-model", str(models["target"]),
                    "--draft-model", str(models["draft"]), "--max-new-tokens", "24", "--ignore-eos",
-                   timeout=600)
+                   "--verify", "loose", "--loose-entropy-threshold", "5", "--logprobs", "1", timeout=600)
     assert proc.returncode == 0, proc.stderr
     assert "starting a local trio" in proc.stderr
     out = json.loads(proc.stdout)
     assert out["token_ids"] == vanilla["token_ids"]
     assert out["stats"]["mode"] == "card"
     assert out["stats"]["exact"] is True  # through the trio, the stats travel over gRPC
+    assert out["stats"]["verify"] == "loose" and out["stats"]["lossy"] and out["stats"]["loose_kept"] == 0
+    assert [lp["token"] for lp in out["logprobs"]] == vanilla["token_ids"]
 
 
 @pytest.mark.skipif(not SMOLLM2_DIR.is_dir(), reason=f"{SMOLLM2_DIR} is not there")
