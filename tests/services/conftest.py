@@ -35,13 +35,18 @@ class RedisServer:
         return redis.Redis.from_url(self.url, decode_responses=True)
 
     def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(10)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(10)
+        stop_process(self.process, 10)
+
+
+def stop_process(proc: subprocess.Popen, grace_s: float) -> None:
+    """SIGTERM, ``grace_s`` to exit, then SIGKILL: how every test ends a process it started."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
 
 
 def start_redis(port: int | None = None, timeout_s: float = 10.0) -> RedisServer:

@@ -33,7 +33,7 @@ from card.engine.loading.models import ModelConfig
 from card.engine.shared.config import DrafterKind, NgramConfig, TreeParams
 from card.v1 import cache_pb2, cache_pb2_grpc
 from tests.services.cache_helpers import wait_for
-from tests.services.conftest import RedisServer, free_port
+from tests.services.conftest import RedisServer, free_port, stop_process
 from tests.services.test_cache_service import make_config
 from tests.tiny_models import save_tiny_checkpoint
 
@@ -65,13 +65,8 @@ class Proc:
 
     def stop(self) -> None:
         if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGCONT)
-            self.proc.terminate()
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
+            self.proc.send_signal(signal.SIGCONT)  # a stopped process cannot act on SIGTERM
+        stop_process(self.proc, 20)
         self.proc.stdout.close()  # type: ignore[union-attr]
         self.stderr.close()
 

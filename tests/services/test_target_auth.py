@@ -40,6 +40,7 @@ from card.target_service.frontend import Frontend
 from card.target_service.openai_api import HttpServer, create_app
 from card.v1 import target_pb2, target_pb2_grpc
 from tests.services.certs import Pki, make_pki
+from tests.services.conftest import stop_process
 from tests.tiny_models import save_tiny_checkpoint
 
 KEY = "sk-test-" + uuid.uuid4().hex
@@ -68,13 +69,7 @@ class Target:
         raise AssertionError(f"no {pattern.pattern!r} within {timeout_s}s")
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
+        stop_process(self.proc, 30)
 
 
 @pytest.fixture(scope="module")
