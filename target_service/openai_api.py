@@ -515,7 +515,6 @@ class _Shape(abc.ABC):
         self.id = f"{prefix}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.decode = decode  # a token's text, for logprobs
-        self.logprobs_on = False  # the request asked for them (set by the first chunk that has some)
 
     def _head(self, obj: str) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}

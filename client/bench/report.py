@@ -66,8 +66,9 @@ def percentile(values: Sequence[float], q: float) -> float | None:
 
 
 def is_card(mode: str) -> bool:
-    """In-process card, or one of its tree variants (``card-NAME``, card-bench --card-variant)."""
-    return mode == "card" or mode.startswith("card-")
+    """In-process card, one of its tree variants (``card-NAME``, card-bench --card-variant), or
+    either under another acceptance rule (``card+loose``, card-bench --verify)."""
+    return mode == "card" or mode.startswith(("card-", "card+"))
 
 
 def summarize(records: list[dict]) -> list[dict]:
