@@ -167,7 +167,7 @@ class ChatBody(_Common):
     response_format: dict[str, Any] | None = None
 
     def logprobs_wanted(self) -> int | None:
-        if self.top_logprobs is not None and not self.logprobs:
+        if self.top_logprobs and not self.logprobs:  # 0 alone asks for nothing, as vLLM reads it
             raise InvalidArgument("top_logprobs needs logprobs: true")
         return (self.top_logprobs or 0) if self.logprobs else None
 

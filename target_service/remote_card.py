@@ -76,6 +76,7 @@ class RemoteCard:
         self._opening: grpc.Future | None = None  # an OpenSession under way
         self._opened_at = 0  # committed tokens it opens at
         self._opens = 0  # opens sent (every one after the first is a resync)
+        self._catching_up = False  # the Step in flight tells a late session the text it missed
         self._degraded = False  # the cache refused the named draft: plain decoding for this request
         self._retry_at = 0.0
         self._retry_s = link.target.retry_initial_s
@@ -143,6 +144,7 @@ class RemoteCard:
             # but next_token) are a path the tree never held
             since = tuple(self.committed[self._opened_at:-1])
             correction = Correction(0, since, (NO_NODE,) * len(since), correction.next_token)
+            self._catching_up = bool(since)
             if since:
                 metrics.CATCH_UPS.inc()
         else:
@@ -165,12 +167,16 @@ class RemoteCard:
             return self._plain()
         self._record_rtt(t0)
         self.link.breaker.success()
+        if self._catching_up:  # no chain of this session was judged: its "miss" is no verdict
+            self._catching_up = False
+            result = dataclasses.replace(result, outcome=None)
         self.epoch = result.chain.epoch
         self.last_contact = time.monotonic()
         self._draft_now = (reply.ok.draft_forwards, reply.ok.draft_idle_s)
         return result
 
     def _failed(self, code: grpc.StatusCode, error: CardError, t0: float) -> StepResult:
+        self._catching_up = False
         self._record_rtt(t0)
         metrics.STEP_FAILURES.labels(code=code.name).inc()
         if code in CACHE_TROUBLE:

@@ -96,6 +96,9 @@ def test_bench_samples_and_compares_acceptance_rules_in_one_run(pair, tmp_path):
     refused = CliRunner().invoke(main, ["--target-model", str(target), "--modes", "vanilla,hf",
                                         "--temperature", "0.5", "--dataset", f"gsm8k={gsm}", "--n", "1"])
     assert refused.exit_code != 0 and "--temperature 0" in refused.output
+    no_card = CliRunner().invoke(main, ["--target-model", str(target), "--modes", "vanilla", "--verify",
+                                        "exact,loose", "--dataset", f"gsm8k={gsm}", "--n", "1"])
+    assert no_card.exit_code != 0 and "add card to --modes" in no_card.output
 
 
 def test_bench_through_services(pair, tmp_path):

@@ -305,6 +305,9 @@ def bench(*, target_model: str, draft_model: str, target_dtype: str, draft_dtype
         mode_names += list(variants)
         for policy in policies[1:]:  # the card modes again under each further acceptance rule
             again = [m for m in mode_names if report.is_card(m) and "+" not in m]
+            if not again:
+                raise InvalidArgument("--verify with more than one rule compares card modes: "
+                                      "add card to --modes")
             with_policy = dataclasses.replace(settings, verify=policy)
             built += [build_mode(m, target, draft, with_policy) if m not in variants else
                       build_card(m, target, draft, dataclasses.replace(with_policy, tree=variants[m]))

@@ -174,7 +174,8 @@ class Generation:
 
     def trim_chain(self, length: int) -> list[int]:
         """Verify only the chain's first ``length`` tokens (the engine's speculation budget; the
-        output never depends on it); the step's new input."""
+        output of an exact request never depends on it; a loose one's can, as which mismatches
+        loose may judge depends on the chain's length); the step's new input."""
         self._pending = self._pending[:length]
         self._pending_ids = self._pending_ids[:length]
         return [self.target.committed[-1], *self._pending]

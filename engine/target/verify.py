@@ -28,13 +28,18 @@ import torch
 from card.engine.shared.config import SamplingParams, Verify, VerifyPolicy
 from card.engine.target.sampling import filtered_probs, select_token
 
+# vLLM's floor for a token the distribution gives no mass (JSON has no -inf): a loose request can
+# keep a drafted token outside its top-k / top-p
+LOGPROB_FLOOR = -9999.0
+
 
 @dataclass(frozen=True)
 class TokenLogprob:
     """A committed token's log-probability and the ``top`` likeliest tokens there (id,
     log-probability), best first. Greedy requests: the model's own distribution (temperature 1);
-    sampled ones: the distribution the token was drawn from (temperature, top-k, top-p applied:
-    a token outside them is -inf and never an alternative)."""
+    sampled ones: the distribution the token was drawn from (temperature, top-k, top-p applied: a
+    token outside them is never an alternative, and a kept one, which only loose can keep, reads
+    LOGPROB_FLOOR)."""
 
     token: int
     logprob: float
@@ -49,7 +54,8 @@ def token_logprobs(logits: torch.Tensor, tokens: Sequence[int], sampling: Sampli
         logp = torch.log_softmax(rows, dim=-1)
     else:
         logp = torch.log(torch.stack([filtered_probs(row, sampling) for row in rows]))
-    chosen = logp.gather(1, torch.tensor(list(tokens), dtype=torch.int64).view(-1, 1)).view(-1).tolist()
+    chosen = logp.gather(1, torch.tensor(list(tokens), dtype=torch.int64).view(-1, 1)).view(-1)
+    chosen = chosen.clamp(min=LOGPROB_FLOOR).tolist()
     if not top:
         return [TokenLogprob(t, lp) for t, lp in zip(tokens, chosen, strict=True)]
     values, ids = torch.topk(logp, min(top, logp.shape[-1]), dim=-1)

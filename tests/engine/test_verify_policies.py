@@ -108,6 +108,22 @@ def test_the_loose_rule_keeps_a_mismatch_only_behind_a_full_window_above_the_gat
     assert _accept(policy, chain[:3], _logits(picks[:4], {0})) == (0, 3, 0)  # no room for a window
 
 
+def test_a_kept_token_outside_top_k_has_a_finite_logprob() -> None:
+    """Only loose can keep a drafted token the sampling filters give no mass: its logprob reads
+    LOGPROB_FLOOR (JSON has no -inf), its alternatives are the tokens top-k keeps."""
+    from card.engine.target.verify import LOGPROB_FLOOR
+
+    sampling = SamplingParams(temperature=1.0, top_k=2, seed=0)
+    state = TargetState([1, 2, 3], sampling, VerifyPolicy(Verify.LOOSE, 0.0, 2), logprobs=2)
+    picks = [3, 4, 5, 6]
+    logits = _logits(picks, {0})  # the target is unsure at 0 and agrees after it
+    chain = [9, 4, 5]  # 9 is outside top-2 at row 0
+    n, _ = state.accept(chain, logits)
+    first = state.take_logprobs()[0]
+    assert n >= 1 and first.token == 9 and first.logprob == LOGPROB_FLOOR
+    assert all(t != 9 and v > LOGPROB_FLOOR for t, v in first.top)
+
+
 def test_loose_settings_are_checked() -> None:
     with pytest.raises(InvalidArgument, match="window"):
         VerifyPolicy(Verify.LOOSE, window=1)

@@ -169,6 +169,10 @@ def test_logprobs_are_the_same_with_speculation_and_without(api, model_id, sampl
     assert all(e["bytes"] == list(e["token"].encode()) for e in want)
     _same_logprobs(_chat_logprobs(api, model_id, "card", False, **sampling), want)
     _same_logprobs(_chat_logprobs(api, model_id, "card", True, **sampling), want)
+    # top_logprobs 0 without logprobs asks for nothing (as vLLM reads it): served, no logprobs
+    plain = api.chat.completions.create(model=model_id, messages=[{"role": "user", "content": "hi"}],
+                                        max_completion_tokens=2, top_logprobs=0, **sampling)
+    assert plain.choices[0].logprobs is None
 
 
 def test_completion_logprobs_shape_and_the_acceptance_metrics_object(trio, model_id):
