@@ -22,6 +22,7 @@ from card.cache_service.registry import DraftRegistration, Registry, Worker
 from card.cache_service.sessions import Session, SessionTable
 from card.cache_service.store import MetadataStore
 from card.common.convert import (
+    chain_draw_from_msg,
     chain_policy_from_msg,
     chain_to_msg,
     command_to_msg,
@@ -93,7 +94,8 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
         session = self.sessions.open(ids_from_msg(request.prompt_ids), request.tokenizer_fingerprint,
                                      request.target_model, request.draft,
                                      chain_policy_from_msg(request.chain), request.vocab_size,
-                                     request.context_window, request.idle_timeout_ms / 1000.0)
+                                     request.context_window, request.idle_timeout_ms / 1000.0,
+                                     chain_draw_from_msg(request.draw) if request.HasField("draw") else None)
         return cache_pb2.OpenSessionResponse(session_id=session.session_id, draft=session.draft)
 
     @grpc_errors

@@ -40,7 +40,7 @@ from card.cache_service.records import FinishedRecord, RecordWriter, stats_field
 from card.cache_service.registry import Registry, Worker
 from card.cache_service.store import MetadataStore
 from card.engine.shared.commands import AdvanceDraft, StartDraft, StopDraft
-from card.engine.shared.config import ChainPolicy, TreeParams
+from card.engine.shared.config import ChainDraw, ChainPolicy, TreeParams
 from card.engine.shared.errors import CardError, InvalidArgument, NotFound, Unavailable
 from card.engine.shared.session import CardSession
 from card.engine.shared.stats import GenerationStats
@@ -220,8 +220,9 @@ class SessionTable:
     # ---- target side --------------------------------------------------------------------------
     def open(self, prompt_ids: Sequence[int], fingerprint: str, target_model: str,
              draft: str = "", chain: ChainPolicy | None = None, vocab_size: int = 0,
-             context_window: int = 0, idle_timeout_s: float = 0.0) -> Session:
+             context_window: int = 0, idle_timeout_s: float = 0.0, draw: ChainDraw | None = None) -> Session:
         """``chain`` goes over the configured chain settings for this session (None: keep them);
+        ``draw``: its chains are drawn (verify rejection; None: the best path);
         ``vocab_size`` / ``context_window``: the target's (0 = not told); ``idle_timeout_s``: how
         long the session lives without a Step or keepalive (0 = the cache's; it is also the cap).
         InvalidArgument: an empty
@@ -240,7 +241,7 @@ class SessionTable:
         if not fingerprint:
             raise InvalidArgument("tokenizer_fingerprint is required to match a draft to the target")
         params = chain.over(self.config.tree) if chain is not None else self.config.tree
-        card = CardSession(params, self.device)
+        card = CardSession(params, self.device, draw=draw)
         card.open(prompt_ids)
         session = Session(
             session_id=uuid.uuid4().hex, target_model=target_model or "unknown", fingerprint=fingerprint,

@@ -9,11 +9,11 @@ import torch
 
 from card.common.tensors import DTYPES, from_tensor_msg, ids_from_msg, ids_to_msg, to_tensor_msg
 from card.engine.shared.commands import AdvanceDraft, DraftCommand, StartDraft, StopDraft
-from card.engine.shared.config import ChainPolicy, SamplingParams, Verify
+from card.engine.shared.config import ChainDraw, ChainPolicy, SamplingParams, Verify
 from card.engine.shared.errors import InvalidArgument
 from card.engine.shared.session import StepResult
 from card.engine.shared.stats import GenerationStats
-from card.engine.shared.tree import Advance, Chain, Correction, Layer, Outcome
+from card.engine.shared.tree import Advance, Chain, Correction, Layer, Outcome, Proposal
 from card.engine.target.verify import TokenLogprob
 from card.v1 import cache_pb2, common_pb2, target_pb2
 
@@ -101,21 +101,45 @@ def correction_from_msg(msg: cache_pb2.StepRequest) -> Correction:
 
 
 def chain_to_msg(chain: Chain, outcome: Outcome | None = None) -> cache_pb2.StepResponse:
-    return cache_pb2.StepResponse(
+    msg = cache_pb2.StepResponse(
         epoch=chain.epoch,
         chain_tokens=ids_to_msg(chain.tokens),
         chain_node_ids=ids_to_msg(chain.node_ids),
         outcome=outcome_to_proto(outcome),
     )
+    if chain.proposal is not None:
+        msg.chain_q_tokens.CopyFrom(to_tensor_msg(chain.proposal.tokens, "int64"))
+        msg.chain_q_probs.CopyFrom(to_tensor_msg(chain.proposal.probs, "float64"))
+    return msg
 
 
 def step_result_from_msg(msg: cache_pb2.StepResponse) -> StepResult:
-    """The chain and the verdict on the correction, as ``ChainSource.step`` returns them."""
+    """The chain and the verdict on the correction, as ``ChainSource.step`` returns them. A
+    proposal's values are the target's to judge (engine.target.verify.proposal_holds): one that
+    does not hold up is verified exactly, which is lossless whatever the chain."""
     tokens = tuple(ids_from_msg(msg.chain_tokens))
     node_ids = tuple(ids_from_msg(msg.chain_node_ids))
     if len(tokens) != len(node_ids):
         raise InvalidArgument(f"chain has {len(tokens)} tokens but {len(node_ids)} node ids")
-    return StepResult(Chain(tokens, node_ids, msg.epoch), outcome_from_proto(msg.outcome))
+    proposal = None
+    if msg.HasField("chain_q_tokens") or msg.HasField("chain_q_probs"):
+        q_tokens, q_probs = from_tensor_msg(msg.chain_q_tokens), from_tensor_msg(msg.chain_q_probs)
+        if (q_tokens.dim() != 2 or q_tokens.shape != q_probs.shape or q_tokens.shape[0] != len(tokens)
+                or q_tokens.dtype != torch.int64 or q_probs.dtype != torch.float64):
+            raise InvalidArgument(f"a drawn chain of {len(tokens)} tokens needs int64 and float64 "
+                                  f"[{len(tokens)}, w] proposals, got {q_tokens.dtype} "
+                                  f"{list(q_tokens.shape)} and {q_probs.dtype} {list(q_probs.shape)}")
+        proposal = Proposal(q_tokens, q_probs)
+    return StepResult(Chain(tokens, node_ids, msg.epoch, proposal), outcome_from_proto(msg.outcome))
+
+
+def chain_draw_to_msg(draw: ChainDraw) -> cache_pb2.ChainDraw:
+    return cache_pb2.ChainDraw(temperature=draw.temperature, seed=draw.seed)
+
+
+def chain_draw_from_msg(msg: cache_pb2.ChainDraw) -> ChainDraw:
+    """Validated here, at the cache's edge (InvalidArgument)."""
+    return ChainDraw(float(msg.temperature), int(msg.seed))
 
 
 # ---- advance (cache -> draft) -----------------------------------------------------------------
@@ -212,6 +236,7 @@ def stats_to_msg(stats: GenerationStats) -> common_pb2.GenerationStats:
         accepted_draft_tokens=stats.accepted_draft_tokens,
         loose_kept=stats.loose_kept,
         acceptance_histogram=stats.acceptance_histogram,
+        rejection_fallbacks=stats.rejection_fallbacks,
     )
 
 
@@ -237,6 +262,7 @@ def stats_from_msg(msg: common_pb2.GenerationStats) -> GenerationStats:
         accepted_draft_tokens=msg.accepted_draft_tokens,
         loose_kept=msg.loose_kept,
         acceptance_histogram=list(msg.acceptance_histogram),
+        rejection_fallbacks=msg.rejection_fallbacks,
     )
 
 

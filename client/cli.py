@@ -94,8 +94,11 @@ def cli(log_level: str) -> None:
 @option("--verify", type=click.Choice([v.value for v in Verify]), default="exact", show_default=True,
         envvar="CARD_CLIENT_VERIFY",
         help="How the target judges drafted tokens: exact (the output is plain decoding's, token for "
-             "token) or loose (FLy: lossy; keeps a differently worded continuation the target agrees "
-             "with, and the stats say so).")
+             "token), rejection (sampled requests: speculative sampling on chains drawn from the draft; "
+             "each token follows the target's distribution, more drafted tokens are kept, but they are "
+             "not plain decoding's tokens for the seed; greedy requests are verified exactly) or loose "
+             "(FLy: lossy; keeps a differently worded continuation the target agrees with, and the "
+             "stats say so).")
 @option("--loose-entropy-threshold", type=float, default=None, envvar="CARD_CLIENT_LOOSE_ENTROPY_THRESHOLD",
         help="--verify loose: the target's top-3 entropy (nats) at or above which a mismatch may be kept "
              "(default: the target's; in process FLy's 0.3).")

@@ -26,11 +26,11 @@ from typing import Protocol
 
 import grpc
 
-from card.common.convert import chain_policy_to_msg, stats_to_msg
+from card.common.convert import chain_draw_to_msg, chain_policy_to_msg, stats_to_msg
 from card.common.drafts import check_named_draft
 from card.common.status import error_from_rpc
 from card.common.tensors import ids_to_msg
-from card.engine.shared.config import ChainPolicy
+from card.engine.shared.config import ChainDraw, ChainPolicy
 from card.engine.shared.stats import GenerationStats
 from card.target_service import metrics
 from card.v1 import cache_pb2, cache_pb2_grpc
@@ -218,8 +218,10 @@ class CacheLink:
             self._in_flight -= 1
             self._cv.notify_all()
 
-    def open_session(self, committed: list[int], draft: str, chain: ChainPolicy) -> grpc.Future | None:
-        """OpenSession at ``committed``, under way (None: too many calls in flight, try later)."""
+    def open_session(self, committed: list[int], draft: str, chain: ChainPolicy,
+                     draw: ChainDraw | None = None) -> grpc.Future | None:
+        """OpenSession at ``committed``, under way (None: too many calls in flight, try later);
+        ``draw``: the session's chains are drawn (verify rejection)."""
         if not self._take():
             return None
         t = self.target
@@ -227,6 +229,8 @@ class CacheLink:
             prompt_ids=ids_to_msg(committed), vocab_size=t.vocab_size, context_window=t.context_window,
             tokenizer_fingerprint=t.fingerprint, target_model=t.target_model, draft=draft,
             chain=chain_policy_to_msg(chain), idle_timeout_ms=round(t.idle_timeout_s * 1000))
+        if draw is not None:
+            request.draw.CopyFrom(chain_draw_to_msg(draw))
         future = self.stub.OpenSession.future(request, timeout=t.open_timeout_s)
 
         def done(f: grpc.Future) -> None:  # whoever waits for it: the breaker hears every answer

@@ -124,6 +124,7 @@ class Running:
         metrics.DRAFT_TOKENS.inc(stats.draft_tokens)
         metrics.ACCEPTED_DRAFT_TOKENS.inc(stats.accepted_draft_tokens)
         metrics.LOOSE_KEPT.inc(stats.loose_kept)
+        metrics.REJECTION_FALLBACKS.inc(stats.rejection_fallbacks)
         log.info("generation done: %s", stats.summary())
         return result
 
@@ -234,13 +235,13 @@ class Frontend:
                                   "(sd runs in-process only: card-client generate --inprocess --mode sd)")
         model, loop = self.model, self.loop
         assert loop is not None
-        source = self._source(mode, draft, request.chain)
+        source = self._source(mode, draft, request)
         gen = Generation(request, source, eos_ids=model.eos_ids, decode=model.decode,
                          context_window=self.context_window, mode=mode, model_name=model.name,
                          vocab_size=model.model.get_input_embeddings().num_embeddings)
         return Running(gen, source, loop, sink, self.config.queue_timeout_s, on_admit)
 
-    def _source(self, mode: str, draft: str, chain: ChainPolicy) -> ChainSource:
+    def _source(self, mode: str, draft: str, request: GenerationRequest) -> ChainSource:
         if mode == "vanilla":
             return NoDraft()
         if self.cache is None:
@@ -251,4 +252,4 @@ class Frontend:
         assert self.link is not None
         if draft:  # refused here, in one line, before it waits for a slot
             self.link.directory.check(draft, self.model.fingerprint, self.model.name)
-        return RemoteCard(self.link, draft, chain)
+        return RemoteCard(self.link, draft, request.chain, request.chain_draw)

@@ -43,3 +43,6 @@ ACCEPTED_DRAFT_TOKENS = Counter("card_target_spec_decode_accepted_tokens_total",
                                 "Drafted tokens the target kept (verify loose: its kept mismatches included)")
 LOOSE_KEPT = Counter("card_target_loose_kept_tokens_total",
                      "Drafted tokens kept by verify loose that plain decoding would not have chosen (lossy)")
+REJECTION_FALLBACKS = Counter("card_target_rejection_fallbacks_total",
+                              "verify rejection chains that came without a usable draft distribution and "
+                              "were verified exactly (a cache that does not draw chains)")

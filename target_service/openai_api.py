@@ -22,8 +22,9 @@ of each token, the same in every mode. Fields that would change the output and a
 (``n > 1``, tools, penalties, ``logit_bias``, ...) are refused with 400 in OpenAI's error shape,
 never ignored; so is any field this server does not know.
 Extensions: ``mode`` ("card" or "vanilla"), ``draft`` (a worker name), ``top_k``, ``ignore_eos``,
-``verify`` ("exact", the default, or "loose": FLy, lossy) with ``verify_entropy_threshold`` and
-``verify_window``.
+``verify`` ("exact", the default; "rejection": speculative sampling, the target's distribution but
+not plain decoding's tokens for the seed; or "loose": FLy, lossy) with ``verify_entropy_threshold``
+and ``verify_window``.
 
 Defaults follow OpenAI's API, not card-client's: ``temperature`` 1.0 and ``top_p`` 1.0; ``seed``
 makes sampling reproducible (default 0). A client that disconnects ends its generation within one
@@ -97,7 +98,7 @@ class _Common(BaseModel):
     draft: str = ""
     top_k: int | None = None
     ignore_eos: bool = False
-    verify: Literal["exact", "loose"] = "exact"
+    verify: Literal["exact", "rejection", "loose"] = "exact"
     verify_entropy_threshold: float | None = None  # loose: FLy's gate (the server's by default)
     verify_window: int | None = None  # loose: FLy's deferred window (the server's by default)
 
@@ -484,6 +485,8 @@ def usage(stats: GenerationStats, draft: str) -> dict:
             # loose: the tokens are not plain decoding's, by this request's choice
             "lossy": stats.lossy,
             "loose_kept_tokens": stats.loose_kept,
+            # rejection: chains verified exactly for want of the draft's distributions
+            "rejection_fallbacks": stats.rejection_fallbacks,
         },
     }
 

@@ -35,7 +35,7 @@ import grpc
 
 from card.common.convert import correction_to_msg, step_result_from_msg
 from card.common.status import error_from_rpc, error_from_status, status_from_value
-from card.engine.shared.config import ChainPolicy
+from card.engine.shared.config import ChainDraw, ChainPolicy
 from card.engine.shared.errors import CardError, InvalidArgument
 from card.engine.shared.stats import GenerationStats
 from card.engine.shared.tree import NO_NODE, Chain, Correction
@@ -56,16 +56,19 @@ def _code(err: BaseException) -> grpc.StatusCode | None:
 
 class RemoteCard:
     """A ``ChainSource`` backed by the cache service for one request: ``draft`` is the worker it
-    names ("" = any), ``chain`` its ChainPolicy, sent with every OpenSession. Driven by the
-    engine's thread only (the keeper reads ``session_id`` and ``last_contact``)."""
+    names ("" = any), ``chain`` its ChainPolicy and ``draw`` how its chains are chosen (None: the
+    best path), sent with every OpenSession. Driven by the engine's thread only (the keeper reads
+    ``session_id`` and ``last_contact``)."""
 
-    def __init__(self, link: CacheLink, draft: str = "", chain: ChainPolicy | None = None) -> None:
+    def __init__(self, link: CacheLink, draft: str = "", chain: ChainPolicy | None = None,
+                 draw: ChainDraw | None = None) -> None:
         self.link = link
         self.stub = link.stub
         self.target = link.target
         self.cache_addr = link.target.cache_addr
         self.draft = draft
         self.chain = chain or ChainPolicy()
+        self.draw = draw
         self.step_timeout_s = link.target.step_timeout_s
         self.last_contact = time.monotonic()  # the last open or answered Step (SessionKeeper)
         self.session_id = ""
@@ -207,7 +210,7 @@ class RemoteCard:
         if not self.link.breaker.allow():
             self._retry_at = time.monotonic() + max(self.link.breaker.retry_in(), self.target.retry_initial_s)
             return
-        future = self.link.open_session(list(self.committed), self.draft, self.chain)
+        future = self.link.open_session(list(self.committed), self.draft, self.chain, self.draw)
         if future is None:
             self._retry_at = time.monotonic() + self.target.retry_initial_s
             return

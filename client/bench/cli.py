@@ -217,8 +217,9 @@ def _parse_variant(value: str) -> tuple[str, dict[str, object]]:
                    "exact modes still equal vanilla's token for token")
 @click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True, help="sampling seed")
 @click.option("--verify", "verify_policies", default="exact", show_default=True, metavar="POLICY,...",
-              help="acceptance rules of the card modes: exact, loose (FLy, lossy); each one past the first "
-                   "adds the card modes again as MODE+POLICY, so they compare in one run")
+              help="acceptance rules of the card modes: exact, rejection (speculative sampling on drawn "
+                   "chains; needs --temperature > 0), loose (FLy, lossy); each one past the first adds the "
+                   "card modes again as MODE+POLICY, so they compare in one run")
 @click.option("--loose-entropy-threshold", type=float, default=None,
               help="verify loose: FLy's top-3 entropy gate (default 0.3)")
 @click.option("--loose-window", type=int, default=None, help="verify loose: FLy's window (default 6)")
@@ -273,7 +274,7 @@ def bench(*, target_model: str, draft_model: str, target_dtype: str, draft_dtype
     if services_only:
         if not services:
             raise InvalidArgument(f"--modes {modes} runs through the services: add --services")
-        if not sampling.greedy or len(policies) > 1 or policies[0].lossy:
+        if not sampling.greedy or len(policies) > 1 or policies[0].mode is not Verify.EXACT:
             raise InvalidArgument("--modes svc-* alone measures greedy, exact load; --temperature and "
                                   "--verify go with the in-process modes (add vanilla,card)")
         return _services_only(target_model, draft_model, target_dtype, draft_quantize, tree, settings,

@@ -22,6 +22,7 @@ from card.engine.loading.models import LoadedModel
 from card.engine.shared.config import (
     NGRAM_CHAIN,
     NGRAM_DEPTH,
+    ChainDraw,
     DrafterKind,
     GenerationRequest,
     NgramConfig,
@@ -100,30 +101,31 @@ class InProcessRunner:
         if config.target_threads:
             torch.set_num_threads(config.target_threads)
 
-    def _source(self, kv_len: int) -> ChainSource:
+    def _source(self, kv_len: int, draw: ChainDraw | None = None) -> ChainSource:
+        """The chain source of one generation; ``draw``: its chains are drawn (rejection)."""
         cfg = self.config
         if cfg.mode == "vanilla":
             return NoDraft()
         if cfg.mode == "sd":
             assert self.draft is not None
-            return SyncDraft(self.draft.model, cfg.gamma, kv_len)
+            return SyncDraft(self.draft.model, cfg.gamma, kv_len, draw)
         if cfg.drafter is DrafterKind.NGRAM:
-            return self._ngram_card(kv_len)
+            return self._ngram_card(kv_len, draw)
         if self.worker is None:
             self.worker = self._new_worker()
             self.worker.start()
-        source = self._new_card()
+        source = self._new_card(draw)
         self._cards.add(source)
         if cfg.drafter is DrafterKind.AUTO:
-            return PolicyCard(self._ngram_card(kv_len), source)
+            return PolicyCard(self._ngram_card(kv_len, draw), source)
         return source
 
-    def _ngram_card(self, kv_len: int) -> NgramCard:
+    def _ngram_card(self, kv_len: int, draw: ChainDraw | None) -> NgramCard:
         cfg = self.config
         # auto: the model-free drafter's own depth and chain beside the draft model's tree
         tree = cfg.tree if cfg.drafter is DrafterKind.NGRAM else cfg.tree.with_overrides(
             max_depth=NGRAM_DEPTH, max_chain=max(cfg.tree.max_chain, NGRAM_CHAIN))
-        return NgramCard(tree, self._vocab, cfg.ngram, self._ngram_table(), kv_len, cfg.backoff)
+        return NgramCard(tree, self._vocab, cfg.ngram, self._ngram_table(), kv_len, cfg.backoff, draw)
 
     @property
     def _vocab(self) -> int:
@@ -151,10 +153,10 @@ class InProcessRunner:
                                    threads=cfg.draft_threads, name=self.draft.name, ngram_config=cfg.ngram,
                                    ngram=self._ngram_table() if kind.uses_ngram else None)
 
-    def _new_card(self) -> LocalCard:
+    def _new_card(self, draw: ChainDraw | None) -> LocalCard:
         cfg = self.config
         return LocalCard(self.worker, cfg.tree, cfg.cache_device, lender=self._lender(),
-                         calibration_steps=cfg.calibration_steps, backoff=cfg.backoff)
+                         calibration_steps=cfg.calibration_steps, backoff=cfg.backoff, draw=draw)
 
     def _lender(self) -> CoreLender | None:
         cfg = self.config
@@ -173,7 +175,7 @@ class InProcessRunner:
     def generation(self, request: GenerationRequest) -> Generation:
         return Generation(
             request,
-            self._source(Generation.kv_rows(request, self.target.context_window)),
+            self._source(Generation.kv_rows(request, self.target.context_window), request.chain_draw),
             eos_ids=self.target.eos_ids,
             decode=self.target.decode,
             context_window=self.target.context_window,

@@ -32,7 +32,7 @@ from card.engine.draft.ngram import NgramDrafter, NgramTable
 from card.engine.draft.worker import DraftWorker
 from card.engine.inprocess.core_lending import CoreLender
 from card.engine.inprocess.governor import Governor, Pace
-from card.engine.shared.config import NgramConfig, TreeParams
+from card.engine.shared.config import ChainDraw, NgramConfig, TreeParams
 from card.engine.shared.session import CardSession, DraftLink, StepResult
 from card.engine.shared.stats import GenerationStats
 from card.engine.shared.tree import Advance, Chain, Correction, Layer
@@ -119,13 +119,15 @@ class InlineLink(SyncLink):
 
 # ---- sources -------------------------------------------------------------------------------------
 class SyncDraft:
-    """Classic speculative decoding: draft ``gamma`` tokens, then verify, in turn."""
+    """Classic speculative decoding: draft ``gamma`` tokens, then verify, in turn. ``tree``: grow
+    this tree instead of one chain (draft-then-verify on a tree: deterministic, for tests)."""
 
-    def __init__(self, model: torch.nn.Module, gamma: int = 4, kv_len: int | None = None) -> None:
+    def __init__(self, model: torch.nn.Module, gamma: int = 4, kv_len: int | None = None,
+                 draw: ChainDraw | None = None, tree: TreeParams | None = None) -> None:
         self.gamma = gamma
-        params = TreeParams(width=1, branch=1, max_depth=gamma, max_chain=gamma, b_extension=False)
+        params = tree or TreeParams(width=1, branch=1, max_depth=gamma, max_chain=gamma, b_extension=False)
         self.drafter = Drafter(model, params, max_len=kv_len)
-        self.session = CardSession(params)
+        self.session = CardSession(params, draw=draw)
 
     def open(self, committed: Sequence[int]) -> None:
         self.drafter.forwards = 0
@@ -149,9 +151,9 @@ class Governed:
     rule off until a pause); ``backoff=False`` drafts throughout. Output never depends on it."""
 
     def __init__(self, params: TreeParams, device: str = "cpu", calibration_steps: int = 0,
-                 backoff: bool = True) -> None:
+                 backoff: bool = True, draw: ChainDraw | None = None) -> None:
         self.params = params
-        self.session = CardSession(params, device)
+        self.session = CardSession(params, device, draw=draw)
         self.governor = Governor(calibration_steps, enabled=backoff)
         self._committed: Sequence[int] = ()  # the generation's, read when drafting (re)starts
         self._done = SourceStats()  # draft counters of the links already stopped
@@ -182,7 +184,7 @@ class Governed:
             session.step(correction)
             if self.governor.resume():
                 session.attach(self._new_link())
-            return StepResult(session.best_chain())
+            return StepResult(session.next_chain())
         delivered = link.delivered
         result = session.step(correction)
         if not self.governor.keep(result.outcome, delivered, len(correction.accepted_tokens)):
@@ -203,7 +205,7 @@ class Governed:
         """Draft again from the committed text at ``epoch``."""
         self.session.open(self._committed, epoch)
         self.session.attach(self._new_link())
-        return StepResult(self.session.best_chain())
+        return StepResult(self.session.next_chain())
 
     def close(self, stats: GenerationStats) -> SourceStats:
         self.session.close()
@@ -218,8 +220,8 @@ class LocalCard(Governed):
 
     def __init__(self, worker: DraftWorker | None, params: TreeParams, device: str = "cpu",
                  lender: CoreLender | None = None, calibration_steps: int = 0,
-                 backoff: bool = True) -> None:
-        super().__init__(params, device, calibration_steps, backoff)
+                 backoff: bool = True, draw: ChainDraw | None = None) -> None:
+        super().__init__(params, device, calibration_steps, backoff, draw)
         self.worker = worker
         self.lender = lender
 
@@ -252,8 +254,8 @@ class NgramCard(Governed):
     milliseconds. ``shared`` is the runner's table, used by the target's thread alone."""
 
     def __init__(self, params: TreeParams, vocab_size: int, config: NgramConfig, shared: NgramTable | None,
-                 max_len: int, backoff: bool = True) -> None:
-        super().__init__(params, backoff=backoff)
+                 max_len: int, backoff: bool = True, draw: ChainDraw | None = None) -> None:
+        super().__init__(params, backoff=backoff, draw=draw)
         self.drafter = NgramDrafter(params, vocab_size, config, shared, max_len)
 
     def _new_link(self) -> InlineLink:

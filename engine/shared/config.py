@@ -255,10 +255,17 @@ class Verify(enum.Enum):
                 there (its top-3 entropy reaches ``entropy_threshold``) and the target agrees with
                 the ``window - 1`` drafted tokens after it; a differently worded continuation
                 survives, the output is no longer plain decoding's
+        rejection speculative sampling (Leviathan et al., Chen et al.) along a chain *drawn* from
+                the draft's distributions (``ChainDraw``): drafted x is kept with probability
+                min(1, p(x)/q(x)), after a rejection the token comes from norm(max(0, p - q)),
+                after a whole chain from p. Each token follows the target's distribution (lossless
+                in distribution), but the tokens are not plain decoding's for the same seed. A
+                greedy request is verified exactly: there p is one-hot and the rules agree
     """
 
     EXACT = "exact"
     LOOSE = "loose"
+    REJECTION = "rejection"
 
     @classmethod
     def parse(cls, value: str) -> Verify:
@@ -298,6 +305,32 @@ class VerifyPolicy:
     def lossy(self) -> bool:
         return self.mode is Verify.LOOSE
 
+    def effective(self, sampling: SamplingParams) -> Verify:
+        """The rule that runs for a request sampled with ``sampling``: a greedy rejection request
+        is verified exactly (p is one-hot there: the rules agree, and the output is plain
+        decoding's)."""
+        return Verify.EXACT if self.mode is Verify.REJECTION and sampling.greedy else self.mode
+
+
+@dataclass(frozen=True)
+class ChainDraw:
+    """How a ``rejection`` session's chains are chosen: drawn, not the best path. Below the root,
+    each token is drawn from its parent's tier-B entries (the draft's top-k children) at
+    ``temperature``, renormalised (the proposal q the target's rule divides by); the draw goes on
+    below a drawn token that is a tier-C node and stops after one that is not. The generator is
+    seeded from ``seed`` and is not the target's (its uniforms are keyed by position), so the
+    chain is independent of the target's coins, which the rule needs."""
+
+    temperature: float
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.temperature) and SAMPLING_EPS <= self.temperature <= MAX_TEMPERATURE):
+            raise InvalidArgument(f"a drawn chain's temperature must be in [{SAMPLING_EPS:g}, "
+                                  f"{MAX_TEMPERATURE:g}], got {self.temperature}")
+        if self.seed < 0:
+            raise InvalidArgument(f"a drawn chain's seed must be >= 0, got {self.seed}")
+
 
 @dataclass(frozen=True)
 class GenerationRequest:
@@ -313,6 +346,14 @@ class GenerationRequest:
 
     def __post_init__(self) -> None:
         check_logprobs(self.logprobs)
+
+    @property
+    def chain_draw(self) -> ChainDraw | None:
+        """How this request's chains are to be chosen: drawn for a sampled ``rejection`` request,
+        else (None) the best path."""
+        if self.verify.mode is Verify.REJECTION and not self.sampling.greedy:
+            return ChainDraw(self.sampling.temperature, self.sampling.seed)
+        return None
 
 
 # Layer shape by hardware, measured on the Qwen2.5-Coder 0.5B -> 1.5B pair (docs/performance.md).

@@ -6,7 +6,8 @@ correction to a candidate tree.
                              2. re-root the tree below the hit (or empty it), epoch + 1
                              3. the committed text grows by the accepted tokens and the next token
                              4. tell the draft: the advance, or the restart that was waiting
-                             5. the best chain of what the tree holds now, at once (never waits)
+                             5. the next chain of what the tree holds now, at once (never waits):
+                                the best path, or (``draw``, a rejection request) a drawn one
     apply_layer(layer)       a layer the draft grew, added where its parents still are
     attach(link) / detach()  a draft starts serving the session / stops (restarts wait, see below)
     close()                  the draft stops, the tree is freed
@@ -26,6 +27,7 @@ draft's thread applies layers; callers that check their own state beside it may 
 
 from __future__ import annotations
 
+import random
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -33,7 +35,7 @@ from typing import Protocol
 
 import torch
 
-from card.engine.shared.config import TreeParams
+from card.engine.shared.config import ChainDraw, TreeParams
 from card.engine.shared.tree import Advance, Chain, Correction, Layer, Outcome, TwoTierTree
 
 
@@ -62,11 +64,15 @@ class StepResult:
 
 class CardSession:
     """``params``: the chain rule (max_chain, b_extension, min_path_prob) of this session;
-    ``device``: where the tree's columns live."""
+    ``device``: where the tree's columns live; ``draw``: chains are drawn (config.ChainDraw)."""
 
     def __init__(self, params: TreeParams, device: torch.device | str = "cpu",
-                 link: DraftLink | None = None) -> None:
+                 link: DraftLink | None = None, draw: ChainDraw | None = None) -> None:
         self.params = params
+        self.draw = draw
+        # its own stream, never the target's position-keyed uniforms (the rule needs the chain
+        # independent of the target's coins)
+        self._rng = random.Random(f"card-chain-draw:{draw.seed}") if draw is not None else None
         self.tree = TwoTierTree(torch.device(device))
         self.committed: list[int] = []
         self.link = link
@@ -100,11 +106,14 @@ class CardSession:
                 self._restart(self.epoch)
             elif self.link is not None:
                 self.link.advance(advance)
-            return StepResult(self.best_chain(), advance.outcome)
+            return StepResult(self.next_chain(), advance.outcome)
 
-    def best_chain(self) -> Chain:
+    def next_chain(self) -> Chain:
+        """The chain to verify next: the tree's best path, or a drawn one (``draw``)."""
         p = self.params
         with self.lock:
+            if self.draw is not None:
+                return self.tree.drawn_chain(p.max_chain, self.draw.temperature, self._rng, p.min_path_prob)
             return self.tree.best_chain(p.max_chain, p.b_extension, p.min_path_prob)
 
     def apply_layer(self, layer: Layer) -> bool:

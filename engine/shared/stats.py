@@ -22,12 +22,16 @@ class GenerationStats:
     step_rtt_ms: list[float] = field(default_factory=list)
     accepted_lengths: list[int] = field(default_factory=list)
     exact: bool = True  # the target's batch-invariant forward ran (False: --exact off)
-    verify: str = "exact"  # the acceptance rule (config.Verify); "loose" is lossy
+    # the acceptance rule that ran (config.Verify): "loose" is lossy; "rejection" (sampled
+    # requests only) follows the target's distribution but not plain decoding's tokens
+    verify: str = "exact"
     draft_tokens: int = 0  # drafted tokens the target verified
     accepted_draft_tokens: int = 0  # of them, kept (loose: including loose_kept)
     loose_kept: int = 0  # kept drafted tokens that were not the target's own (loose only)
     # acceptance_histogram[j]: verification steps with a drafted chain that kept exactly j of it
     acceptance_histogram: list[int] = field(default_factory=list)
+    # rejection: chains without a usable proposal, verified exactly instead (lossless still)
+    rejection_fallbacks: int = 0
 
     def observe_step(self, drafted: int, kept: int) -> None:
         """One verification of ``drafted`` chain tokens that kept ``kept`` (no chain: no step)."""
@@ -43,6 +47,11 @@ class GenerationStats:
     def lossy(self) -> bool:
         """The tokens may differ from plain decoding's by the request's choice (verify loose)."""
         return self.verify == "loose"
+
+    @property
+    def token_exact(self) -> bool:
+        """The tokens are plain decoding's for the same seed (not so under loose or rejection)."""
+        return self.verify == "exact"
 
     @property
     def spec_steps(self) -> int:
@@ -77,6 +86,7 @@ class GenerationStats:
             hit_rate=self.hit_rate,
             secondary_hit_rate=self.secondary_hit_rate,
             lossy=self.lossy,
+            token_exact=self.token_exact,
         )
         return d
 
@@ -92,4 +102,6 @@ class GenerationStats:
         if self.lossy:
             line += (f", LOSSY (verify loose: {self.loose_kept} drafted tokens kept that plain "
                      "decoding would not have chosen)")
+        elif self.verify == "rejection":
+            line += ", verify rejection (the target's distribution, not plain decoding's tokens for the seed)"
         return line

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import enum
 import math
+import random
 from dataclasses import dataclass, field
 
 import torch
@@ -103,15 +104,46 @@ class Layer:
 
 
 @dataclass(frozen=True)
+class Proposal:
+    """The draft distributions a drawn chain's tokens came from (engine.shared.config.ChainDraw):
+    row i is the distribution token i was drawn from, sparse, padded with token -1 / prob 0.
+
+    tokens: [c, w] int64; probs: [c, w] float64, each row summing to 1.
+    """
+
+    tokens: torch.Tensor
+    probs: torch.Tensor
+
+    def __len__(self) -> int:
+        return int(self.tokens.shape[0])
+
+    def head(self, n: int) -> Proposal:
+        return Proposal(self.tokens[:n], self.probs[:n])
+
+    @classmethod
+    def of_rows(cls, rows: list[tuple[list[int], list[float]]]) -> Proposal:
+        width = max((len(t) for t, _ in rows), default=0)
+        tokens = torch.full((len(rows), width), -1, dtype=torch.int64)
+        probs = torch.zeros(len(rows), width, dtype=torch.float64)
+        for i, (t, q) in enumerate(rows):
+            tokens[i, :len(t)] = torch.tensor(t, dtype=torch.int64)
+            probs[i, :len(q)] = torch.tensor(q, dtype=torch.float64)
+        return cls(tokens, probs)
+
+
+@dataclass(frozen=True)
 class Chain:
     """The candidate continuation the target verifies next.
 
-    ``node_ids[i]`` is the node of ``tokens[i]``, or ``NO_NODE`` for a tier-B extension.
+    ``node_ids[i]`` is the node of ``tokens[i]``, or ``NO_NODE`` for a tier-B extension (or a
+    drawn token that is no tier-C node). ``proposal``: set when the chain was drawn (a
+    ``rejection`` session), one row per token.
     """
 
     tokens: tuple[int, ...] = ()
     node_ids: tuple[int, ...] = ()
     epoch: int = 0
+    proposal: Proposal | None = None
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -300,6 +332,54 @@ class TwoTierTree:
                 tokens.append(view.b_tokens[j])
                 node_ids.append(NO_NODE)
         return Chain(tuple(tokens), tuple(node_ids), self.epoch)
+
+    def drawn_chain(self, max_len: int, temperature: float, rng: random.Random,
+                    min_path_prob: float = 0.0) -> Chain:
+        """A chain drawn from the draft's distributions (config.ChainDraw), with its Proposal.
+
+        Whether position j gets a token is decided before its token is drawn, from the tokens
+        above it only (the length, the path so far, whether the parent is an expanded node):
+        a rule that kept or cut a token by its own value would skew what the target's
+        rejection rule sees away from q, and its output away from p. So a drawn token outside
+        tier C is kept (as ``NO_NODE``, the last of the chain) whatever ``b_extension`` says,
+        and ``min_path_prob`` stops the draw *after* the first token whose path probability
+        (under the proposals) falls below it.
+        """
+        view = self._host()
+        below: dict[tuple[int, int], int] = {}  # (parent id, token) -> tier-C node id
+        for nid, parent, token in zip(view.ids, view.parents, view.tokens, strict=True):
+            below.setdefault((parent, token), nid)
+        entries: dict[int, dict[int, float]] = {}  # parent id -> token -> local logp (tier B)
+        for parent, token, logp in zip(view.b_parents, view.b_tokens, view.b_logp, strict=True):
+            entries.setdefault(parent, {}).setdefault(token, logp)  # a layer sent twice repeats them
+        floor = math.log(min_path_prob) if min_path_prob > 0 else -math.inf
+        tokens: list[int] = []
+        node_ids: list[int] = []
+        rows: list[tuple[list[int], list[float]]] = []
+        cur, path = self.root_id, 0.0
+        while len(tokens) < max_len and path >= floor and (children := entries.get(cur)):
+            toks = list(children)
+            scaled = [children[t] / temperature for t in toks]
+            top = max(scaled)
+            weights = [math.exp(v - top) for v in scaled]
+            total = sum(weights)
+            probs = [w / total for w in weights]
+            u, acc, pick = rng.random(), 0.0, len(toks) - 1
+            for i, q in enumerate(probs):
+                acc += q
+                if u < acc:
+                    pick = i
+                    break
+            token = toks[pick]
+            tokens.append(token)
+            rows.append((toks, probs))
+            path += math.log(probs[pick])
+            nid = below.get((cur, token))
+            node_ids.append(NO_NODE if nid is None else nid)
+            if nid is None:
+                break
+            cur = nid
+        return Chain(tuple(tokens), tuple(node_ids), self.epoch, Proposal.of_rows(rows))
 
     def classify(self, correction: Correction) -> tuple[Outcome, int | None]:
         """Hit / secondary hit / miss of the correction's next token below the accepted path."""

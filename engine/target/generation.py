@@ -23,7 +23,7 @@ import torch
 from card.engine.shared.config import GenerationRequest
 from card.engine.shared.errors import InvalidArgument
 from card.engine.shared.stats import GenerationStats
-from card.engine.shared.tree import Correction, Outcome
+from card.engine.shared.tree import Correction, Outcome, Proposal
 from card.engine.target.chain_source import ChainSource, StepResult
 from card.engine.target.speculation import Acceptance
 from card.engine.target.stopping import OutputTracker
@@ -94,7 +94,7 @@ class Generation:
         self.context_window = context_window
         self.tracker = OutputTracker(request.stop, eos_ids, decode)
         self.stats = GenerationStats(mode=mode, prompt_tokens=len(request.prompt_ids),
-                                     verify=request.verify.mode.value)
+                                     verify=request.verify.effective(request.sampling).value)
         self.target = TargetState(request.prompt_ids, request.sampling, request.verify, request.logprobs)
         self.logprobs: list[TokenLogprob] = []  # of the tokens streamed so far, when asked for
         self.acceptance = Acceptance()  # how often this generation's drafted tokens are accepted
@@ -105,6 +105,7 @@ class Generation:
         self._prefilled = 0  # prompt tokens whose keys and values are in the KV cache
         self._pending: Sequence[int] = ()  # the prefill chunk or chain in flight
         self._pending_ids: Sequence[int] = ()
+        self._pending_q: Proposal | None = None  # a drawn chain's distributions (rejection)
         self._epoch, self._accepted, self._accepted_ids = 0, (), ()
 
     @property
@@ -170,6 +171,10 @@ class Generation:
         bad = next((i for i, t in enumerate(tokens) if not 0 <= t < self._vocab), None)
         self._pending = tokens if bad is None else tokens[:bad]
         self._pending_ids = chain.node_ids[: len(self._pending)]
+        # a drawn chain cut by length is still a draw (no token was kept or cut by its value); one
+        # cut at a bad token is not, and is verified exactly (lossless whatever the chain)
+        drawn = chain.proposal is not None and bad is None
+        self._pending_q = chain.proposal.head(len(self._pending)) if drawn else None
         return [token, *self._pending], len(committed) - 1
 
     def trim_chain(self, length: int) -> list[int]:
@@ -178,6 +183,8 @@ class Generation:
         loose may judge depends on the chain's length); the step's new input."""
         self._pending = self._pending[:length]
         self._pending_ids = self._pending_ids[:length]
+        if self._pending_q is not None:
+            self._pending_q = self._pending_q.head(length)
         return [self.target.committed[-1], *self._pending]
 
     def absorb(self, logits: torch.Tensor) -> Chunk | None:
@@ -191,7 +198,7 @@ class Generation:
             token = self.target.first(logits[-1])
             self.stats.prefill_s = time.perf_counter() - self._t0
             return self._commit([token], 1)
-        n, token = self.target.accept(self._pending, logits)
+        n, token = self.target.accept(self._pending, logits, self._pending_q)
         self.acceptance.observe(len(self._pending), n)
         self.stats.observe_step(len(self._pending), n)
         self._accepted, self._accepted_ids = tuple(self._pending[:n]), tuple(self._pending_ids[:n])
@@ -216,6 +223,7 @@ class Generation:
         stats.new_tokens = len(tracker.token_ids)
         stats.target_forwards = self.target.forwards
         stats.loose_kept = self.target.loose_kept
+        stats.rejection_fallbacks = self.target.fallbacks
         try:
             src = self.source.close(stats)
             stats.draft_forwards = src.draft_forwards

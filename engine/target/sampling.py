@@ -21,9 +21,12 @@ def _splitmix64(x: int) -> int:
     return x ^ (x >> 31)
 
 
-def position_uniform(seed: int, position: int) -> float:
-    """A uniform number in [0, 1) that depends only on (seed, position)."""
-    bits = _splitmix64(_splitmix64(seed) ^ (position & _MASK64))
+def position_uniform(seed: int, position: int, stream: int = 0) -> float:
+    """A uniform number in [0, 1) that depends only on (seed, position) and ``stream``: stream 0
+    draws tokens; rejection sampling's accept-or-reject coin at a position is stream 1, so the
+    coin and the draw that follows a rejection are independent."""
+    key = _splitmix64(seed) if not stream else _splitmix64(_splitmix64(seed) ^ _splitmix64(stream))
+    bits = _splitmix64(key ^ (position & _MASK64))
     return (bits >> 11) * (1.0 / (1 << 53))
 
 
@@ -56,10 +59,15 @@ def select_token(logits: torch.Tensor, position: int, params: SamplingParams) ->
     """The target's token at committed ``position`` given its logits [V] there."""
     if params.greedy:
         return int(torch.argmax(logits).item())
-    probs = filtered_probs(logits, params)
+    return draw(filtered_probs(logits, params), position_uniform(params.seed, position))
+
+
+def draw(probs: torch.Tensor, u: float) -> int:
+    """The token at ``u`` in [0, 1) of the (not necessarily normalised) weights ``probs`` [V]:
+    inverse CDF, so the same u gives the same token wherever the same weights are seen."""
     cdf = torch.cumsum(probs, 0)
-    u = position_uniform(params.seed, position) * float(cdf[-1])
-    idx = int(torch.searchsorted(cdf, torch.tensor([u], dtype=cdf.dtype), right=True).item())
+    x = u * float(cdf[-1])
+    idx = int(torch.searchsorted(cdf, torch.tensor([x], dtype=cdf.dtype), right=True).item())
     # searchsorted can land on a zero-probability tail token through rounding; step back onto mass
     idx = min(idx, probs.numel() - 1)
     while probs[idx] == 0 and idx > 0:

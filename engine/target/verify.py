@@ -13,6 +13,12 @@ The acceptance rule is the request's ``VerifyPolicy``:
             the threshold and the target's own tokens at j+1 .. j+W-1 (which it computed after
             the drafted token at j) all match the chain; a mismatch among the chain's last W
             tokens cannot be judged and ends the prefix, as in the paper's code
+    rejection  speculative sampling on a drawn chain (its Proposal q): x_j is kept when
+            c_j * q(x_j) < p(x_j), c_j the coin at its position (stream 1); at the first
+            rejection the token is drawn from max(0, p - q) with the position's own uniform
+            (stream 0), after a whole chain from p as plain decoding draws it. Greedy requests,
+            chains that were not drawn and proposals that do not hold up (another process
+            sent them) are verified exactly, which is lossless whatever the chain
 
 Either way the target's own token after the kept prefix is committed too, so every step commits
 ``accepted + 1`` tokens, and logprobs (when asked) are read off the same rows.
@@ -26,7 +32,8 @@ from dataclasses import dataclass
 import torch
 
 from card.engine.shared.config import SamplingParams, Verify, VerifyPolicy
-from card.engine.target.sampling import filtered_probs, select_token
+from card.engine.shared.tree import Proposal
+from card.engine.target.sampling import draw, filtered_probs, position_uniform, select_token
 
 # vLLM's floor for a token the distribution gives no mass (JSON has no -inf): a loose request can
 # keep a drafted token outside its top-k / top-p
@@ -66,6 +73,27 @@ def token_logprobs(logits: torch.Tensor, tokens: Sequence[int], sampling: Sampli
     return out
 
 
+def proposal_holds(chain: Sequence[int], proposal: Proposal) -> bool:
+    """A proposal the rejection rule can divide by: a row per chain token, probabilities finite,
+    in [0, 1] and summing to 1, and each token drawn from its row (q(x) > 0)."""
+    if len(proposal) != len(chain) or proposal.tokens.shape != proposal.probs.shape:
+        return False
+    q = proposal.probs.to(torch.float64)
+    if not bool((torch.isfinite(q) & (q >= 0) & (q <= 1)).all()):
+        return False
+    if not bool(((q.sum(dim=-1) - 1).abs() < 1e-6).all()):
+        return False
+    x = torch.tensor(list(chain), dtype=torch.int64).view(-1, 1)
+    return bool((((proposal.tokens == x) & (q > 0)).any(dim=-1)).all())
+
+
+def residual(p: torch.Tensor, tokens: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """max(0, p - q) [V] for p [V] and a sparse q (``tokens``, ``q`` [w]); draw() normalises it.
+    After a rejection p(x) < q(x), so some mass is left; should rounding leave none, p itself."""
+    left = p.clone().index_add_(0, tokens, -q.to(p.dtype)).clamp_(min=0)
+    return left if float(left.sum()) > 0 else p
+
+
 def top3_entropy(logits: torch.Tensor) -> list[float]:
     """FLy's gate: -sum p log p over the three likeliest tokens of each row of ``logits`` [k, V]
     (the model's own distribution, not renormalised)."""
@@ -85,6 +113,7 @@ class TargetState:
         self.committed: list[int] = list(prompt_ids)
         self.forwards = 0
         self.loose_kept = 0  # drafted tokens kept that were not the target's own (loose only)
+        self.fallbacks = 0  # rejection: chains verified exactly for want of a usable proposal
         self._logprobs: list[TokenLogprob] = []
 
     def first(self, logits: torch.Tensor) -> int:
@@ -94,11 +123,19 @@ class TargetState:
         self._record(logits.view(1, -1), [token])
         return token
 
-    def accept(self, chain: Sequence[int], logits: torch.Tensor) -> tuple[int, int]:
-        """Judge ``chain`` given the logits [1 + len(chain), V] of ``[next_token, *chain]``;
-        returns (accepted count, new next token)."""
+    def accept(self, chain: Sequence[int], logits: torch.Tensor,
+               proposal: Proposal | None = None) -> tuple[int, int]:
+        """Judge ``chain`` given the logits [1 + len(chain), V] of ``[next_token, *chain]`` (and,
+        drawn, the distributions its tokens were drawn from); returns (accepted count, new next
+        token)."""
         if self.verify.mode is Verify.LOOSE and len(chain) > self.verify.window:
             accepted, token = self._loose(chain, logits)
+        elif self.verify.mode is Verify.REJECTION and not self.sampling.greedy and chain:
+            if proposal is not None and proposal_holds(chain, proposal):
+                accepted, token = self._rejection(chain, logits, proposal)
+            else:  # exact is lossless whatever the chain; the stats say it happened
+                self.fallbacks += 1
+                accepted, token = self._exact(chain, logits)
         else:  # loose never judges a mismatch among a chain's last W tokens: this is exact too
             accepted, token = self._exact(chain, logits)
         self.committed.extend(chain[:accepted])
@@ -127,6 +164,21 @@ class TargetState:
                 accepted += 1
                 continue
             return accepted, token
+
+    def _rejection(self, chain: Sequence[int], logits: torch.Tensor, proposal: Proposal) -> tuple[int, int]:
+        start = len(self.committed) - 1  # position of the next token
+        seed = self.sampling.seed
+        for j, token in enumerate(chain):
+            position = start + 1 + j
+            p = filtered_probs(logits[j], self.sampling)  # [V] float64
+            support = proposal.tokens[j] >= 0
+            toks, q = proposal.tokens[j][support], proposal.probs[j][support]
+            q_x = float(q[toks == token].sum())
+            # keep x with probability min(1, p(x) / q(x)): the coin c is uniform on [0, 1)
+            if position_uniform(seed, position, stream=1) * q_x < float(p[token]):
+                continue
+            return j, draw(residual(p, toks, q), position_uniform(seed, position))
+        return len(chain), select_token(logits[len(chain)], start + 1 + len(chain), self.sampling)
 
     def _loose(self, chain: Sequence[int], logits: torch.Tensor) -> tuple[int, int]:
         k, window = len(chain), self.verify.window

@@ -22,6 +22,7 @@ from card.engine.draft.worker import DraftWorker
 from card.engine.inprocess.runner import InProcessRunner
 from card.engine.inprocess.sources import LocalCard, SyncDraft
 from card.engine.shared.config import (
+    ChainDraw,
     GenerationRequest,
     NgramConfig,
     SamplingParams,
@@ -183,7 +184,7 @@ class LockstepCard(LocalCard):
             return result
         with session.lock:
             session.lock.wait_for(lambda: session.tree.sizes().depth >= self.depth, self.timeout_s)
-            return StepResult(session.best_chain(), result.outcome)
+            return StepResult(session.next_chain(), result.outcome)
 
 
 class LockstepRunner(InProcessRunner):
@@ -193,13 +194,13 @@ class LockstepRunner(InProcessRunner):
         super().__init__(*args, **kwargs)
         self.lockstep_depth = lockstep_depth
 
-    def _new_card(self) -> LocalCard:
+    def _new_card(self, draw: ChainDraw | None) -> LocalCard:
         if not self.lockstep_depth:
-            return super()._new_card()
+            return super()._new_card(draw)
         cfg = self.config
         return LockstepCard(self.worker, cfg.tree, cfg.cache_device, lender=self._lender(),
                             calibration_steps=cfg.calibration_steps, backoff=cfg.backoff,
-                            depth=self.lockstep_depth)
+                            depth=self.lockstep_depth, draw=draw)
 
 
 class RecordingDrafter(Drafter):
@@ -223,12 +224,13 @@ class RecordingDrafter(Drafter):
 
 @contextlib.contextmanager
 def card_source(draft: torch.nn.Module | None, params: TreeParams, lockstep_depth: int = 0,
-                ngram: NgramConfig | None = None, table: NgramTable | None = None) -> Iterator[LocalCard]:
+                ngram: NgramConfig | None = None, table: NgramTable | None = None,
+                draw: ChainDraw | None = None) -> Iterator[LocalCard]:
     """A LocalCard (a LockstepCard when ``lockstep_depth``) wired to its own running DraftWorker
     (model-free with ``draft=None``, a cascade with a draft and ``ngram``); on exit the worker must
     hold nothing."""
-    card = (LockstepCard(None, params, depth=lockstep_depth) if lockstep_depth
-            else LocalCard(None, params))
+    card = (LockstepCard(None, params, depth=lockstep_depth, draw=draw) if lockstep_depth
+            else LocalCard(None, params, draw=draw))
     worker = DraftWorker(draft, params, card.publish, slots=8, max_len=512, name="test",
                          ngram_config=ngram, ngram=table, vocab_size=VOCAB)
     card.worker = worker

@@ -132,12 +132,13 @@ class HandTarget:
 
     def open(self, prompt: Sequence[int], fingerprint: str = FP_A, draft: str = "",
              target_model: str = "target-model", chain: ChainPolicy | None = None, vocab_size: int = 0,
-             context_window: int = 0, idle_timeout_ms: int = 0) -> cache_pb2.OpenSessionResponse:
+             context_window: int = 0, idle_timeout_ms: int = 0,
+             draw: cache_pb2.ChainDraw | None = None) -> cache_pb2.OpenSessionResponse:
         return self.stub.OpenSession(cache_pb2.OpenSessionRequest(
             prompt_ids=ids_to_msg(prompt), tokenizer_fingerprint=fingerprint, target_model=target_model,
             draft=draft, chain=chain_policy_to_msg(chain) if chain is not None else None,
-            vocab_size=vocab_size, context_window=context_window, idle_timeout_ms=idle_timeout_ms),
-            timeout=TIMEOUT)
+            vocab_size=vocab_size, context_window=context_window, idle_timeout_ms=idle_timeout_ms,
+            draw=draw), timeout=TIMEOUT)
 
     def keepalive(self, *session_ids: str) -> None:
         self.stub.StepBatch(cache_pb2.StepBatchRequest(keepalive_session_ids=session_ids), timeout=TIMEOUT)

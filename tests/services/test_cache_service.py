@@ -226,6 +226,36 @@ def test_chain_policy_per_session(cache: Cache, redis_url: str, redis_prefix: st
     assert len(cache.server.sessions) == open_before
 
 
+def test_a_rejection_session_draws_its_chains_and_sends_their_proposals(cache: Cache) -> None:
+    """verify rejection: below the hit, the chain is drawn from tier B at the session's
+    temperature (each session's generator seeded by its ChainDraw), and each token's
+    distribution crosses the wire with it (engine.target.verify divides by it)."""
+    draft = cache.draft("d0", capacity=32)
+    sessions = [cache.target.open(PROMPT, draw=cache_pb2.ChainDraw(temperature=0.5, seed=s)).session_id
+                for s in range(24)]
+    best = cache.target.open(PROMPT).session_id
+    assert {expect_start(draft).session_id for _ in range(25)} == {*sessions, best}
+    root = virtual_root_id(0)
+    for sid in (*sessions, best):
+        draft.publish(sid, layer([root, root], [0, 1], [10, 11], [0.6, 0.3],
+                                 b=[(root, 10, 0.6), (root, 11, 0.3), (root, 12, 0.1)]))
+        draft.publish(sid, layer([0], [2], [20], [0.7], b=[(0, 20, 0.7), (0, 21, 0.3)]))
+    r = cache.target.step(best, 0, 10)
+    assert r.chain.tokens == (20,) and r.chain.proposal is None, "the best path, as before"
+    q = [0.7 ** 2 / (0.7 ** 2 + 0.3 ** 2), 0.3 ** 2 / (0.7 ** 2 + 0.3 ** 2)]  # temperature 0.5
+    drawn = set()
+    for sid in sessions:
+        r = cache.target.step(sid, 0, 10)  # a hit on node 0: its tier B is what is drawn from
+        assert r.outcome is Outcome.HIT and r.chain.proposal is not None
+        assert r.chain.proposal.tokens.tolist() == [[20, 21]]
+        assert r.chain.proposal.probs[0].tolist() == pytest.approx(q, abs=1e-6)
+        assert r.chain.node_ids == ((2,) if r.chain.tokens == (20,) else (NO_NODE,))
+        drawn.add(r.chain.tokens)
+    assert drawn == {(20,), (21,)}, "both tokens are drawn over 24 seeds"
+    err = rpc_error(cache.target.open, PROMPT, draw=cache_pb2.ChainDraw(temperature=0.0))
+    assert err.code() is grpc.StatusCode.INVALID_ARGUMENT and "temperature" in err.details()
+
+
 # ---- errors ----------------------------------------------------------------------------------
 def test_error_codes(cache: Cache) -> None:
     cache.draft("d-b", fingerprint=FP_B, model="other-draft-model")

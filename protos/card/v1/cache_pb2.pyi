@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class OpenSessionRequest(_message.Message):
-    __slots__ = ("prompt_ids", "tokenizer_fingerprint", "target_model", "draft", "chain", "vocab_size", "context_window", "idle_timeout_ms")
+    __slots__ = ("prompt_ids", "tokenizer_fingerprint", "target_model", "draft", "chain", "vocab_size", "context_window", "idle_timeout_ms", "draw")
     PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     TARGET_MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -17,6 +17,7 @@ class OpenSessionRequest(_message.Message):
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_WINDOW_FIELD_NUMBER: _ClassVar[int]
     IDLE_TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    DRAW_FIELD_NUMBER: _ClassVar[int]
     prompt_ids: _common_pb2.Tensor
     tokenizer_fingerprint: str
     target_model: str
@@ -25,7 +26,16 @@ class OpenSessionRequest(_message.Message):
     vocab_size: int
     context_window: int
     idle_timeout_ms: int
-    def __init__(self, prompt_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., tokenizer_fingerprint: _Optional[str] = ..., target_model: _Optional[str] = ..., draft: _Optional[str] = ..., chain: _Optional[_Union[_common_pb2.ChainPolicy, _Mapping]] = ..., vocab_size: _Optional[int] = ..., context_window: _Optional[int] = ..., idle_timeout_ms: _Optional[int] = ...) -> None: ...
+    draw: ChainDraw
+    def __init__(self, prompt_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., tokenizer_fingerprint: _Optional[str] = ..., target_model: _Optional[str] = ..., draft: _Optional[str] = ..., chain: _Optional[_Union[_common_pb2.ChainPolicy, _Mapping]] = ..., vocab_size: _Optional[int] = ..., context_window: _Optional[int] = ..., idle_timeout_ms: _Optional[int] = ..., draw: _Optional[_Union[ChainDraw, _Mapping]] = ...) -> None: ...
+
+class ChainDraw(_message.Message):
+    __slots__ = ("temperature", "seed")
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    temperature: float
+    seed: int
+    def __init__(self, temperature: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class OpenSessionResponse(_message.Message):
     __slots__ = ("session_id", "draft")
@@ -50,20 +60,24 @@ class StepRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., epoch: _Optional[int] = ..., accepted_tokens: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., accepted_node_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., next_token: _Optional[int] = ...) -> None: ...
 
 class StepResponse(_message.Message):
-    __slots__ = ("epoch", "chain_tokens", "chain_node_ids", "outcome", "draft_forwards", "draft_idle_s")
+    __slots__ = ("epoch", "chain_tokens", "chain_node_ids", "outcome", "draft_forwards", "draft_idle_s", "chain_q_tokens", "chain_q_probs")
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     CHAIN_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CHAIN_NODE_IDS_FIELD_NUMBER: _ClassVar[int]
     OUTCOME_FIELD_NUMBER: _ClassVar[int]
     DRAFT_FORWARDS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_IDLE_S_FIELD_NUMBER: _ClassVar[int]
+    CHAIN_Q_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CHAIN_Q_PROBS_FIELD_NUMBER: _ClassVar[int]
     epoch: int
     chain_tokens: _common_pb2.Tensor
     chain_node_ids: _common_pb2.Tensor
     outcome: _common_pb2.Outcome
     draft_forwards: int
     draft_idle_s: float
-    def __init__(self, epoch: _Optional[int] = ..., chain_tokens: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., chain_node_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., outcome: _Optional[_Union[_common_pb2.Outcome, str]] = ..., draft_forwards: _Optional[int] = ..., draft_idle_s: _Optional[float] = ...) -> None: ...
+    chain_q_tokens: _common_pb2.Tensor
+    chain_q_probs: _common_pb2.Tensor
+    def __init__(self, epoch: _Optional[int] = ..., chain_tokens: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., chain_node_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., outcome: _Optional[_Union[_common_pb2.Outcome, str]] = ..., draft_forwards: _Optional[int] = ..., draft_idle_s: _Optional[float] = ..., chain_q_tokens: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., chain_q_probs: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ...) -> None: ...
 
 class StepBatchRequest(_message.Message):
     __slots__ = ("steps", "keepalive_session_ids")
