@@ -56,8 +56,8 @@ class WorkerLink:
     worker: Worker
     session_id: str
 
-    def start(self, committed: Sequence[int], epoch: int) -> None:
-        self.worker.send(StartDraft(self.session_id, tuple(committed), epoch))
+    def start(self, committed: Sequence[int], epoch: int, draw: ChainDraw | None = None) -> None:
+        self.worker.send(StartDraft(self.session_id, tuple(committed), epoch, draw))
 
     def advance(self, advance: Advance) -> None:
         self.worker.send(AdvanceDraft(self.session_id, advance))

@@ -48,6 +48,7 @@ def layer_to_msg(session_id: str, layer: Layer, worker_id: str = "", draft_forwa
         b_parent_ids=to_tensor_msg(layer.b_parent_ids, "int64"),
         b_tokens=to_tensor_msg(layer.b_tokens, "int64"),
         b_logp=to_tensor_msg(layer.b_logp, "float32"),
+        drawn=to_tensor_msg(layer.drawn, "bool") if layer.drawn is not None else None,
         draft_forwards=draft_forwards,
         draft_idle_s=draft_idle_s,
     )
@@ -77,7 +78,13 @@ def layer_from_msg(msg: cache_pb2.LayerMessage) -> Layer:
             f"layer of session {msg.session_id}: primary columns have lengths {sorted(n)} and "
             f"secondary columns {sorted(m)}; each group must agree"
         )
-    return Layer(**cols, epoch=msg.epoch)
+    drawn = None
+    if msg.HasField("drawn"):
+        drawn = from_tensor_msg(msg.drawn)
+        if drawn.dtype != torch.bool or drawn.dim() != 1 or drawn.numel() != cols["node_ids"].numel():
+            raise InvalidArgument(f"layer of session {msg.session_id}: drawn must be bool "
+                                  f"[{cols['node_ids'].numel()}], got {drawn.dtype} {list(drawn.shape)}")
+    return Layer(**cols, epoch=msg.epoch, drawn=drawn)
 
 
 # ---- correction (target -> cache) and chain (cache -> target) ---------------------------------
@@ -174,7 +181,8 @@ def command_to_msg(cmd: DraftCommand) -> cache_pb2.DraftCommand:
     match cmd:
         case StartDraft():
             return cache_pb2.DraftCommand(start=cache_pb2.StartSession(
-                session_id=cmd.session_id, committed_ids=ids_to_msg(cmd.committed), epoch=cmd.epoch))
+                session_id=cmd.session_id, committed_ids=ids_to_msg(cmd.committed), epoch=cmd.epoch,
+                draw=chain_draw_to_msg(cmd.draw) if cmd.draw is not None else None))
         case AdvanceDraft():
             return cache_pb2.DraftCommand(advance=advance_to_msg(cmd.session_id, cmd.advance))
         case StopDraft():
@@ -186,7 +194,9 @@ def command_from_msg(msg: cache_pb2.DraftCommand) -> DraftCommand:
     """InvalidArgument when the command carries none of start / advance / stop."""
     kind = msg.WhichOneof("command")
     if kind == "start":
-        return StartDraft(msg.start.session_id, tuple(ids_from_msg(msg.start.committed_ids)), msg.start.epoch)
+        start = msg.start
+        draw = chain_draw_from_msg(start.draw) if start.HasField("draw") else None
+        return StartDraft(start.session_id, tuple(ids_from_msg(start.committed_ids)), start.epoch, draw)
     if kind == "advance":
         return AdvanceDraft(msg.advance.session_id, advance_from_msg(msg.advance))
     if kind == "stop":

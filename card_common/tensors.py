@@ -16,6 +16,7 @@ DTYPES: dict[str, torch.dtype] = {
     "int64": torch.int64,
     "int32": torch.int32,
     "float64": torch.float64,
+    "bool": torch.bool,
     "float32": torch.float32,
     "float16": torch.float16,
     "bfloat16": torch.bfloat16,

@@ -33,16 +33,17 @@ unexpanded node of depth < max_depth, the K best by path score expanded first.
 from __future__ import annotations
 
 import logging
+import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 from card.engine.draft.ngram import NgramDrafter, NgramTable, Proposer
-from card.engine.shared.config import NgramConfig, TreeParams
+from card.engine.shared.config import ChainDraw, NgramConfig, TreeParams
 from card.engine.shared.errors import Aborted, InvalidArgument, ResourceExhausted
 from card.engine.shared.kv_pool import PREFILL_CHUNK, KVPool, Segment, forward
-from card.engine.shared.tree import NO_NODE, Advance, Layer, TwoTierTree
+from card.engine.shared.tree import NO_NODE, Advance, Layer, TwoTierTree, draw_index, tier_b_probs
 
 log = logging.getLogger(__name__)
 _CPU = torch.device("cpu")
@@ -102,10 +103,16 @@ class Drafter:
         self.ngram = ngram
         self.proposer: Proposer | None = None
         self.adopted = 0  # cascade: nodes expanded by an n-gram continuation's row (no forward of their own)
+        self.draw: ChainDraw | None = None  # a rejection session's (start)
+        self._rng: random.Random | None = None
 
     # ---- session lifecycle -------------------------------------------------------------------
-    def start(self, committed: Sequence[int], epoch: int = 0) -> None:
-        """(Re)start from the committed text at ``epoch`` with an empty tree, in a slot of the pool."""
+    def start(self, committed: Sequence[int], epoch: int = 0, draw: ChainDraw | None = None) -> None:
+        """(Re)start from the committed text at ``epoch`` with an empty tree, in a slot of the pool.
+        ``draw`` (a rejection session): every node expanded gets one child drawn from its tier B
+        at the draw's temperature (tree.tier_b_probs), kept in tier C whatever its score and
+        marked drawn, so the cache's drawn chain goes on below it. The generator is the
+        drafter's own, never the target's (the rule needs the draws independent of its coins)."""
         self._check_tokens(committed)
         self._check_room(len(committed))
         if self.slot is None:
@@ -113,6 +120,8 @@ class Drafter:
             if self.slot is None:
                 raise ResourceExhausted(f"the draft's KV cache has no free slot (all {self.pool.slots} held)")
         self.tree.reset(epoch)
+        self.draw = draw
+        self._rng = random.Random(f"card-draft-draw:{draw.seed}:{epoch}") if draw is not None else None
         self.n_committed = 0
         self.pending = list(committed)
         self.kv_slot = torch.empty(0, dtype=torch.int64)
@@ -264,16 +273,18 @@ class Drafter:
         return ids
 
     def _publish(self, parents: torch.Tensor, tokens: torch.Tensor, local: torch.Tensor,
-                 b_parents: torch.Tensor, b_tokens: torch.Tensor, b_logp: torch.Tensor) -> Layer:
+                 b_parents: torch.Tensor, b_tokens: torch.Tensor, b_logp: torch.Tensor,
+                 drawn: torch.Tensor | None = None) -> Layer:
         layer = Layer(parents, self._new_ids(parents.numel()), tokens, local,
-                      b_parents, b_tokens, b_logp, epoch=self.tree.epoch)
+                      b_parents, b_tokens, b_logp, epoch=self.tree.epoch, drawn=drawn)
         self.tree.apply_layer(layer)
         self.kv_slot = torch.cat([self.kv_slot, torch.full((layer.size,), NOT_EXPANDED, dtype=torch.int64)])
         return layer
 
     def _top_children(self, logits: torch.Tensor, parent_ids: torch.Tensor,
                       parent_path: torch.Tensor) -> Layer:
-        """Tier B = top-k children of each expanded node; tier C = global top-K by path score.
+        """Tier B = top-k children of each expanded node; tier C = global top-K by path score
+        (with ``draw``: each expanded node's drawn child first, then the best others).
 
         logits: [F, V] for the F expanded nodes; parent_ids, parent_path: [F].
         """
@@ -282,10 +293,25 @@ class Drafter:
         local, toks = torch.topk(logp, min(k, logp.shape[-1]), dim=-1)  # [F, k]
         path = parent_path[:, None] + local  # [F, k]
         b_parents = parent_ids[:, None].expand_as(toks).reshape(-1)
-        _, best = torch.topk(path.reshape(-1), min(width, path.numel()))  # [K]
+        score = path.reshape(-1)
+        forced = self._draws(local)
+        if forced is not None:  # F <= K (the frontier is at most K nodes): every draw fits
+            score = score.clone().index_fill_(0, forced, float("inf"))
+        _, best = torch.topk(score, min(width, path.numel()))  # [K]
         best, _ = torch.sort(best)  # stable order: by parent, then by child rank
+        drawn = torch.isin(best, forced) if forced is not None else None
         return self._publish(b_parents[best], toks.reshape(-1)[best], local.reshape(-1)[best],
-                             b_parents, toks.reshape(-1), local.reshape(-1))
+                             b_parents, toks.reshape(-1), local.reshape(-1), drawn)
+
+    def _draws(self, local: torch.Tensor) -> torch.Tensor | None:
+        """With ``draw``: per expanded node, the flat index into its [F, k] children of the child
+        drawn from tier_b_probs of its row of ``local`` [F, k]; else None."""
+        if self.draw is None or self._rng is None:
+            return None
+        k, rng = local.shape[1], self._rng
+        picks = [i * k + draw_index(tier_b_probs(row, self.draw.temperature), rng.random())
+                 for i, row in enumerate(local.tolist())]
+        return torch.tensor(picks, dtype=torch.int64)
 
     def _plan_chunk(self) -> DraftWork:
         if self.n_tree_slots:  # pending tokens come only with an empty tree (advance keeps that)

@@ -38,7 +38,7 @@ from pathlib import Path
 
 import torch
 
-from card.engine.shared.config import NgramConfig, TreeParams
+from card.engine.shared.config import ChainDraw, NgramConfig, TreeParams
 from card.engine.shared.errors import Aborted, InvalidArgument, ResourceExhausted
 from card.engine.shared.tree import Advance, Layer, TwoTierTree
 
@@ -236,7 +236,9 @@ class NgramDrafter:
     def kv_length(self) -> int:
         return 0
 
-    def start(self, committed: Sequence[int], epoch: int = 0) -> None:
+    def start(self, committed: Sequence[int], epoch: int = 0, draw: ChainDraw | None = None) -> None:
+        """``draw`` is taken and left: the statistics' counts are no distribution to draw from,
+        so a rejection session's chains are drawn by the cache (TwoTierTree.drawn_chain)."""
         if len(committed) > self.max_len:
             raise ResourceExhausted(f"the session has {len(committed)} committed tokens, the draft takes "
                                     f"{self.max_len} (card-draft --max-model-len)")

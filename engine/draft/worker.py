@@ -38,7 +38,7 @@ import torch
 from card.engine.draft.drafter import Drafter, grow_round, tree_rows
 from card.engine.draft.ngram import NgramDrafter, NgramTable
 from card.engine.shared.commands import AdvanceDraft, DraftCommand, StartDraft, StopDraft
-from card.engine.shared.config import DrafterKind, NgramConfig, TreeParams
+from card.engine.shared.config import ChainDraw, DrafterKind, NgramConfig, TreeParams
 from card.engine.shared.errors import CardError, InvalidArgument, ResourceExhausted
 from card.engine.shared.kv_pool import KVPool
 from card.engine.shared.tree import Advance, Layer
@@ -130,8 +130,9 @@ class DraftWorker:
             self.idle.clear()
             self._commands.put(command)
 
-    def start_session(self, session_id: str, committed: Sequence[int], epoch: int = 0) -> None:
-        self.apply(StartDraft(session_id, tuple(committed), epoch))
+    def start_session(self, session_id: str, committed: Sequence[int], epoch: int = 0,
+                      draw: ChainDraw | None = None) -> None:
+        self.apply(StartDraft(session_id, tuple(committed), epoch, draw))
 
     def advance(self, session_id: str, advance: Advance) -> None:
         self.apply(AdvanceDraft(session_id, advance))
@@ -175,10 +176,10 @@ class DraftWorker:
     # ---- the loop (worker thread) ------------------------------------------------------------
     def _apply(self, command: DraftCommand) -> None:
         match command:
-            case StartDraft(sid, committed, epoch):
+            case StartDraft(sid, committed, epoch, draw):
                 self._drop(sid)  # a restart gives its slot back first
                 drafter = self._new_drafter()
-                drafter.start(committed, epoch)
+                drafter.start(committed, epoch, draw)
                 with self._stats_lock:
                     self._sessions[sid] = _Session(drafter)
             case AdvanceDraft(sid, advance):

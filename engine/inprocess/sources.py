@@ -48,8 +48,8 @@ class SyncLink:
         self.drafter = drafter
         self.session = session
 
-    def start(self, committed: Sequence[int], epoch: int) -> None:
-        self.drafter.start(committed, epoch)
+    def start(self, committed: Sequence[int], epoch: int, draw: ChainDraw | None = None) -> None:
+        self.drafter.start(committed, epoch, draw)
         self._grow()
 
     def advance(self, advance: Advance) -> None:
@@ -78,9 +78,9 @@ class WorkerLink:
         self.session_id = uuid.uuid4().hex
         self.delivered = False
 
-    def start(self, committed: Sequence[int], epoch: int) -> None:
+    def start(self, committed: Sequence[int], epoch: int, draw: ChainDraw | None = None) -> None:
         self.delivered = False
-        self.worker.start_session(self.session_id, committed, epoch)
+        self.worker.start_session(self.session_id, committed, epoch, draw)
 
     def advance(self, advance: Advance) -> None:
         self.worker.advance(self.session_id, advance)
@@ -106,9 +106,9 @@ class InlineLink(SyncLink):
         self.depth = depth
         self.delivered = False
 
-    def start(self, committed: Sequence[int], epoch: int) -> None:
+    def start(self, committed: Sequence[int], epoch: int, draw: ChainDraw | None = None) -> None:
         self.delivered = False
-        super().start(committed, epoch)
+        super().start(committed, epoch, draw)
 
     def _grow(self) -> None:
         depth = self.drafter.tree.sizes().depth

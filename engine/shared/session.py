@@ -43,8 +43,9 @@ class DraftLink(Protocol):
     """How a session reaches the draft that grows its tree (a queue to a worker, a drafter in
     the same thread). Layers come back through ``CardSession.apply_layer``."""
 
-    def start(self, committed: Sequence[int], epoch: int) -> None:
-        """Grow a fresh tree from ``committed`` under the virtual root of ``epoch``."""
+    def start(self, committed: Sequence[int], epoch: int, draw: ChainDraw | None = None) -> None:
+        """Grow a fresh tree from ``committed`` under the virtual root of ``epoch``; ``draw``: give
+        every expanded node a child drawn from its tier B (a rejection session, Drafter.start)."""
 
     def advance(self, advance: Advance) -> None:
         """Re-root on the session's verdict (a hit keeps the subtree below it)."""
@@ -165,4 +166,4 @@ class CardSession:
         self.tree.reset(epoch)
         self.restart_pending = False
         if self.link is not None:
-            self.link.start(tuple(self.committed), epoch)
+            self.link.start(tuple(self.committed), epoch, self.draw)

@@ -38,6 +38,27 @@ MAX_LAYER_SECONDARY = 16384
 LOGP_SLACK = 1e-4  # a log-softmax can round a hair above 0
 
 
+def tier_b_probs(logps: list[float], temperature: float) -> list[float]:
+    """The distribution a rejection session draws a node's child from: softmax(logp / T) over its
+    tier-B entries. One function for the draft that draws and the cache that reports the
+    proposal, so both see the same numbers."""
+    scaled = [v / temperature for v in logps]
+    top = max(scaled)
+    weights = [math.exp(v - top) for v in scaled]
+    total = sum(weights)
+    return [w / total for w in weights]
+
+
+def draw_index(probs: list[float], u: float) -> int:
+    """Inverse CDF of ``probs`` at ``u`` in [0, 1)."""
+    acc = 0.0
+    for i, q in enumerate(probs):
+        acc += q
+        if u < acc:
+            return i
+    return len(probs) - 1
+
+
 def virtual_root_id(epoch: int) -> int:
     """Id of the root of a tree started (at session start or after a miss) at ``epoch``."""
     return -(epoch + 2)
@@ -64,6 +85,8 @@ class Layer:
     parent_ids, node_ids, tokens, local_logp: [N] primary nodes (N <= K).
     b_parent_ids, b_tokens, b_logp:           [M] secondary entries (M <= K*k), empty on a regrow.
     epoch: the drafter's epoch when it built the layer (informational; node ids decide).
+    drawn: [N] bool, the node is its parent's drawn child (a rejection session's draft,
+           config.ChainDraw); None: none is.
     """
 
     parent_ids: torch.Tensor
@@ -74,6 +97,7 @@ class Layer:
     b_tokens: torch.Tensor
     b_logp: torch.Tensor
     epoch: int = 0
+    drawn: torch.Tensor | None = None
 
     @property
     def size(self) -> int:
@@ -89,6 +113,8 @@ class Layer:
             raise InvalidArgument("the layer's primary columns differ in length")
         if not (self.b_parent_ids.numel() == self.b_logp.numel() == m):
             raise InvalidArgument("the layer's secondary columns differ in length")
+        if self.drawn is not None and (self.drawn.numel() != n or self.drawn.dtype != torch.bool):
+            raise InvalidArgument("the layer's drawn column is not one bool per primary node")
         if n > MAX_LAYER_NODES or m > MAX_LAYER_SECONDARY:
             raise InvalidArgument(f"the layer has {n} nodes and {m} secondary entries (at most "
                                   f"{MAX_LAYER_NODES} and {MAX_LAYER_SECONDARY})")
@@ -176,6 +202,7 @@ class _HostView:
     ids: list[int]
     parents: list[int]
     tokens: list[int]
+    drawn: list[bool]
     path: list[float]
     b_parents: list[int]
     b_tokens: list[int]
@@ -212,6 +239,7 @@ class TwoTierTree:
         self.tokens = empty_i  # [N]
         self.depth = empty_i  # [N] 1 = child of root
         self.local_logp = empty_f  # [N] log p_draft(token | path)
+        self.drawn = torch.empty(0, dtype=torch.bool, device=self.device)  # [N] its parent's drawn child
         self.path_logp = empty_f  # [N] sum of local_logp from the root
         self.b_parents = empty_i  # [M]
         self.b_tokens = empty_i  # [M]
@@ -261,6 +289,9 @@ class TwoTierTree:
             self.tokens = torch.cat([self.tokens, layer.tokens.to(self.device)[keep]])
             self.depth = torch.cat([self.depth, known_depth[prow[keep]] + 1])
             self.local_logp = torch.cat([self.local_logp, local])
+            drawn = (layer.drawn.to(self.device)[keep] if layer.drawn is not None
+                     else torch.zeros(int(keep.sum()), dtype=torch.bool, device=self.device))
+            self.drawn = torch.cat([self.drawn, drawn])
             self.path_logp = torch.cat([self.path_logp, known_path[prow[keep]] + local])
             order = torch.argsort(self.ids)  # late layers may interleave ids; keep them ascending
             if not bool((order == torch.arange(order.numel(), device=self.device)).all()):
@@ -283,6 +314,7 @@ class TwoTierTree:
         self.tokens = self.tokens[rows]
         self.depth = self.depth[rows]
         self.local_logp = self.local_logp[rows]
+        self.drawn = self.drawn[rows]
         self.path_logp = self.path_logp[rows]
 
     # ---- target side -------------------------------------------------------------------------
@@ -296,6 +328,7 @@ class TwoTierTree:
         if self._view is None:
             self._view = _HostView(
                 ids=self.ids.tolist(), parents=self.parents.tolist(), tokens=self.tokens.tolist(),
+                drawn=self.drawn.tolist(),
                 path=self.path_logp.tolist(), b_parents=self.b_parents.tolist(),
                 b_tokens=self.b_tokens.tolist(), b_logp=self.b_logp.tolist(),
             )
@@ -337,7 +370,10 @@ class TwoTierTree:
                     min_path_prob: float = 0.0) -> Chain:
         """A chain drawn from the draft's distributions (config.ChainDraw), with its Proposal.
 
-        Whether position j gets a token is decided before its token is drawn, from the tokens
+        Below each node the token is the node's drawn child where the draft drew one (a
+        rejection session's draft draws for every node it expands, Drafter.start), else drawn
+        here; either way from tier_b_probs of the node's tier B at ``temperature``. Whether
+        position j gets a token is decided before its token is drawn, from the tokens
         above it only (the length, the path so far, whether the parent is an expanded node):
         a rule that kept or cut a token by its own value would skew what the target's
         rejection rule sees away from q, and its output away from p. So a drawn token outside
@@ -347,8 +383,11 @@ class TwoTierTree:
         """
         view = self._host()
         below: dict[tuple[int, int], int] = {}  # (parent id, token) -> tier-C node id
-        for nid, parent, token in zip(view.ids, view.parents, view.tokens, strict=True):
+        drawn: dict[int, int] = {}  # parent id -> its drawn child's token (the draft drew it)
+        for i, (nid, parent, token) in enumerate(zip(view.ids, view.parents, view.tokens, strict=True)):
             below.setdefault((parent, token), nid)
+            if view.drawn[i]:
+                drawn.setdefault(parent, token)
         entries: dict[int, dict[int, float]] = {}  # parent id -> token -> local logp (tier B)
         for parent, token, logp in zip(view.b_parents, view.b_tokens, view.b_logp, strict=True):
             entries.setdefault(parent, {}).setdefault(token, logp)  # a layer sent twice repeats them
@@ -359,17 +398,13 @@ class TwoTierTree:
         cur, path = self.root_id, 0.0
         while len(tokens) < max_len and path >= floor and (children := entries.get(cur)):
             toks = list(children)
-            scaled = [children[t] / temperature for t in toks]
-            top = max(scaled)
-            weights = [math.exp(v - top) for v in scaled]
-            total = sum(weights)
-            probs = [w / total for w in weights]
-            u, acc, pick = rng.random(), 0.0, len(toks) - 1
-            for i, q in enumerate(probs):
-                acc += q
-                if u < acc:
-                    pick = i
-                    break
+            probs = tier_b_probs([children[t] for t in toks], temperature)
+            if cur in drawn:  # the draft's draw (made before anything here could see it)
+                if drawn[cur] not in children:
+                    break  # not a draw from this tier B: no proposal to divide by
+                pick = toks.index(drawn[cur])
+            else:
+                pick = draw_index(probs, rng.random())
             token = toks[pick]
             tokens.append(token)
             rows.append((toks, probs))

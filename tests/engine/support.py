@@ -261,8 +261,8 @@ class _DrafterLink:
         self.drafter = drafter
         self.last: Advance | None = None
 
-    def start(self, committed: Sequence[int], epoch: int) -> None:
-        self.drafter.start(committed, epoch)
+    def start(self, committed: Sequence[int], epoch: int, draw: ChainDraw | None = None) -> None:
+        self.drafter.start(committed, epoch, draw)
 
     def advance(self, advance: Advance) -> None:
         self.last = advance

@@ -162,14 +162,16 @@ class DraftCommand(_message.Message):
     def __init__(self, start: _Optional[_Union[StartSession, _Mapping]] = ..., advance: _Optional[_Union[AdvanceSession, _Mapping]] = ..., stop: _Optional[_Union[StopSession, _Mapping]] = ...) -> None: ...
 
 class StartSession(_message.Message):
-    __slots__ = ("session_id", "committed_ids", "epoch")
+    __slots__ = ("session_id", "committed_ids", "epoch", "draw")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     COMMITTED_IDS_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
+    DRAW_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     committed_ids: _common_pb2.Tensor
     epoch: int
-    def __init__(self, session_id: _Optional[str] = ..., committed_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., epoch: _Optional[int] = ...) -> None: ...
+    draw: ChainDraw
+    def __init__(self, session_id: _Optional[str] = ..., committed_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., epoch: _Optional[int] = ..., draw: _Optional[_Union[ChainDraw, _Mapping]] = ...) -> None: ...
 
 class AdvanceSession(_message.Message):
     __slots__ = ("session_id", "epoch", "accepted_tokens", "accepted_node_ids", "next_token", "outcome", "hit_node_id")
@@ -196,7 +198,7 @@ class StopSession(_message.Message):
     def __init__(self, session_id: _Optional[str] = ...) -> None: ...
 
 class LayerMessage(_message.Message):
-    __slots__ = ("worker_id", "session_id", "epoch", "parent_ids", "node_ids", "tokens", "local_logp", "b_parent_ids", "b_tokens", "b_logp", "draft_forwards", "draft_idle_s", "dropped")
+    __slots__ = ("worker_id", "session_id", "epoch", "parent_ids", "node_ids", "tokens", "local_logp", "b_parent_ids", "b_tokens", "b_logp", "drawn", "draft_forwards", "draft_idle_s", "dropped")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
@@ -207,6 +209,7 @@ class LayerMessage(_message.Message):
     B_PARENT_IDS_FIELD_NUMBER: _ClassVar[int]
     B_TOKENS_FIELD_NUMBER: _ClassVar[int]
     B_LOGP_FIELD_NUMBER: _ClassVar[int]
+    DRAWN_FIELD_NUMBER: _ClassVar[int]
     DRAFT_FORWARDS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_IDLE_S_FIELD_NUMBER: _ClassVar[int]
     DROPPED_FIELD_NUMBER: _ClassVar[int]
@@ -220,10 +223,11 @@ class LayerMessage(_message.Message):
     b_parent_ids: _common_pb2.Tensor
     b_tokens: _common_pb2.Tensor
     b_logp: _common_pb2.Tensor
+    drawn: _common_pb2.Tensor
     draft_forwards: int
     draft_idle_s: float
     dropped: bool
-    def __init__(self, worker_id: _Optional[str] = ..., session_id: _Optional[str] = ..., epoch: _Optional[int] = ..., parent_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., node_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., tokens: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., local_logp: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., b_parent_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., b_tokens: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., b_logp: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., draft_forwards: _Optional[int] = ..., draft_idle_s: _Optional[float] = ..., dropped: _Optional[bool] = ...) -> None: ...
+    def __init__(self, worker_id: _Optional[str] = ..., session_id: _Optional[str] = ..., epoch: _Optional[int] = ..., parent_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., node_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., tokens: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., local_logp: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., b_parent_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., b_tokens: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., b_logp: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., drawn: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., draft_forwards: _Optional[int] = ..., draft_idle_s: _Optional[float] = ..., dropped: _Optional[bool] = ...) -> None: ...
 
 class PublishLayersResponse(_message.Message):
     __slots__ = ("layers_received",)
