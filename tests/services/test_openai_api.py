@@ -221,6 +221,24 @@ def test_a_loose_request_is_marked_lossy(api, model_id):
     assert card["verify"] == "loose" and card["lossy"] is True and card["loose_kept_tokens"] >= 0
 
 
+def test_a_rejection_request_verifies_drawn_chains_through_the_trio(api, model_id):
+    """verify rejection end to end: the draw goes target -> cache -> draft, the draft's drawn
+    nodes come back, every chain reaches the target with its proposal (no fallback to exact), and
+    a greedy rejection request is plain decoding's (verified exactly, and says so)."""
+    body = {"ignore_eos": True, "verify": "rejection", "seed": 5}
+    reply = api.completions.create(model=model_id, prompt=PROMPT, max_tokens=48, temperature=1.0,
+                                   extra_body=body)
+    card = reply.usage.model_extra["card"]
+    assert card["verify"] == "rejection" and card["lossy"] is False
+    assert card["draft_tokens"] > 0 and card["rejection_fallbacks"] == 0, card
+    greedy = api.completions.create(model=model_id, prompt=PROMPT, max_tokens=16, temperature=0,
+                                    extra_body=body)
+    plain = api.completions.create(model=model_id, prompt=PROMPT, max_tokens=16, temperature=0,
+                                   extra_body={"ignore_eos": True, "mode": "vanilla"})
+    assert greedy.choices[0].text == plain.choices[0].text
+    assert greedy.usage.model_extra["card"]["verify"] == "exact"
+
+
 def test_curl_streams_server_sent_events(trio, model_id):
     curl = shutil.which("curl")
     if curl is None:
