@@ -152,7 +152,8 @@ def test_calibration_steps_decode_alone_then_the_draft_starts_and_output_is_unch
     card.worker = worker = DraftWorker(model, params, card.publish, slots=8, max_len=512, name="test")
     started: list[int] = []  # committed length at each draft session start
     start_session = worker.start_session
-    worker.start_session = lambda sid, ids, epoch: (started.append(len(ids)), start_session(sid, ids, epoch))
+    worker.start_session = lambda sid, ids, epoch, draw=None: (started.append(len(ids)),
+                                                               start_session(sid, ids, epoch, draw))
     worker.start()
     with contextlib.ExitStack() as stack:
         stack.callback(worker.close)

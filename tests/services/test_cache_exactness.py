@@ -56,8 +56,8 @@ class WorkerLink:
         try:
             for msg in self.commands:
                 match command_from_msg(msg):
-                    case StartDraft(session_id, committed, epoch):
-                        self.worker.start_session(session_id, committed, epoch)
+                    case StartDraft(session_id, committed, epoch, draw):
+                        self.worker.start_session(session_id, committed, epoch, draw)
                     case AdvanceDraft(session_id, advance):
                         self.worker.advance(session_id, advance)
                     case StopDraft(session_id):
