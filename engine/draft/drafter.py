@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 import torch
 
 from card.engine.draft.ngram import NgramDrafter, NgramTable, Proposer
-from card.engine.shared.config import ChainDraw, NgramConfig, TreeParams
+from card.engine.shared.config import DRAW_BRANCH, ChainDraw, NgramConfig, TreeParams
 from card.engine.shared.errors import Aborted, InvalidArgument, ResourceExhausted
 from card.engine.shared.kv_pool import PREFILL_CHUNK, KVPool, Segment, forward
 from card.engine.shared.tree import NO_NODE, Advance, Layer, TwoTierTree, draw_index, tier_b_probs
@@ -109,9 +109,10 @@ class Drafter:
     # ---- session lifecycle -------------------------------------------------------------------
     def start(self, committed: Sequence[int], epoch: int = 0, draw: ChainDraw | None = None) -> None:
         """(Re)start from the committed text at ``epoch`` with an empty tree, in a slot of the pool.
-        ``draw`` (a rejection session): every node expanded gets one child drawn from its tier B
-        at the draw's temperature (tree.tier_b_probs), kept in tier C whatever its score and
-        marked drawn, so the cache's drawn chain goes on below it. The generator is the
+        ``draw`` (a rejection session): tier B holds at least DRAW_BRANCH children per node, and
+        every node expanded gets one child drawn from its tier B at the draw's temperature
+        (tree.tier_b_probs), kept in tier C whatever its score and marked drawn, so the cache's
+        drawn chain goes on below it. The generator is the
         drafter's own, never the target's (the rule needs the draws independent of its coins)."""
         self._check_tokens(committed)
         self._check_room(len(committed))
@@ -289,6 +290,8 @@ class Drafter:
         logits: [F, V] for the F expanded nodes; parent_ids, parent_path: [F].
         """
         k, width = self.params.k, self.params.width
+        if self.draw is not None:  # tier B is the support of the draws' q: wide enough to hold p
+            k = max(k, DRAW_BRANCH)
         logp = torch.log_softmax(logits.float(), dim=-1).cpu()  # [F, V]
         local, toks = torch.topk(logp, min(k, logp.shape[-1]), dim=-1)  # [F, k]
         path = parent_path[:, None] + local  # [F, k]
