@@ -114,7 +114,7 @@ SAMPLINGS = [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, to
 @pytest.mark.parametrize("sampling", SAMPLINGS, ids=repr)
 def test_two_positions_follow_the_target_over_many_seeds(sampling: SamplingParams) -> None:
     world = World(sampling)
-    trials = 12000
+    trials = 5000
     counts, kept = world.counts(trials)
     assert kept > trials // 2, "drafted tokens were kept: the rule ran, not just the bonus draws"
     assert_fits(*pooled(counts, world.target(), trials))
@@ -125,7 +125,7 @@ def test_resampling_from_p_after_a_rejection_fails_the_same_test(monkeypatch: py
     over-weights the draft's tokens, and the test above sees it."""
     monkeypatch.setattr(verify_module, "residual", lambda p, tokens, q: p)
     world = World(SAMPLINGS[0])
-    trials = 12000
+    trials = 5000
     counts, _ = world.counts(trials)
     stat, df = chi_square(*pooled(counts, world.target(), trials))
     with pytest.raises(AssertionError, match="chi-square"):
