@@ -73,13 +73,18 @@ def token_logprobs(logits: torch.Tensor, tokens: Sequence[int], sampling: Sampli
     return out
 
 
-def proposal_holds(chain: Sequence[int], proposal: Proposal) -> bool:
+def proposal_holds(chain: Sequence[int], proposal: Proposal, vocab_size: int) -> bool:
     """A proposal the rejection rule can divide by: a row per chain token, probabilities finite,
-    in [0, 1] and summing to 1, and each token drawn from its row (q(x) > 0)."""
+    in [0, 1] and summing to 1, tokens in [0, vocab_size) (-1 pads, with probability 0), and each
+    token drawn from its row (q(x) > 0). Another process sent it: a token past the vocabulary
+    would fail the step's indexing, not just skew it."""
     if len(proposal) != len(chain) or proposal.tokens.shape != proposal.probs.shape:
         return False
     q = proposal.probs.to(torch.float64)
     if not bool((torch.isfinite(q) & (q >= 0) & (q <= 1)).all()):
+        return False
+    t = proposal.tokens
+    if not bool((((t >= 0) & (t < vocab_size)) | ((t == -1) & (q == 0))).all()):
         return False
     if not bool(((q.sum(dim=-1) - 1).abs() < 1e-6).all()):
         return False
@@ -131,7 +136,7 @@ class TargetState:
         if self.verify.mode is Verify.LOOSE and len(chain) > self.verify.window:
             accepted, token = self._loose(chain, logits)
         elif self.verify.mode is Verify.REJECTION and not self.sampling.greedy and chain:
-            if proposal is not None and proposal_holds(chain, proposal):
+            if proposal is not None and proposal_holds(chain, proposal, logits.shape[-1]):
                 accepted, token = self._rejection(chain, logits, proposal)
             else:  # exact is lossless whatever the chain; the stats say it happened
                 self.fallbacks += 1

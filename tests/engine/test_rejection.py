@@ -149,13 +149,15 @@ def test_a_draft_equal_to_the_target_is_always_kept() -> None:
 def test_a_proposal_that_does_not_hold_up_is_verified_exactly() -> None:
     chain = [3, 5]
     good = Proposal.of_rows([([3, 4], [0.5, 0.5]), ([5], [1.0])])
-    assert proposal_holds(chain, good)
-    assert not proposal_holds(chain, good.head(1)), "a row short"
-    assert not proposal_holds(chain, Proposal.of_rows([([3, 4], [0.5, 0.6]), ([5], [1.0])])), "sums to 1.1"
-    assert not proposal_holds(chain, Proposal.of_rows([([4, 6], [0.5, 0.5]), ([5], [1.0])])), "3 not drawn"
-    assert not proposal_holds(chain, Proposal.of_rows([([3, 4], [1.0, 0.0]), ([5, 6], [0.0, 1.0])]))
+    assert proposal_holds(chain, good, 8)
+    assert not proposal_holds(chain, good.head(1), 8), "a row short"
+    assert not proposal_holds(chain, Proposal.of_rows([([3, 4], [0.5, 0.6]), ([5], [1.0])]), 8), "sums to 1.1"
+    assert not proposal_holds(chain, Proposal.of_rows([([4, 6], [0.5, 0.5]), ([5], [1.0])]), 8), "3 not drawn"
+    assert not proposal_holds(chain, Proposal.of_rows([([3, 4], [1.0, 0.0]), ([5, 6], [0.0, 1.0])]), 8)
+    assert not proposal_holds(chain, Proposal.of_rows([([3, 99], [0.5, 0.5]), ([5], [1.0])]), 8), "past V"
+    assert not proposal_holds(chain, good, 5), "the chain's own token 5 is past a vocabulary of 5"
     nan = Proposal.of_rows([([3, 4], [float("nan"), 0.5]), ([5], [1.0])])
-    assert not proposal_holds(chain, nan)
+    assert not proposal_holds(chain, nan, 8)
     # such a chain is judged by the exact rule: what plain decoding draws, token for token
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(3, 8, generator=g, dtype=torch.float64)
@@ -192,7 +194,7 @@ def test_drawn_tokens_follow_tier_b_at_the_temperature(temperature: float) -> No
         chain = t.drawn_chain(8, temperature, rng)
         assert chain.proposal is not None and len(chain.proposal) == len(chain)
         assert torch.allclose(chain.proposal.probs[0, :3], root_q)
-        assert proposal_holds(chain.tokens, chain.proposal)
+        assert proposal_holds(chain.tokens, chain.proposal, 32)
         first = chain.tokens[0]
         counts[[10, 11, 12].index(first)] += 1
         if first == 10:  # node 0: the draw goes on into its tier B
