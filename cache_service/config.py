@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from card.cache_service.pools import parse_pool_weights
+from card.cache_service.registry import MAX_LAYER_STREAMS
 from card.common.tls import TlsConfig
 from card.engine.loading.devices import resolve_device
 from card.engine.shared.config import TreeParams, tree_params
@@ -28,7 +30,11 @@ class CacheConfig:
     tree: its chain fields (max_chain, b_extension, min_path_prob) shape the chains handed to the
         target (card.engine.shared.tree.best_chain); a session's ChainPolicy goes over them. The tree's shape
         (width, branch, depth) is the draft workers' and unused here.
-    grpc_threads: server threads; every open draft stream holds one.
+    grpc_threads: server threads for everything but the drafts' streams (Step, OpenSession,
+        heartbeats, Status); each registered draft gets its own threads for its streams on top
+        (``server_threads``), so that no number of drafts can take these.
+    max_drafts: most draft workers registered at once (RegisterDraft refuses more).
+    pool_weights: how unnamed sessions split between pools ((pool, weight), ...; () = least loaded).
     tls: the certificate served on the gRPC port (card.common.tls; none = plaintext).
     """
 
@@ -46,6 +52,8 @@ class CacheConfig:
     health_check_interval_s: float = 2.0
     tree: TreeParams = field(default_factory=TreeParams)
     grpc_threads: int = 64
+    max_drafts: int = 128
+    pool_weights: tuple[tuple[str, float], ...] = ()
     # who may call what (card.common.auth.CACHE_ROLES); None = that role's RPCs are open
     draft_token: str | None = field(default=None, repr=False)
     target_token: str | None = field(default=None, repr=False)
@@ -56,13 +64,13 @@ class CacheConfig:
 
     @classmethod
     def from_options(cls, *, device: str, tree_flags: dict[str, object], draft_token: str | None,
-                     target_token: str | None, **options: object) -> CacheConfig:
+                     target_token: str | None, pool_weights: str = "", **options: object) -> CacheConfig:
         """The config of card-cache's flags (one keyword per flag; every other flag is a field).
         The cache sits with the target: its hardware says how long a chain pays to verify."""
         return cls(device=str(resolve_device(device)), tree=tree_params(device, **tree_flags),
                    health_check_interval_s=min(2.0, float(options.get("heartbeat_interval_s", 2.0))),  # type: ignore[arg-type]
                    draft_token=draft_token or None, target_token=target_token or None,
-                   **options)  # type: ignore[arg-type]
+                   pool_weights=parse_pool_weights(pool_weights), **options)  # type: ignore[arg-type]
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -77,6 +85,8 @@ class CacheConfig:
             raise InvalidArgument("heartbeat and health-check intervals must be > 0")
         if self.grpc_threads < 4:
             raise InvalidArgument(f"grpc_threads must be >= 4, got {self.grpc_threads}")
+        if not 1 <= self.max_drafts <= 4096:
+            raise InvalidArgument(f"max_drafts must be in [1, 4096], got {self.max_drafts}")
         if not self.redis_url.startswith(("redis://", "rediss://", "unix://", "memory://")):
             raise InvalidArgument(
                 f"redis URL must start with redis://, rediss://, unix:// or memory://, got {self.redis_url!r}"
@@ -85,6 +95,12 @@ class CacheConfig:
     @property
     def addr(self) -> str:
         return f"{self.host}:{self.port}"
+
+    @property
+    def server_threads(self) -> int:
+        """The gRPC pool: ``grpc_threads`` plus every stream the registered drafts may hold (one
+        Commands and at most MAX_LAYER_STREAMS PublishLayers each); no call is taken beyond it."""
+        return self.grpc_threads + (1 + MAX_LAYER_STREAMS) * self.max_drafts
 
     @property
     def worker_ttl_s(self) -> float:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 from prometheus_client import Counter, Gauge, Histogram
 
 SESSIONS_OPEN = Gauge("card_cache_sessions_open", "Sessions currently open")
@@ -26,3 +29,32 @@ RECORDS_FAILED = Counter("card_cache_records_failed",
 RECORDS_DROPPED = Counter("card_cache_records_dropped",
                           "Finished-session records dropped unwritten: the writer's queue was full")
 RECORDS_PENDING = Gauge("card_cache_records_pending", "Finished-session records queued for the store")
+
+# Draft pools (card.cache_service.pools): acceptance of each pool's chains, as this replica's
+# sessions measured it, so that two pools serving one target can be compared (a canary)
+POOL_STEPS = Counter("card_cache_pool_steps", "Target steps after a chain of the pool's", ["pool"])
+POOL_CHAIN_TOKENS = Counter("card_cache_pool_chain_tokens", "Drafted tokens the pool's chains offered",
+                            ["pool"])
+POOL_ACCEPTED = Counter("card_cache_pool_accepted_tokens", "Drafted tokens of the pool's chains accepted",
+                        ["pool"])
+POOL_COMMITTED = Counter("card_cache_pool_committed_tokens",
+                         "Tokens committed by the steps that verified the pool's chains", ["pool"])
+POOL_HITS = Counter("card_cache_pool_hits", "Steps whose next token the pool's tree held", ["pool"])
+POOL_BUSY = Counter("card_cache_pool_busy_seconds",
+                    "Time between those steps and their sessions' previous ones (committed/busy: tokens/s)",
+                    ["pool"])
+POOL_WORKERS = Gauge("card_cache_pool_workers", "Registered workers of the pool", ["pool", "state"])
+POOL_SESSIONS = Gauge("card_cache_pool_sessions", "Sessions the pool's workers serve now", ["pool"])
+POOL_WEIGHT = Gauge("card_cache_pool_weight", "The pool's share of unnamed sessions (--pool-weights)",
+                    ["pool"])
+
+
+def set_pools(pools: dict[str, list[Any]], weight: Callable[[str], float]) -> None:
+    """The pool gauges from the registry's pools (Registry.pools), stale pools removed."""
+    for gauge in (POOL_WORKERS, POOL_SESSIONS, POOL_WEIGHT):
+        gauge.clear()
+    for pool, workers in pools.items():
+        for state in ("serving", "draining"):
+            POOL_WORKERS.labels(pool, state).set(sum((w.draining == (state == "draining")) for w in workers))
+        POOL_SESSIONS.labels(pool).set(sum(len(w.sessions) for w in workers))
+        POOL_WEIGHT.labels(pool).set(weight(pool))

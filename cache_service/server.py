@@ -16,6 +16,7 @@ import threading
 
 from card.cache_service.config import CacheConfig
 from card.cache_service.monitor import Monitor
+from card.cache_service.pools import PoolRouter
 from card.cache_service.records import RecordWriter
 from card.cache_service.registry import Registry
 from card.cache_service.servicer import CacheServicer
@@ -53,13 +54,15 @@ class CacheServer:
     """The gRPC server with the cache's state and background threads (the monitor, the writer of
     finished records); used like grpc.Server."""
 
-    def __init__(self, config: CacheConfig, store: MetadataStore, max_workers: int) -> None:
+    def __init__(self, config: CacheConfig, store: MetadataStore) -> None:
         self.config = config
         self.store = store
         auth = TokenAuth(CACHE_ROLES, {"draft": config.draft_token, "target": config.target_token})
-        self.grpc = make_server(max_workers, [auth])
+        # streams beyond the registry's bound are refused by the servicer before they last; calls
+        # beyond the pool are refused by grpc, never queued behind streams that do not end
+        self.grpc = make_server(config.server_threads, [auth], maximum_concurrent_rpcs=config.server_threads)
         self.health = add_health(self.grpc)
-        self.registry = Registry()
+        self.registry = Registry(max_workers=config.max_drafts, router=PoolRouter(config.pool_weights))
         self.records = RecordWriter(store)
         self.sessions = SessionTable(config, store, self.registry, self.records)
         self.monitor = Monitor(config, store, self.registry, self.sessions, self._set_health)
@@ -109,7 +112,7 @@ def create_server(addr: str, config: CacheConfig, store: MetadataStore | None = 
     """
     if store is None:
         store = open_store(config.redis_url, config.redis_prefix, config.allow_memory_fallback)
-    server = CacheServer(config, store, config.grpc_threads)
+    server = CacheServer(config, store)
     try:
         port = server.bind(addr)
     except Unavailable as exc:
@@ -141,7 +144,15 @@ def create_server(addr: str, config: CacheConfig, store: MetadataStore | None = 
 @option("--heartbeat-interval-s", type=float, default=2.0,
         help="Draft heartbeat period; a worker expires after 3 missed.")
 @tree_options(CHAIN_FIELDS, note="The chains handed to the target; a request's chain policy may set its own.")
-@option("--grpc-threads", type=int, default=64, help="Server threads; every open draft stream holds one.")
+@option("--grpc-threads", type=int, default=64,
+        help="Server threads for Step, OpenSession, heartbeats and Status; the drafts' streams get threads "
+             "of their own on top (three per registered draft), so no number of drafts can starve these.")
+@option("--max-drafts", type=int, default=128,
+        help="Most draft workers registered at once; more are refused (RESOURCE_EXHAUSTED).")
+@option("--pool-weights", default="",
+        help="Split unnamed sessions between draft pools by weight, e.g. 'stable=90,canary=10' (smooth "
+             "round robin; pools left out take sessions only when no weighted pool has room). Default: the "
+             "least-loaded worker of any pool.")
 @option("--draft-token", default=None,
         help="Drafts must present it (authorization: Bearer) to RegisterDraft, Commands, PublishLayers, "
              "Heartbeat; UNAUTHENTICATED otherwise (default: open).")

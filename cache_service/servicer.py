@@ -18,7 +18,8 @@ import grpc
 from card.cache_service import metrics
 from card.cache_service.config import CacheConfig
 from card.cache_service.monitor import Monitor
-from card.cache_service.registry import DraftRegistration, Registry, Worker
+from card.cache_service.pools import PoolCounters
+from card.cache_service.registry import MAX_LAYER_STREAMS, DraftRegistration, Registry, Worker
 from card.cache_service.sessions import Session, SessionTable
 from card.cache_service.store import MetadataStore
 from card.common.convert import (
@@ -30,9 +31,17 @@ from card.common.convert import (
     layer_from_msg,
     stats_from_msg,
 )
+from card.common.drafts import WORKER_ID_METADATA
 from card.common.status import grpc_errors, status_code
 from card.common.tensors import ids_from_msg
-from card.engine.shared.errors import CardError, FailedPrecondition, NotFound, Unavailable
+from card.engine.shared.errors import (
+    CardError,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    ResourceExhausted,
+    Unavailable,
+)
 from card.v1 import cache_pb2, cache_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -52,6 +61,20 @@ def draft_record_to_msg(record: Mapping[str, str | int | float]) -> cache_pb2.Dr
         tokenizer_fingerprint=str(record.get("tokenizer_fingerprint", "")),
         capacity=int(record.get("capacity", 0)), active_sessions=int(record.get("active_sessions", 0)),
         last_heartbeat_unix=float(record.get("last_heartbeat_unix", 0.0)),
+        pool=str(record.get("pool", "")),
+        draining=bool(int(record.get("draining", 0))), live=bool(int(record.get("live", 0))),
+    )
+
+
+def pool_to_msg(name: str, workers: list[Worker], weight: float, counters: PoolCounters | None
+                ) -> cache_pb2.PoolInfo:
+    c = counters or PoolCounters()
+    return cache_pb2.PoolInfo(
+        name=name, weight=weight, workers=len(workers),
+        live_workers=sum(w.streaming and not w.closed and not w.draining for w in workers),
+        capacity=sum(w.capacity for w in workers), active_sessions=sum(len(w.sessions) for w in workers),
+        steps=c.steps, chains=c.chains, chain_tokens=c.chain_tokens, accepted_tokens=c.accepted_tokens,
+        committed_tokens=c.committed_tokens, hits=c.hits, busy_s=c.busy_s,
     )
 
 
@@ -95,7 +118,8 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
                                      request.target_model, request.draft,
                                      chain_policy_from_msg(request.chain), request.vocab_size,
                                      request.context_window, request.idle_timeout_ms / 1000.0,
-                                     chain_draw_from_msg(request.draw) if request.HasField("draw") else None)
+                                     chain_draw_from_msg(request.draw) if request.HasField("draw") else None,
+                                     request.default_pool)
         return cache_pb2.OpenSessionResponse(session_id=session.session_id, draft=session.draft)
 
     @grpc_errors
@@ -135,16 +159,17 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
     def RegisterDraft(self, request: cache_pb2.RegisterDraftRequest, context: grpc.ServicerContext
                       ) -> cache_pb2.RegisterDraftResponse:
         registration = DraftRegistration(name=request.name, model=request.model,
-                                         fingerprint=request.tokenizer_fingerprint, capacity=request.capacity)
+                                         fingerprint=request.tokenizer_fingerprint, capacity=request.capacity,
+                                         pool=request.pool)
         worker, replaced = self.registry.register(registration, self.config.worker_ttl_s)
         self._record_draft(worker)
         if replaced is not None:
             log.info("draft %s re-registered; the old registration is replaced", worker.name,
                      extra={"draft": worker.name})
         self.sessions.worker_joined(worker, replaced)
-        metrics.DRAFTS.set(len(self.registry.workers()))
-        log.info("draft %s registered (model %s, capacity %d)", worker.name, worker.model, worker.capacity,
-                 extra={"draft": worker.name, "worker_id": worker.worker_id})
+        self._count_drafts()
+        log.info("draft %s registered (pool %s, model %s, capacity %d)", worker.name, worker.pool,
+                 worker.model, worker.capacity, extra={"draft": worker.name, "worker_id": worker.worker_id})
         return cache_pb2.RegisterDraftResponse(worker_id=worker.worker_id,
                                                heartbeat_interval_s=self.config.heartbeat_interval_s)
 
@@ -156,17 +181,22 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
             if worker.streaming:
                 raise FailedPrecondition(f"draft {worker.name} already has a command stream open")
             worker.streaming = True
-        context.add_callback(lambda: worker.commands.put(None))  # wake the loop when the peer goes
+            worker.cancel_stream = context.cancel
+        context.add_callback(worker.close)  # wake the loop when the peer goes
+        # the worker may take sessions from here: its initial metadata tells it so (the draft link
+        # reports SERVING, and tests proceed, only once it has arrived)
+        context.send_initial_metadata(())
+        # its sessions waited for a worker with an open stream: this one may take them now
+        self.sessions.worker_joined(worker, None)
+        self._count_drafts()
         try:
-            while context.is_active():
+            while context.is_active() and not worker.closed:
                 try:
                     command = worker.commands.get(timeout=1.0)
                 except queue.Empty:
                     continue
-                if command is None:
-                    if worker.closed or not context.is_active():
-                        break
-                    continue
+                if command is None or worker.closed:
+                    break
                 yield command_to_msg(command)
         finally:
             worker.streaming = False
@@ -175,22 +205,47 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
                             extra={"draft": worker.name})
                 self._forget(worker)
 
+    def _count_drafts(self) -> None:
+        metrics.DRAFTS.set(len(self.registry.workers()))
+        metrics.set_pools(self.registry.pools(), self.registry.router.weight)
+
     def _forget(self, worker: Worker) -> None:
         self.sessions.worker_left(worker)
-        metrics.DRAFTS.set(len(self.registry.workers()))
+        self._count_drafts()
         try:
             self.store.delete_draft(worker.name)
         except Unavailable as exc:  # the key expires by itself
             log.warning("draft record of %s not deleted: %s", worker.name, exc)
 
+    def _layer_stream_of(self, context: grpc.ServicerContext) -> Worker:
+        """The registered worker a PublishLayers stream belongs to (its metadata says which), one
+        of at most MAX_LAYER_STREAMS of its: a stream of nobody's would hold a server thread for
+        nothing (every open stream holds one)."""
+        metadata = context.invocation_metadata() or ()
+        worker_id = next((v for k, v in metadata if k == WORKER_ID_METADATA), "")
+        if not worker_id:
+            raise InvalidArgument(f"a layer stream must name its worker in the {WORKER_ID_METADATA!r} "
+                                  f"metadata (a draft from before pools: upgrade it)")
+        worker = self.registry.get(str(worker_id))
+        with self.registry.lock:
+            if worker.publishing >= MAX_LAYER_STREAMS:
+                raise ResourceExhausted(
+                    f"draft {worker.name} already has {worker.publishing} layer streams open")
+            worker.publishing += 1
+        return worker
+
     @grpc_errors
     def PublishLayers(self, request_iterator: Iterator[cache_pb2.LayerMessage],
                       context: grpc.ServicerContext) -> cache_pb2.PublishLayersResponse:
+        worker = self._layer_stream_of(context)
         received = malformed = 0
         try:
             for msg in request_iterator:
                 received += 1
                 metrics.LAYERS.inc()
+                if msg.worker_id != worker.worker_id:  # one worker may not speak for another
+                    metrics.LAYERS_MALFORMED.inc()
+                    continue
                 if msg.dropped:
                     self.sessions.draft_dropped(msg.session_id, msg.worker_id)
                     continue
@@ -207,15 +262,44 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
         except grpc.RpcError:  # the worker went away mid-stream: a peer leaving, not a bug
             log.info("layer stream ended by its draft worker after %d layers (peer %s)", received,
                      context.peer())
+        finally:
+            with self.registry.lock:
+                worker.publishing -= 1
         return cache_pb2.PublishLayersResponse(layers_received=received)
 
     @grpc_errors
     def Heartbeat(self, request: cache_pb2.HeartbeatRequest, context: grpc.ServicerContext
                   ) -> cache_pb2.HeartbeatResponse:
-        self._record_draft(self.registry.heartbeat(request.worker_id))
+        worker = self.registry.heartbeat(request.worker_id)
+        if request.draining and not worker.draining:  # its SIGTERM: hand its sessions over, then exit
+            with self.registry.lock:
+                worker.draining = True
+            moved = self.sessions.drain([worker])
+            log.info("draft %s is shutting down; %d session(s) moved to other workers", worker.name,
+                     moved, extra={"draft": worker.name})
+            self._count_drafts()
+        self._record_draft(worker)
         return cache_pb2.HeartbeatResponse()
 
     # ---- operators ----------------------------------------------------------------------------
+    @grpc_errors
+    def Drain(self, request: cache_pb2.DrainRequest, context: grpc.ServicerContext
+              ) -> cache_pb2.DrainResponse:
+        if bool(request.name) == bool(request.pool):
+            raise InvalidArgument("drain names one worker or one pool (name or pool, not both)")
+        workers = self.registry.drain(request.name, request.pool, request.resume)
+        if request.resume:
+            self.sessions.worker_joined(workers[0], None)  # waiting sessions may take them again
+            moved = 0
+        else:
+            moved = self.sessions.drain(workers)
+        for worker in workers:
+            self._record_draft(worker)
+        self._count_drafts()
+        log.info("%s %s (%d session(s) moved)", "resumed" if request.resume else "drained",
+                 ", ".join(w.name for w in workers), moved)
+        return cache_pb2.DrainResponse(workers=[w.name for w in workers], sessions_moved=moved)
+
     @grpc_errors
     def Status(self, request: cache_pb2.StatusRequest, context: grpc.ServicerContext
                ) -> cache_pb2.StatusResponse:
@@ -233,7 +317,13 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
                         drafts[name] = draft_record_to_msg(rec)
             except Unavailable:
                 connected = False
+        counters = self.sessions.pool_stats.snapshot()
+        pools = self.registry.pools()
+        for name in counters:
+            pools.setdefault(name, [])  # gone, but measured
         return cache_pb2.StatusResponse(
+            pools=[pool_to_msg(p, pools[p], self.registry.router.weight(p), counters.get(p))
+                   for p in sorted(pools)],
             drafts=[drafts[n] for n in sorted(drafts)],
             sessions=[session_to_msg(s)
                       for s in sorted(self.sessions.sessions(), key=lambda s: s.opened_unix)],

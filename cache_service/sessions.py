@@ -36,15 +36,19 @@ import torch
 
 from card.cache_service import metrics
 from card.cache_service.config import CacheConfig
+from card.cache_service.pools import PoolStats
 from card.cache_service.records import FinishedRecord, RecordWriter, stats_fields
 from card.cache_service.registry import Registry, Worker
 from card.cache_service.store import MetadataStore
+from card.common.drafts import ANY, Route
 from card.engine.shared.commands import AdvanceDraft, StartDraft, StopDraft
 from card.engine.shared.config import ChainDraw, ChainPolicy, TreeParams
-from card.engine.shared.errors import CardError, InvalidArgument, NotFound, Unavailable
+from card.engine.shared.errors import InvalidArgument, NotFound, ResourceExhausted, Unavailable
 from card.engine.shared.session import CardSession
 from card.engine.shared.stats import GenerationStats
 from card.engine.shared.tree import Advance, Chain, Correction, Layer, Outcome, TwoTierTree
+
+HITS = (Outcome.HIT, Outcome.SECONDARY_HIT)
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +75,7 @@ class Session:
     session_id: str
     target_model: str
     fingerprint: str
-    draft_name: str  # the draft the target asked for; "" = any matching worker
+    draft_name: str  # the draft the target asked for (a pool or a worker); "" = any matching worker
     card: CardSession  # tree, committed text, chain settings (the cache's, its ChainPolicy over them)
     prompt_tokens: int
     vocab_size: int = 0  # the target's (OpenSession); layers' tokens must lie below it
@@ -80,6 +84,13 @@ class Session:
     idle_timeout_s: float = 0.0  # the target's (OpenSession); 0 = the cache's
     draft_refused: bool = False  # a worker dropped it (LayerMessage.dropped): no worker is tried again
     worker: Worker | None = None
+    route: Route = ANY  # where its workers come from (draft_name resolved at open)
+    default_pool: str = ""  # the target's --default-pool, for an unnamed session
+    # the chain handed out last: its length and the pool whose worker grew it ("" = none); the next
+    # Step's correction is that pool's acceptance (PoolStats)
+    chain_len: int = 0
+    chain_pool: str = ""
+    last_step: float = field(default_factory=time.monotonic)
     # draft counters: from workers that served earlier + the current worker's latest layer
     draft_forwards_done: int = 0
     draft_idle_done: float = 0.0
@@ -136,10 +147,11 @@ class SessionTable:
     one the table makes and starts its own."""
 
     def __init__(self, config: CacheConfig, store: MetadataStore, registry: Registry,
-                 records: RecordWriter | None = None) -> None:
+                 records: RecordWriter | None = None, pool_stats: PoolStats | None = None) -> None:
         self.config = config
         self.store = store
         self.registry = registry
+        self.pool_stats = pool_stats or PoolStats()
         if records is None:
             records = RecordWriter(store)
             records.start()
@@ -173,8 +185,11 @@ class SessionTable:
         log.info("session %s served by draft %s", session.session_id, worker.name,
                  extra={"session_id": session.session_id, "draft": worker.name})
 
-    def _detach(self, session: Session) -> None:
-        """The session's worker no longer serves it (it left, or dropped it): no command goes to it."""
+    def _detach(self, session: Session, stop: bool = False) -> None:
+        """The session's worker no longer serves it (it left, dropped it, or is drained): no
+        command goes to it after this one; ``stop``: tell it to stop (a drained worker is alive, and
+        counts its sessions down to exit). The tree it grew serves the chain in flight; the next
+        worker starts after the next correction."""
         worker = session.worker
         if worker is None:
             return
@@ -185,17 +200,16 @@ class SessionTable:
             session.draft_idle_done += idle
             session.draft_forwards, session.draft_idle_s = 0, 0.0
             session.worker = None
-            session.card.detach()
+            link = session.card.detach()
+        if stop and link is not None:
+            link.stop()
 
     def _rebalance(self) -> None:
         """Give every session without a worker one, where a matching worker has room."""
         for session in self._sessions.values():
             if session.worker is not None or session.draft_refused:
                 continue
-            try:
-                worker = self.registry.pick(session.fingerprint, session.draft_name, session.target_model)
-            except CardError:  # its named draft is gone, different or full: keep waiting
-                continue
+            worker = self.registry.pick(session.fingerprint, session.route, session.default_pool)
             if worker is not None:
                 self._attach(session, worker)
 
@@ -214,20 +228,41 @@ class SessionTable:
                 self._detach(session)
             self._rebalance()
         if orphans:
-            log.warning("draft %s left; %d session(s) continue without it", worker.name, len(orphans),
-                        extra={"draft": worker.name})
+            moved = sum(s.worker is not None for s in orphans)
+            log.warning("draft %s left; %d of its %d session(s) moved to other workers, the rest continue "
+                        "without a draft", worker.name, moved, len(orphans), extra={"draft": worker.name})
+
+    def drain(self, workers: Sequence[Worker]) -> int:
+        """Move the sessions of ``workers`` (now drained: Registry.drain) to other workers: each
+        drained worker is told to stop them, and they go where a new session of theirs would (their
+        pool first). Returns how many moved to a worker."""
+        with self.lock:
+            moving = [self._sessions[sid] for w in workers if w.draining
+                      for sid in sorted(w.sessions) if sid in self._sessions]
+            for session in moving:
+                self._detach(session, stop=True)
+            self._rebalance()
+            moved = sum(s.worker is not None for s in moving)
+        if moving:
+            log.info("drained %s: %d of %d session(s) moved to other workers",
+                     ", ".join(w.name for w in workers), moved, len(moving))
+        return moved
 
     # ---- target side --------------------------------------------------------------------------
     def open(self, prompt_ids: Sequence[int], fingerprint: str, target_model: str,
              draft: str = "", chain: ChainPolicy | None = None, vocab_size: int = 0,
-             context_window: int = 0, idle_timeout_s: float = 0.0, draw: ChainDraw | None = None) -> Session:
-        """``chain`` goes over the configured chain settings for this session (None: keep them);
+             context_window: int = 0, idle_timeout_s: float = 0.0, draw: ChainDraw | None = None,
+             default_pool: str = "") -> Session:
+        """``draft``: a pool or a worker's name (card.common.drafts.route_draft; "" = any pool,
+        ``default_pool`` first); ``chain`` goes over the configured chain settings for this session
+        (None: keep them);
         ``draw``: its chains are drawn (verify rejection; None: the best path);
         ``vocab_size`` / ``context_window``: the target's (0 = not told); ``idle_timeout_s``: how
         long the session lives without a Step or keepalive (0 = the cache's; it is also the cap).
         InvalidArgument: an empty
         prompt, one at or past the context window, a token outside the vocabulary, no fingerprint,
-        or a chain policy out of range."""
+        or a chain policy out of range. NotFound / FailedPrecondition: ``draft`` names no pool or
+        worker, or one with another tokenizer. ResourceExhausted: the named worker is full."""
         if self.closing:
             raise Unavailable("the cache service is shutting down; retry against another replica")
         if not prompt_ids:
@@ -241,15 +276,21 @@ class SessionTable:
         if not fingerprint:
             raise InvalidArgument("tokenizer_fingerprint is required to match a draft to the target")
         params = chain.over(self.config.tree) if chain is not None else self.config.tree
+        route = self.registry.route(draft, fingerprint, target_model or "the target", self.pool_stats.names())
         card = CardSession(params, self.device, draw=draw)
         card.open(prompt_ids)
         session = Session(
             session_id=uuid.uuid4().hex, target_model=target_model or "unknown", fingerprint=fingerprint,
             draft_name=draft, card=card, prompt_tokens=len(prompt_ids), vocab_size=vocab_size,
-            idle_timeout_s=idle_timeout_s,
+            idle_timeout_s=idle_timeout_s, route=route, default_pool=default_pool,
         )
         with self.lock:
-            worker = self.registry.pick(fingerprint, draft, session.target_model)
+            pinned = self.registry.named(route.worker)
+            if pinned is not None and pinned.full and not pinned.draining:
+                raise ResourceExhausted(
+                    f"draft {route.worker!r} is at capacity ({pinned.capacity} sessions); retry later, name "
+                    f"its pool {route.pool!r}, or leave the draft unnamed")
+            worker = self.registry.pick(fingerprint, route, default_pool)
             self._sessions[session.session_id] = session
             if worker is not None:
                 self._attach(session, worker)
@@ -267,8 +308,16 @@ class SessionTable:
             if session.closed:
                 raise NotFound(f"session {session_id!r} is closed")
             result = session.card.step(correction)  # Aborted on a stale epoch
-            session.last_active = time.monotonic()
+            now = time.monotonic()
+            pool, chain_len, busy_s = session.chain_pool, session.chain_len, now - session.last_step
+            session.last_active = session.last_step = now
+            session.chain_len = len(result.chain.tokens)
+            serving = session.worker
+            session.chain_pool = serving.pool if serving is not None and session.chain_len else ""
         assert result.outcome is not None
+        if pool:
+            self.pool_stats.record(pool, chain_len, len(correction.accepted_tokens), result.outcome in HITS,
+                                   busy_s)
         metrics.STEPS.inc()
         metrics.OUTCOMES.labels(result.outcome.value).inc()
         metrics.STEP_LATENCY.observe(time.perf_counter() - t0)

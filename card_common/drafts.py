@@ -1,24 +1,81 @@
-"""The rule for a request that names a draft worker: one owner, used by the cache when it assigns a
-session (cache_service.registry) and by card-target when it checks a request at its edge, before
-the request waits for a KV slot (target_service.cache_link.DraftDirectory)."""
+"""Draft names and pools: one owner for the rule a request's ``draft`` follows, used by the cache
+when it assigns a session (cache_service.registry) and by card-target when it checks a request at
+its edge, before the request waits for a KV slot (target_service.cache_link.DraftDirectory).
+
+A request names a pool (every worker started with that ``card-draft --pool``), or one worker by its
+name (the session then prefers that worker and falls back to its pool), or nothing.
+"""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 from card.engine.shared.errors import FailedPrecondition, NotFound
 
+POOL_NAME = re.compile(r"[A-Za-z0-9._-]{1,128}")
+# a PublishLayers stream names its worker in this metadata key, so that the cache can refuse a
+# stream of no registered worker before it holds a server thread for long
+WORKER_ID_METADATA = "card-worker-id"
+SAME_TOKENIZER = "a draft must share the target's tokenizer"
 
-def check_named_draft(name: str, found: tuple[str, str] | None, known: Iterable[str], fingerprint: str,
-                      target_model: str) -> None:
-    """``found``: the named worker's (model, tokenizer fingerprint), None when it is not registered;
-    ``known``: every registered name. NotFound / FailedPrecondition, each in one line."""
-    if found is None:
-        names = ", ".join(sorted(known)) or "none"
-        raise NotFound(f"draft {name!r} is not registered (registered drafts: {names})")
-    model, draft_fingerprint = found
-    if draft_fingerprint != fingerprint:
-        raise FailedPrecondition(
-            f"draft {name!r} runs model {model} with tokenizer {draft_fingerprint}, but target model "
-            f"{target_model} has tokenizer {fingerprint}; a draft must share the target's tokenizer"
-        )
+
+def pool_name(text: str) -> str:
+    """``text`` as a pool name: lower case, runs of other characters as '-', at most 128."""
+    name = re.sub(r"[^a-z0-9._-]+", "-", text.lower()).strip("-.")[:128].strip("-.")
+    return name or "draft"
+
+
+@dataclass(frozen=True)
+class DraftEntry:
+    """A registered worker as the rule needs it."""
+
+    name: str
+    model: str
+    fingerprint: str
+    pool: str
+
+
+@dataclass(frozen=True)
+class Route:
+    """Where a session's draft comes from: ``pool`` ("" = any pool whose tokenizer matches) and,
+    when the request named one worker, ``worker`` (preferred while it is there)."""
+
+    pool: str = ""
+    worker: str = ""
+
+
+ANY = Route()  # an unnamed session's
+
+
+def route_draft(name: str, entries: Iterable[DraftEntry], fingerprint: str, target_model: str,
+                known_pools: Iterable[str] = ()) -> Route:
+    """The route of a request whose draft is ``name``. ``known_pools``: pools the cache knows
+    without a worker now (its --pool-weights), which a request may name and wait for.
+    NotFound: neither a worker nor a pool. FailedPrecondition: its tokenizer differs. Each in one
+    line."""
+    if not name:
+        return Route()
+    entries = list(entries)
+    worker = next((e for e in entries if e.name == name), None)
+    if worker is not None:
+        if worker.fingerprint != fingerprint:
+            raise FailedPrecondition(
+                f"draft {name!r} runs model {worker.model} with tokenizer {worker.fingerprint}, but target "
+                f"model {target_model} has tokenizer {fingerprint}; {SAME_TOKENIZER}")
+        return Route(worker.pool, worker.name)
+    members = [e for e in entries if e.pool == name]
+    if members:
+        if not any(e.fingerprint == fingerprint for e in members):
+            models = ", ".join(sorted({e.model for e in members}))
+            raise FailedPrecondition(
+                f"draft pool {name!r} runs {models} with tokenizer {members[0].fingerprint}, but target "
+                f"model {target_model} has tokenizer {fingerprint}; {SAME_TOKENIZER}")
+        return Route(name, "")
+    if name in set(known_pools):
+        return Route(name, "")
+    pools = ", ".join(sorted({e.pool for e in entries} | set(known_pools))) or "none"
+    workers = ", ".join(sorted(e.name for e in entries)) or "none"
+    raise NotFound(f"draft {name!r} is neither a pool nor a registered worker (pools: {pools}; "
+                   f"workers: {workers})")

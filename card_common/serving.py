@@ -102,11 +102,14 @@ class RejectMalformed(grpc.ServerInterceptor):
         return grpc.stream_stream_rpc_method_handler(lambda rs, c: fn_ss(each(rs, c), c), **kw)
 
 
-def make_server(max_workers: int = 32, interceptors: Sequence[grpc.ServerInterceptor] = ()) -> grpc.Server:
+def make_server(max_workers: int = 32, interceptors: Sequence[grpc.ServerInterceptor] = (),
+                maximum_concurrent_rpcs: int | None = None) -> grpc.Server:
     """A thread-pool gRPC server with the shared options (and RejectMalformed innermost, so that
-    ``interceptors`` see parsed requests). Each open stream holds one thread."""
+    ``interceptors`` see parsed requests). Each open stream holds one thread; past
+    ``maximum_concurrent_rpcs`` a call is refused (RESOURCE_EXHAUSTED) instead of queued."""
     return grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=list(SERVER_OPTIONS),
-                       interceptors=[*interceptors, RejectMalformed()])
+                       interceptors=[*interceptors, RejectMalformed()],
+                       maximum_concurrent_rpcs=maximum_concurrent_rpcs)
 
 
 def bind(server: grpc.Server, addr: str, tls: TlsConfig = PLAINTEXT) -> int:

@@ -8,6 +8,7 @@ import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from card.common.drafts import POOL_NAME, pool_name
 from card.common.tls import TlsConfig
 from card.engine.draft.drafter import tree_rows
 from card.engine.loading.models import ModelConfig
@@ -20,17 +21,22 @@ NGRAM_CAPACITY = 64
 NGRAM_MAX_MODEL_LEN = 32768
 
 
-def default_worker_name(model_spec: str, quantize: str = "none", cascade: bool = False) -> str:
-    """``<model>-<host>-<pid>``: unique per process, readable in ``card-client drafts``."""
+def default_pool(model_spec: str, quantize: str = "none", cascade: bool = False) -> str:
+    """The pool of a worker started without --pool: its model and how it runs it, e.g.
+    ``qwen2.5-coder-0.5b-int8`` (every worker of one model, quantization and kind is one pool)."""
     base = Path(model_spec.rstrip("/")).name or model_spec
-    base = re.sub(r"\.gguf$", "", base)[:80]  # the registry takes names of <= 128 characters
+    base = re.sub(r"\.gguf$", "", base)[:80]  # names of <= 128 characters, with the host and pid
     if quantize != "none":
         base = f"{base}-{quantize}"
     if cascade:
         base = f"{base}-ngram"
+    return pool_name(base)
+
+
+def default_worker_name(model_spec: str, quantize: str = "none", cascade: bool = False) -> str:
+    """``<pool>-<host>-<pid>``: unique per process, readable in ``card-client drafts``."""
     host = socket.gethostname().split(".")[0]
-    name = f"{base}-{host}-{os.getpid()}"
-    return re.sub(r"[^A-Za-z0-9._-]+", "-", name).strip("-").lower()
+    return pool_name(f"{default_pool(model_spec, quantize, cascade)}-{host}-{os.getpid()}")
 
 
 @dataclass(frozen=True)
@@ -45,6 +51,7 @@ class DraftConfig:
     cache_addr: str
     model: ModelConfig
     name: str
+    pool: str = "default"  # requests name pools (card-client --draft POOL); see default_pool
     drafter: DrafterKind = DrafterKind.NEURAL
     tree: TreeParams = field(default_factory=TreeParams)
     ngram: NgramConfig | None = None
@@ -65,6 +72,8 @@ class DraftConfig:
     # reconnect backoff after the cache goes away (seconds, doubling up to the max)
     retry_initial_s: float = 0.5
     retry_max_s: float = 10.0
+    # on SIGTERM: hand the live sessions over to other workers for at most this long, then exit
+    drain_timeout_s: float = 20.0
 
     def __post_init__(self) -> None:
         if not self.cache_addr:
@@ -72,6 +81,10 @@ class DraftConfig:
                 "the cache address is required (--cache HOST:PORT or CARD_DRAFT_CACHE_ADDR)")
         if not self.name:
             raise InvalidArgument("the worker name must not be empty")
+        if not POOL_NAME.fullmatch(self.pool):
+            raise InvalidArgument(f"a pool name is 1-128 characters of A-Z a-z 0-9 . _ -, got {self.pool!r}")
+        if self.drain_timeout_s < 0:
+            raise InvalidArgument(f"the drain timeout must be >= 0, got {self.drain_timeout_s}")
         if self.drafter is DrafterKind.AUTO:
             raise InvalidArgument("a draft worker is one kind; auto chooses per session in process")
         if self.drafter.uses_ngram and self.ngram is None:
@@ -92,7 +105,7 @@ class DraftConfig:
 
     @classmethod
     def from_options(cls, *, model: str, cascade: str, quantize: str, dtype: str, device: str,
-                     name: str | None, capacity: int | None, tree_flags: dict[str, object],
+                     name: str | None, pool: str | None, capacity: int | None, tree_flags: dict[str, object],
                      ngram: NgramConfig, draft_token: str | None, **options: object) -> DraftConfig:
         """The config of card-draft's flags (one keyword per flag; every other flag is a field):
         the drafter kind is parsed here, once."""
@@ -100,6 +113,7 @@ class DraftConfig:
         device = device if kind.needs_model else "cpu"
         return cls(model=ModelConfig(model, dtype, device, quantize), drafter=kind,
                    name=name or default_worker_name(model, quantize, kind is DrafterKind.CASCADE),
+                   pool=pool or default_pool(model, quantize, kind is DrafterKind.CASCADE),
                    tree=tree_params(device, kind, **tree_flags), ngram=ngram if kind.uses_ngram else None,
                    capacity=capacity or (8 if kind.needs_model else NGRAM_CAPACITY),
                    draft_token=draft_token or None, **options)  # type: ignore[arg-type]

@@ -16,6 +16,10 @@ reached the cache for three intervals (it has dropped the worker by then; e.g. a
 whose streams would hang until the keepalives gave up). Health is SERVING only while one
 registration holds both streams open.
 
+Draining (``drain``, on SIGTERM): the next heartbeat, sent at once, says so; the cache assigns
+the worker nothing more and moves its sessions to other workers, sending a StopSession for each;
+the worker exits when it holds none, or when its drain timeout is up.
+
 The long-lived streams carry no deadline on purpose: they live as long as the registration, and
 channel keepalives (card.common.channels) detect a dead peer.
 """
@@ -32,6 +36,7 @@ import grpc
 
 from card.common.channels import channel
 from card.common.convert import command_from_msg, layer_to_msg
+from card.common.drafts import WORKER_ID_METADATA
 from card.common.status import error_from_rpc
 from card.draft_service import metrics
 from card.draft_service.config import DraftConfig
@@ -54,6 +59,7 @@ class _Connection:
         self.interval_s = interval_s
         self.layers: queue.Queue[cache_pb2.LayerMessage] = queue.Queue()
         self.closed = threading.Event()
+        self.beat = threading.Event()  # heartbeat now (a drain)
         self.commands: grpc.Call | None = None
 
     def attach_commands(self, call: grpc.Call) -> None:
@@ -72,6 +78,7 @@ class _Connection:
 
     def close(self) -> None:
         self.closed.set()
+        self.beat.set()  # the heartbeat thread returns at once
         if self.commands is not None:
             self.commands.cancel()
 
@@ -95,6 +102,8 @@ class CacheLink:
         self._lock = threading.Lock()
         self._conn: _Connection | None = None
         self._stop = threading.Event()
+        self._draining = threading.Event()
+        self._emptied = threading.Condition(self._lock)  # notified when a session leaves
         self._thread: threading.Thread | None = None
         metrics.ACTIVE_SESSIONS.set_function(lambda: self.worker.active_sessions)
         metrics.KV_SLOTS.set_function(self.worker.kv_slots_held)
@@ -121,6 +130,32 @@ class CacheLink:
         if self._thread is not None:
             self._thread.join(timeout_s)
         self.worker.close()
+
+    def drain(self, timeout_s: float) -> bool:
+        """Stop taking sessions and hand the live ones over (the cache moves them to other workers
+        and stops them here); True when none is left within ``timeout_s``. ``close()`` follows."""
+        started = time.monotonic()
+        self._draining.set()
+        with self._lock:
+            conn, held = self._conn, len(self._sessions)
+        if conn is None or conn.closed.is_set():  # no cache to hand them to: they are lost either way
+            return held == 0
+        log.info("draining: %d session(s) to hand over, %.0fs at most", held, timeout_s)
+        conn.beat.set()  # the heartbeat thread tells the cache now, not at its next period
+        with self._lock:
+            done = self._emptied.wait_for(lambda: not self._sessions or self._conn is not conn,
+                                          timeout=timeout_s)
+            left = len(self._sessions)
+        if done and not left:
+            log.info("drained in %.2fs: every session handed over", time.monotonic() - started)
+            return True
+        log.warning("drain ended after %.1fs with %d session(s) not handed over (they go on without a "
+                    "draft until the cache reassigns them)", time.monotonic() - started, left)
+        return False
+
+    @property
+    def draining(self) -> bool:
+        return self._draining.is_set()
 
     @property
     def sessions(self) -> int:
@@ -159,19 +194,25 @@ class CacheLink:
             reply = stub.RegisterDraft(
                 cache_pb2.RegisterDraftRequest(
                     name=cfg.name, model=cfg.label, tokenizer_fingerprint=self.fingerprint,
-                    capacity=self.worker.slots,
+                    capacity=self.worker.slots, pool=cfg.pool,
                 ),
                 timeout=RPC_TIMEOUT_S,
             )
             conn = _Connection(reply.worker_id, reply.heartbeat_interval_s or 5.0)
             with self._lock:
                 self._conn = conn
-            publish = stub.PublishLayers.future(conn.requests())
+            publish = stub.PublishLayers.future(conn.requests(),
+                                                metadata=((WORKER_ID_METADATA, conn.worker_id),))
             publish.add_done_callback(lambda done: self._layers_ended(conn, done))
             conn.attach_commands(stub.Commands(cache_pb2.CommandsRequest(worker_id=conn.worker_id)))
             assert conn.commands is not None
             if self._stop.is_set():  # close() ran while we registered
                 conn.close()
+            # the cache sends its initial metadata once the stream is open on its side: from then
+            # on it may assign sessions here, and only then is this worker SERVING
+            conn.commands.initial_metadata()
+            if self._draining.is_set():  # registered again while draining: say so at once
+                conn.beat.set()
             heartbeat = threading.Thread(target=self._heartbeat, args=(stub, conn), name="heartbeat",
                                          daemon=True)
             heartbeat.start()
@@ -198,6 +239,7 @@ class CacheLink:
                     self._conn = None
                     metrics.REGISTERED.set(0)
                     self.on_serving(False)
+                    self._emptied.notify_all()
                 conn.close()
                 heartbeat.join(RPC_TIMEOUT_S)
                 try:
@@ -242,10 +284,15 @@ class CacheLink:
         expiry_s = 3 * conn.interval_s  # the cache drops a worker that misses three heartbeats
         last_ok = time.monotonic()
         failing = False
-        while not conn.closed.wait(period):
+        while not conn.closed.is_set():
+            conn.beat.wait(period)  # the period, or at once when drain() asks
+            conn.beat.clear()
+            if conn.closed.is_set():
+                return
             try:
                 stub.Heartbeat(cache_pb2.HeartbeatRequest(worker_id=conn.worker_id,
-                                                          active_sessions=self.worker.active_sessions),
+                                                          active_sessions=self.worker.active_sessions,
+                                                          draining=self._draining.is_set()),
                                timeout=max(1.0, conn.interval_s))
             except grpc.RpcError as err:
                 if conn.closed.is_set():
@@ -281,12 +328,15 @@ class CacheLink:
                 self._sessions.add(command.session_id)
             elif isinstance(command, StopDraft):
                 self._sessions.discard(command.session_id)
+                if not self._sessions:
+                    self._emptied.notify_all()
         self.worker.apply(command)
         log.debug("%s", type(command).__name__, extra={"session_id": command.session_id})
 
     def _drop_sessions(self, why: str) -> None:
         with self._lock:
             dropped, self._sessions = self._sessions, set()
+            self._emptied.notify_all()
         for sid in dropped:
             self.worker.stop_session(sid)
         if dropped:
@@ -297,6 +347,8 @@ class CacheLink:
         with self._lock:
             held = session_id in self._sessions
             self._sessions.discard(session_id)
+            if not self._sessions:
+                self._emptied.notify_all()
             conn = self._conn
         if held and conn is not None and not conn.closed.is_set():
             conn.layers.put(cache_pb2.LayerMessage(worker_id=conn.worker_id, session_id=session_id,

@@ -74,7 +74,11 @@ def serve(config: DraftConfig) -> None:
     link = CacheLink(config, lambda *callbacks: build_worker(config, *callbacks),
                      on_serving=lambda serving: set_serving(health, serving))
     link.start()
-    serve_until_signal(server, link.close, grace_s=2.0, health_servicer=health, health_server=health_server)
+    def shut_down() -> None:  # drain first: its sessions move to other workers, none is lost
+        link.drain(config.drain_timeout_s)
+        link.close()
+
+    serve_until_signal(server, shut_down, grace_s=2.0, health_servicer=health, health_server=health_server)
 
 
 def build_worker(config: DraftConfig, publish: Publish, on_forward: Callable[[int], None],
@@ -128,7 +132,15 @@ def build_worker(config: DraftConfig, publish: Publish, on_forward: Callable[[in
         help="int8: dynamic int8 Linear layers (CPU).")
 @option("--dtype", default="auto", help="auto, float32, bfloat16, float16.")
 @option("--device", default="auto", help="auto (cuda if available), cpu, cuda, cuda:N.")
-@option("--name", default=None, help="Worker name targets select it by (default: <model>-<host>-<pid>).")
+@option("--name", default=None,
+        help="Unique worker name, shown in card-client drafts (default: <pool>-<host>-<pid>).")
+@option("--pool", default=None,
+        help="The draft pool this worker serves in; requests name pools (--draft POOL), so the pool's "
+             "workers can be scaled, drained and replaced under one name (default: the model and "
+             "quantization, e.g. qwen2.5-coder-0.5b-int8).")
+@option("--drain-timeout-s", default=20.0, type=float,
+        help="On SIGTERM: stop taking sessions and hand the live ones to other workers for at most this "
+             "long, then exit (keep it below the pod's termination grace period).")
 @option("--capacity", default=None, type=int,
         help=f"Most concurrent sessions, all grown in one forward per round (KV slots). Default: 8; "
              f"{NGRAM_CAPACITY} model-free.")

@@ -27,7 +27,7 @@ from typing import Protocol
 import grpc
 
 from card.common.convert import chain_draw_to_msg, chain_policy_to_msg, stats_to_msg
-from card.common.drafts import check_named_draft
+from card.common.drafts import DraftEntry, route_draft
 from card.common.status import error_from_rpc
 from card.common.tensors import ids_to_msg
 from card.engine.shared.config import ChainDraw, ChainPolicy
@@ -65,6 +65,7 @@ class CacheTarget:
     open_timeout_s: float = 5.0
     retry_initial_s: float = 0.5
     retry_max_s: float = 5.0
+    default_pool: str = ""  # the pool an unnamed session prefers (card-target --default-pool)
 
     @property
     def idle_timeout_s(self) -> float:
@@ -228,7 +229,8 @@ class CacheLink:
         request = cache_pb2.OpenSessionRequest(
             prompt_ids=ids_to_msg(committed), vocab_size=t.vocab_size, context_window=t.context_window,
             tokenizer_fingerprint=t.fingerprint, target_model=t.target_model, draft=draft,
-            chain=chain_policy_to_msg(chain), idle_timeout_ms=round(t.idle_timeout_s * 1000))
+            chain=chain_policy_to_msg(chain), idle_timeout_ms=round(t.idle_timeout_s * 1000),
+            default_pool=t.default_pool)
         if draw is not None:
             request.draw.CopyFrom(chain_draw_to_msg(draw))
         future = self.stub.OpenSession.future(request, timeout=t.open_timeout_s)
@@ -292,10 +294,11 @@ class CacheLink:
 
 
 class DraftDirectory:
-    """The drafts registered with the cache, as its Status last listed them (at most ``max_age_s``
-    old; a name not in the list is looked up again at once). A request that names a draft is
-    refused here, in one line, before it waits for a slot; when the cache does not answer, the
-    request is not refused for it (the session's open decides, and degrades to plain decoding)."""
+    """The draft pools and workers registered with the cache, as its Status last listed them (at
+    most ``max_age_s`` old; a name in neither is looked up again at once). A request that names a
+    draft is refused here, in one line, before it waits for a slot (card.common.drafts.route_draft);
+    when the cache does not answer, the request is not refused for it (the session's open decides,
+    and degrades to plain decoding)."""
 
     def __init__(self, stub: cache_pb2_grpc.CacheServiceStub, cache_addr: str, timeout_s: float = 1.0,
                  max_age_s: float = 5.0) -> None:
@@ -304,25 +307,30 @@ class DraftDirectory:
         self.timeout_s = timeout_s
         self.max_age_s = max_age_s
         self._lock = threading.Lock()
-        self._drafts: dict[str, tuple[str, str]] = {}
+        self._entries: list[DraftEntry] = []
+        self._pools: set[str] = set()  # every pool the cache lists (weighted ones too)
         self._at = -1e18
 
-    def _refresh(self) -> dict[str, tuple[str, str]] | None:
+    def _refresh(self) -> tuple[list[DraftEntry], set[str]] | None:
         try:
             status = self.stub.Status(cache_pb2.StatusRequest(), timeout=self.timeout_s)
         except grpc.RpcError as err:
             log.info("cannot list the cache's drafts: %s", error_from_rpc(err, self.cache_addr))
             return None
-        drafts = {d.name: (d.model, d.tokenizer_fingerprint) for d in status.drafts}
+        entries = [DraftEntry(d.name, d.model, d.tokenizer_fingerprint, d.pool) for d in status.drafts]
+        pools = {p.name for p in status.pools} | {e.pool for e in entries}
         with self._lock:
-            self._drafts, self._at = drafts, time.monotonic()
-        return drafts
+            self._entries, self._pools, self._at = entries, pools, time.monotonic()
+        return entries, pools
 
     def check(self, name: str, fingerprint: str, target_model: str) -> None:
         with self._lock:
-            drafts = self._drafts if time.monotonic() - self._at < self.max_age_s else None
-        if drafts is None or name not in drafts:
-            drafts = self._refresh()
-            if drafts is None:
+            fresh = time.monotonic() - self._at < self.max_age_s
+            entries, pools = self._entries, self._pools
+        if not fresh or (name not in pools and all(e.name != name for e in entries)):
+            listed = self._refresh()
+            if listed is None:
                 return
-        check_named_draft(name, drafts.get(name), drafts, fingerprint, target_model)
+            entries, pools = listed
+        # pools without a worker now (weighted, or measured) may be named and waited for
+        route_draft(name, entries, fingerprint, target_model, pools - {e.pool for e in entries})

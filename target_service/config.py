@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from card.common.drafts import POOL_NAME
 from card.common.tls import TlsConfig
 from card.engine.loading.models import ModelConfig
 from card.engine.shared.config import Verify, VerifyPolicy
@@ -23,6 +24,7 @@ class TargetConfig:
 
     model: ModelConfig
     cache_addr: str | None = None  # None: plain decoding only
+    default_pool: str = ""  # the draft pool an unnamed request prefers ("" = any)
     host: str = "127.0.0.1"
     port: int = 50051
     threads: int | None = None
@@ -55,6 +57,9 @@ class TargetConfig:
     json_logs: bool = False
 
     def __post_init__(self) -> None:
+        if self.default_pool and not POOL_NAME.fullmatch(self.default_pool):
+            raise InvalidArgument(f"--default-pool must be 1-128 characters of A-Z a-z 0-9 . _ -, got "
+                                  f"{self.default_pool[:40]!r}")
         if self.max_batch_size < 1:
             raise InvalidArgument(f"max-batch-size must be >= 1, got {self.max_batch_size}")
         check_sizing(self.kv_cache_gb, self.max_model_len)

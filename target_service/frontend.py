@@ -149,7 +149,8 @@ class Frontend:
         if self.cache is not None:
             self.link = CacheLink(self.cache, CacheTarget(
                 self.config.cache_addr or "", model.name, model.fingerprint, self.vocab_size,
-                self.context_window, step_timeout_s=self.config.step_timeout_ms / 1000.0))
+                self.context_window, step_timeout_s=self.config.step_timeout_ms / 1000.0,
+                default_pool=self.config.default_pool))
         self.loop = loop
         self._model = model
 

@@ -157,6 +157,9 @@ def serve(config: TargetConfig) -> None:
 @option("--model", default="default",
         help="Hugging Face id, local folder, .gguf file, or 'default' (embedded SmolLM2-135M).")
 @option("--cache", "cache_addr", default=None, help="Cache service HOST:PORT (unset: plain decoding only).")
+@option("--default-pool", default="",
+        help="The draft pool a request that names none prefers while the pool has a live worker (else "
+             "any pool whose tokenizer matches, split by the cache's --pool-weights).")
 @option("--dtype", default="auto", help="auto, float32, bfloat16, float16.")
 @option("--device", default="auto", help="auto (cuda if available), cpu, cuda, cuda:N.")
 @exact_option()

@@ -216,8 +216,9 @@ class _Batch:
                 pool.ready(s.slot, s.start + s.n, span(s.start + s.n - 1))
             self.row_plan = RowPlan(exact, dev)
 
-    def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int,
-               cache_kwargs: object = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, cache_kwargs: object = None,
+               **_: object) -> tuple[torch.Tensor, torch.Tensor]:
+        # transformers < 5.24 passes ``cache_kwargs``, later ones ``kwargs=``: neither is read
         # key, value: [1, kv_heads, T, head_dim] -> rows (slot_t, :, row_t)
         self.pool.keys[layer_idx][self.slot_index, :, self.rows] = key[0].transpose(0, 1)
         self.pool.values[layer_idx][self.slot_index, :, self.rows] = value[0].transpose(0, 1)

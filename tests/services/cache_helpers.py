@@ -20,6 +20,7 @@ from card.common.convert import (
     stats_to_msg,
     step_result_from_msg,
 )
+from card.common.drafts import WORKER_ID_METADATA
 from card.common.tensors import ids_to_msg
 from card.engine.shared.commands import DraftCommand
 from card.engine.shared.config import ChainPolicy
@@ -61,16 +62,18 @@ class HandDraft:
     service does, with ``command_from_msg``), publishes layers."""
 
     def __init__(self, addr: str, name: str, fingerprint: str = FP_A, model: str = "draft-model",
-                 capacity: int = 4, token: str | None = None) -> None:
+                 capacity: int = 4, token: str | None = None, pool: str = "") -> None:
         self.channel = channel(addr, token)
         self.stub = cache_pb2_grpc.CacheServiceStub(self.channel)
         self.name = name
         resp = self.stub.RegisterDraft(cache_pb2.RegisterDraftRequest(
-            name=name, model=model, tokenizer_fingerprint=fingerprint, capacity=capacity), timeout=TIMEOUT)
+            name=name, model=model, tokenizer_fingerprint=fingerprint, capacity=capacity, pool=pool),
+            timeout=TIMEOUT)
         self.worker_id = resp.worker_id
         self.heartbeat_interval_s = resp.heartbeat_interval_s
         self.commands: queue.Queue[DraftCommand | None] = queue.Queue()
         self.stream = self.stub.Commands(cache_pb2.CommandsRequest(worker_id=self.worker_id))
+        self.stream.initial_metadata()  # the cache has the stream open: it assigns sessions here now
         self.stream_error: grpc.RpcError | None = None
         self.stream_ended = threading.Event()
         self._reader = threading.Thread(target=self._read, daemon=True)
@@ -106,11 +109,12 @@ class HandDraft:
 
     def publish_msgs(self, msgs: Sequence[cache_pb2.LayerMessage]) -> int:
         """Publish raw layer messages on one client stream; returns the count the cache received."""
-        return self.stub.PublishLayers(iter(msgs), timeout=TIMEOUT).layers_received
+        return self.stub.PublishLayers(iter(msgs), timeout=TIMEOUT,
+                                       metadata=((WORKER_ID_METADATA, self.worker_id),)).layers_received
 
-    def heartbeat(self, active: int = 0) -> None:
-        self.stub.Heartbeat(cache_pb2.HeartbeatRequest(worker_id=self.worker_id, active_sessions=active),
-                            timeout=TIMEOUT)
+    def heartbeat(self, active: int = 0, draining: bool = False) -> None:
+        self.stub.Heartbeat(cache_pb2.HeartbeatRequest(worker_id=self.worker_id, active_sessions=active,
+                                                       draining=draining), timeout=TIMEOUT)
 
     def leave(self) -> None:
         """Close the command stream the way a stopped worker does."""
@@ -133,12 +137,13 @@ class HandTarget:
     def open(self, prompt: Sequence[int], fingerprint: str = FP_A, draft: str = "",
              target_model: str = "target-model", chain: ChainPolicy | None = None, vocab_size: int = 0,
              context_window: int = 0, idle_timeout_ms: int = 0,
-             draw: cache_pb2.ChainDraw | None = None) -> cache_pb2.OpenSessionResponse:
+             draw: cache_pb2.ChainDraw | None = None, default_pool: str = ""
+             ) -> cache_pb2.OpenSessionResponse:
         return self.stub.OpenSession(cache_pb2.OpenSessionRequest(
             prompt_ids=ids_to_msg(prompt), tokenizer_fingerprint=fingerprint, target_model=target_model,
             draft=draft, chain=chain_policy_to_msg(chain) if chain is not None else None,
             vocab_size=vocab_size, context_window=context_window, idle_timeout_ms=idle_timeout_ms,
-            draw=draw), timeout=TIMEOUT)
+            draw=draw, default_pool=default_pool), timeout=TIMEOUT)
 
     def keepalive(self, *session_ids: str) -> None:
         self.stub.StepBatch(cache_pb2.StepBatchRequest(keepalive_session_ids=session_ids), timeout=TIMEOUT)

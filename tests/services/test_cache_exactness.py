@@ -14,6 +14,7 @@ import torch
 
 from card.common.channels import channel
 from card.common.convert import command_from_msg, layer_to_msg
+from card.common.drafts import WORKER_ID_METADATA
 from card.engine.draft.worker import DraftWorker
 from card.engine.shared.commands import AdvanceDraft, StartDraft, StopDraft
 from card.engine.shared.config import GenerationRequest, SamplingParams, StopParams, TreeParams
@@ -41,8 +42,10 @@ class WorkerLink:
             name=name, model=name, tokenizer_fingerprint=FP_A, capacity=4), timeout=TIMEOUT).worker_id
         self.worker = DraftWorker(model, TREE, self._publish, slots=8, max_len=512, threads=1, name=name)
         self.layers: queue.Queue[cache_pb2.LayerMessage | None] = queue.Queue()
-        self.publish = stub.PublishLayers.future(iter(self.layers.get, None))
+        self.publish = stub.PublishLayers.future(iter(self.layers.get, None),
+                                                 metadata=((WORKER_ID_METADATA, self.worker_id),))
         self.commands = stub.Commands(cache_pb2.CommandsRequest(worker_id=self.worker_id))
+        self.commands.initial_metadata()  # open on the cache's side: sessions come here from now
         self.worker.start()
         self.reader = threading.Thread(target=self._read, daemon=True)
         self.reader.start()

@@ -23,6 +23,7 @@ from card.cache_service.config import CacheConfig
 from card.cache_service.server import SERVICE_NAME, CacheServer, create_server
 from card.common.channels import health_status, wait_serving
 from card.common.convert import layer_to_msg
+from card.common.drafts import WORKER_ID_METADATA
 from card.common.tensors import ids_to_msg
 from card.engine.shared.commands import AdvanceDraft, StartDraft, StopDraft
 from card.engine.shared.config import ChainPolicy
@@ -317,9 +318,11 @@ def test_worker_leaving_and_joining_mid_session(cache: Cache, redis_url: str) ->
     # the in-flight chain is still judged against the old tree; from then on chains are empty
     r = cache.target.step(sid, 4, 70, accepted=[61], accepted_ids=[6])
     assert r.outcome is Outcome.MISS and r.chain.tokens == ()
-    assert d1.publish(sid, layer([virtual_root_id(5)], [7], [80], [0.9]), worker_id=old_worker) == 1
+    # a departed worker's late layers are refused with their stream (it is no longer registered)
+    err = rpc_error(d1.publish, sid, layer([virtual_root_id(5)], [7], [80], [0.9]), worker_id=old_worker)
+    assert err.code() is grpc.StatusCode.NOT_FOUND
     r = cache.target.step(sid, 5, 71)
-    assert r.chain.tokens == ()  # the departed worker's late layer was dropped
+    assert r.chain.tokens == ()
     info = {s.session_id: s for s in cache.target.status().sessions}[sid]
     assert info.draft == "" and info.tree_nodes == 0
 
@@ -347,20 +350,120 @@ def test_worker_leaving_and_joining_mid_session(cache: Cache, redis_url: str) ->
 
 
 def test_named_draft_waits_for_its_worker_and_replacement(cache: Cache) -> None:
-    d1 = cache.draft("named")
+    d1 = cache.draft("named", pool="solo")
     sid = cache.target.open(PROMPT, draft="named").session_id
     d1.next_command()
-    other = cache.draft("other")  # same tokenizer, but the session asked for "named"
+    other = cache.draft("other", pool="elsewhere")  # same tokenizer, another pool
     # a second registration cannot take a live worker's name (no eviction, no name war)
     err = rpc_error(cache.draft, "named")
     assert err.code() is grpc.StatusCode.ALREADY_EXISTS and "held by a live worker" in err.details()
     assert not d1.stream_ended.is_set()
     d1.leave()  # the worker stops: its name is free for its successor
-    d2 = cache.draft("named")
+    d2 = cache.draft("named", pool="solo")
     assert expect_start(d2).session_id == sid
     assert other.no_command()
     names = sorted(d.name for d in cache.target.status().drafts)
     assert names == ["named", "other"]
+
+
+def test_a_session_fails_over_inside_its_pool(cache: Cache) -> None:
+    """A session that named a pool (or one worker of it) moves to a pool peer when its worker
+    goes; a worker of another pool never takes it."""
+    a = cache.draft("a", pool="p")
+    b = cache.draft("b", pool="p")
+    c = cache.draft("c", pool="q")
+    by_name = cache.target.open(PROMPT, draft="a")
+    by_pool = cache.target.open(PROMPT, draft="p")
+    assert (by_name.draft, by_pool.draft) == ("a", "b")  # b is the pool's least loaded now
+    assert expect_start(a).session_id == by_name.session_id
+    a.leave()
+    assert {expect_start(b).session_id for _ in range(2)} == {by_name.session_id, by_pool.session_id}
+    assert {s.session_id: s.draft for s in cache.target.status().sessions}[by_name.session_id] == "b"
+    assert c.no_command()  # another pool's worker never takes them
+
+
+def test_unknown_pool_is_refused_and_empty_pool_waits(cache: Cache) -> None:
+    cache.draft("a", pool="p")
+    err = rpc_error(cache.target.open, PROMPT, draft="nope")
+    assert err.code() is grpc.StatusCode.NOT_FOUND and "pools: p" in err.details()
+    err = rpc_error(cache.target.open, PROMPT, draft="p", fingerprint=FP_B)
+    assert err.code() is grpc.StatusCode.FAILED_PRECONDITION and "pool 'p'" in err.details()
+
+
+def test_drain_moves_sessions_and_resume_takes_them_again(cache: Cache) -> None:
+    a = cache.draft("a", pool="p")
+    sids = [cache.target.open(PROMPT).session_id for _ in range(2)]
+    assert {expect_start(a).session_id for _ in sids} == set(sids)
+    b = cache.draft("b", pool="p")
+    reply = cache.target.stub.Drain(cache_pb2.DrainRequest(name="a"), timeout=TIMEOUT)
+    assert list(reply.workers) == ["a"] and reply.sessions_moved == 2
+    assert {a.next_command().session_id for _ in sids} == set(sids)  # StopDraft, each
+    assert {expect_start(b).session_id for _ in sids} == set(sids)
+    status = {d.name: d for d in cache.target.status().drafts}
+    assert status["a"].draining and not status["b"].draining
+    # a drained worker takes nothing new, until resumed
+    new = cache.target.open(PROMPT)
+    assert new.draft == "b"
+    cache.target.stub.Drain(cache_pb2.DrainRequest(pool="p"), timeout=TIMEOUT)
+    assert cache.target.open(PROMPT).draft == ""
+    resumed = cache.target.stub.Drain(cache_pb2.DrainRequest(pool="p", resume=True), timeout=TIMEOUT)
+    assert list(resumed.workers) == ["a", "b"]
+    assert cache.target.open(PROMPT).draft in ("a", "b")
+    err = rpc_error(cache.target.stub.Drain, cache_pb2.DrainRequest(pool="nope"), timeout=TIMEOUT)
+    assert err.code() is grpc.StatusCode.NOT_FOUND
+
+
+def test_a_draining_heartbeat_hands_sessions_over(cache: Cache) -> None:
+    """What a draft's SIGTERM sends: its sessions move, and it is told to stop each."""
+    a = cache.draft("a", pool="p")
+    sid = cache.target.open(PROMPT).session_id
+    expect_start(a)
+    b = cache.draft("b", pool="p")
+    a.heartbeat(draining=True)
+    assert isinstance(a.next_command(), StopDraft)
+    assert expect_start(b).session_id == sid
+    assert cache.target.open(PROMPT).draft == "b"
+
+
+def test_default_pool_and_weights(redis_url: str) -> None:
+    weights = (("stable", 3.0), ("canary", 1.0))
+    cache = start_cache(make_config(redis_url, "card-weights:", pool_weights=weights))
+    try:
+        for name, pool in (("s", "stable"), ("c", "canary"), ("o", "other")):
+            cache.draft(name, pool=pool, capacity=64)
+        drafts = [cache.target.open(PROMPT).draft for _ in range(8)]
+        assert drafts.count("s") == 6 and drafts.count("c") == 2  # 3:1, round robin, no drift
+        assert cache.target.open(PROMPT, default_pool="other").draft == "o"
+        pools = {p.name: p for p in cache.target.status().pools}
+        assert pools["stable"].weight == 3.0 and pools["other"].weight == 0.0
+        assert pools["stable"].active_sessions == 6 and pools["canary"].workers == 1
+    finally:
+        cache.close()
+
+
+def test_pool_acceptance_is_counted(cache: Cache) -> None:
+    d = cache.draft("d", pool="p")
+    sid = cache.target.open(PROMPT).session_id
+    expect_start(d)
+    root = virtual_root_id(0)
+    d.publish(sid, layer([root], [0], [10], [0.9]))
+    d.publish(sid, layer([0], [1], [20], [0.9]))
+    r = cache.target.step(sid, 0, 10)  # no chain verified yet: the target's token was in the tree
+    assert r.chain.tokens == (20,)
+    cache.target.step(sid, 1, 30, accepted=[20], accepted_ids=[1])
+    pool = {p.name: p for p in cache.target.status().pools}["p"]
+    assert pool.steps == 1 and pool.chains == 1 and pool.chain_tokens == 1
+    assert pool.accepted_tokens == 1 and pool.committed_tokens == 2
+
+
+def test_layer_streams_only_from_registered_workers(cache: Cache) -> None:
+    d = cache.draft("d")
+    stub = d.stub
+    err = rpc_error(lambda: stub.PublishLayers(iter([]), timeout=TIMEOUT))
+    assert err.code() is grpc.StatusCode.INVALID_ARGUMENT and "card-worker-id" in err.details()
+    err = rpc_error(lambda: stub.PublishLayers(iter([]), timeout=TIMEOUT,
+                                               metadata=((WORKER_ID_METADATA, "not-a-worker"),)))
+    assert err.code() is grpc.StatusCode.NOT_FOUND
 
 
 def test_least_loaded_worker_and_capacity(cache: Cache) -> None:

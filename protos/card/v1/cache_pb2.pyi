@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class OpenSessionRequest(_message.Message):
-    __slots__ = ("prompt_ids", "tokenizer_fingerprint", "target_model", "draft", "chain", "vocab_size", "context_window", "idle_timeout_ms", "draw")
+    __slots__ = ("prompt_ids", "tokenizer_fingerprint", "target_model", "draft", "chain", "vocab_size", "context_window", "idle_timeout_ms", "draw", "default_pool")
     PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     TARGET_MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -18,6 +18,7 @@ class OpenSessionRequest(_message.Message):
     CONTEXT_WINDOW_FIELD_NUMBER: _ClassVar[int]
     IDLE_TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
     DRAW_FIELD_NUMBER: _ClassVar[int]
+    DEFAULT_POOL_FIELD_NUMBER: _ClassVar[int]
     prompt_ids: _common_pb2.Tensor
     tokenizer_fingerprint: str
     target_model: str
@@ -27,7 +28,8 @@ class OpenSessionRequest(_message.Message):
     context_window: int
     idle_timeout_ms: int
     draw: ChainDraw
-    def __init__(self, prompt_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., tokenizer_fingerprint: _Optional[str] = ..., target_model: _Optional[str] = ..., draft: _Optional[str] = ..., chain: _Optional[_Union[_common_pb2.ChainPolicy, _Mapping]] = ..., vocab_size: _Optional[int] = ..., context_window: _Optional[int] = ..., idle_timeout_ms: _Optional[int] = ..., draw: _Optional[_Union[ChainDraw, _Mapping]] = ...) -> None: ...
+    default_pool: str
+    def __init__(self, prompt_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., tokenizer_fingerprint: _Optional[str] = ..., target_model: _Optional[str] = ..., draft: _Optional[str] = ..., chain: _Optional[_Union[_common_pb2.ChainPolicy, _Mapping]] = ..., vocab_size: _Optional[int] = ..., context_window: _Optional[int] = ..., idle_timeout_ms: _Optional[int] = ..., draw: _Optional[_Union[ChainDraw, _Mapping]] = ..., default_pool: _Optional[str] = ...) -> None: ...
 
 class ChainDraw(_message.Message):
     __slots__ = ("temperature", "seed")
@@ -126,16 +128,18 @@ class CloseSessionResponse(_message.Message):
     def __init__(self, draft_forwards: _Optional[int] = ..., draft_idle_s: _Optional[float] = ...) -> None: ...
 
 class RegisterDraftRequest(_message.Message):
-    __slots__ = ("name", "model", "tokenizer_fingerprint", "capacity")
+    __slots__ = ("name", "model", "tokenizer_fingerprint", "capacity", "pool")
     NAME_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_FIELD_NUMBER: _ClassVar[int]
+    POOL_FIELD_NUMBER: _ClassVar[int]
     name: str
     model: str
     tokenizer_fingerprint: str
     capacity: int
-    def __init__(self, name: _Optional[str] = ..., model: _Optional[str] = ..., tokenizer_fingerprint: _Optional[str] = ..., capacity: _Optional[int] = ...) -> None: ...
+    pool: str
+    def __init__(self, name: _Optional[str] = ..., model: _Optional[str] = ..., tokenizer_fingerprint: _Optional[str] = ..., capacity: _Optional[int] = ..., pool: _Optional[str] = ...) -> None: ...
 
 class RegisterDraftResponse(_message.Message):
     __slots__ = ("worker_id", "heartbeat_interval_s")
@@ -236,12 +240,14 @@ class PublishLayersResponse(_message.Message):
     def __init__(self, layers_received: _Optional[int] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("worker_id", "active_sessions")
+    __slots__ = ("worker_id", "active_sessions", "draining")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ACTIVE_SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     active_sessions: int
-    def __init__(self, worker_id: _Optional[str] = ..., active_sessions: _Optional[int] = ...) -> None: ...
+    draining: bool
+    def __init__(self, worker_id: _Optional[str] = ..., active_sessions: _Optional[int] = ..., draining: _Optional[bool] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
     __slots__ = ()
@@ -252,20 +258,74 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class DraftInfo(_message.Message):
-    __slots__ = ("name", "model", "tokenizer_fingerprint", "capacity", "active_sessions", "last_heartbeat_unix")
+    __slots__ = ("name", "model", "tokenizer_fingerprint", "capacity", "active_sessions", "last_heartbeat_unix", "pool", "draining", "live")
     NAME_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_FIELD_NUMBER: _ClassVar[int]
     ACTIVE_SESSIONS_FIELD_NUMBER: _ClassVar[int]
     LAST_HEARTBEAT_UNIX_FIELD_NUMBER: _ClassVar[int]
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
+    LIVE_FIELD_NUMBER: _ClassVar[int]
     name: str
     model: str
     tokenizer_fingerprint: str
     capacity: int
     active_sessions: int
     last_heartbeat_unix: float
-    def __init__(self, name: _Optional[str] = ..., model: _Optional[str] = ..., tokenizer_fingerprint: _Optional[str] = ..., capacity: _Optional[int] = ..., active_sessions: _Optional[int] = ..., last_heartbeat_unix: _Optional[float] = ...) -> None: ...
+    pool: str
+    draining: bool
+    live: bool
+    def __init__(self, name: _Optional[str] = ..., model: _Optional[str] = ..., tokenizer_fingerprint: _Optional[str] = ..., capacity: _Optional[int] = ..., active_sessions: _Optional[int] = ..., last_heartbeat_unix: _Optional[float] = ..., pool: _Optional[str] = ..., draining: _Optional[bool] = ..., live: _Optional[bool] = ...) -> None: ...
+
+class PoolInfo(_message.Message):
+    __slots__ = ("name", "weight", "workers", "live_workers", "capacity", "active_sessions", "steps", "chains", "chain_tokens", "accepted_tokens", "committed_tokens", "hits", "busy_s")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
+    LIVE_WORKERS_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_FIELD_NUMBER: _ClassVar[int]
+    ACTIVE_SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    CHAINS_FIELD_NUMBER: _ClassVar[int]
+    CHAIN_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    COMMITTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    HITS_FIELD_NUMBER: _ClassVar[int]
+    BUSY_S_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    weight: float
+    workers: int
+    live_workers: int
+    capacity: int
+    active_sessions: int
+    steps: int
+    chains: int
+    chain_tokens: int
+    accepted_tokens: int
+    committed_tokens: int
+    hits: int
+    busy_s: float
+    def __init__(self, name: _Optional[str] = ..., weight: _Optional[float] = ..., workers: _Optional[int] = ..., live_workers: _Optional[int] = ..., capacity: _Optional[int] = ..., active_sessions: _Optional[int] = ..., steps: _Optional[int] = ..., chains: _Optional[int] = ..., chain_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., committed_tokens: _Optional[int] = ..., hits: _Optional[int] = ..., busy_s: _Optional[float] = ...) -> None: ...
+
+class DrainRequest(_message.Message):
+    __slots__ = ("name", "pool", "resume")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    RESUME_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    pool: str
+    resume: bool
+    def __init__(self, name: _Optional[str] = ..., pool: _Optional[str] = ..., resume: _Optional[bool] = ...) -> None: ...
+
+class DrainResponse(_message.Message):
+    __slots__ = ("workers", "sessions_moved")
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
+    SESSIONS_MOVED_FIELD_NUMBER: _ClassVar[int]
+    workers: _containers.RepeatedScalarFieldContainer[str]
+    sessions_moved: int
+    def __init__(self, workers: _Optional[_Iterable[str]] = ..., sessions_moved: _Optional[int] = ...) -> None: ...
 
 class SessionInfo(_message.Message):
     __slots__ = ("session_id", "target_model", "draft", "epoch", "committed_tokens", "tree_nodes")
@@ -284,7 +344,7 @@ class SessionInfo(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., target_model: _Optional[str] = ..., draft: _Optional[str] = ..., epoch: _Optional[int] = ..., committed_tokens: _Optional[int] = ..., tree_nodes: _Optional[int] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("drafts", "sessions", "totals", "cache_device", "redis_connected")
+    __slots__ = ("drafts", "sessions", "totals", "cache_device", "redis_connected", "pools")
     class TotalsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -297,9 +357,11 @@ class StatusResponse(_message.Message):
     TOTALS_FIELD_NUMBER: _ClassVar[int]
     CACHE_DEVICE_FIELD_NUMBER: _ClassVar[int]
     REDIS_CONNECTED_FIELD_NUMBER: _ClassVar[int]
+    POOLS_FIELD_NUMBER: _ClassVar[int]
     drafts: _containers.RepeatedCompositeFieldContainer[DraftInfo]
     sessions: _containers.RepeatedCompositeFieldContainer[SessionInfo]
     totals: _containers.ScalarMap[str, float]
     cache_device: str
     redis_connected: bool
-    def __init__(self, drafts: _Optional[_Iterable[_Union[DraftInfo, _Mapping]]] = ..., sessions: _Optional[_Iterable[_Union[SessionInfo, _Mapping]]] = ..., totals: _Optional[_Mapping[str, float]] = ..., cache_device: _Optional[str] = ..., redis_connected: _Optional[bool] = ...) -> None: ...
+    pools: _containers.RepeatedCompositeFieldContainer[PoolInfo]
+    def __init__(self, drafts: _Optional[_Iterable[_Union[DraftInfo, _Mapping]]] = ..., sessions: _Optional[_Iterable[_Union[SessionInfo, _Mapping]]] = ..., totals: _Optional[_Mapping[str, float]] = ..., cache_device: _Optional[str] = ..., redis_connected: _Optional[bool] = ..., pools: _Optional[_Iterable[_Union[PoolInfo, _Mapping]]] = ...) -> None: ...

@@ -81,6 +81,11 @@ class CacheServiceStub:
                 request_serializer=card_dot_v1_dot_cache__pb2.StatusRequest.SerializeToString,
                 response_deserializer=card_dot_v1_dot_cache__pb2.StatusResponse.FromString,
                 _registered_method=True)
+        self.Drain = channel.unary_unary(
+                '/card.v1.CacheService/Drain',
+                request_serializer=card_dot_v1_dot_cache__pb2.DrainRequest.SerializeToString,
+                response_deserializer=card_dot_v1_dot_cache__pb2.DrainResponse.FromString,
+                _registered_method=True)
 
 
 class CacheServiceServicer:
@@ -160,6 +165,15 @@ class CacheServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Drain(self, request, context):
+        """Operators: drain draft workers (by name or pool): no new session goes to them and their live
+        sessions move to other workers (their pool's first); `resume` undoes it. The workers stay
+        registered. NOT_FOUND when nothing matches.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CacheServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -207,6 +221,11 @@ def add_CacheServiceServicer_to_server(servicer, server):
                     servicer.Status,
                     request_deserializer=card_dot_v1_dot_cache__pb2.StatusRequest.FromString,
                     response_serializer=card_dot_v1_dot_cache__pb2.StatusResponse.SerializeToString,
+            ),
+            'Drain': grpc.unary_unary_rpc_method_handler(
+                    servicer.Drain,
+                    request_deserializer=card_dot_v1_dot_cache__pb2.DrainRequest.FromString,
+                    response_serializer=card_dot_v1_dot_cache__pb2.DrainResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -454,6 +473,33 @@ class CacheService:
             '/card.v1.CacheService/Status',
             card_dot_v1_dot_cache__pb2.StatusRequest.SerializeToString,
             card_dot_v1_dot_cache__pb2.StatusResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Drain(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/card.v1.CacheService/Drain',
+            card_dot_v1_dot_cache__pb2.DrainRequest.SerializeToString,
+            card_dot_v1_dot_cache__pb2.DrainResponse.FromString,
             options,
             channel_credentials,
             insecure,
