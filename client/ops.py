@@ -12,7 +12,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import click
@@ -195,6 +195,8 @@ def status(target_addr: str, cache_addr: str, draft_addr: str, target_token: str
     click.echo(_table(rows, ("service", "address", "health", "detail")))
     if reply is not None:
         click.echo("")
+        click.echo(_pools_table(reply))
+        click.echo("")
         click.echo(_drafts_table(reply))
         click.echo("")
         click.echo(f"totals: {_totals_line(dict(reply.totals))}")
@@ -203,23 +205,94 @@ def status(target_addr: str, cache_addr: str, draft_addr: str, target_token: str
 
 
 # ---- drafts -----------------------------------------------------------------------------------
+def _ratio(num: float, den: float, fmt: str) -> str:
+    return format(num / den, fmt) if den else "-"
+
+
+def _pools_table(reply: cache_pb2.StatusResponse) -> str:
+    """One row per pool: its workers now and what the target made of its chains (this cache
+    replica's sessions): hit rate, accepted length (tokens per verified chain), tokens per
+    target step, and the pace those steps kept (tok/s)."""
+    if not reply.pools:
+        return "no draft pools"
+    rows = [(p.name, f"{p.weight:g}", f"{p.live_workers}/{p.workers}", f"{p.active_sessions}/{p.capacity}",
+             str(p.steps), _ratio(p.hits, p.steps, ".0%"),
+             _ratio(p.accepted_tokens + p.chains, p.chains, ".2f"),
+             _ratio(p.committed_tokens, p.steps, ".2f"), _ratio(p.committed_tokens, p.busy_s, ".1f"))
+            for p in reply.pools]
+    return _table(rows, ("pool", "weight", "live/workers", "sessions", "steps", "hit rate", "accepted length",
+                         "tokens/step", "tok/s"))
+
+
 def _drafts_table(reply: cache_pb2.StatusResponse) -> str:
     if not reply.drafts:
         return "no draft workers registered"
     now = time.time()
-    rows = [(d.name, d.model, d.tokenizer_fingerprint, f"{d.active_sessions}/{d.capacity}",
+    rows = [(d.name, d.pool, "draining" if d.draining else "serving" if d.live else "connecting", d.model,
+             d.tokenizer_fingerprint, f"{d.active_sessions}/{d.capacity}",
              f"{max(0.0, now - d.last_heartbeat_unix):.1f}s ago" if d.last_heartbeat_unix else "-")
             for d in reply.drafts]
-    return _table(rows, ("draft", "model", "tokenizer", "sessions", "heartbeat"))
+    return _table(rows, ("draft", "pool", "state", "model", "tokenizer", "sessions", "heartbeat"))
 
 
-@click.command()
-@option("--cache", "cache_addr", envvar="CARD_CLIENT_CACHE_ADDR", default=DEFAULT_CACHE_ADDR,
-        show_default=True)
-@option("--target-token", envvar="CARD_CLIENT_TARGET_TOKEN", default=None,
-        help="The cache's target token, where card-cache requires one (--target-token).")
-@tls_options("card-client", serves=False, envvar_prefix="CARD_CLIENT")
+def _cache_options(fn: Callable[..., None]) -> Callable[..., None]:
+    fn = tls_options("card-client", serves=False, envvar_prefix="CARD_CLIENT")(fn)
+    fn = option("--target-token", envvar="CARD_CLIENT_TARGET_TOKEN", default=None,
+                help="The cache's target token, where card-cache requires one (--target-token).")(fn)
+    return option("--cache", "cache_addr", envvar="CARD_CLIENT_CACHE_ADDR", default=DEFAULT_CACHE_ADDR,
+                  show_default=True)(fn)
+
+
+@click.group(invoke_without_command=True)
+@_cache_options
+@click.pass_context
 @exit_on_error("card-client")
-def drafts(cache_addr: str, target_token: str | None, tls: TlsConfig) -> None:
-    """Draft workers registered with the cache service."""
-    click.echo(_drafts_table(cache_status(cache_addr, target_token, tls)))
+def drafts(ctx: click.Context, cache_addr: str, target_token: str | None, tls: TlsConfig) -> None:
+    """Draft pools and workers registered with the cache service: each pool's workers, capacity,
+    live sessions and acceptance (to compare two draft models serving the same target), then
+    each worker. ``drain`` / ``resume`` take workers out of (and back into) service."""
+    if ctx.invoked_subcommand is None:
+        reply = cache_status(cache_addr, target_token, tls)
+        click.echo(_pools_table(reply))
+        click.echo("")
+        click.echo(_drafts_table(reply))
+
+
+def _drain(cache_addr: str, target_token: str | None, tls: TlsConfig, name: str | None, pool: str | None,
+           resume: bool) -> None:
+    if bool(name) == bool(pool):
+        raise click.UsageError("give one worker NAME or --pool POOL")
+    try:
+        with channel(cache_addr, target_token, tls) as ch:
+            reply = cache_pb2_grpc.CacheServiceStub(ch).Drain(
+                cache_pb2.DrainRequest(name=name or "", pool=pool or "", resume=resume),
+                timeout=RPC_TIMEOUT_S)
+    except grpc.RpcError as err:
+        raise error_from_rpc(err, cache_addr) from None
+    verb = "resumed" if resume else "drained"
+    moved = "" if resume else f"; {reply.sessions_moved} live session(s) moved to other workers"
+    click.echo(f"{verb} {', '.join(reply.workers)}{moved}")
+
+
+@drafts.command("drain")
+@click.argument("name", required=False)
+@option("--pool", default=None, help="Drain every worker of this pool.")
+@_cache_options
+@exit_on_error("card-client")
+def drain(name: str | None, pool: str | None, cache_addr: str, target_token: str | None,
+          tls: TlsConfig) -> None:
+    """Stop giving sessions to worker NAME (or every worker of --pool) and move its live sessions
+    to other workers, its pool's first; the process keeps running (before a rollout, or to compare
+    pools). Output never changes: the target verifies every token."""
+    _drain(cache_addr, target_token, tls, name, pool, resume=False)
+
+
+@drafts.command("resume")
+@click.argument("name", required=False)
+@option("--pool", default=None, help="Resume every worker of this pool.")
+@_cache_options
+@exit_on_error("card-client")
+def resume(name: str | None, pool: str | None, cache_addr: str, target_token: str | None,
+           tls: TlsConfig) -> None:
+    """Undo a drain: worker NAME (or every worker of --pool) takes sessions again."""
+    _drain(cache_addr, target_token, tls, name, pool, resume=True)
