@@ -8,6 +8,11 @@ breaks this test), the ports the service will listen on (environment or click de
 ports that probes, Services and scrape annotations point at, and every probe is a native gRPC
 health probe on the gRPC port. Where kubectl is installed, the Python rendering is compared with
 `kubectl kustomize` so the renderer itself cannot drift.
+
+Draft pools: one Deployment per pool (base/draft.yaml is `default`, components/draft-pool-* add
+more), each naming its pool in its own env and label, with selectors that keep pools apart and a
+grace period that outlasts the worker's drain. The overlays docs/deploy.md shows (blocks opening
+with ``# my-overlay/kustomization.yaml``) are rendered and checked like the shipped ones.
 """
 
 from __future__ import annotations
@@ -39,6 +44,9 @@ BASE = K8S / "base"
 OVERLAYS = {"cpu": K8S / "overlays" / "cpu", "gpu": K8S / "overlays" / "gpu"}
 CACHE_GPU = K8S / "components" / "cache-gpu"
 TLS = K8S / "components" / "tls"
+POOL_COMPONENT = K8S / "components" / "draft-pool-qwen-05b-int8"
+POOL_LABEL = "card.ai/pool"
+DOCS = ROOT / "docs" / "deploy.md"
 IMAGE = "card-serving"
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
 SCRIPTS: dict[str, str] = PYPROJECT["project"]["scripts"]
@@ -108,8 +116,6 @@ def _literals(gen: dict) -> dict[str, str]:
 
 def render(directory: Path, components: tuple[Path, ...] = ()) -> Rendered:
     kust = yaml.safe_load((directory / "kustomization.yaml").read_text())
-    unknown = set(kust) - KUSTOMIZATION_KEYS
-    assert not unknown, f"{directory}: fields this test cannot render: {sorted(unknown)}"
     out = Rendered(objects=[])
     for ref in kust.get("resources", []):
         path = (directory / ref).resolve()
@@ -126,6 +132,12 @@ def render(directory: Path, components: tuple[Path, ...] = ()) -> Rendered:
 
 
 def _transform(out: Rendered, directory: Path, kust: dict) -> None:
+    unknown = set(kust) - KUSTOMIZATION_KEYS
+    assert not unknown, f"{directory}: fields this test cannot render: {sorted(unknown)}"
+    if kust.get("kind") == "Component":  # a component's resources join where it is applied
+        for ref in kust.get("resources", []):
+            assert (directory / ref).is_file(), f"{directory}: component resource {ref} is not a file"
+            out.objects += load_yaml(directory / ref)
     for gen in kust.get("configMapGenerator", []):
         behavior = gen.get("behavior", "create")
         name, data = gen["name"], _literals(gen)
@@ -137,10 +149,18 @@ def _transform(out: Rendered, directory: Path, kust: dict) -> None:
             assert name in out.generated, f"{directory}: {behavior} of unknown ConfigMap {name}"
             out.generated[name] = {**out.generated[name], **data} if behavior == "merge" else data
     for patch in kust.get("patches", []):
-        assert set(patch) == {"path"}, f"{directory}: only file patches are rendered here: {patch}"
-        for doc in load_yaml(directory / patch["path"]):
-            target = out.get(doc["kind"], doc["metadata"]["name"])
-            out.objects[out.objects.index(target)] = strategic_merge(target, doc)
+        assert set(patch) <= {"path", "patch", "target"} and len({"path", "patch"} & set(patch)) == 1, (
+            f"{directory}: a patch is a file or inline text, with an optional target: {patch}")
+        docs = (load_yaml(directory / patch["path"]) if "path" in patch
+                else [d for d in yaml.safe_load_all(patch["patch"]) if d is not None])
+        for doc in docs:
+            for target in _patch_targets(out, doc, patch.get("target")):
+                if doc.get("$patch") == "delete":
+                    out.objects.remove(target)
+                    continue
+                # with a target, the patch's own name is ignored (it applies to each selected object)
+                doc = {**doc, "metadata": {**doc["metadata"], "name": target["metadata"]["name"]}}
+                out.objects[out.objects.index(target)] = strategic_merge(target, doc)
     for image in kust.get("images", []):
         for container in _all_containers(out.objects):
             if container["image"].split(":")[0] == image["name"]:
@@ -153,24 +173,92 @@ def _transform(out: Rendered, directory: Path, kust: dict) -> None:
     ]
 
 
+def _patch_targets(out: Rendered, doc: dict, target: dict | None) -> list[dict]:
+    """The objects a strategic-merge patch applies to: the one its kind and name say, or every
+    object its ``target`` selects (kind, name, labelSelector of ``key=value`` terms)."""
+    if target is None:
+        return [out.get(doc["kind"], doc["metadata"]["name"])]
+    assert set(target) <= {"kind", "name", "labelSelector"}, f"target fields not rendered here: {target}"
+    terms = [t.partition("=") for t in target.get("labelSelector", "").split(",") if t]
+    assert all(sep == "=" and "!" not in k for k, sep, _ in terms), f"equality terms only: {target}"
+    return [o for o in out.objects if not o.get("_generated")
+            and o["kind"] == target.get("kind", o["kind"])
+            and o["metadata"]["name"] == target.get("name", o["metadata"]["name"])
+            and all(o["metadata"].get("labels", {}).get(k) == v for k, _, v in terms)]
+
+
 def _all_containers(objects: list[dict]) -> Iterator[dict]:
     for obj in objects:
         if obj["kind"] == "Deployment":
             yield from obj["spec"]["template"]["spec"]["containers"]
 
 
-VARIANTS = {
-    "base": lambda: render(BASE),
-    "cpu": lambda: render(OVERLAYS["cpu"]),
-    "gpu": lambda: render(OVERLAYS["gpu"]),
-    "gpu+cache-gpu": lambda: render(OVERLAYS["gpu"], components=(CACHE_GPU,)),
-    "cpu+tls": lambda: render(OVERLAYS["cpu"], components=(TLS,)),
+@dataclass(frozen=True)
+class Variant:
+    """An overlay as an operator writes one: resources, then components in order, then fields of
+    its own (a ConfigMap merge, patches)."""
+
+    resources: tuple[Path, ...]
+    components: tuple[Path, ...] = ()
+    extra: dict = field(default_factory=dict)
+
+    def write(self, at: Path) -> Path:
+        """This overlay's kustomization.yaml in ``at`` (paths relative: kustomize refuses absolute
+        ones)."""
+        at.mkdir(parents=True, exist_ok=True)
+        rel = lambda p: os.path.relpath(p, at)  # noqa: E731
+        kust = {"resources": [rel(p) for p in self.resources],
+                "components": [rel(p) for p in self.components], **self.extra}
+        (at / "kustomization.yaml").write_text(yaml.safe_dump(kust, sort_keys=False))
+        return at
+
+
+DOCS_OVERLAY = "# my-overlay/kustomization.yaml"
+DOCS_K8S = "../../deploy/k8s/"  # the docs' overlays sit two folders below a checkout's parent
+
+
+def docs_overlays() -> dict[str, Variant]:
+    """The overlays docs/deploy.md shows in full (a block opening with DOCS_OVERLAY), in order; a
+    block whose first line adds "(added)" sets its fields over those of the overlay before it."""
+    found: dict[str, Variant] = {}
+    previous: dict | None = None
+    blocks = re.findall(r"^```yaml\n(" + re.escape(DOCS_OVERLAY) + r".*?)^```", DOCS.read_text(), re.M | re.S)
+    for n, block in enumerate(blocks, 1):
+        kust = yaml.safe_load(block)
+        if "(added)" in block.splitlines()[0]:
+            assert previous is not None, "an (added) block follows a whole overlay"
+            kust = {**previous, **kust}
+        previous = kust
+        refs = {k: kust.get(k, []) for k in ("resources", "components")}
+        assert all(r.startswith(DOCS_K8S) for r in [*refs["resources"], *refs["components"]]), (
+            f"docs overlay #{n}: paths start {DOCS_K8S}")
+        paths = {k: tuple(K8S / r.removeprefix(DOCS_K8S) for r in v) for k, v in refs.items()}
+        extra = {k: v for k, v in kust.items() if k not in refs}
+        found[f"docs#{n}"] = Variant(paths["resources"], paths["components"], extra)
+    return found
+
+
+VARIANTS: dict[str, Variant] = {
+    "base": Variant((BASE,)),
+    "cpu": Variant((OVERLAYS["cpu"],)),
+    "gpu": Variant((OVERLAYS["gpu"],)),
+    "gpu+cache-gpu": Variant((OVERLAYS["gpu"],), (CACHE_GPU,)),
+    "cpu+tls": Variant((OVERLAYS["cpu"],), (TLS,)),
+    "cpu+pool": Variant((OVERLAYS["cpu"],), (POOL_COMPONENT,)),
+    "gpu+pool": Variant((OVERLAYS["gpu"],), (POOL_COMPONENT,)),
+    "gpu+pool+tls": Variant((OVERLAYS["gpu"],), (POOL_COMPONENT, TLS)),
+    **docs_overlays(),
 }
 
 
+def render_variant(name: str, at: Path) -> Rendered:
+    return render(VARIANTS[name].write(at))
+
+
 @pytest.fixture(params=list(VARIANTS), scope="module")
-def variant(request: pytest.FixtureRequest) -> tuple[str, Rendered]:
-    return request.param, VARIANTS[request.param]()
+def variant(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Rendered]:
+    at = tmp_path_factory.mktemp(re.sub(r"\W+", "-", request.param))
+    return request.param, render_variant(request.param, at)
 
 
 # ---- the services' real command-line interfaces ---------------------------------------------
@@ -259,7 +347,7 @@ def test_every_yaml_file_parses_into_kubernetes_objects(path: Path) -> None:
 
 def test_kustomizations_reference_existing_files_and_nothing_is_orphaned() -> None:
     kustomizations = sorted(K8S.rglob("kustomization.yaml"))
-    assert {p.parent for p in kustomizations} >= {BASE, CACHE_GPU, TLS, *OVERLAYS.values()}
+    assert {p.parent for p in kustomizations} >= {BASE, CACHE_GPU, TLS, POOL_COMPONENT, *OVERLAYS.values()}
     referenced: set[Path] = set()
     for kfile in kustomizations:
         kust = yaml.safe_load(kfile.read_text())
@@ -278,9 +366,12 @@ def test_kustomizations_reference_existing_files_and_nothing_is_orphaned() -> No
 
 # ---- rendered manifests ---------------------------------------------------------------------
 def test_every_service_runs_once_and_each_command_is_an_entry_point(variant: tuple[str, Rendered]) -> None:
+    """One cache, one target; drafts once per pool (one Deployment each)."""
     _, rendered = variant
     containers = card_containers(rendered)
-    assert sorted(c.script for c in containers) == sorted(SERVICE_SCRIPTS)
+    scripts = [c.script for c in containers]
+    assert sorted(set(scripts)) == sorted(SERVICE_SCRIPTS)
+    assert scripts.count("card-cache") == scripts.count("card-target") == 1
     for c in containers:
         assert c.script in SCRIPTS, f"{c.script} is not a [project.scripts] entry point"
         assert len(c.container["command"]) == 1, "flags go in args (or, preferably, the ConfigMap)"
@@ -316,6 +407,11 @@ def test_every_option_reads_card_service_option(script: str) -> None:
 def test_every_card_variable_is_read_by_its_service(variant: tuple[str, Rendered]) -> None:
     _, rendered = variant
     for c in card_containers(rendered):
+        for source in c.container.get("envFrom", []):
+            keys = rendered.get("ConfigMap", source["configMapRef"]["name"])["data"]
+            # e.g. a literal split by a YAML flow sequence's comma: `[A=x=1,y=2]` is two literals
+            stray = sorted(k for k in keys if not re.fullmatch(r"CARD_[A-Z0-9_]+", k))
+            assert not stray, f"{c.script}: {source['configMapRef']['name']} has keys {stray}"
         accepted = accepted_envvars(command_for(c.script)) | ENGINE_ENVVARS
         unknown = sorted(k for k in c.env if k.startswith("CARD_") and k not in accepted)
         assert not unknown, f"{c.script} does not read {unknown}; it reads {sorted(accepted)}"
@@ -346,11 +442,16 @@ def test_probes_are_grpc_health_checks_on_the_plaintext_health_port(variant: tup
             assert probe["grpc"] == {"port": health_port, "service": ""}, f"{c.script} {kind}"
 
 
-def test_tls_component_gives_every_service_its_certificate_and_the_cache_mutual_tls() -> None:
+@pytest.mark.parametrize("components", [(TLS,), (POOL_COMPONENT, TLS)], ids=["tls", "pool+tls"])
+def test_tls_component_gives_every_service_its_certificate_and_the_cache_mutual_tls(
+        components: tuple[Path, ...]) -> None:
+    """Every draft pool's pods too: the drafts' mounts are patched by label, not by name."""
     plain = {c.script: c for c in card_containers(render(OVERLAYS["cpu"]))}
     assert not any(k.startswith(f"CARD_{s}_TLS") for c in plain.values() for k in c.env
                    for s in ("CACHE", "TARGET", "DRAFT"))
-    rendered = render(OVERLAYS["cpu"], components=(TLS,))
+    rendered = render(OVERLAYS["cpu"], components=components)
+    drafts = [c for c in card_containers(rendered) if c.script == "card-draft"]
+    assert len(drafts) == len(components)
     for c in card_containers(rendered):
         command = command_for(c.script)
         files = {flag: effective(command, c.env, flag) for flag in ("--tls-cert", "--tls-key", "--tls-ca")}
@@ -408,18 +509,22 @@ def test_network_policies_let_only_targets_and_drafts_reach_the_cache(variant: t
         want = selector["matchLabels"].items()
         return {n for n, t in pods.items() if want <= t["metadata"]["labels"].items()}
 
+    drafts = {c.deployment["metadata"]["name"] for c in card_containers(rendered) if c.script == "card-draft"}
     for name, policy in policies.items():
-        (pod,) = selected(policy["spec"]["podSelector"])
-        assert pod == name and policy["spec"]["policyTypes"] == ["Ingress"]
-        named = {p["name"] for c in pods[pod]["spec"]["containers"] for p in c.get("ports", [])}
-        for rule in policy["spec"]["ingress"]:
-            assert {p["port"] for p in rule["ports"]} <= named, f"{name}: a port the pod does not have"
+        chosen = selected(policy["spec"]["podSelector"])
+        # the drafts' policy covers every pool's pods; the others, their one Deployment
+        assert chosen == (drafts if name == "card-draft" else {name}), (name, chosen)
+        assert policy["spec"]["policyTypes"] == ["Ingress"]
+        for pod in chosen:
+            named = {p["name"] for c in pods[pod]["spec"]["containers"] for p in c.get("ports", [])}
+            for rule in policy["spec"]["ingress"]:
+                assert {p["port"] for p in rule["ports"]} <= named, f"{name}: a port {pod} does not have"
     sources = {(tuple(sorted(p["port"] for p in r["ports"])),
                 frozenset(n for f in r.get("from", [{"podSelector": {"matchLabels": {}}}])
                           for n in selected(f["podSelector"])))
                for r in policies["card-cache"]["spec"]["ingress"]}
-    assert (("grpc",), frozenset({"card-target", "card-draft"})) in sources
-    assert all("grpc" not in ports or who == {"card-target", "card-draft"} for ports, who in sources)
+    assert (("grpc",), frozenset({"card-target", *drafts})) in sources
+    assert all("grpc" not in ports or who == {"card-target", *drafts} for ports, who in sources)
     (redis_rule,) = policies["card-redis"]["spec"]["ingress"]
     assert {n for f in redis_rule["from"] for n in selected(f["podSelector"])} == {"card-cache"}
     assert all("from" not in r and {p["port"] for p in r["ports"]} == {"metrics", "health"}
@@ -475,11 +580,12 @@ def test_addresses_point_at_services_that_reach_the_right_process(variant: tuple
     assert redis_url.scheme == "redis" and redis_url.hostname and redis_url.port
     redis = service_address(rendered, redis_url.hostname, redis_url.port)
     assert redis["spec"]["selector"]["app.kubernetes.io/name"] == "card-redis"
-    for script in ("card-target", "card-draft"):
+    for client in (c for c in card_containers(rendered) if c.script in ("card-target", "card-draft")):
+        script = client.script
         # the kubelet probes the pod IP, so every gRPC server must listen beyond loopback
-        host = effective(command_for(script), by_script[script].env, "--host")
+        host = effective(command_for(script), client.env, "--host")
         assert host in BIND_ALL, f"{script} listens on {host} only"
-        addr = effective(command_for(script), by_script[script].env, "--cache")
+        addr = effective(command_for(script), client.env, "--cache")
         host, _, port = addr.rpartition(":")
         svc = service_address(rendered, host, int(port))
         assert svc["spec"]["selector"].items() <= cache.pod["metadata"]["labels"].items(), (
@@ -511,17 +617,179 @@ def test_resources_grace_periods_and_security(variant: tuple[str, Rendered]) -> 
 
 def test_draft_workers_scale_and_swap_independently(variant: tuple[str, Rendered]) -> None:
     _, rendered = variant
-    draft = next(c for c in card_containers(rendered) if c.script == "card-draft")
-    assert draft.deployment["spec"]["replicas"] == 2
-    explicit = {v["name"]: v for v in draft.container["env"]}
-    # `kubectl set env deploy/card-draft CARD_DRAFT_MODEL=...` edits this entry in place
-    assert explicit["CARD_DRAFT_MODEL"]["value"]
-    # one literal name for every replica would make them replace each other in the registry
-    assert "CARD_DRAFT_NAME" not in draft.env or "valueFrom" in explicit.get("CARD_DRAFT_NAME", {})
+    drafts = [c for c in card_containers(rendered) if c.script == "card-draft"]
+    for draft in drafts:
+        if draft.deployment["metadata"]["name"] == "card-draft":
+            assert draft.deployment["spec"]["replicas"] == 2
+        explicit = {v["name"]: v for v in draft.container["env"]}
+        # `kubectl set env deploy/card-draft CARD_DRAFT_MODEL=...` edits this entry in place
+        assert explicit["CARD_DRAFT_MODEL"]["value"]
+        # one literal name for every replica would make them replace each other in the registry
+        assert "CARD_DRAFT_NAME" not in draft.env or "valueFrom" in explicit.get("CARD_DRAFT_NAME", {})
     assert "CARD_DRAFT_MODEL" in accepted_envvars(command_for("card-draft"))
     assert "CARD_TARGET_MODEL" in accepted_envvars(command_for("card-target"))
     assert not any(s["spec"]["selector"].get("app.kubernetes.io/name") == "card-draft"
                    for s in rendered.of_kind("Service")), "nothing dials a draft worker"
+
+
+# ---- draft pools ----------------------------------------------------------------------------
+def drafts_of(rendered: Rendered) -> dict[str, CardContainer]:
+    """Each draft Deployment's container by its pool (CARD_DRAFT_POOL in its own env)."""
+    pools: dict[str, CardContainer] = {}
+    for c in (c for c in card_containers(rendered) if c.script == "card-draft"):
+        name = c.deployment["metadata"]["name"]
+        explicit = {v["name"]: v for v in c.container.get("env", [])}
+        pool = explicit.get("CARD_DRAFT_POOL", {}).get("value")
+        assert pool, f"{name}: CARD_DRAFT_POOL belongs in the Deployment's env, each pool naming its own"
+        assert pool not in pools, f"pool {pool} is served by two Deployments"
+        pools[pool] = c
+    return pools
+
+
+def test_every_draft_deployment_serves_one_named_pool(variant: tuple[str, Rendered]) -> None:
+    """A worker without a pool joins the one its model names, so each Deployment says its pool,
+    and not through card-draft-config, which every pool's pods read. The pool label is on the
+    Deployment (so `kubectl get deploy -l card.ai/pool=...` and label-targeted patches find it),
+    its selector and its pods (so `kubectl get pods -l ...` lists one pool's workers)."""
+    from card.common.drafts import POOL_NAME
+
+    _, rendered = variant
+    pools = drafts_of(rendered)
+    assert pools, "no draft Deployment"
+    card_draft = command_for("card-draft")
+    for pool, c in pools.items():
+        name = c.deployment["metadata"]["name"]
+        assert POOL_NAME.fullmatch(pool), f"{name}: {pool!r} is not a pool name"
+        assert effective(card_draft, c.env, "--pool") == pool, name
+        for source in c.container.get("envFrom", []):
+            shared = rendered.get("ConfigMap", source["configMapRef"]["name"])["data"]
+            assert "CARD_DRAFT_POOL" not in shared, f"{name}: a ConfigMap every pool reads sets the pool"
+        for where, labels in (("metadata", c.deployment["metadata"]["labels"]),
+                              ("selector", c.deployment["spec"]["selector"]["matchLabels"]),
+                              ("pod template", c.pod["metadata"]["labels"])):
+            assert labels.get(POOL_LABEL) == pool, f"{name}: {where} label {POOL_LABEL} is not {pool!r}"
+            assert labels.get("app.kubernetes.io/name") == "card-draft", f"{name}: {where}"
+        assert c.deployment["metadata"]["labels"]["app.kubernetes.io/component"] == "draft", name
+        # pods are named <deployment>-<10>-<5>: keep that a DNS label (the pod's host name)
+        assert re.fullmatch(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?", name) and len(name) <= 47, name
+        # the base's Deployment is the pool `default` (what the docs drain and replace)
+        assert name != "card-draft" or pool == "default", name
+
+
+def test_no_deployment_selects_another_deployments_pods(variant: tuple[str, Rendered]) -> None:
+    """Two Deployments whose selectors overlap fight over each other's pods: every pool's
+    selector must match its own pods and no other pool's (nor any other service's)."""
+    _, rendered = variant
+    deployments = rendered.of_kind("Deployment")
+    for dep in deployments:
+        selector = dep["spec"]["selector"]["matchLabels"].items()
+        for other in deployments:
+            labels = other["spec"]["template"]["metadata"]["labels"].items()
+            own = other is dep
+            what = "does not select its own pods" if own else f"selects {other['metadata']['name']}'s pods"
+            assert (selector <= labels) == own, f"Deployment {dep['metadata']['name']} {what}"
+
+
+def prestop_sleep_s(container: dict) -> float:
+    """Seconds a preStop hook holds off SIGTERM (a sleep action or an exec of sleep); 0 without."""
+    hook = container.get("lifecycle", {}).get("preStop")
+    if not hook:
+        return 0.0
+    if "sleep" in hook:
+        return float(hook["sleep"]["seconds"])
+    command = " ".join(hook["exec"]["command"])
+    match = re.fullmatch(r"(?:/bin/)?(?:sh -c )?sleep (\d+(?:\.\d+)?)", command)
+    assert match, f"a preStop other than a sleep: {command!r}"
+    return float(match.group(1))
+
+
+def test_draft_grace_period_outlasts_the_drain(variant: tuple[str, Rendered]) -> None:
+    """SIGTERM drains a worker (no new session, live ones handed over) for at most
+    --drain-timeout-s, after any preStop; the kubelet must not SIGKILL it first. The timeout is
+    set in the manifests, so the grace period is sized against a value they show."""
+    _, rendered = variant
+    for pool, c in drafts_of(rendered).items():
+        assert "CARD_DRAFT_DRAIN_TIMEOUT_S" in c.env, f"pool {pool}: drain timeout left to the default"
+        drain = float(effective(command_for("card-draft"), c.env, "--drain-timeout-s"))
+        grace = c.pod["spec"]["terminationGracePeriodSeconds"]
+        needed = prestop_sleep_s(c.container) + drain + 10  # 10 s to close streams and exit
+        assert grace >= needed, f"pool {pool}: grace {grace} s < {needed} s (preStop + drain + margin)"
+
+
+def test_weights_and_the_default_pool_name_pools_that_are_deployed(variant: tuple[str, Rendered]) -> None:
+    """card-cache --pool-weights and card-target --default-pool parse, and name pools some draft
+    Deployment serves (a stale name keeps a pool that no worker serves in the routing)."""
+    from card.cache_service.pools import parse_pool_weights
+
+    _, rendered = variant
+    pools = set(drafts_of(rendered))
+    by_script = {c.script: c for c in card_containers(rendered)}
+    weights = parse_pool_weights(effective(command_for("card-cache"), by_script["card-cache"].env,
+                                           "--pool-weights"))
+    assert {p for p, _ in weights} <= pools, f"weights {weights} name pools not deployed ({sorted(pools)})"
+    default = effective(command_for("card-target"), by_script["card-target"].env, "--default-pool")
+    assert default in ("", *pools), f"--default-pool {default!r} is not deployed ({sorted(pools)})"
+
+
+@pytest.mark.parametrize("overlay", ["cpu", "gpu"])
+def test_pool_component_adds_a_cpu_pool_run_like_the_base_draft(overlay: str, tmp_path: Path) -> None:
+    """The component adds one Deployment and changes nothing else; its pods are probed, secured,
+    configured and drained as the base's, and it runs int8 on CPU whatever the overlay's device."""
+    plain = render_variant(overlay, tmp_path / "plain")
+    rendered = render_variant(f"{overlay}+pool", tmp_path / "pool")
+    key = lambda o: (o["kind"], o["metadata"]["name"])  # noqa: E731
+    added = {key(o) for o in rendered.objects} - {key(o) for o in plain.objects}
+    assert added == {("Deployment", "card-draft-qwen-05b-int8")}
+    for obj in plain.objects:
+        assert rendered.get(obj["kind"], obj["metadata"]["name"]) == obj, f"{key(obj)} changed"
+    pools = drafts_of(rendered)
+    assert set(pools) == {"default", "qwen-05b-int8"}
+    base, new = pools["default"], pools["qwen-05b-int8"]
+    for field_ in ("command", "envFrom", "ports", "startupProbe", "readinessProbe", "livenessProbe",
+                   "securityContext", "volumeMounts"):
+        assert new.container[field_] == base.container[field_], f"the pool's {field_} differs from the base's"
+    for field_ in ("securityContext", "terminationGracePeriodSeconds"):
+        assert new.pod["spec"][field_] == base.pod["spec"][field_], field_
+    assert new.pod["metadata"]["annotations"] == base.pod["metadata"]["annotations"]
+    assert new.deployment["spec"]["strategy"] == base.deployment["spec"]["strategy"]
+    assert {v["name"] for v in new.pod["spec"]["volumes"]} == {v["name"] for v in base.pod["spec"]["volumes"]}
+    card_draft = command_for("card-draft")
+    assert effective(card_draft, new.env, "--device") == "cpu"
+    assert effective(card_draft, new.env, "--quantize") == "int8"
+    assert effective(card_draft, new.env, "--dtype") == "float32"
+    assert "nvidia.com/gpu" not in new.container["resources"]["limits"]
+    assert "nodeSelector" not in new.pod["spec"]
+    # added after the overlay's image transform: it names its tag itself (never :latest)
+    assert new.container["image"] == f"{IMAGE}:cpu"
+    # another model, or the same one run otherwise (overlays/gpu: Qwen2.5-0.5B in bfloat16 on GPU)
+    run = lambda c: [effective(card_draft, c.env, f) for f in ("--model", "--quantize", "--device")]  # noqa: E731
+    assert run(new) != run(base)
+
+
+def test_docs_walkthrough_overlays_and_names_match_the_manifests(tmp_path: Path) -> None:
+    """docs/deploy.md section 4 replaces the pool `default` by the component's: its overlays render
+    (the generic tests run on each, see VARIANTS), the last one serves the new pool alone, and
+    every Deployment (`deploy/NAME`) and pool (`--pool NAME`, `--draft NAME`) it names exists."""
+    from card.cache_service.pools import parse_pool_weights
+
+    docs = [n for n in VARIANTS if n.startswith("docs#") and POOL_COMPONENT in VARIANTS[n].components]
+    assert len(docs) >= 3, "the walkthrough's overlays (add as a canary, shift, remove) are in the docs"
+    rendered = {n: render_variant(n, tmp_path / re.sub(r"\W+", "-", n)) for n in VARIANTS}
+    first, last = rendered[docs[0]], rendered[docs[-1]]
+    cache = next(c for c in card_containers(first) if c.script == "card-cache")
+    weights = dict(parse_pool_weights(effective(command_for("card-cache"), cache.env, "--pool-weights")))
+    assert set(drafts_of(first)) == {"default", "qwen-05b-int8"}
+    assert 0 < weights["qwen-05b-int8"] < weights["default"], "the new pool starts as a small canary"
+    assert set(drafts_of(last)) == {"qwen-05b-int8"}, "the walkthrough ends with the new pool alone"
+    deployments = {d["metadata"]["name"] for r in rendered.values() for d in r.of_kind("Deployment")}
+    pools = {p for r in rendered.values() for p in drafts_of(r)}
+    text = DOCS.read_text()
+    named = set(re.findall(r"(?<![\w./])deploy/([a-z0-9-]+)(?![\w./])", text))  # not deploy/k8s/...
+    assert named <= deployments, f"docs/deploy.md names Deployments no manifest has: {named - deployments}"
+    pool_refs = set(re.findall(r"--(?:pool|draft)[ =]([a-z0-9][a-z0-9._-]*)", text))
+    for weights in re.findall(r"POOL_WEIGHTS=([^\s`]+)", text):
+        pool_refs |= set(re.findall(r"([\w.-]+)=", weights))
+    assert pool_refs <= pools, f"docs/deploy.md names pools no manifest deploys: {pool_refs - pools}"
 
 
 def device_of(rendered: Rendered, script: str) -> str:
@@ -593,19 +861,11 @@ def test_python_rendering_matches_kubectl_kustomize(name: str, tmp_path: Path) -
     kubectl = shutil.which("kubectl")
     if kubectl is None:
         pytest.skip("kubectl is not installed: the rendering cross-check needs `kubectl kustomize`")
-    if "+" in name:  # an overlay of an overlay with a component, as an operator would write it
-        base, component = {"gpu+cache-gpu": (OVERLAYS["gpu"], CACHE_GPU),
-                           "cpu+tls": (OVERLAYS["cpu"], TLS)}[name]
-        overlay = tmp_path
-        rel = lambda p: os.path.relpath(p, tmp_path)  # noqa: E731  (kustomize refuses absolute dirs)
-        (tmp_path / "kustomization.yaml").write_text(yaml.safe_dump(
-            {"resources": [rel(base)], "components": [rel(component)]}))
-    else:
-        overlay = OVERLAYS.get(name, BASE)
-    out = subprocess.run([kubectl, "kustomize", str(overlay)], capture_output=True, text=True,
-                         timeout=60, check=True).stdout
-    theirs = _comparable([d for d in yaml.safe_load_all(out) if d])
-    ours = _comparable(VARIANTS[name]().objects)
+    overlay = VARIANTS[name].write(tmp_path)  # an overlay of the variant, as an operator writes one
+    done = subprocess.run([kubectl, "kustomize", str(overlay)], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, f"kubectl kustomize {name}: {done.stderr}"
+    theirs = _comparable([d for d in yaml.safe_load_all(done.stdout) if d])
+    ours = _comparable(render(overlay).objects)
     for obj in ours:  # kustomize writes generated ConfigMaps with no other fields
         assert obj in theirs, f"{obj['kind']}/{obj['metadata']['name']} renders differently"
     assert len(ours) == len(theirs)
