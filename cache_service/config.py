@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from card.cache_service.pools import parse_pool_weights
 from card.cache_service.registry import MAX_LAYER_STREAMS
+from card.common.drafts import parse_pool_weights
 from card.common.tls import TlsConfig
 from card.engine.loading.devices import resolve_device
 from card.engine.shared.config import TreeParams, tree_params

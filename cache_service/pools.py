@@ -12,32 +12,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from card.cache_service import metrics
-from card.common.drafts import POOL_NAME
-from card.engine.shared.errors import InvalidArgument
-
-
-def parse_pool_weights(text: str) -> tuple[tuple[str, float], ...]:
-    """``"a=90,b=10"`` -> (("a", 90.0), ("b", 10.0)); "" -> () (no weights: the least-loaded worker
-    of any pool). InvalidArgument on a bad name, a negative or non-numeric weight, a repeated pool,
-    or weights that are all 0."""
-    weights: dict[str, float] = {}
-    for item in filter(None, (part.strip() for part in (text or "").split(","))):
-        name, sep, value = item.partition("=")
-        name = name.strip()
-        if not sep or not POOL_NAME.fullmatch(name):
-            raise InvalidArgument(f"pool weights are POOL=WEIGHT,...; got {item!r}")
-        try:
-            weight = float(value)
-        except ValueError:
-            raise InvalidArgument(f"pool weight of {name!r} is not a number: {value!r}") from None
-        if not 0 <= weight < float("inf"):
-            raise InvalidArgument(f"pool weight of {name!r} must be >= 0, got {value}")
-        if name in weights:
-            raise InvalidArgument(f"pool {name!r} is weighted twice")
-        weights[name] = weight
-    if weights and not any(weights.values()):
-        raise InvalidArgument("pool weights are all 0: no pool would take unnamed sessions")
-    return tuple(weights.items())
+from card.common.drafts import parse_pool_weights
 
 
 class PoolRouter:
@@ -52,6 +27,11 @@ class PoolRouter:
     def __init__(self, weights: Iterable[tuple[str, float]] = ()) -> None:
         self.weights: dict[str, float] = dict(weights)
         self._credit: dict[str, float] = {}
+
+    def set(self, weights: Iterable[tuple[str, float]]) -> None:
+        """New weights (parse_pool_weights' checks first); the round robin starts over."""
+        text = ",".join(f"{pool}={weight!r}" for pool, weight in weights)
+        self.weights, self._credit = dict(parse_pool_weights(text)), {}
 
     def weight(self, pool: str) -> float:
         if not self.weights:

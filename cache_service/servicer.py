@@ -301,6 +301,16 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
         return cache_pb2.DrainResponse(workers=[w.name for w in workers], sessions_moved=moved)
 
     @grpc_errors
+    def SetPoolWeights(self, request: cache_pb2.PoolWeightsRequest, context: grpc.ServicerContext
+                       ) -> cache_pb2.PoolWeightsResponse:
+        with self.registry.lock:  # the router is read under it (Registry.pick)
+            self.registry.router.set(sorted(request.weights.items()))
+            weights = dict(self.registry.router.weights)
+        self._count_drafts()
+        log.info("pool weights now %s", ", ".join(f"{p}={w:g}" for p, w in weights.items()) or "none")
+        return cache_pb2.PoolWeightsResponse(weights=weights)
+
+    @grpc_errors
     def Status(self, request: cache_pb2.StatusRequest, context: grpc.ServicerContext
                ) -> cache_pb2.StatusResponse:
         drafts = {w.name: worker_to_msg(w) for w in self.registry.workers()}

@@ -19,7 +19,8 @@ import grpc
 # card.v1.CacheService methods by the role that may call them
 CACHE_ROLES: dict[str, str] = {
     **{f"/card.v1.CacheService/{m}": "target"
-       for m in ("OpenSession", "Step", "StepBatch", "CloseSession", "Status", "Drain")},
+       for m in ("OpenSession", "Step", "StepBatch", "CloseSession", "Status", "Drain",
+                 "SetPoolWeights")},
     **{f"/card.v1.CacheService/{m}": "draft"
        for m in ("RegisterDraft", "Commands", "PublishLayers", "Heartbeat")},
 }

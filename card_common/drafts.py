@@ -12,7 +12,7 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from card.engine.shared.errors import FailedPrecondition, NotFound
+from card.engine.shared.errors import FailedPrecondition, InvalidArgument, NotFound
 
 POOL_NAME = re.compile(r"[A-Za-z0-9._-]{1,128}")
 # a PublishLayers stream names its worker in this metadata key, so that the cache can refuse a
@@ -79,3 +79,27 @@ def route_draft(name: str, entries: Iterable[DraftEntry], fingerprint: str, targ
     workers = ", ".join(sorted(e.name for e in entries)) or "none"
     raise NotFound(f"draft {name!r} is neither a pool nor a registered worker (pools: {pools}; "
                    f"workers: {workers})")
+
+
+def parse_pool_weights(text: str) -> tuple[tuple[str, float], ...]:
+    """``"a=90,b=10"`` -> (("a", 90.0), ("b", 10.0)); "" -> () (no weights: the least-loaded worker
+    of any pool). InvalidArgument on a bad name, a negative or non-numeric weight, a repeated pool,
+    or weights that are all 0."""
+    weights: dict[str, float] = {}
+    for item in filter(None, (part.strip() for part in (text or "").split(","))):
+        name, sep, value = item.partition("=")
+        name = name.strip()
+        if not sep or not POOL_NAME.fullmatch(name):
+            raise InvalidArgument(f"pool weights are POOL=WEIGHT,...; got {item!r}")
+        try:
+            weight = float(value)
+        except ValueError:
+            raise InvalidArgument(f"pool weight of {name!r} is not a number: {value!r}") from None
+        if not 0 <= weight < float("inf"):
+            raise InvalidArgument(f"pool weight of {name!r} must be >= 0, got {value}")
+        if name in weights:
+            raise InvalidArgument(f"pool {name!r} is weighted twice")
+        weights[name] = weight
+    if weights and not any(weights.values()):
+        raise InvalidArgument("pool weights are all 0: no pool would take unnamed sessions")
+    return tuple(weights.items())

@@ -21,6 +21,7 @@ import grpc
 from card.client.trio import LocalTrio
 from card.common.channels import channel, health_status
 from card.common.cli import exit_on_error, option, tls_options
+from card.common.drafts import parse_pool_weights
 from card.common.status import error_from_rpc
 from card.common.tls import PLAINTEXT, TlsConfig
 from card.engine.loading.models import DEFAULT_MODEL, QUANTIZE
@@ -285,6 +286,25 @@ def drain(name: str | None, pool: str | None, cache_addr: str, target_token: str
     to other workers, its pool's first; the process keeps running (before a rollout, or to compare
     pools). Output never changes: the target verifies every token."""
     _drain(cache_addr, target_token, tls, name, pool, resume=False)
+
+
+@drafts.command("weights")
+@click.argument("weights")
+@_cache_options
+@exit_on_error("card-client")
+def weights(weights: str, cache_addr: str, target_token: str | None, tls: TlsConfig) -> None:
+    """Split unnamed sessions between pools by WEIGHTS, e.g. 'stable=90,canary=10' ('' = the
+    least-loaded worker of any pool). Takes effect at once for new sessions, without a restart;
+    the cache's --pool-weights is what it starts with."""
+    parsed = parse_pool_weights(weights)  # the cache checks them too; a typo fails here first
+    try:
+        with channel(cache_addr, target_token, tls) as ch:
+            reply = cache_pb2_grpc.CacheServiceStub(ch).SetPoolWeights(
+                cache_pb2.PoolWeightsRequest(weights=dict(parsed)), timeout=RPC_TIMEOUT_S)
+    except grpc.RpcError as err:
+        raise error_from_rpc(err, cache_addr) from None
+    now = ", ".join(f"{p}={w:g}" for p, w in sorted(reply.weights.items()))
+    click.echo(f"pool weights: {now or 'none (least-loaded worker of any pool)'}")
 
 
 @drafts.command("resume")

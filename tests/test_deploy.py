@@ -719,7 +719,7 @@ def test_draft_grace_period_outlasts_the_drain(variant: tuple[str, Rendered]) ->
 def test_weights_and_the_default_pool_name_pools_that_are_deployed(variant: tuple[str, Rendered]) -> None:
     """card-cache --pool-weights and card-target --default-pool parse, and name pools some draft
     Deployment serves (a stale name keeps a pool that no worker serves in the routing)."""
-    from card.cache_service.pools import parse_pool_weights
+    from card.common.drafts import parse_pool_weights
 
     _, rendered = variant
     pools = set(drafts_of(rendered))
@@ -770,7 +770,7 @@ def test_docs_walkthrough_overlays_and_names_match_the_manifests(tmp_path: Path)
     """docs/deploy.md section 4 replaces the pool `default` by the component's: its overlays render
     (the generic tests run on each, see VARIANTS), the last one serves the new pool alone, and
     every Deployment (`deploy/NAME`) and pool (`--pool NAME`, `--draft NAME`) it names exists."""
-    from card.cache_service.pools import parse_pool_weights
+    from card.common.drafts import parse_pool_weights
 
     docs = [n for n in VARIANTS if n.startswith("docs#") and POOL_COMPONENT in VARIANTS[n].components]
     assert len(docs) >= 3, "the walkthrough's overlays (add as a canary, shift, remove) are in the docs"

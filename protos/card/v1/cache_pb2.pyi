@@ -319,6 +319,32 @@ class DrainRequest(_message.Message):
     resume: bool
     def __init__(self, name: _Optional[str] = ..., pool: _Optional[str] = ..., resume: _Optional[bool] = ...) -> None: ...
 
+class PoolWeightsRequest(_message.Message):
+    __slots__ = ("weights",)
+    class WeightsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    WEIGHTS_FIELD_NUMBER: _ClassVar[int]
+    weights: _containers.ScalarMap[str, float]
+    def __init__(self, weights: _Optional[_Mapping[str, float]] = ...) -> None: ...
+
+class PoolWeightsResponse(_message.Message):
+    __slots__ = ("weights",)
+    class WeightsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    WEIGHTS_FIELD_NUMBER: _ClassVar[int]
+    weights: _containers.ScalarMap[str, float]
+    def __init__(self, weights: _Optional[_Mapping[str, float]] = ...) -> None: ...
+
 class DrainResponse(_message.Message):
     __slots__ = ("workers", "sessions_moved")
     WORKERS_FIELD_NUMBER: _ClassVar[int]

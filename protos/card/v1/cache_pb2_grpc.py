@@ -86,6 +86,11 @@ class CacheServiceStub:
                 request_serializer=card_dot_v1_dot_cache__pb2.DrainRequest.SerializeToString,
                 response_deserializer=card_dot_v1_dot_cache__pb2.DrainResponse.FromString,
                 _registered_method=True)
+        self.SetPoolWeights = channel.unary_unary(
+                '/card.v1.CacheService/SetPoolWeights',
+                request_serializer=card_dot_v1_dot_cache__pb2.PoolWeightsRequest.SerializeToString,
+                response_deserializer=card_dot_v1_dot_cache__pb2.PoolWeightsResponse.FromString,
+                _registered_method=True)
 
 
 class CacheServiceServicer:
@@ -174,6 +179,15 @@ class CacheServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SetPoolWeights(self, request, context):
+        """Operators: replace the weights that split unnamed sessions between pools (the cache's
+        --pool-weights until its restart; empty = least loaded of any pool). New sessions follow
+        them; live ones stay where they are. INVALID_ARGUMENT: a bad name, a negative weight, all 0.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CacheServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -226,6 +240,11 @@ def add_CacheServiceServicer_to_server(servicer, server):
                     servicer.Drain,
                     request_deserializer=card_dot_v1_dot_cache__pb2.DrainRequest.FromString,
                     response_serializer=card_dot_v1_dot_cache__pb2.DrainResponse.SerializeToString,
+            ),
+            'SetPoolWeights': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetPoolWeights,
+                    request_deserializer=card_dot_v1_dot_cache__pb2.PoolWeightsRequest.FromString,
+                    response_serializer=card_dot_v1_dot_cache__pb2.PoolWeightsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -500,6 +519,33 @@ class CacheService:
             '/card.v1.CacheService/Drain',
             card_dot_v1_dot_cache__pb2.DrainRequest.SerializeToString,
             card_dot_v1_dot_cache__pb2.DrainResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SetPoolWeights(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/card.v1.CacheService/SetPoolWeights',
+            card_dot_v1_dot_cache__pb2.PoolWeightsRequest.SerializeToString,
+            card_dot_v1_dot_cache__pb2.PoolWeightsResponse.FromString,
             options,
             channel_credentials,
             insecure,
