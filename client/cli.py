@@ -57,7 +57,9 @@ def cli(log_level: str) -> None:
 @option("--api-key", envvar="CARD_CLIENT_API_KEY", default=None,
         help="The key of a --target that has one (its --api-key), presented as 'authorization: Bearer' "
              "(prefer the variable: a command line is visible in ps).")
-@option("--draft", "draft_name", default=None, help="Name of the draft worker to use (services).")
+@option("--draft", "draft_name", default=None,
+        help="The draft pool to speculate with (or one worker's name; services). Default: any pool whose "
+             "tokenizer matches.")
 @option("--mode", type=click.Choice(["card", "sd", "vanilla"]), default="card", show_default=True)
 @option("--target-model", default=DEFAULT_MODEL, envvar="CARD_CLIENT_TARGET_MODEL", show_default=True,
         help="Hugging Face id, local folder, .gguf file, or 'default' (embedded SmolLM2-135M).")

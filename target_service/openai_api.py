@@ -21,10 +21,10 @@ object AIPerf reads. ``logprobs`` (completions: 0-20 alternatives; chat: ``logpr
 of each token, the same in every mode. Fields that would change the output and are not served here
 (``n > 1``, tools, penalties, ``logit_bias``, ...) are refused with 400 in OpenAI's error shape,
 never ignored; so is any field this server does not know.
-Extensions: ``mode`` ("card" or "vanilla"), ``draft`` (a worker name), ``top_k``, ``ignore_eos``,
-``verify`` ("exact", the default; "rejection": speculative sampling, the target's distribution but
-not plain decoding's tokens for the seed; or "loose": FLy, lossy) with ``verify_entropy_threshold``
-and ``verify_window``.
+Extensions: ``mode`` ("card" or "vanilla"), ``draft`` (a draft pool, or a worker name), ``top_k``,
+``ignore_eos``, ``verify`` ("exact", the default; "rejection": speculative sampling, the target's
+distribution but not plain decoding's tokens for the seed; or "loose": FLy, lossy) with
+``verify_entropy_threshold`` and ``verify_window``.
 
 Defaults follow OpenAI's API, not card-client's: ``temperature`` 1.0 and ``top_p`` 1.0; ``seed``
 makes sampling reproducible (default 0). A client that disconnects ends its generation within one
