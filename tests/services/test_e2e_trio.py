@@ -240,8 +240,12 @@ def test_status_and_drafts_commands_show_the_live_trio(trio, checkpoints):
     proc = subprocess.run([*run, "drafts", "--cache", trio.cache_addr], capture_output=True, text=True,
                           timeout=120, env=env)
     assert proc.returncode == 0, proc.stderr
-    names = [line.split()[0] for line in proc.stdout.splitlines()[1:]]
+    pools, workers = proc.stdout.split("\n\n")  # pools first, then workers
+    names = [line.split()[0] for line in workers.splitlines()[1:]]
     assert sorted(names) == ["foreign", "pert", "same"]
+    assert all(line.split()[2] == "serving" for line in workers.splitlines()[1:])  # the state column
+    # each worker in its own pool (by default its model: here each checkpoint folder)
+    assert len(pools.splitlines()) == 4 and pools.splitlines()[0].split()[:2] == ["pool", "weight"]
 
 
 # ---- (3) a draft worker dies mid-generation ------------------------------------------------
