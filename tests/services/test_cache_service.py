@@ -16,12 +16,13 @@ from dataclasses import replace
 import grpc
 import pytest
 import redis
+from click.testing import CliRunner, Result
 from grpc_health.v1 import health_pb2
 from prometheus_client import REGISTRY
 
 from card.cache_service.config import CacheConfig
 from card.cache_service.server import SERVICE_NAME, CacheServer, create_server
-from card.client.trio import console_script
+from card.client.cli import cli
 from card.common.channels import health_status, wait_serving
 from card.common.convert import layer_to_msg
 from card.common.drafts import WORKER_ID_METADATA
@@ -848,26 +849,27 @@ def test_card_client_drafts_drain_and_weights(cache: Cache) -> None:
     sid = cache.target.open(PROMPT, draft="stable").session_id
     expect_start(a)
 
-    def client(*args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([console_script("card-client"), "drafts", *args, "--cache", cache.addr],
-                              capture_output=True, text=True, timeout=60)
+    runner = CliRunner()
+
+    def client(*args: str) -> Result:  # card-client's own command, in this process (no start-up cost)
+        return runner.invoke(cli, ["drafts", *args, "--cache", cache.addr])
 
     shown = client()
-    assert shown.returncode == 0, shown.stderr
+    assert shown.exit_code == 0, shown.output
     pools = {line.split()[0]: line.split() for line in shown.stdout.splitlines()[1:3]}
     assert set(pools) == {"canary", "stable"} and pools["stable"][3] == "1/4"  # sessions/capacity
     assert "serving" in shown.stdout and "tok/s" in shown.stdout
     weighted = client("weights", "stable=90,canary=10")
-    assert weighted.returncode == 0 and "canary=10, stable=90" in weighted.stdout
+    assert weighted.exit_code == 0 and "canary=10, stable=90" in weighted.stdout
     assert {p.name: p.weight for p in cache.target.status().pools} == {"canary": 10.0, "stable": 90.0}
     bad = client("weights", "stable=-1")
-    assert bad.returncode == 2 and "must be >= 0" in bad.stderr
+    assert bad.exit_code == 2 and "must be >= 0" in bad.stderr
     drained = client("drain", "--pool", "stable")
-    assert drained.returncode == 0 and "drained a; 0 live session(s) moved" in drained.stdout
+    assert drained.exit_code == 0 and "drained a; 0 live session(s) moved" in drained.stdout
     assert isinstance(a.next_command(), StopDraft)  # its session was stopped there
     assert {s.session_id: s.draft for s in cache.target.status().sessions}[sid] == ""  # no stable peer
     assert "draining" in client().stdout
-    assert client("resume", "a").returncode == 0
+    assert client("resume", "a").exit_code == 0
     assert expect_start(a).session_id == sid  # the waiting session takes it again
     missing = client("drain", "nobody")
-    assert missing.returncode == 2 and "NOT_FOUND" in missing.stderr
+    assert missing.exit_code == 2 and "NOT_FOUND" in missing.stderr
