@@ -122,22 +122,28 @@ def test_bench_through_services(pair, tmp_path):
 
 
 def test_load_through_the_services_alone(pair, tmp_path):
-    """--modes svc-vanilla,svc-card --concurrency: closed-loop clients through a real trio, every
-    output compared with the same prompt served alone; no model loaded in card-bench itself."""
+    """--modes svc-vanilla,svc-card,svc-ngram --concurrency on --prompts of several formats:
+    closed-loop clients through a real trio (the model-free worker in a pool of its own beside the
+    draft model's), every output compared with the same prompt served alone; no model loaded in
+    card-bench itself."""
     target, draft = pair
-    data = _jsonl(tmp_path / "g.jsonl", [{"question": "What is 2 + 3?"}, {"question": "Name a colour."},
-                                         {"question": "Count to five."}])
+    turns = [{"from": "human", "value": "Count to five."}]
+    data = _jsonl(tmp_path / "mine.jsonl",
+                  ["What is 2 + 3?", {"text": "Name a colour."}, {"conversations": turns}])
     out = tmp_path / "r.json"
     result = CliRunner().invoke(main, [
         "--target-model", str(target), "--draft-model", str(draft), "--draft-quantize", "none",
-        "--dataset", f"gsm8k={data}", "--n", "3", "--max-new-tokens", "8", "--modes", "svc-vanilla,svc-card",
+        "--prompts", str(data), "--n", "3", "--max-new-tokens", "8",
+        "--modes", "svc-vanilla,svc-card,svc-ngram",
         "--services", "--concurrency", "1,3", "--ignore-eos", "--out", str(out),
     ])
     assert result.exit_code == 0, result.output
     assert not (tmp_path / "r.json").exists()  # no in-process run
     payload = json.loads((tmp_path / "r-load.json").read_text())
+    assert payload["config"]["datasets"] == {"mine": str(data)}
     rows = {(r["mode"], r["concurrency"]): r for r in payload["summary"]}
-    assert set(rows) == {(m, c) for m in ("svc-vanilla", "svc-card") for c in (1, 3)}
+    assert set(rows) == {(m, c) for m in ("svc-vanilla", "svc-card", "svc-ngram") for c in (1, 3)}
+    assert rows[("svc-ngram", 3)]["requests"] == 9 and rows[("svc-ngram", 1)]["hit_rate"] is not None
     assert rows[("svc-card", 3)]["requests"] == 9 and rows[("svc-vanilla", 1)]["requests"] == 3
     assert all(r["matches_reference"] for r in payload["records"])
     assert all(r["new_tokens"] == 8 and r["ttft_s"] > 0 for r in payload["records"])

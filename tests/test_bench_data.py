@@ -108,3 +108,19 @@ def test_default_draft_reads_prompts_through_the_data_module(tmp_path, monkeypat
     assert len(prompts(4)) == 4  # the packaged samples
     monkeypatch.setenv(data.ENV_DATA_DIR, str(_data_tree(tmp_path)))
     assert prompts(4) == ["M0", "M2", "Q1?", "Q2?"]
+
+
+def test_prompts_of_every_common_format() -> None:
+    from card.client.bench.data import prompt_of
+    from card.engine.shared.errors import InvalidArgument
+
+    assert prompt_of("plain") == "plain"
+    assert prompt_of({"text": "t"}) == "t"
+    assert prompt_of({"instruction": "Summarise.", "input": "A long text."}) == "Summarise.\n\nA long text."
+    assert prompt_of({"instruction": "Say hi.", "input": ""}) == "Say hi."
+    assert prompt_of({"conversations": [{"from": "system", "value": "s"}, {"from": "human", "value": "h"},
+                                        {"from": "gpt", "value": "g"}]}) == "h"
+    with pytest.raises(InvalidArgument, match="conversations"):
+        prompt_of({"unknown": 1})
+    with pytest.raises(InvalidArgument, match="neither a string nor an object"):
+        prompt_of(3)

@@ -17,7 +17,7 @@ import dataclasses
 import os
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import click
@@ -25,9 +25,11 @@ import torch
 
 from card.client.bench import data, load, report
 from card.client.bench.modes import (
+    DEFAULT_SERVICE_MODES,
     MODES,
     NEEDS_DRAFT,
     SERVICE_MODES,
+    SERVICE_POOLS,
     Mode,
     ModeSettings,
     ServiceMode,
@@ -36,12 +38,13 @@ from card.client.bench.modes import (
     step_ms_by_threads,
 )
 from card.client.options import default_thread_split
-from card.client.trio import LocalTrio
+from card.client.trio import LocalTrio, service_args
 from card.common.cli import exact_option, exit_on_error, ngram_options, tls_options
 from card.common.tls import PLAINTEXT, TlsConfig
 from card.engine.loading.cpu_linear import PackedLinear, pack_linears
 from card.engine.loading.models import DTYPES, LoadedModel, ModelConfig, load_model
 from card.engine.shared.config import (
+    NGRAM,
     NgramConfig,
     SamplingParams,
     TreeParams,
@@ -69,14 +72,30 @@ def randomized(draft: LoadedModel, seed: int) -> LoadedModel:
                        draft.fingerprint, draft.eos_ids, draft.context_window)
 
 
+@contextlib.contextmanager
 def _trio(target_model: str, draft_model: str, dtype: str, draft_quantize: str, tree: TreeParams,
-          settings: ModeSettings) -> LocalTrio:
-    """The services, configured like the in-process card mode (tree shape, chain policy, threads)."""
-    return LocalTrio(
+          settings: ModeSettings, modes: Sequence[str] = DEFAULT_SERVICE_MODES) -> Iterator[LocalTrio]:
+    """The services, configured like the in-process card modes (tree shape, chain policy, n-gram
+    settings, threads): the draft model's worker in pool bench-draft and, for svc-ngram and
+    svc-cascade, a model-free and a cascade worker in pools of their own (SERVICE_POOLS), so that
+    every service mode runs on one trio, each naming its pool."""
+    with LocalTrio(
         target_model=target_model, draft_model=draft_model, draft_quantize=draft_quantize, dtype=dtype,
         target_threads=settings.target_threads, draft_threads=settings.draft_threads, tree=tree,
-        exact=settings.exact,
-    )
+        exact=settings.exact, ngram=settings.ngram,
+        extra_args={"draft": ["--pool", SERVICE_POOLS["svc-card"]]},
+    ) as trio:
+        more = []
+        if "svc-ngram" in modes:  # the model-free depth, as card-ngram runs in process
+            more.append(trio.start_draft(NGRAM, args=[*service_args(settings.ngram_tree)["draft"], "--pool",
+                                                      SERVICE_POOLS["svc-ngram"]], wait=False))
+        if "svc-cascade" in modes:
+            more.append(trio.start_draft(draft_model, draft_quantize, wait=False, args=[
+                "--cascade", NGRAM, "--pool", SERVICE_POOLS["svc-cascade"]]))
+        for proc in more:
+            proc.wait_listening(trio.start_timeout_s)
+            proc.wait_serving(trio.start_timeout_s)
+        yield trio
 
 
 def run_bench(target: LoadedModel, draft: LoadedModel | None, modes: list[Mode],
@@ -163,13 +182,19 @@ def _parse_variant(value: str) -> tuple[str, dict[str, object]]:
               help="replace the draft's weights by random ones (seeded): the useless-draft worst case")
 @click.option("--modes", default="vanilla,sd,card,hf,hf-assisted", show_default=True,
               help=f"comma-separated, from {', '.join(MODES)} (vanilla is always run: it is the reference)")
-@click.option("--dataset", "datasets", multiple=True, default=("gsm8k",), show_default=True,
-              help="gsm8k | humaneval | mt_bench | name=path | path to a jsonl(.gz); repeatable")
+@click.option("--dataset", "datasets", multiple=True, default=(),
+              help="gsm8k | humaneval | mt_bench | name=path | path to a jsonl(.gz); repeatable "
+                   "(default: gsm8k, unless --prompts)")
 @click.option("--data-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
               envvar=data.ENV_DATA_DIR, show_envvar=True,
               help="read gsm8k, humaneval, mt_bench from DIR/gsm8k/test.jsonl, "
                    "DIR/humaneval/HumanEval.jsonl.gz, DIR/mt_bench/question.jsonl (default: the samples "
                    "packaged with card-bench; GSM8K's holds the first 200 of 1,319 prompts)")
+@click.option("--prompts", "prompt_files", multiple=True, metavar="FILE",
+              type=click.Path(dir_okay=False, exists=True, path_type=Path),
+              help="your own prompts: a JSONL(.gz) file, one prompt per line (a JSON string, or an object "
+                   "with messages, turns, conversations, question, prompt, text, or instruction/input); "
+                   "repeatable, used instead of the default dataset; --n of each")
 @click.option("--n", "n_prompts", type=click.IntRange(min=1), default=10, show_default=True,
               help="first N prompts of each dataset")
 @click.option("--max-new-tokens", type=click.IntRange(min=1), default=128, show_default=True)
@@ -236,6 +261,7 @@ def main(**opts: object) -> None:
 
 def bench(*, target_model: str, draft_model: str, target_dtype: str, draft_dtype: str, draft_quantize: str,
           prepack: bool, draft_random_init: int | None, modes: str, datasets: tuple[str, ...],
+          prompt_files: tuple[Path, ...] = (),
           data_dir: Path | None, n_prompts: int, max_new_tokens: int, tree_width: int | None,
           branch: int | None, max_depth: int | None, max_chain: int | None, b_extension: bool | None,
           min_path_prob: float | None, card_variants: tuple[str, ...], backoff: bool, gamma: int,
@@ -267,7 +293,8 @@ def bench(*, target_model: str, draft_model: str, target_dtype: str, draft_dtype
                             draft_threads=draft_threads or split[1],
                             ignore_eos=ignore_eos, backoff=backoff, ngram=ngram, ngram_tree=ngram_tree,
                             exact=exact, sampling=sampling, verify=policies[0])
-    loaded = [data.load(spec, n_prompts, data_dir) for spec in datasets]
+    specs = [*datasets, *(f"{data.resolve(str(f))[0]}={f}" for f in prompt_files)] or ["gsm8k"]
+    loaded = [data.load(spec, n_prompts, data_dir) for spec in specs]
     if target_addr and not services_only:
         raise InvalidArgument(f"--target loads a running card-target: only {', '.join(SERVICE_MODES)} run "
                               f"there (--modes {','.join(SERVICE_MODES)} --services)")
@@ -327,8 +354,8 @@ def bench(*, target_model: str, draft_model: str, target_dtype: str, draft_dtype
                                              settings))
             threads = {"target": settings.target_threads, "draft": settings.draft_threads}
             built += [ServiceMode(m, trio.target_addr, threads, ignore_eos, sampling,
-                                  policies[0] if m == "svc-card" else None) for m in SERVICE_MODES]
-            mode_names += list(SERVICE_MODES)
+                                  policies[0] if m == "svc-card" else None) for m in DEFAULT_SERVICE_MODES]
+            mode_names += list(DEFAULT_SERVICE_MODES)
             for policy in policies[1:]:
                 name = f"svc-card+{policy.mode.value}"
                 built.append(ServiceMode(name, trio.target_addr, threads, ignore_eos, sampling, policy))
@@ -337,7 +364,7 @@ def bench(*, target_model: str, draft_model: str, target_dtype: str, draft_dtype
                             progress=not no_progress)
         if levels:
             prompts = [target.encode_prompt(p) for ds in loaded for p in ds.prompts]
-            load_records, load_rows = load.run_load(trio.target_addr, SERVICE_MODES, prompts, levels,
+            load_records, load_rows = load.run_load(trio.target_addr, DEFAULT_SERVICE_MODES, prompts, levels,
                                                     max_new_tokens, ignore_eos, log=_echo_err)
 
     stamp = time.strftime("%Y%m%d-%H%M%S")
@@ -401,11 +428,16 @@ def _services_only(target_model: str, draft_model: str, target_dtype: str, draft
     card-target (dialed with ``tls``, presenting ``api_key``) instead of a local trio."""
     modes = list(dict.fromkeys([load.REFERENCE, *modes]))
     prompts = [p for ds in loaded for p in ds.prompts]
+    own_pools = [m for m in modes if m in ("svc-ngram", "svc-cascade")]
+    if target_addr and own_pools:
+        raise InvalidArgument(f"{', '.join(own_pools)} run on drafts card-bench starts; with --target, name "
+                              f"the running target's pools in your own requests (svc-card there is unnamed)")
     with contextlib.ExitStack() as stack:
         addr = target_addr or stack.enter_context(
-            _trio(target_model, draft_model, target_dtype, draft_quantize, tree, settings)).target_addr
+            _trio(target_model, draft_model, target_dtype, draft_quantize, tree, settings, modes)).target_addr
         records, rows = load.run_load(addr, modes, prompts, levels, max_new_tokens, ignore_eos,
-                                      log=_echo_err, tls=tls, api_key=api_key)
+                                      log=_echo_err, tls=tls, api_key=api_key,
+                                      pools={} if target_addr else SERVICE_POOLS)
     config = {"target_model": target_model, "draft_model": draft_model, "draft_quantize": draft_quantize,
               "exact": settings.exact, "modes": modes, "datasets": {d.name: str(d.path) for d in loaded},
               "n": len(prompts),

@@ -50,9 +50,9 @@ class Dataset:
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
 
 
-def reference_of(record: dict) -> str | None:
+def reference_of(record: object) -> str | None:
     """GSM8K's final answer (after ``####``), normalised; None for records without one."""
-    answer = record.get("answer")
+    answer = record.get("answer") if isinstance(record, dict) else None
     if not isinstance(answer, str) or "####" not in answer:
         return None
     return _normalise(answer.rsplit("####", 1)[1].strip())
@@ -90,18 +90,35 @@ def resolve(spec: str, directory: str | Path | None = None) -> tuple[str, Path]:
     return path.name.split(".")[0], path
 
 
-def prompt_of(record: dict) -> str | list[dict]:
+PROMPT_KEYS = ("question", "prompt", "text", "instruction", "input")
+
+
+def prompt_of(record: object) -> str | list[dict]:
     """The user prompt of one record (a chat's messages for records that carry them), whichever
-    of the formats it is in."""
+    of the formats it is in: a JSON string; OpenAI ``messages``; MT-Bench ``turns`` (the first);
+    ShareGPT ``conversations`` (the first human turn); or a string under one of PROMPT_KEYS
+    (GSM8K, HumanEval, most prompt dumps, Alpaca's ``instruction`` with its ``input`` after it)."""
+    if isinstance(record, str) and record:
+        return record
+    if not isinstance(record, dict):
+        raise InvalidArgument(f"a record is neither a string nor an object: {str(record)[:60]}")
     if isinstance(record.get("messages"), list) and record["messages"]:
         return [{"role": str(m["role"]), "content": str(m["content"])} for m in record["messages"]]
     if isinstance(record.get("turns"), list) and record["turns"]:
         return str(record["turns"][0])
-    for key in ("question", "prompt"):
-        if isinstance(record.get(key), str):
+    if isinstance(record.get("conversations"), list):
+        human = [t.get("value") for t in record["conversations"] if isinstance(t, dict)
+                 and t.get("from") in ("human", "user") and isinstance(t.get("value"), str)]
+        if human:
+            return human[0]
+    instruction, extra = record.get("instruction"), record.get("input")
+    if isinstance(instruction, str) and isinstance(extra, str) and extra:
+        return f"{record['instruction']}\n\n{record['input']}"
+    for key in PROMPT_KEYS:
+        if isinstance(record.get(key), str) and record[key]:
             return record[key]
-    raise InvalidArgument(
-        f"a record has none of 'messages', 'question', 'prompt', 'turns': keys {sorted(record)}")
+    raise InvalidArgument(f"a record has none of 'messages', 'turns', 'conversations', "
+                          f"{', '.join(repr(k) for k in PROMPT_KEYS)}: keys {sorted(record)}")
 
 
 def load(spec: str, n: int | None = None, directory: str | Path | None = None) -> Dataset:

@@ -14,10 +14,11 @@ import itertools
 import statistics
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from card.client.bench import report
+from card.client.bench.modes import SERVICE_POOLS, service_request
 from card.client.bench.report import percentile
 from card.common.channels import channel
 from card.common.tensors import ids_from_msg, ids_to_msg
@@ -28,10 +29,13 @@ REFERENCE = "svc-vanilla"
 
 
 def one_request(addr: str, prompt: str | Sequence[int], mode: str, max_new_tokens: int, ignore_eos: bool,
-                timeout_s: float = 600.0, tls: TlsConfig = PLAINTEXT, api_key: str | None = None) -> dict:
+                timeout_s: float = 600.0, tls: TlsConfig = PLAINTEXT, api_key: str | None = None,
+                draft: str | None = None) -> dict:
     """Stream one generation of ``prompt`` (text, with the target's chat template, or token ids);
-    its tokens and timings (seconds from the call). ``api_key``: the target's, where it has one."""
-    request = target_pb2.GenerateRequest(mode=mode, max_new_tokens=max_new_tokens, ignore_eos=ignore_eos)
+    its tokens and timings (seconds from the call). ``api_key``: the target's, where it has one;
+    ``draft``: the pool to speculate with (None: the target's routing)."""
+    request = target_pb2.GenerateRequest(mode=mode, max_new_tokens=max_new_tokens, ignore_eos=ignore_eos,
+                                         draft=draft or "")
     if isinstance(prompt, str):
         request.prompt = prompt
     else:
@@ -57,21 +61,23 @@ def one_request(addr: str, prompt: str | Sequence[int], mode: str, max_new_token
 
 def run_level(addr: str, mode: str, prompts: Sequence[str | Sequence[int]], concurrency: int,
               max_new_tokens: int, ignore_eos: bool, ramp_s: float = 0.0,
-              tls: TlsConfig = PLAINTEXT, api_key: str | None = None) -> tuple[list[dict], float]:
+              tls: TlsConfig = PLAINTEXT, api_key: str | None = None,
+              pools: Mapping[str, str] = SERVICE_POOLS) -> tuple[list[dict], float]:
     """Every one of ``concurrency`` clients sends every prompt, client c starting ``c * ramp_s``
     after the first (so that equal requests do not arrive, and end, in waves); records and the
     load's wall time."""
     records: list[dict] = []
     errors: list[BaseException] = []
     lock = threading.Lock()
+    remote_mode, draft = service_request(mode, pools)
 
     def client(c: int) -> None:
         time.sleep(c * ramp_s)
         order = [(c + k) % len(prompts) for k in range(len(prompts))]
         for i in order:
             try:
-                rec = one_request(addr, prompts[i], mode.removeprefix("svc-"), max_new_tokens, ignore_eos,
-                                  tls=tls, api_key=api_key)
+                rec = one_request(addr, prompts[i], remote_mode, max_new_tokens, ignore_eos, tls=tls,
+                                  api_key=api_key, draft=draft)
             except BaseException as exc:
                 with lock:
                     errors.append(exc)
@@ -93,7 +99,8 @@ def run_level(addr: str, mode: str, prompts: Sequence[str | Sequence[int]], conc
 
 def run_load(addr: str, modes: Sequence[str], prompts: Sequence[str | Sequence[int]], levels: Sequence[int],
              max_new_tokens: int, ignore_eos: bool, log=print,
-             tls: TlsConfig = PLAINTEXT, api_key: str | None = None) -> tuple[list[dict], list[dict]]:
+             tls: TlsConfig = PLAINTEXT, api_key: str | None = None,
+             pools: Mapping[str, str] = SERVICE_POOLS) -> tuple[list[dict], list[dict]]:
     records: list[dict] = []
     walls: dict[tuple[str, int], float] = {}
     alone: dict[str, float] = {}
@@ -102,7 +109,7 @@ def run_load(addr: str, modes: Sequence[str], prompts: Sequence[str | Sequence[i
             # clients start spread over one request's time alone (measured at the lowest level)
             ramp = alone.get(mode, 0.0) / level
             recs, wall = run_level(addr, mode, prompts, level, max_new_tokens, ignore_eos, ramp, tls,
-                                   api_key)
+                                   api_key, pools)
             alone.setdefault(mode, statistics.median(r["wall_s"] for r in recs))
             records += recs
             walls[(mode, level)] = wall

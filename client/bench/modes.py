@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import copy
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -45,7 +45,19 @@ from card.engine.shared.stats import GenerationStats
 ENGINE_MODES = ("vanilla", "sd", "card", "card-ngram", "card-cascade", "card-auto")
 HF_MODES = ("hf", "hf-assisted", "hf-pld")
 MODES = ENGINE_MODES + HF_MODES
-SERVICE_MODES = ("svc-vanilla", "svc-card")
+SERVICE_MODES = ("svc-vanilla", "svc-card", "svc-ngram", "svc-cascade")
+DEFAULT_SERVICE_MODES = ("svc-vanilla", "svc-card")  # what --services adds beside in-process modes
+# The draft pool each speculating service mode names, in a trio card-bench starts: one trio serves
+# them all, the model-free and cascade workers beside the draft model's (card.client.bench.cli)
+SERVICE_POOLS = {"svc-card": "bench-draft", "svc-ngram": "bench-ngram", "svc-cascade": "bench-cascade"}
+
+
+def service_request(mode: str, pools: Mapping[str, str]) -> tuple[str, str | None]:
+    """(the GenerateRequest's mode, its draft) of service mode ``mode`` (``svc-card+loose`` too);
+    ``pools``: SERVICE_POOLS in a trio card-bench started, empty for a running target (its own
+    routing)."""
+    base = mode.split("+")[0]
+    return ("vanilla" if base == "svc-vanilla" else "card"), pools.get(base)
 NEEDS_DRAFT = ("sd", "card", "card-cascade", "card-auto", "hf-assisted")
 # hf-pld: candidate tokens per lookup (transformers' documented example uses 10; its matching
 # n-gram size keeps its default, 2)
@@ -172,10 +184,10 @@ class ServiceMode:
 
     def __init__(self, name: str, target_addr: str, threads: dict[str, int],
                  ignore_eos: bool = False, sampling: SamplingParams | None = None,
-                 verify: VerifyPolicy | None = None) -> None:
+                 verify: VerifyPolicy | None = None, pools: Mapping[str, str] = SERVICE_POOLS) -> None:
         self.name = name
         self.addr = target_addr
-        self.remote_mode = name.removeprefix("svc-").split("+")[0]
+        self.remote_mode, self.draft = service_request(name, pools)
         self.threads = threads
         self.ignore_eos = ignore_eos
         self.sampling = sampling or SamplingParams()
@@ -188,7 +200,7 @@ class ServiceMode:
         t0 = time.perf_counter()
         v = self.verify
         result = generate_remote(self.addr, list(prompt_ids), stop=stop, mode=self.remote_mode,
-                                 sampling=self.sampling,
+                                 sampling=self.sampling, draft=self.draft,
                                  verify=verify_to_msg(v.mode, v.entropy_threshold, v.window))
         stats = result.stats
         stats.wall_s = time.perf_counter() - t0
