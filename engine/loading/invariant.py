@@ -33,6 +33,9 @@ from card.engine.loading.cpu_linear import PackedLinear, can_pack, pack_linears
 log = logging.getLogger(__name__)
 
 TILE_ROWS = 64  # rows per fixed tile on CUDA: a decode batch of 8 sessions x 8-row chains in one
+# On a CPU a tile's rows cost their full matrix product (no idle lanes to hide them in), and a lone
+# decode row would pay 64 rows of it (the LM head's above all): tiles there are a chain's width
+CPU_TILE_ROWS = 8
 PROBE_ROWS = (1, 2, 3, 9, 40)
 
 
@@ -68,13 +71,14 @@ def make_exact(model: torch.nn.Module, exact: bool = True, prepack: bool = True)
     if not exact:
         return "oneDNN-packed linears" if packed else "vendor kernels"
     tiled: set[str] = set()
+    tile = CPU_TILE_ROWS if device.type == "cpu" else TILE_ROWS
     for layers in _row_wise_layers(model).values():
         if device.type == "cuda" or not probe(layers[0]):
             tiled.add(type(layers[0]).__name__)
-            _wrap(model, {id(layer) for layer in layers})
+            _wrap(model, {id(layer) for layer in layers}, tile)
     how = "oneDNN-packed linears" if packed else "vendor row-wise kernels"
     if tiled:
-        how += f"; fixed {TILE_ROWS}-row tiles for {', '.join(sorted(tiled))}"
+        how += f"; fixed {tile}-row tiles for {', '.join(sorted(tiled))}"
     log.info("exact forward on %s: %s", device, how)
     return how
 
@@ -117,13 +121,13 @@ def _row_wise_layers(model: torch.nn.Module) -> dict[tuple, list[torch.nn.Module
     return groups
 
 
-def _wrap(model: torch.nn.Module, chosen: set[int]) -> None:
+def _wrap(model: torch.nn.Module, chosen: set[int], tile: int) -> None:
     for parent in list(model.modules()):
         if isinstance(parent, FixedTiles):
             continue
         for name, child in list(parent.named_children()):
             if id(child) in chosen:
-                setattr(parent, name, FixedTiles(child))
+                setattr(parent, name, FixedTiles(child, tile))
 
 
 def _width(layer: torch.nn.Module) -> int:
