@@ -72,6 +72,7 @@ class PoolStats:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._pools: dict[str, PoolCounters] = {}
+        self._series: dict[str, tuple] = {}  # each pool's metric children, looked up once (Step's path)
 
     def record(self, pool: str, chain_tokens: int, accepted: int, hit: bool, busy_s: float) -> None:
         """One Step of a session whose previous chain (``chain_tokens`` long) ``pool`` grew."""
@@ -84,13 +85,19 @@ class PoolStats:
             c.committed_tokens += accepted + 1
             c.hits += hit
             c.busy_s += busy_s
-        metrics.POOL_STEPS.labels(pool).inc()
-        metrics.POOL_CHAIN_TOKENS.labels(pool).inc(chain_tokens)
-        metrics.POOL_ACCEPTED.labels(pool).inc(accepted)
-        metrics.POOL_COMMITTED.labels(pool).inc(accepted + 1)
+            series = self._series.get(pool)
+            if series is None:
+                series = self._series[pool] = tuple(m.labels(pool) for m in (
+                    metrics.POOL_STEPS, metrics.POOL_CHAIN_TOKENS, metrics.POOL_ACCEPTED,
+                    metrics.POOL_COMMITTED, metrics.POOL_HITS, metrics.POOL_BUSY))
+        steps, offered, kept, committed, hits, busy = series
+        steps.inc()
+        offered.inc(chain_tokens)
+        kept.inc(accepted)
+        committed.inc(accepted + 1)
         if hit:
-            metrics.POOL_HITS.labels(pool).inc()
-        metrics.POOL_BUSY.labels(pool).inc(busy_s)
+            hits.inc()
+        busy.inc(busy_s)
 
     def names(self) -> list[str]:
         with self._lock:

@@ -187,7 +187,7 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
         # reports SERVING, and tests proceed, only once it has arrived)
         context.send_initial_metadata(())
         # its sessions waited for a worker with an open stream: this one may take them now
-        self.sessions.worker_joined(worker, None)
+        self.sessions.rebalance()
         self._count_drafts()
         try:
             while context.is_active() and not worker.closed:
@@ -272,14 +272,22 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
                   ) -> cache_pb2.HeartbeatResponse:
         worker = self.registry.heartbeat(request.worker_id)
         if request.draining and not worker.draining:  # its SIGTERM: hand its sessions over, then exit
-            with self.registry.lock:
-                worker.draining = True
-            moved = self.sessions.drain([worker])
+            moved = self._drain(self.registry.drain(name=worker.name))
             log.info("draft %s is shutting down; %d session(s) moved to other workers", worker.name,
                      moved, extra={"draft": worker.name})
-            self._count_drafts()
         self._record_draft(worker)
         return cache_pb2.HeartbeatResponse()
+
+    def _drain(self, workers: list[Worker], resume: bool = False) -> int:
+        """``workers`` were just drained (or resumed) in the registry: move their sessions (or let
+        waiting sessions take them); the count moved."""
+        moved = 0
+        if resume:
+            self.sessions.rebalance()
+        else:
+            moved = self.sessions.drain(workers)
+        self._count_drafts()
+        return moved
 
     # ---- operators ----------------------------------------------------------------------------
     @grpc_errors
@@ -288,14 +296,9 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
         if bool(request.name) == bool(request.pool):
             raise InvalidArgument("drain names one worker or one pool (name or pool, not both)")
         workers = self.registry.drain(request.name, request.pool, request.resume)
-        if request.resume:
-            self.sessions.worker_joined(workers[0], None)  # waiting sessions may take them again
-            moved = 0
-        else:
-            moved = self.sessions.drain(workers)
+        moved = self._drain(workers, request.resume)
         for worker in workers:
             self._record_draft(worker)
-        self._count_drafts()
         log.info("%s %s (%d session(s) moved)", "resumed" if request.resume else "drained",
                  ", ".join(w.name for w in workers), moved)
         return cache_pb2.DrainResponse(workers=[w.name for w in workers], sessions_moved=moved)

@@ -219,6 +219,12 @@ class SessionTable:
                 self.worker_left(replaced)
             self._rebalance()
 
+    def rebalance(self) -> None:
+        """A worker may take sessions again (its command stream opened, it was resumed): give
+        every waiting session one where a matching worker has room."""
+        with self.lock:
+            self._rebalance()
+
     def worker_left(self, worker: Worker) -> None:
         """``worker`` is gone: its sessions continue without it (or with another worker)."""
         with self.lock:
