@@ -19,6 +19,7 @@ from card.cache_service.config import CacheConfig
 from card.cache_service.server import create_server
 from card.client.remote import generate_remote
 from card.client.trio import LocalTrio, console_script
+from card.common.auth import CACHE_ROLES
 from card.common.channels import channel, health_status, wait_serving
 from card.common.tls import TlsConfig
 from card.engine.shared.config import SamplingParams, StopParams
@@ -41,7 +42,16 @@ CALLS = {
     "Commands": ("draft", lambda s: next(s.Commands(cache_pb2.CommandsRequest(), timeout=TIMEOUT))),
     "PublishLayers": ("draft", lambda s: s.PublishLayers(iter([cache_pb2.LayerMessage()]), timeout=TIMEOUT)),
     "Heartbeat": ("draft", lambda s: s.Heartbeat(cache_pb2.HeartbeatRequest(), timeout=TIMEOUT)),
+    "Drain": ("target", lambda s: s.Drain(cache_pb2.DrainRequest(), timeout=TIMEOUT)),
+    "SetPoolWeights": ("target", lambda s: s.SetPoolWeights(cache_pb2.PoolWeightsRequest(), timeout=TIMEOUT)),
 }
+
+
+def test_every_cache_rpc_is_guarded_and_tried_here() -> None:
+    """A new RPC must get a role (card.common.auth.CACHE_ROLES) and a row in CALLS above."""
+    methods = cache_pb2.DESCRIPTOR.services_by_name["CacheService"].methods_by_name
+    assert set(methods) == set(CALLS)
+    assert {f"/card.v1.CacheService/{m}": role for m, (role, _) in CALLS.items()} == CACHE_ROLES
 
 
 @pytest.fixture
