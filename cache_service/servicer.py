@@ -119,7 +119,7 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
                                      chain_policy_from_msg(request.chain), request.vocab_size,
                                      request.context_window, request.idle_timeout_ms / 1000.0,
                                      chain_draw_from_msg(request.draw) if request.HasField("draw") else None,
-                                     request.default_pool)
+                                     request.default_pool, request.draft_paused)
         return cache_pb2.OpenSessionResponse(session_id=session.session_id, draft=session.draft)
 
     @grpc_errors
@@ -141,7 +141,8 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
         return cache_pb2.StepBatchResponse(results=results)
 
     def _step(self, request: cache_pb2.StepRequest) -> cache_pb2.StepResponse:
-        chain, outcome = self.sessions.step(request.session_id, correction_from_msg(request))
+        chain, outcome = self.sessions.step(request.session_id, correction_from_msg(request),
+                                            request.pause_draft)
         reply = chain_to_msg(chain, outcome)
         with contextlib.suppress(NotFound):  # closed since: its counters are in its record
             reply.draft_forwards, reply.draft_idle_s = self.sessions.get(request.session_id).draft_totals()

@@ -44,7 +44,7 @@ from card.common.drafts import ANY, Route
 from card.engine.shared.commands import AdvanceDraft, StartDraft, StopDraft
 from card.engine.shared.config import ChainDraw, ChainPolicy, TreeParams
 from card.engine.shared.errors import InvalidArgument, NotFound, ResourceExhausted, Unavailable
-from card.engine.shared.session import CardSession
+from card.engine.shared.session import CardSession, StepResult
 from card.engine.shared.stats import GenerationStats
 from card.engine.shared.tree import Advance, Chain, Correction, Layer, Outcome, TwoTierTree
 
@@ -83,6 +83,9 @@ class Session:
     last_active: float = field(default_factory=time.monotonic)  # open, last Step or keepalive
     idle_timeout_s: float = 0.0  # the target's (OpenSession); 0 = the cache's
     draft_refused: bool = False  # a worker dropped it (LayerMessage.dropped): no worker is tried again
+    # the target's speculation controller paused its drafting: no worker serves it, chains are
+    # empty, until a Step resumes it (StepRequest.pause_draft)
+    paused: bool = False
     worker: Worker | None = None
     route: Route = ANY  # where its workers come from (draft_name resolved at open)
     default_pool: str = ""  # the target's --default-pool, for an unnamed session
@@ -185,11 +188,12 @@ class SessionTable:
         log.info("session %s served by draft %s", session.session_id, worker.name,
                  extra={"session_id": session.session_id, "draft": worker.name})
 
-    def _detach(self, session: Session, stop: bool = False) -> None:
-        """The session's worker no longer serves it (it left, dropped it, or is drained): no
-        command goes to it after this one; ``stop``: tell it to stop (a drained worker is alive, and
-        counts its sessions down to exit). The tree it grew serves the chain in flight; the next
-        worker starts after the next correction."""
+    def _detach(self, session: Session, stop: bool = False, keep_tree: bool = True) -> None:
+        """The session's worker no longer serves it (it left, dropped it, is drained, or the
+        session is paused): no command goes to it after this one; ``stop``: tell it to stop (a
+        drained worker is alive, and counts its sessions down to exit). With ``keep_tree`` the tree
+        it grew serves the chain in flight and the next worker starts after the next correction;
+        without, the tree empties now."""
         worker = session.worker
         if worker is None:
             return
@@ -200,14 +204,14 @@ class SessionTable:
             session.draft_idle_done += idle
             session.draft_forwards, session.draft_idle_s = 0, 0.0
             session.worker = None
-            link = session.card.detach()
+            link = session.card.detach(keep_tree)
         if stop and link is not None:
             link.stop()
 
     def _rebalance(self) -> None:
         """Give every session without a worker one, where a matching worker has room."""
         for session in self._sessions.values():
-            if session.worker is not None or session.draft_refused:
+            if session.worker is not None or session.draft_refused or session.paused:
                 continue
             worker = self.registry.pick(session.fingerprint, session.route, session.default_pool)
             if worker is not None:
@@ -258,7 +262,7 @@ class SessionTable:
     def open(self, prompt_ids: Sequence[int], fingerprint: str, target_model: str,
              draft: str = "", chain: ChainPolicy | None = None, vocab_size: int = 0,
              context_window: int = 0, idle_timeout_s: float = 0.0, draw: ChainDraw | None = None,
-             default_pool: str = "") -> Session:
+             default_pool: str = "", paused: bool = False) -> Session:
         """``draft``: a pool or a worker's name (card.common.drafts.route_draft; "" = any pool,
         ``default_pool`` first); ``chain`` goes over the configured chain settings for this session
         (None: keep them);
@@ -267,7 +271,8 @@ class SessionTable:
         long the session lives without a Step or keepalive (0 = the cache's; it is also the cap).
         InvalidArgument: an empty
         prompt, one at or past the context window, a token outside the vocabulary, no fingerprint,
-        or a chain policy out of range. NotFound / FailedPrecondition: ``draft`` names no pool or
+        or a chain policy out of range. ``paused``: no worker drafts for it until a Step resumes it.
+        NotFound / FailedPrecondition: ``draft`` names no pool or
         worker, or one with another tokenizer. ResourceExhausted: the named worker is full."""
         if self.closing:
             raise Unavailable("the cache service is shutting down; retry against another replica")
@@ -288,15 +293,15 @@ class SessionTable:
         session = Session(
             session_id=uuid.uuid4().hex, target_model=target_model or "unknown", fingerprint=fingerprint,
             draft_name=draft, card=card, prompt_tokens=len(prompt_ids), vocab_size=vocab_size,
-            idle_timeout_s=idle_timeout_s, route=route, default_pool=default_pool,
+            idle_timeout_s=idle_timeout_s, route=route, default_pool=default_pool, paused=paused,
         )
         with self.lock:
             pinned = self.registry.named(route.worker)
-            if pinned is not None and pinned.full and not pinned.draining:
+            if pinned is not None and pinned.full and not pinned.draining and not paused:
                 raise ResourceExhausted(
                     f"draft {route.worker!r} is at capacity ({pinned.capacity} sessions); retry later, name "
                     f"its pool {route.pool!r}, or leave the draft unnamed")
-            worker = self.registry.pick(fingerprint, route, default_pool)
+            worker = None if paused else self.registry.pick(fingerprint, route, default_pool)
             self._sessions[session.session_id] = session
             if worker is not None:
                 self._attach(session, worker)
@@ -306,14 +311,23 @@ class SessionTable:
                  worker.name if worker else "none", extra={"session_id": session.session_id})
         return session
 
-    def step(self, session_id: str, correction: Correction) -> tuple[Chain, Outcome]:
-        """Apply the target's correction and return the next chain; never waits for a draft."""
+    def step(self, session_id: str, correction: Correction,
+             pause_draft: bool = False) -> tuple[Chain, Outcome]:
+        """Apply the target's correction and return the next chain; never waits for a draft.
+        ``pause_draft``: the target's controller pauses the session's drafting (its worker stops,
+        the chain is empty); a Step without it resumes a paused session (a worker starts from the
+        whole text)."""
         t0 = time.perf_counter()
         session = self.get(session_id)
         with session.lock:
             if session.closed:
                 raise NotFound(f"session {session_id!r} is closed")
             result = session.card.step(correction)  # Aborted on a stale epoch
+        if pause_draft != session.paused:
+            self._pause(session, pause_draft)
+            if pause_draft:
+                result = StepResult(Chain(epoch=session.epoch), result.outcome)
+        with session.lock:
             now = time.monotonic()
             pool, chain_len, busy_s = session.chain_pool, session.chain_len, now - session.last_step
             session.last_active = session.last_step = now
@@ -328,6 +342,23 @@ class SessionTable:
         metrics.OUTCOMES.labels(result.outcome.value).inc()
         metrics.STEP_LATENCY.observe(time.perf_counter() - t0)
         return result.chain, result.outcome
+
+    def _pause(self, session: Session, pause: bool) -> None:
+        """Pause a session's drafting (its worker is told to stop and serves others; its tree
+        empties) or resume it (a worker is picked as for a new session, and starts from the whole
+        committed text at once: the tree is empty)."""
+        with self.lock:
+            if session.closed:
+                return
+            session.paused = pause
+            if pause:
+                self._detach(session, stop=True, keep_tree=False)
+                self._rebalance()  # its place on the worker may serve a waiting session
+            elif not session.draft_refused:
+                worker = self.registry.pick(session.fingerprint, session.route, session.default_pool)
+                if worker is not None:
+                    self._attach(session, worker)
+        metrics.DRAFT_PAUSES.labels("pause" if pause else "resume").inc()
 
     def close(self, session_id: str, stats: GenerationStats | None = None,
               status: str = "finished") -> tuple[int, float]:

@@ -88,9 +88,11 @@ def layer_from_msg(msg: cache_pb2.LayerMessage) -> Layer:
 
 
 # ---- correction (target -> cache) and chain (cache -> target) ---------------------------------
-def correction_to_msg(session_id: str, correction: Correction) -> cache_pb2.StepRequest:
+def correction_to_msg(session_id: str, correction: Correction, pause_draft: bool = False
+                      ) -> cache_pb2.StepRequest:
     return cache_pb2.StepRequest(
         session_id=session_id,
+        pause_draft=pause_draft,
         epoch=correction.epoch,
         accepted_tokens=ids_to_msg(correction.accepted_tokens),
         accepted_node_ids=ids_to_msg(correction.accepted_node_ids),
@@ -247,6 +249,9 @@ def stats_to_msg(stats: GenerationStats) -> common_pb2.GenerationStats:
         loose_kept=stats.loose_kept,
         acceptance_histogram=stats.acceptance_histogram,
         rejection_fallbacks=stats.rejection_fallbacks,
+        speculation=stats.speculation,
+        drafting_paused_steps=stats.drafting_paused_steps,
+        drafting_pauses=stats.drafting_pauses,
     )
 
 
@@ -273,6 +278,9 @@ def stats_from_msg(msg: common_pb2.GenerationStats) -> GenerationStats:
         loose_kept=msg.loose_kept,
         acceptance_histogram=list(msg.acceptance_histogram),
         rejection_fallbacks=msg.rejection_fallbacks,
+        speculation=msg.speculation,
+        drafting_paused_steps=msg.drafting_paused_steps,
+        drafting_pauses=msg.drafting_pauses,
     )
 
 

@@ -220,9 +220,10 @@ class CacheLink:
             self._cv.notify_all()
 
     def open_session(self, committed: list[int], draft: str, chain: ChainPolicy,
-                     draw: ChainDraw | None = None) -> grpc.Future | None:
+                     draw: ChainDraw | None = None, paused: bool = False) -> grpc.Future | None:
         """OpenSession at ``committed``, under way (None: too many calls in flight, try later);
-        ``draw``: the session's chains are drawn (verify rejection)."""
+        ``draw``: the session's chains are drawn (verify rejection); ``paused``: no worker drafts
+        for it until a Step resumes it (the speculation controller has drafting paused)."""
         if not self._take():
             return None
         t = self.target
@@ -230,7 +231,7 @@ class CacheLink:
             prompt_ids=ids_to_msg(committed), vocab_size=t.vocab_size, context_window=t.context_window,
             tokenizer_fingerprint=t.fingerprint, target_model=t.target_model, draft=draft,
             chain=chain_policy_to_msg(chain), idle_timeout_ms=round(t.idle_timeout_s * 1000),
-            default_pool=t.default_pool)
+            default_pool=t.default_pool, draft_paused=paused)
         if draw is not None:
             request.draw.CopyFrom(chain_draw_to_msg(draw))
         future = self.stub.OpenSession.future(request, timeout=t.open_timeout_s)

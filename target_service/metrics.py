@@ -46,3 +46,16 @@ LOOSE_KEPT = Counter("card_target_loose_kept_tokens_total",
 REJECTION_FALLBACKS = Counter("card_target_rejection_fallbacks_total",
                               "verify rejection chains that came without a usable draft distribution and "
                               "were verified exactly (a cache that does not draw chains)")
+# the speculation controller (card.engine.target.controller)
+SPECULATING = Gauge("card_target_speculating",
+                    "1 while the engine speculates, 0 while every draft is paused (plain decoding pays more)")
+SPECULATION_DECISIONS = Counter("card_target_speculation_decisions_total",
+                                "Switches of the engine's regime: to spec or plain, why (probe, won, lost, "
+                                "unmeasured)", ["regime", "why"])
+SPECULATION_RATE = Gauge("card_target_speculation_rate_tokens_per_second",
+                         "Committed tokens per second of each regime at the latest probe's batch sizes",
+                         ["regime"])
+DRAFTING_PAUSED = Gauge("card_target_drafting_paused_generations",
+                        "Generations in the batch whose drafting is paused now (engine-wide or their own)")
+SESSION_PAUSES = Counter("card_target_drafting_session_pauses_total",
+                         "Generations whose own drafting was paused: chains rejected or never verified")

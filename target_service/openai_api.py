@@ -487,6 +487,10 @@ def usage(stats: GenerationStats, draft: str) -> dict:
             "loose_kept_tokens": stats.loose_kept,
             # rejection: chains verified exactly for want of the draft's distributions
             "rejection_fallbacks": stats.rejection_fallbacks,
+            # the speculation controller: steps decoded with this request's drafting paused
+            "speculation": stats.speculation,
+            "drafting_paused_steps": stats.drafting_paused_steps,
+            "drafting_pauses": stats.drafting_pauses,
         },
     }
 

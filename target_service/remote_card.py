@@ -18,6 +18,11 @@ deadline.
   after the front checked it): this request decodes without a draft.
 - Step fails (timeout, cache restarted, stale epoch): that step gets an empty chain, the session is
   closed (fire-and-forget) and another opened at the committed text after a short pause.
+- Paused by the engine's speculation controller (``Pausable``): one Step tells the cache
+  (``pause_draft``: its worker stops drafting the session), then no Step goes at all while it
+  lasts (plain decoding at plain decoding's cost; the keeper keeps the session). Resumed, the next
+  Step carries the tokens committed since as a path the tree never held, as a late open does, and
+  a worker drafts again from the whole text. A source paused before it opens opens paused.
 
 The source owns the session's epoch (a re-opened session starts again at 0, whatever the chains
 before it said), its round-trip times and the draft's counters (from each Step's answer); the
@@ -85,6 +90,9 @@ class RemoteCard:
         self._retry_s = link.target.retry_initial_s
         self._draft_done = (0, 0.0)  # draft forwards and idle seconds of sessions that ended
         self._draft_now = (0, 0.0)  # the current session's, from its latest Step
+        self._hold = False  # the engine's controller wants drafting paused
+        self._cache_paused = False  # the cache's session has no draft (told so, or opened so)
+        self._synced_at = 0  # committed tokens the cache's session holds (while paused)
 
     def _draft_totals(self) -> tuple[int, float]:
         return self._draft_done[0] + self._draft_now[0], self._draft_done[1] + self._draft_now[1]
@@ -99,6 +107,12 @@ class RemoteCard:
 
     def step(self, correction: Correction) -> StepResult:
         return RemoteCard.step_batch([self], [correction])[0]
+
+    def pause_drafting(self) -> None:
+        self._hold = True
+
+    def resume_drafting(self) -> None:
+        self._hold = False
 
     @classmethod
     def step_batch(cls, sources: Sequence[RemoteCard], corrections: Sequence[Correction]) -> list[StepResult]:
@@ -143,16 +157,29 @@ class RemoteCard:
                 return self._plain()
             if not self._opened():
                 return self._plain()
+            if self._cache_paused and self._hold:  # opened paused: nothing to tell it yet
+                return self._plain()
             # the session's text ends where it opened, at epoch 0: the tokens committed since (all
             # but next_token) are a path the tree never held
             since = tuple(self.committed[self._opened_at:-1])
             correction = Correction(0, since, (NO_NODE,) * len(since), correction.next_token)
             self._catching_up = bool(since)
+            self._cache_paused = False
             if since:
                 metrics.CATCH_UPS.inc()
+        elif self._cache_paused:
+            if self._hold:  # paused: no round trip at all
+                return self._plain()
+            # resumed: the text committed since the pause, as a path the tree never held
+            since = tuple(self.committed[self._synced_at:-1])
+            correction = Correction(self.epoch, since, (NO_NODE,) * len(since), correction.next_token)
+            self._catching_up, self._cache_paused = True, False
         else:
             correction = Correction(self.epoch, correction.accepted_tokens,
                                     correction.accepted_node_ids, correction.next_token)
+            if self._hold:  # this Step pauses the session's draft; the next ones are not sent
+                self._cache_paused, self._synced_at = True, len(self.committed)
+                return correction_to_msg(self.session_id, correction, pause_draft=True)
         return correction_to_msg(self.session_id, correction)
 
     def _answer(self, reply: cache_pb2.StepResult, t0: float) -> StepResult:
@@ -210,11 +237,13 @@ class RemoteCard:
         if not self.link.breaker.allow():
             self._retry_at = time.monotonic() + max(self.link.breaker.retry_in(), self.target.retry_initial_s)
             return
-        future = self.link.open_session(list(self.committed), self.draft, self.chain, self.draw)
+        future = self.link.open_session(list(self.committed), self.draft, self.chain, self.draw,
+                                        paused=self._hold)
         if future is None:
             self._retry_at = time.monotonic() + self.target.retry_initial_s
             return
         self._opening, self._opened_at = future, len(self.committed)
+        self._cache_paused, self._synced_at = self._hold, len(self.committed)
         self._opens += 1
 
     def _opened(self) -> bool:
@@ -258,6 +287,7 @@ class RemoteCard:
         if close and self.session_id:
             self.link.close_session(self.session_id)
         self.session_id = ""
+        self._cache_paused = False
         self._draft_done, self._draft_now = self._draft_totals(), (0, 0.0)
         # not at once: a failed Step often means the cache is restarting, and a session opened on
         # a cache that is shutting down would be lost with it

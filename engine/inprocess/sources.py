@@ -128,14 +128,27 @@ class SyncDraft:
         params = tree or TreeParams(width=1, branch=1, max_depth=gamma, max_chain=gamma, b_extension=False)
         self.drafter = Drafter(model, params, max_len=kv_len)
         self.session = CardSession(params, draw=draw)
+        self._held = False  # the engine's speculation controller paused drafting (Pausable)
 
     def open(self, committed: Sequence[int]) -> None:
         self.drafter.forwards = 0
         self.session.open(committed)
-        self.session.attach(SyncLink(self.drafter, self.session))
+        if not self._held:
+            self.session.attach(SyncLink(self.drafter, self.session))
 
     def step(self, correction: Correction) -> StepResult:
         return self.session.step(correction)
+
+    def pause_drafting(self) -> None:
+        # the tree still serves the correction in flight; it empties after it
+        self._held = True
+        link = self.session.detach(keep_tree=True)
+        if link is not None:
+            link.stop()
+
+    def resume_drafting(self) -> None:
+        self._held = False
+        self.session.attach(SyncLink(self.drafter, self.session))
 
     def close(self, stats: GenerationStats) -> SourceStats:
         done = SourceStats(draft_forwards=self.drafter.forwards)
@@ -157,6 +170,7 @@ class Governed:
         self.governor = Governor(calibration_steps, enabled=backoff)
         self._committed: Sequence[int] = ()  # the generation's, read when drafting (re)starts
         self._done = SourceStats()  # draft counters of the links already stopped
+        self._held = False  # the engine's speculation controller paused drafting (Pausable)
 
     def _new_link(self) -> DraftLink:
         raise NotImplementedError
@@ -173,7 +187,21 @@ class Governed:
         self._committed = committed
         self._done = SourceStats()
         self.session.open(committed)
-        if self.governor.open():
+        if self.governor.open() and not self._held:
+            self.session.attach(self._new_link())
+
+    def pause_drafting(self) -> None:
+        """The engine's controller pauses drafting: the link stops now; the tree still serves
+        the correction in flight and empties after it."""
+        self._held = True
+        link = self.session.detach(keep_tree=True)
+        if link is not None:
+            link.stop()
+
+    def resume_drafting(self) -> None:
+        """Draft again from the committed text, unless the governor's own pause runs on."""
+        self._held = False
+        if self.governor.drafting and self.link is None and not self.session.closed:
             self.session.attach(self._new_link())
 
     def step(self, correction: Correction) -> StepResult:
@@ -182,7 +210,7 @@ class Governed:
         link = self.link
         if link is None:  # paused (or calibrating): the target decodes alone
             session.step(correction)
-            if self.governor.resume():
+            if not self._held and self.governor.resume():
                 session.attach(self._new_link())
             return StepResult(session.next_chain())
         delivered = link.delivered
@@ -291,6 +319,15 @@ class PolicyCard:
         self._trial = True  # the current drafter is on trial (a decision follows)
         self._retry = RETRY_STEPS[0]
         self._last: float | None = None
+        self._held = False  # the engine's speculation controller paused drafting (Pausable)
+
+    def pause_drafting(self) -> None:
+        self._held = True
+        self.sources[self.current].pause_drafting()
+
+    def resume_drafting(self) -> None:
+        self._held = False
+        self.sources[self.current].resume_drafting()
 
     def open(self, committed: Sequence[int]) -> None:
         self.pace = {name: Pace() for name in self.sources}
@@ -301,6 +338,9 @@ class PolicyCard:
         self.sources["ngram"].open(committed)
 
     def step(self, correction: Correction) -> StepResult:
+        if self._held:  # no drafter runs: nothing to time or judge
+            self._last = None
+            return self.sources[self.current].step(correction)
         now = self.clock()
         if self._last is not None:
             self.pace[self.current].add(now - self._last, len(correction.accepted_tokens) + 1)

@@ -32,6 +32,12 @@ class GenerationStats:
     acceptance_histogram: list[int] = field(default_factory=list)
     # rejection: chains without a usable proposal, verified exactly instead (lossless still)
     rejection_fallbacks: int = 0
+    # the target's speculation controller (card.engine.target.controller): its mode, the steps this
+    # generation decoded with its drafting paused (plain decoding engine-wide, or its own chains
+    # not paying) and how many times its drafting was paused
+    speculation: str = ""
+    drafting_paused_steps: int = 0
+    drafting_pauses: int = 0
 
     def observe_step(self, drafted: int, kept: int) -> None:
         """One verification of ``drafted`` chain tokens that kept ``kept`` (no chain: no step)."""
@@ -97,6 +103,9 @@ class GenerationStats:
         )
         if self.corrections:
             line += f", hit rate {self.hit_rate:.0%} (secondary {self.secondary_hit_rate:.0%})"
+        if self.drafting_paused_steps:
+            line += (f", drafting paused for {self.drafting_paused_steps} of {self.target_forwards} steps "
+                     f"(speculation {self.speculation or 'auto'})")
         if not self.exact:
             line += ", inexact (--exact off: vendor kernels, tokens may change with the load)"
         if self.lossy:

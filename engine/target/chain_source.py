@@ -47,6 +47,18 @@ class ChainSource(Protocol):
 
 
 @runtime_checkable
+class Pausable(Protocol):
+    """A source whose draft the engine's speculation controller pauses and resumes
+    (card.engine.target.controller): paused, the draft stops spending compute on the generation
+    and every chain is empty; resumed, it drafts again from the committed text. Called between
+    iterations, before ``open`` too (the source then opens paused)."""
+
+    def pause_drafting(self) -> None: ...
+
+    def resume_drafting(self) -> None: ...
+
+
+@runtime_checkable
 class BatchStepping(Protocol):
     """A source whose kind steps many of its sources in one call (one round trip)."""
 

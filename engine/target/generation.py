@@ -24,7 +24,8 @@ from card.engine.shared.config import GenerationRequest
 from card.engine.shared.errors import InvalidArgument
 from card.engine.shared.stats import GenerationStats
 from card.engine.shared.tree import Correction, Outcome, Proposal
-from card.engine.target.chain_source import ChainSource, StepResult
+from card.engine.target.chain_source import ChainSource, Pausable, StepResult
+from card.engine.target.controller import SessionControl
 from card.engine.target.speculation import Acceptance
 from card.engine.target.stopping import OutputTracker
 from card.engine.target.verify import TargetState, TokenLogprob
@@ -98,6 +99,11 @@ class Generation:
         self.target = TargetState(request.prompt_ids, request.sampling, request.verify, request.logprobs)
         self.logprobs: list[TokenLogprob] = []  # of the tokens streamed so far, when asked for
         self.acceptance = Acceptance()  # how often this generation's drafted tokens are accepted
+        # the speculation controller's: whether its draft may pause (its source is Pausable),
+        # whether it drafts now, and its own pauses (card.engine.target.controller)
+        self.pausable = isinstance(source, Pausable)
+        self.drafting = True
+        self.control = SessionControl()
         self._vocab = vocab_size or 2**62
         self.result: GenerationResult | None = None
         self.slot: int | None = None  # the engine's KV slot while it runs

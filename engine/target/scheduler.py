@@ -9,6 +9,9 @@ generation (continuous batching, nano-vllm's shape).
     forward  one flattened forward over all of them (card.engine.shared.kv_pool.forward), timed
     commit   each generation absorbs its rows' logits and streams what it committed; finished
              ones close and give their slot back
+    control  the speculation controller (card.engine.target.controller) takes the iteration's
+             committed tokens and seconds; before the next plan, generations whose drafting it
+             switched off (engine-wide, or their own) are paused, those switched on resume
 
 Requests join and leave between iterations. A prompt is prefilled in chunks of ``prefill_chunk``
 tokens, so a long prompt does not stall everyone else's decoding; the chunk size is fixed (not a
@@ -29,8 +32,9 @@ import torch
 
 from card.engine.shared.kv_pool import PREFILL_CHUNK, KVPool, Segment, forward
 from card.engine.target.chain_source import step_all
+from card.engine.target.controller import SpeculationControl, SpeculationController
 from card.engine.target.generation import Chunk, Generation, GenerationResult
-from card.engine.target.speculation import CostModel, chain_lengths
+from card.engine.target.speculation import Acceptance, CostModel, chain_lengths
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +50,8 @@ class Planned:
     start: int
     decoding: bool
     rows: int = 0
+    offered: int = 0  # chain tokens the source offered (a step), before the cost cut
+    committed: int = 0  # tokens it committed (a step that went through)
 
 
 @dataclass(frozen=True)
@@ -79,10 +85,16 @@ class Event:
 
 class TargetEngine:
     def __init__(self, model: torch.nn.Module, pool: KVPool, max_batch_tokens: int = 2048,
-                 prefill_chunk: int = PREFILL_CHUNK, adaptive: bool = True, exact: bool = True) -> None:
+                 prefill_chunk: int = PREFILL_CHUNK, adaptive: bool = True, exact: bool = True,
+                 controller: SpeculationController | None = None) -> None:
         self.model = model
         self.pool = pool
         self.adaptive = adaptive  # cut chains by measured cost (card.engine.target.speculation)
+        # whether speculation pays, engine-wide and per generation; without the measured-cost cut
+        # every chain is verified whole and nothing is paused (forwards depend on the draft alone)
+        self.controller = controller or SpeculationController(
+            SpeculationControl(mode="auto" if adaptive else "always"))
+        self.session_pauses = 0  # generations whose own drafting the controller paused
         # decoding rows through card.engine.shared.exact_attention: a row's logits are the same
         # alone, in a chain or in any batch (False: the vendor SDPA, faster, outputs marked inexact)
         self.exact = exact
@@ -95,10 +107,12 @@ class TargetEngine:
         self.last: IterationTimes | None = None  # the latest iteration that ran a forward
 
     @classmethod
-    def alone(cls, model: torch.nn.Module, kv_len: int, adaptive: bool = True,
-              exact: bool = True) -> TargetEngine:
-        """An engine of one slot of ``kv_len`` rows: one generation run by itself."""
-        return cls(model, KVPool(model, slots=1, max_len=max(kv_len, 2)), adaptive=adaptive, exact=exact)
+    def alone(cls, model: torch.nn.Module, kv_len: int, adaptive: bool = True, exact: bool = True,
+              controller: SpeculationController | None = None) -> TargetEngine:
+        """An engine of one slot of ``kv_len`` rows: one generation run by itself (``controller``:
+        one that outlives it, so what it measured serves the next generation)."""
+        return cls(model, KVPool(model, slots=1, max_len=max(kv_len, 2)), adaptive=adaptive, exact=exact,
+                   controller=controller)
 
     # ---- queue -------------------------------------------------------------------------------
     def add(self, gen: Generation) -> None:
@@ -119,16 +133,58 @@ class TargetEngine:
     def step(self) -> list[Event]:
         t0 = time.perf_counter()
         events = self._admit()
+        self._steer()
         plan = self._plan(events)
         if plan:
-            if self.adaptive:
-                self._budget(plan)
+            self._budget(plan)
             logits, model_s = self._forward(plan)
             t1 = time.perf_counter()
             self._commit(plan, logits, events)
-            self.last = IterationTimes(t1 - t0 - model_s, model_s, time.perf_counter() - t1,
+            t2 = time.perf_counter()
+            self.last = IterationTimes(t1 - t0 - model_s, model_s, t2 - t1,
                                        sum(len(p.tokens) for p in plan), len(plan))
+            self._control(plan, events, t2 - t0)
         return events
+
+    def _steer(self) -> None:
+        """Pause the drafting of generations the controller switched off, resume the others'
+        (a resumed one is judged afresh)."""
+        for gen in self.running:
+            if not gen.pausable or gen.drafting == self.controller.drafting(gen.control):
+                continue
+            gen.drafting = not gen.drafting
+            if gen.drafting:
+                gen.acceptance = Acceptance()
+                gen.source.resume_drafting()  # type: ignore[attr-defined]
+            else:
+                gen.stats.drafting_pauses += 1
+                gen.source.pause_drafting()  # type: ignore[attr-defined]
+
+    def _control(self, plan: list[Planned], events: list[Event], seconds: float) -> None:
+        """The controller takes the iteration: each drafting generation's step (its own pause),
+        each paused one's, and the engine's committed tokens in ``seconds`` (measured only when
+        no prefill chunk rode along and some generation could draft)."""
+        ctl = self.controller
+        batch = tokens = drafters = 0
+        clean = not any(e.error is not None for e in events)
+        for p in plan:
+            if not p.decoding:
+                clean = False
+                continue
+            batch += 1
+            tokens += p.committed
+            gen = p.gen
+            if not gen.pausable:
+                continue
+            drafters += 1
+            if not gen.drafting:
+                gen.stats.drafting_paused_steps += 1
+                if ctl.speculating:
+                    ctl.session_paused_step(gen.control)
+            elif ctl.session_step(gen.control, p.offered, len(p.tokens) - 1, gen.acceptance.alpha,
+                                  gen.acceptance.chains >= 4):
+                self.session_pauses += 1
+        ctl.observe(batch if drafters else 0, tokens, seconds, clean)
 
     def _plan(self, events: list[Event]) -> list[Planned]:
         """Every running generation's input: decoding steps first (a token or a short chain each,
@@ -159,8 +215,15 @@ class TargetEngine:
         return plan
 
     def _budget(self, plan: list[Planned]) -> None:
-        """Cut each step's chain to what pays at this iteration's measured cost."""
+        """Cut each step's chain to what pays at this iteration's measured cost (``adaptive``);
+        a generation whose drafting is paused verifies none."""
         steps = [p for p in plan if p.decoding]
+        for p in steps:
+            p.offered = len(p.tokens) - 1
+            if not p.gen.drafting and p.offered:  # a chain in flight when its draft paused
+                p.tokens = p.gen.trim_chain(0)
+        if not self.adaptive:
+            return
         fixed = sum(len(p.tokens) for p in plan if not p.decoding) + len(steps)
         lengths = chain_lengths([len(p.tokens) - 1 for p in steps],
                                 [p.gen.acceptance.alpha for p in steps], fixed, self.cost.fit())
@@ -203,6 +266,8 @@ class TargetEngine:
             except Exception as exc:
                 events.append(self._fail(p.gen, exc))
                 continue
+            if p.decoding:
+                p.committed = p.gen.stats.accepted_lengths[-1]
             if p.gen.done:
                 event = self._finish(p.gen)
                 event.chunk = chunk
@@ -222,6 +287,12 @@ class TargetEngine:
             gen.stats.exact = self.exact
             self.running.append(gen)
             try:
+                if gen.pausable:
+                    gen.stats.speculation = self.controller.config.mode
+                    if not self.controller.drafting(gen.control):  # it opens paused
+                        gen.drafting = False
+                        gen.stats.drafting_pauses += 1
+                        gen.source.pause_drafting()  # type: ignore[attr-defined]
                 gen.open()
             except Exception as exc:
                 events.append(self._fail(gen, exc))
@@ -267,16 +338,18 @@ class TargetEngine:
 
 
 def run_alone(model: torch.nn.Module, gen: Generation, adaptive: bool = True,
-              exact: bool = True) -> Iterator[Chunk]:
+              exact: bool = True, controller: SpeculationController | None = None) -> Iterator[Chunk]:
     """Run ``gen`` by itself on ``model`` (an engine of one slot), yielding its chunks.
-    ``adaptive=False`` verifies every chain whole (the measured-cost cut is off): the forward
-    count then depends on the draft alone, not on how busy the machine is."""
-    yield from TargetEngine.alone(model, gen.kv_len, adaptive, exact).stream(gen)
+    ``adaptive=False`` verifies every chain whole (the measured-cost cut is off, and the
+    speculation controller pauses nothing): the forward count then depends on the draft alone,
+    not on how busy the machine is. ``controller``: one that outlives this generation."""
+    yield from TargetEngine.alone(model, gen.kv_len, adaptive, exact, controller).stream(gen)
 
 
-def finish_alone(model: torch.nn.Module, gen: Generation, exact: bool = True) -> GenerationResult:
+def finish_alone(model: torch.nn.Module, gen: Generation, exact: bool = True,
+                 controller: SpeculationController | None = None) -> GenerationResult:
     """Run ``gen`` by itself to its end; its result."""
-    for _ in run_alone(model, gen, exact=exact):
+    for _ in run_alone(model, gen, exact=exact, controller=controller):
         pass
     assert gen.result is not None
     return gen.result

@@ -59,6 +59,7 @@ class Acceptance:
     def __init__(self) -> None:
         self.accepted = 1.0
         self.rejected = 1.0
+        self.chains = 0  # verified chains observed
 
     @property
     def alpha(self) -> float:
@@ -67,6 +68,7 @@ class Acceptance:
     def observe(self, offered: int, accepted: int) -> None:
         if offered == 0:  # nothing was asked of the draft: nothing learned
             return
+        self.chains += 1
         self.accepted = self.accepted * self.DECAY + accepted
         self.rejected = self.rejected * self.DECAY + (1.0 if accepted < offered else 0.0)
 
