@@ -145,7 +145,9 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
                                             request.pause_draft)
         reply = chain_to_msg(chain, outcome)
         with contextlib.suppress(NotFound):  # closed since: its counters are in its record
-            reply.draft_forwards, reply.draft_idle_s = self.sessions.get(request.session_id).draft_totals()
+            session = self.sessions.get(request.session_id)
+            reply.draft_forwards, reply.draft_idle_s = session.draft_totals()
+            reply.draft = session.draft
         return reply
 
     @grpc_errors

@@ -10,6 +10,7 @@ from card.engine.loading.models import ModelConfig
 from card.engine.shared.config import Verify, VerifyPolicy
 from card.engine.shared.errors import InvalidArgument
 from card.engine.shared.kv_pool import check_sizing, pool_shape
+from card.engine.target.controller import SpeculationControl
 
 
 @dataclass(frozen=True)
@@ -19,7 +20,9 @@ class TargetConfig:
     per slot (prompt + new tokens); None = the model's context window, at most 4096.
     max_batch_tokens: tokens per forward beyond which prefill chunks wait for the next one.
     adaptive_chains: cut chains each iteration to what pays at the measured cost of a row
-    (card.engine.target.speculation); off verifies every chain the cache hands out. Whether the
+    (card.engine.target.speculation); off verifies every chain the cache hands out. speculation:
+    auto (speculate where it measurably pays, per load and per request), always, or never (every
+    draft paused). Whether the
     forward is batch-invariant (--exact) is ``model.exact``."""
 
     model: ModelConfig
@@ -33,6 +36,7 @@ class TargetConfig:
     max_model_len: int | None = None
     max_batch_tokens: int = 512
     adaptive_chains: bool = True
+    speculation: str = "auto"  # the speculation controller's mode (card.engine.target.controller)
     default_max_new_tokens: int = 128
     step_timeout_ms: int = 1000
     shutdown_grace_s: float = 30.0  # SIGTERM: how long running generations get to finish
@@ -57,6 +61,7 @@ class TargetConfig:
     json_logs: bool = False
 
     def __post_init__(self) -> None:
+        SpeculationControl(mode=self.speculation)  # validates
         if self.default_pool and not POOL_NAME.fullmatch(self.default_pool):
             raise InvalidArgument(f"--default-pool must be 1-128 characters of A-Z a-z 0-9 . _ -, got "
                                   f"{self.default_pool[:40]!r}")

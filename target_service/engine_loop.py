@@ -22,11 +22,28 @@ from collections.abc import Callable
 import torch
 
 from card.engine.shared.errors import ResourceExhausted, Unavailable
+from card.engine.target.controller import Decision, Regime, SpeculationControl, SpeculationController
 from card.engine.target.generation import Generation
 from card.engine.target.scheduler import Event, TargetEngine
 from card.target_service import metrics
 
 log = logging.getLogger(__name__)
+
+
+def speculation_controller(mode: str) -> SpeculationController:
+    """The engine's speculation controller, its decisions counted and logged."""
+
+    def decided(d: Decision) -> None:
+        metrics.SPECULATION_DECISIONS.labels(d.regime.value, d.why).inc()
+        if d.spec_rate or d.plain_rate:
+            metrics.SPECULATION_RATE.labels(Regime.SPEC.value).set(d.spec_rate)
+            metrics.SPECULATION_RATE.labels(Regime.PLAIN.value).set(d.plain_rate)
+            log.info("speculation: %s (%s; %.1f tok/s speculating, %.1f tok/s plain)", d.regime.value, d.why,
+                     d.spec_rate, d.plain_rate)
+        else:
+            log.debug("speculation: %s (%s)", d.regime.value, d.why)
+
+    return SpeculationController(SpeculationControl(mode=mode), on_decision=decided)
 
 
 class EngineLoop:
@@ -49,6 +66,10 @@ class EngineLoop:
         metrics.KV_SLOTS_FREE.set_function(lambda: engine.pool.free_slots)
         metrics.WAITING.set_function(lambda: len(engine.waiting) + len(self._inbox))
         metrics.ACTIVE.set_function(lambda: len(engine.running))
+        metrics.SPECULATING.set_function(lambda: float(engine.controller.speculating))
+        metrics.DRAFTING_PAUSED.set_function(
+            lambda: sum(g.pausable and not g.drafting for g in list(engine.running)))
+        self._session_pauses = 0
 
     def start(self) -> None:
         self._thread.start()
@@ -149,6 +170,9 @@ class EngineLoop:
                 metrics.ITERATION.labels("plan").observe(times.plan)
                 metrics.ITERATION.labels("forward").observe(times.forward)
                 metrics.ITERATION.labels("commit").observe(times.commit)
+            if engine.session_pauses != self._session_pauses:
+                metrics.SESSION_PAUSES.inc(engine.session_pauses - self._session_pauses)
+                self._session_pauses = engine.session_pauses
             for event in events:
                 self._deliver(event)
             self._admitted()

@@ -203,6 +203,7 @@ class RemoteCard:
         self.epoch = result.chain.epoch
         self.last_contact = time.monotonic()
         self._draft_now = (reply.ok.draft_forwards, reply.ok.draft_idle_s)
+        self.draft_name = reply.ok.draft or self.draft_name
         return result
 
     def _failed(self, code: grpc.StatusCode, error: CardError, t0: float) -> StepResult:

@@ -34,9 +34,10 @@ from card.common.tls import PLAINTEXT, TlsConfig
 from card.engine.loading.models import load_model
 from card.engine.shared.errors import Unavailable
 from card.engine.shared.kv_pool import KVPool
+from card.engine.target.controller import SPECULATION_MODES
 from card.engine.target.scheduler import TargetEngine
 from card.target_service.config import TargetConfig
-from card.target_service.engine_loop import EngineLoop
+from card.target_service.engine_loop import EngineLoop, speculation_controller
 from card.target_service.frontend import Frontend
 from card.target_service.openai_api import HttpServer, create_app
 from card.target_service.servicer import TargetServicer
@@ -122,7 +123,7 @@ def serve(config: TargetConfig) -> None:
     pool = KVPool(model.model, slots, max_len)
     log.info("KV cache: %d slots x %d tokens (%.2f GB)", slots, max_len, pool.nbytes / 2**30)
     engine = TargetEngine(model.model, pool, config.max_batch_tokens, adaptive=config.adaptive_chains,
-                          exact=model.exact)
+                          exact=model.exact, controller=speculation_controller(config.speculation))
     def engine_died(exc: BaseException) -> None:
         set_serving(health, False, [SERVICE_NAME])
 
@@ -176,6 +177,11 @@ def serve(config: TargetConfig) -> None:
 @option("--adaptive-chains/--no-adaptive-chains", default=True,
         help="Cut each iteration's chains to what pays at the measured cost of a verified row and "
              "each request's acceptance; off: verify every chain the cache hands out.")
+@option("--speculation", type=click.Choice(SPECULATION_MODES), default="auto", show_default=True,
+        help="auto: speculate only while it measurably pays: the engine compares its committed tokens "
+             "per second with and without drafting at the load it has (short probes) and pauses every "
+             "draft where plain decoding is faster, and pauses a request's own draft while its chains "
+             "are rejected; always: speculate throughout; never: plain decoding, every draft paused.")
 @option("--default-max-new-tokens", default=128, type=int)
 @option("--step-timeout-ms", default=1000, type=int, help="Deadline of each Step call to the cache.")
 @option("--shutdown-grace-s", default=30.0, type=float,

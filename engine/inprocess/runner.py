@@ -32,6 +32,7 @@ from card.engine.shared.errors import FailedPrecondition, InvalidArgument
 from card.engine.shared.kv_pool import DEFAULT_MAX_MODEL_LEN
 from card.engine.shared.tree import Layer
 from card.engine.target.chain_source import ChainSource, NoDraft
+from card.engine.target.controller import SpeculationControl, SpeculationController
 from card.engine.target.generation import Chunk, Generation, GenerationResult
 from card.engine.target.scheduler import finish_alone, run_alone
 
@@ -48,7 +49,9 @@ class RunnerConfig:
     calibration_steps (plain steps that open each generation to measure the target's pace alone,
     against which drafting is judged; 0 turns that judgement off); drafter (card: what grows the
     trees, engine.shared.config.DrafterKind) and ngram (the n-gram settings of the kinds that
-    use them)."""
+    use them); speculation: the engine's speculation controller (card.engine.target.controller:
+    auto, always, never), one for the runner's life so what it measured serves every generation;
+    ``backoff=False`` makes it ``always``."""
 
     mode: str = "card"
     tree: TreeParams = field(default_factory=TreeParams)
@@ -62,8 +65,10 @@ class RunnerConfig:
     draft_slots: int = 8  # card: sessions the draft worker grows at once (one forward per round)
     drafter: DrafterKind = DrafterKind.NEURAL
     ngram: NgramConfig = field(default_factory=NgramConfig)
+    speculation: str = "auto"
 
     def __post_init__(self) -> None:
+        SpeculationControl(mode=self.speculation)  # validates
         if self.mode not in MODES:
             raise InvalidArgument(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")
         if not isinstance(self.drafter, DrafterKind):
@@ -100,6 +105,8 @@ class InProcessRunner:
             check_compatible(target, draft)
         if config.target_threads:
             torch.set_num_threads(config.target_threads)
+        self.controller = SpeculationController(
+            SpeculationControl(mode=config.speculation if config.backoff else "always"))
 
     def _source(self, kv_len: int, draw: ChainDraw | None = None) -> ChainSource:
         """The chain source of one generation; ``draw``: its chains are drawn (rejection)."""
@@ -186,10 +193,11 @@ class InProcessRunner:
 
     def stream(self, gen: Generation) -> Iterator[Chunk]:
         """Run ``gen`` on the target model, yielding its chunks; ``gen.result`` is set at the end."""
-        return run_alone(self.target.model, gen, exact=self.target.exact)
+        return run_alone(self.target.model, gen, exact=self.target.exact, controller=self.controller)
 
     def run(self, request: GenerationRequest) -> GenerationResult:
-        return finish_alone(self.target.model, self.generation(request), exact=self.target.exact)
+        return finish_alone(self.target.model, self.generation(request), exact=self.target.exact,
+                            controller=self.controller)
 
     def close(self) -> None:
         if self.worker is not None:

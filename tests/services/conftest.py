@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import shutil
 import socket
 import subprocess
@@ -13,6 +14,13 @@ from dataclasses import dataclass
 
 import pytest
 import redis
+
+# These tests check what speculation through the services does (routing, failover, exactness of
+# every chain path), so every card-target they start speculates throughout unless a test asks for
+# more (--speculation beats the variable). The speculation controller, on by default, is tested
+# through the trio by tests/services/test_speculation_control.py and in process by
+# tests/engine/test_controller.py.
+os.environ.setdefault("CARD_TARGET_SPECULATION", "always")
 
 
 def free_port() -> int:

@@ -66,7 +66,7 @@ class StepRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., epoch: _Optional[int] = ..., accepted_tokens: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., accepted_node_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., next_token: _Optional[int] = ..., pause_draft: _Optional[bool] = ...) -> None: ...
 
 class StepResponse(_message.Message):
-    __slots__ = ("epoch", "chain_tokens", "chain_node_ids", "outcome", "draft_forwards", "draft_idle_s", "chain_q_tokens", "chain_q_probs")
+    __slots__ = ("epoch", "chain_tokens", "chain_node_ids", "outcome", "draft_forwards", "draft_idle_s", "chain_q_tokens", "chain_q_probs", "draft")
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     CHAIN_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CHAIN_NODE_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -75,6 +75,7 @@ class StepResponse(_message.Message):
     DRAFT_IDLE_S_FIELD_NUMBER: _ClassVar[int]
     CHAIN_Q_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CHAIN_Q_PROBS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_FIELD_NUMBER: _ClassVar[int]
     epoch: int
     chain_tokens: _common_pb2.Tensor
     chain_node_ids: _common_pb2.Tensor
@@ -83,7 +84,8 @@ class StepResponse(_message.Message):
     draft_idle_s: float
     chain_q_tokens: _common_pb2.Tensor
     chain_q_probs: _common_pb2.Tensor
-    def __init__(self, epoch: _Optional[int] = ..., chain_tokens: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., chain_node_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., outcome: _Optional[_Union[_common_pb2.Outcome, str]] = ..., draft_forwards: _Optional[int] = ..., draft_idle_s: _Optional[float] = ..., chain_q_tokens: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., chain_q_probs: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ...) -> None: ...
+    draft: str
+    def __init__(self, epoch: _Optional[int] = ..., chain_tokens: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., chain_node_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., outcome: _Optional[_Union[_common_pb2.Outcome, str]] = ..., draft_forwards: _Optional[int] = ..., draft_idle_s: _Optional[float] = ..., chain_q_tokens: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., chain_q_probs: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., draft: _Optional[str] = ...) -> None: ...
 
 class StepBatchRequest(_message.Message):
     __slots__ = ("steps", "keepalive_session_ids")
