@@ -136,11 +136,15 @@ def test_load_through_the_services_alone(pair, tmp_path):
         "--prompts", str(data), "--n", "3", "--max-new-tokens", "8",
         "--modes", "svc-vanilla,svc-card,svc-ngram",
         "--services", "--concurrency", "1,3", "--ignore-eos", "--out", str(out),
+        # the speculative paths are what is measured here (the controller's own test is
+        # tests/services/test_speculation_control.py); its setting reaches the trio's target
+        "--speculation", "always",
     ])
     assert result.exit_code == 0, result.output
     assert not (tmp_path / "r.json").exists()  # no in-process run
     payload = json.loads((tmp_path / "r-load.json").read_text())
     assert payload["config"]["datasets"] == {"mine": str(data)}
+    assert payload["config"]["speculation"] == "always"
     rows = {(r["mode"], r["concurrency"]): r for r in payload["summary"]}
     assert set(rows) == {(m, c) for m in ("svc-vanilla", "svc-card", "svc-ngram") for c in (1, 3)}
     assert rows[("svc-ngram", 3)]["requests"] == 9 and rows[("svc-ngram", 1)]["hit_rate"] is not None

@@ -53,6 +53,7 @@ from card.engine.shared.config import (
     default_tree_params,
 )
 from card.engine.shared.errors import InvalidArgument
+from card.engine.target.controller import SPECULATION_MODES
 
 EXIT_MISMATCH = 1
 
@@ -83,7 +84,8 @@ def _trio(target_model: str, draft_model: str, dtype: str, draft_quantize: str, 
         target_model=target_model, draft_model=draft_model, draft_quantize=draft_quantize, dtype=dtype,
         target_threads=settings.target_threads, draft_threads=settings.draft_threads, tree=tree,
         exact=settings.exact, ngram=settings.ngram,
-        extra_args={"draft": ["--pool", SERVICE_POOLS["svc-card"]]},
+        extra_args={"draft": ["--pool", SERVICE_POOLS["svc-card"]],
+                    "target": ["--speculation", settings.speculation]},
     ) as trio:
         more = []
         if "svc-ngram" in modes:  # the model-free depth, as card-ngram runs in process
@@ -212,6 +214,9 @@ def _parse_variant(value: str) -> tuple[str, dict[str, object]]:
                    "with the others (e.g. k2:width=2,max_depth=10); repeatable")
 @click.option("--backoff/--no-backoff", default=True, show_default=True,
               help="card: pause a draft that keeps missing or makes the target slower than alone")
+@click.option("--speculation", type=click.Choice(SPECULATION_MODES), default="auto", show_default=True,
+              help="the target's speculation controller, in process and in the trio's card-target: auto "
+                   "(speculate where it measurably pays at the load), always, never (every draft paused)")
 @click.option("--gamma", type=click.IntRange(min=1), default=4, show_default=True, help="sd chain length")
 @click.option("--threads", type=click.IntRange(min=1), default=None,
               help="threads for one-model modes (default: the count, up to every core, whose plain "
@@ -265,6 +270,7 @@ def bench(*, target_model: str, draft_model: str, target_dtype: str, draft_dtype
           data_dir: Path | None, n_prompts: int, max_new_tokens: int, tree_width: int | None,
           branch: int | None, max_depth: int | None, max_chain: int | None, b_extension: bool | None,
           min_path_prob: float | None, card_variants: tuple[str, ...], backoff: bool, gamma: int,
+          speculation: str = "auto",
           ignore_eos: bool, threads: int | None, target_threads: int | None, draft_threads: int | None,
           warmup_tokens: int, out: Path | None, chart: Path | None, services: bool, concurrency: str | None,
           no_progress: bool, target_addr: str | None = None, tls: TlsConfig = PLAINTEXT,
@@ -291,7 +297,8 @@ def bench(*, target_model: str, draft_model: str, target_dtype: str, draft_dtype
     settings = ModeSettings(tree=tree, gamma=gamma, all_threads=threads or cores,  # measured below
                             target_threads=target_threads or split[0],
                             draft_threads=draft_threads or split[1],
-                            ignore_eos=ignore_eos, backoff=backoff, ngram=ngram, ngram_tree=ngram_tree,
+                            ignore_eos=ignore_eos, backoff=backoff, speculation=speculation,
+                            ngram=ngram, ngram_tree=ngram_tree,
                             exact=exact, sampling=sampling, verify=policies[0])
     specs = [*datasets, *(f"{data.resolve(str(f))[0]}={f}" for f in prompt_files)] or ["gsm8k"]
     loaded = [data.load(spec, n_prompts, data_dir) for spec in specs]
@@ -377,7 +384,7 @@ def bench(*, target_model: str, draft_model: str, target_dtype: str, draft_dtype
         "max_new_tokens": max_new_tokens, "ignore_eos": ignore_eos, "tree": vars(tree) | {"k": tree.k},
         "card_variants": {name: vars(variant) for name, variant in variants.items()},
         "one_model_threads": settings.all_threads, "step_ms_by_threads": step_ms,
-        "backoff": backoff, "gamma": gamma, "warmup_tokens": warmup_tokens,
+        "backoff": backoff, "speculation": speculation, "gamma": gamma, "warmup_tokens": warmup_tokens,
         "ngram": vars(ngram), "ngram_tree": vars(ngram_tree),
         "greedy": sampling.greedy, "temperature": temperature, "seed": seed,
         "verify": [{"mode": p.mode.value, "entropy_threshold": p.entropy_threshold, "window": p.window}
@@ -443,7 +450,8 @@ def _services_only(target_model: str, draft_model: str, target_dtype: str, draft
               "n": len(prompts),
               "max_new_tokens": max_new_tokens, "ignore_eos": ignore_eos, "tree": vars(tree),
               "target_threads": settings.target_threads, "draft_threads": settings.draft_threads,
-              "target_addr": target_addr or "local trio"}
+              "target_addr": target_addr or "local trio",
+              "speculation": "the running target's" if target_addr else settings.speculation}
     machine = report.machine_info({m: {"target": settings.target_threads, "draft": settings.draft_threads}
                                    for m in modes})
     out = out or Path("bench-results") / f"bench-{time.strftime('%Y%m%d-%H%M%S')}.json"

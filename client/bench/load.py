@@ -56,7 +56,8 @@ def one_request(addr: str, prompt: str | Sequence[int], mode: str, max_new_token
     gaps = [(b - a) / n for (a, _), (b, n) in itertools.pairwise(stamps)]
     return {"token_ids": tokens, "wall_s": wall, "ttft_s": stamps[0][0] if stamps else wall,
             "itl_s": gaps, "new_tokens": len(tokens), "target_forwards": stats.target_forwards,
-            "hits": stats.hits, "corrections": stats.hits + stats.secondary_hits + stats.misses}
+            "hits": stats.hits, "corrections": stats.hits + stats.secondary_hits + stats.misses,
+            "paused_steps": stats.drafting_paused_steps}
 
 
 def run_level(addr: str, mode: str, prompts: Sequence[str | Sequence[int]], concurrency: int,
@@ -136,6 +137,9 @@ def summarize(records: list[dict], walls: dict[tuple[str, int], float]) -> list[
             "request_tokens_per_s_p50": statistics.median(r["new_tokens"] / r["wall_s"] for r in rs),
             "mean_accepted_length": tokens / forwards if forwards else None,
             "hit_rate": sum(r["hits"] for r in rs) / corrections if corrections else None,
+            # decoding steps whose drafting the speculation controller had paused
+            "paused_share": (sum(r.get("paused_steps", 0) for r in rs) / steps
+                             if (steps := sum(max(r["target_forwards"] - 1, 0) for r in rs)) else None),
             "ttft_p50_ms": percentile(ttft, 50), "ttft_p99_ms": percentile(ttft, 99),
             "itl_p50_ms": percentile(itl, 50), "itl_p99_ms": percentile(itl, 99),
             "exact": all(r["matches_reference"] is not False for r in rs),
@@ -155,7 +159,7 @@ _COLUMNS = (("mode", "mode", "s"), ("conc", "concurrency", "d"), ("reqs", "reque
             ("tok/s", "tokens_per_s", ".2f"), ("x vs 1", "x_vs_one_at_a_time", ".2f"),
             ("x vs vanilla", "x_vs_vanilla_same_load", ".2f"),
             ("req tok/s", "request_tokens_per_s_p50", ".2f"), ("acc len", "mean_accepted_length", ".2f"),
-            ("hit", "hit_rate", ".0%"),
+            ("hit", "hit_rate", ".0%"), ("paused", "paused_share", ".0%"),
             ("ttft p50", "ttft_p50_ms", ".0f"), ("ttft p99", "ttft_p99_ms", ".0f"),
             ("itl p50", "itl_p50_ms", ".1f"), ("itl p99", "itl_p99_ms", ".1f"), ("exact", "exact", "s"))
 

@@ -222,6 +222,7 @@ class ModeSettings:
     draft_threads: int
     ignore_eos: bool = False
     backoff: bool = True
+    speculation: str = "auto"  # the target's speculation controller (in process and in the trio)
     ngram: NgramConfig = field(default_factory=NgramConfig)
     ngram_tree: TreeParams | None = None
     exact: bool = True  # the target's batch-invariant forward (--exact), in-process and in the trio
@@ -244,7 +245,7 @@ def build_mode(name: str, target: LoadedModel, draft: LoadedModel | None, s: Mod
         return build_card(name, target, draft, s, drafter=DrafterKind(name.removeprefix("card-")))
     if name == "card-ngram":  # one Python thread drafts: the target keeps the one-model thread count
         config = RunnerConfig(mode="card", tree=s.ngram_tree or s.tree, backoff=s.backoff,
-                              drafter=DrafterKind.NGRAM,
+                              speculation=s.speculation, drafter=DrafterKind.NGRAM,
                               ngram=s.ngram, target_threads=s.all_threads)
         return EngineMode(name, target, None, config, s.all_threads, ignore_eos=s.ignore_eos,
                           sampling=s.sampling, verify=s.verify)
@@ -261,7 +262,7 @@ def build_card(name: str, target: LoadedModel, draft: LoadedModel, s: ModeSettin
     """In-process card with the settings' tree (also each ``--card-variant``, under its own name)."""
     # lending the draft's cores pays only where the target runs faster on more threads
     config = RunnerConfig(mode="card", tree=s.tree, target_threads=s.target_threads,
-                          draft_threads=s.draft_threads, backoff=s.backoff,
+                          draft_threads=s.draft_threads, backoff=s.backoff, speculation=s.speculation,
                           lend_cores=s.all_threads > s.target_threads, drafter=drafter, ngram=s.ngram)
     return EngineMode(name, target, draft, config, s.target_threads, s.draft_threads, s.ignore_eos,
                       sampling=s.sampling, verify=s.verify)
