@@ -35,13 +35,14 @@ def speculation_controller(mode: str) -> SpeculationController:
 
     def decided(d: Decision) -> None:
         metrics.SPECULATION_DECISIONS.labels(d.regime.value, d.why).inc()
-        if d.spec_rate or d.plain_rate:
-            metrics.SPECULATION_RATE.labels(Regime.SPEC.value).set(d.spec_rate)
-            metrics.SPECULATION_RATE.labels(Regime.PLAIN.value).set(d.plain_rate)
-            log.info("speculation: %s (%s; %.1f tok/s speculating, %.1f tok/s plain)", d.regime.value, d.why,
-                     d.spec_rate, d.plain_rate)
-        else:
-            log.debug("speculation: %s (%s)", d.regime.value, d.why)
+        if not (d.spec_rate or d.plain_rate):
+            log.debug("speculation: probing %s (%s)", d.regime.value, d.why)
+            return
+        metrics.SPECULATION_RATE.labels(Regime.SPEC.value).set(d.spec_rate)
+        metrics.SPECULATION_RATE.labels(Regime.PLAIN.value).set(d.plain_rate)
+        verdict = "switches to" if d.why == "won" else "stays"
+        log.info("speculation %s %s: %.1f tok/s speculating, %.1f tok/s plain", verdict, d.regime.value,
+                 d.spec_rate, d.plain_rate)
 
     return SpeculationController(SpeculationControl(mode=mode), on_decision=decided)
 

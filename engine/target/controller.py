@@ -9,8 +9,9 @@ low the verified rows cost more than they return. Both are measured here, never 
              chunk in them), kept per batch size (decoding generations) for each regime, SPEC
              (drafting on) and PLAIN (every generation's drafting paused: the draft spends
              nothing). The regime in force holds for a number of iterations, then the other is
-             probed: ``settle`` iterations unmeasured (a draft stops, or restarts from the text),
-             then ``judge`` measured ones, compared with the held regime's rate at the same batch
+             probed: ``settle`` iterations unmeasured (a draft stops, or restarts from the text;
+             speculation is measured once most drafts offer chains again), then ``judge``
+             measured ones, compared with the held regime's rate at the same batch
              sizes. The winner holds again, twice as long when it won again (up to ``hold[1]``),
              from ``hold[0]`` when the decision changed. A probe that meets batch sizes the other
              regime never measured keeps its samples and the other regime is probed next.
@@ -53,6 +54,7 @@ class SpeculationControl:
     first_hold: int = 12  # speculating iterations before the first plain probe
     hold: tuple[int, int] = (24, 768)  # iterations a decision holds: first, longest
     settle: tuple[int, int] = (1, 3)  # unmeasured iterations after a switch: to plain, to spec
+    warm_cap: int = 16  # after a switch to spec: iterations waiting for the drafts' first chains, at most
     judge: int = 10  # measured iterations of a probe
     margin: float = 0.02  # speculation must beat plain by this fraction to hold
     min_alpha: float = 0.12  # a generation's running acceptance below this pauses its drafting
@@ -123,6 +125,8 @@ class SpeculationController:
     _settle: int = 0
     _probing: bool = False
     _probe: list[tuple[int, int, float]] = field(default_factory=list)  # (batch, tokens, seconds)
+    _warmed: bool = False  # since speculation (re)started, the drafts have delivered chains
+    _cold: int = 0  # iterations waited for that
     _hold: dict[Regime, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -170,17 +174,25 @@ class SpeculationController:
             ctl.paused_left -= 1
         return ctl.paused_left == 0
 
-    def observe(self, batch: int, tokens: int, seconds: float, clean: bool) -> Decision | None:
+    def observe(self, batch: int, tokens: int, seconds: float, clean: bool, warm: bool = True
+                ) -> Decision | None:
         """One iteration that decoded ``batch`` generations and committed ``tokens`` in
-        ``seconds``; ``clean``: no prefill chunk rode along (only those are measured). Returns the
-        decision when the regime switches (the engine pauses or resumes drafting before the next
-        iteration)."""
+        ``seconds``; ``clean``: no prefill chunk rode along (only those are measured); ``warm``:
+        most drafting generations were offered a chain (drafts that restart from the text deliver
+        nothing for a while: speculation is measured from when they do, or after ``warm_cap``
+        iterations). Returns the decision when the regime switches (the engine pauses or resumes
+        drafting before the next iteration)."""
         self.iteration += 1
         if self.config.mode != "auto" or batch == 0:
             return None
         if self._settle > 0:
             self._settle -= 1
             return None
+        if self.speculating and not self._warmed:
+            self._warmed = warm or self._cold >= self.config.warm_cap
+            self._cold += 1
+            if not self._warmed:
+                return None
         if clean:
             self.rates[self.regime].setdefault(batch, Rate()).add(seconds, tokens, self.iteration)
             if self._probing:
@@ -231,6 +243,7 @@ class SpeculationController:
         if changed:
             self.switches += 1
             self._settle = self.config.settle[1 if regime is Regime.SPEC else 0]
+            self._warmed, self._cold = False, 0
         decision = Decision(regime, why, spec, plain)
         self.last = decision
         if self.on_decision is not None:

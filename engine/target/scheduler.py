@@ -165,7 +165,7 @@ class TargetEngine:
         each paused one's, and the engine's committed tokens in ``seconds`` (measured only when
         no prefill chunk rode along and some generation could draft)."""
         ctl = self.controller
-        batch = tokens = drafters = 0
+        batch = tokens = drafters = offering = 0
         clean = not any(e.error is not None for e in events)
         for p in plan:
             if not p.decoding:
@@ -181,10 +181,13 @@ class TargetEngine:
                 gen.stats.drafting_paused_steps += 1
                 if ctl.speculating:
                     ctl.session_paused_step(gen.control)
-            elif ctl.session_step(gen.control, p.offered, len(p.tokens) - 1, gen.acceptance.alpha,
-                                  gen.acceptance.chains >= 4):
-                self.session_pauses += 1
-        ctl.observe(batch if drafters else 0, tokens, seconds, clean)
+            else:
+                offering += p.offered > 0
+                if ctl.session_step(gen.control, p.offered, len(p.tokens) - 1, gen.acceptance.alpha,
+                                    gen.acceptance.chains >= 4):
+                    self.session_pauses += 1
+        drafting = sum(p.decoding and p.gen.pausable and p.gen.drafting for p in plan)
+        ctl.observe(batch if drafters else 0, tokens, seconds, clean, warm=2 * offering >= drafting)
 
     def _plan(self, events: list[Event]) -> list[Planned]:
         """Every running generation's input: decoding steps first (a token or a short chain each,

@@ -220,3 +220,18 @@ def test_never_opens_every_draft_paused_and_always_never_pauses() -> None:
     on = OracleDraft(reference, chain=3, cost_s=0.01)
     result = _card(on, n, SpeculationController(SpeculationControl(mode="always")))
     assert result.token_ids == reference and on.pauses == 0 and on.drafted == on.steps
+
+
+def test_speculation_is_measured_once_the_drafts_offer_chains() -> None:
+    """Drafts that (re)start from the text offer nothing for a while: those iterations are not
+    speculation's rate; after ``warm_cap`` of them it is measured anyway."""
+    ctl = SpeculationController(SpeculationControl(warm_cap=5))
+    for _ in range(4):
+        ctl.observe(4, 4, 0.1, clean=True, warm=False)
+    assert 4 not in ctl.rates[Regime.SPEC]
+    ctl.observe(4, 9, 0.1, clean=True, warm=True)
+    assert ctl.rates[Regime.SPEC][4].n == 1
+    cold = SpeculationController(SpeculationControl(warm_cap=3))
+    for _ in range(5):
+        cold.observe(4, 4, 0.1, clean=True, warm=False)
+    assert cold.rates[Regime.SPEC][4].n == 2  # the cap: a draft that never delivers is judged too
