@@ -51,14 +51,15 @@ class SpeculationControl:
     the in-process runner build this)."""
 
     mode: str = "auto"
-    first_hold: int = 12  # speculating iterations before the first plain probe
-    hold: tuple[int, int] = (24, 768)  # iterations a decision holds: first, longest
+    # a probe costs more than its iterations: drafts that resume restart from the whole text
+    first_hold: int = 24  # speculating iterations before the first plain probe
+    hold: tuple[int, int] = (32, 1024)  # iterations a decision holds: first, longest
     settle: tuple[int, int] = (1, 3)  # unmeasured iterations after a switch: to plain, to spec
     warm_cap: int = 16  # after a switch to spec: iterations waiting for the drafts' first chains, at most
     judge: int = 10  # measured iterations of a probe
     margin: float = 0.02  # speculation must beat plain by this fraction to hold
     min_alpha: float = 0.12  # a generation's running acceptance below this pauses its drafting
-    unpaid_steps: int = 8  # steps running whose chains the cost cut verified none of
+    unpaid_steps: int = 16  # steps running whose chains the cost cut verified none of
     session_pause: tuple[int, int] = (16, 256)  # a generation's pause, first and longest, in its steps
 
     def __post_init__(self) -> None:
