@@ -118,6 +118,14 @@ class InlineLink(SyncLink):
 
 
 # ---- sources -------------------------------------------------------------------------------------
+def stop_drafting(session: CardSession) -> None:
+    """The engine's controller pauses a source's drafting (Pausable): its link stops now; the
+    tree still serves the correction in flight and empties after it."""
+    link = session.detach(keep_tree=True)
+    if link is not None:
+        link.stop()
+
+
 class SyncDraft:
     """Classic speculative decoding: draft ``gamma`` tokens, then verify, in turn. ``tree``: grow
     this tree instead of one chain (draft-then-verify on a tree: deterministic, for tests)."""
@@ -140,11 +148,8 @@ class SyncDraft:
         return self.session.step(correction)
 
     def pause_drafting(self) -> None:
-        # the tree still serves the correction in flight; it empties after it
         self._held = True
-        link = self.session.detach(keep_tree=True)
-        if link is not None:
-            link.stop()
+        stop_drafting(self.session)
 
     def resume_drafting(self) -> None:
         self._held = False
@@ -194,9 +199,7 @@ class Governed:
         """The engine's controller pauses drafting: the link stops now; the tree still serves
         the correction in flight and empties after it."""
         self._held = True
-        link = self.session.detach(keep_tree=True)
-        if link is not None:
-            link.stop()
+        stop_drafting(self.session)
 
     def resume_drafting(self) -> None:
         """Draft again from the committed text, unless the governor's own pause runs on."""

@@ -7,11 +7,12 @@ import time
 import urllib.request
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from pathlib import Path
 
 import torch
 
 from card.engine.inprocess.runner import InProcessRunner, RunnerConfig
-from card.engine.loading.models import LoadedModel
+from card.engine.loading.models import LoadedModel, ModelConfig, load_model
 from card.engine.shared.config import GenerationRequest, SamplingParams, StopParams
 from card.engine.target.generation import GenerationResult
 
@@ -38,6 +39,18 @@ def vanilla_reference(model: LoadedModel) -> Reference:
         return runner.run(GenerationRequest(tuple(ids), sampling, stop))
 
     return run
+
+
+def float64_reference(checkpoint: str | Path, threads: int = 1) -> Reference:
+    """``vanilla_reference`` of a tiny float64 checkpoint, run on ``threads`` threads (the
+    target process's count in the trio tests)."""
+    run = vanilla_reference(load_model(ModelConfig(str(checkpoint), dtype="float64", exact=True)))
+
+    def on_threads(*args):
+        with torch_threads(threads):
+            return run(*args)
+
+    return on_threads
 
 
 def scrape(port: int) -> str:

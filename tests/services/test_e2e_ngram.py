@@ -14,10 +14,9 @@ import pytest
 
 from card.client.remote import generate_remote
 from card.client.trio import LocalTrio
-from card.engine.loading.models import ModelConfig, load_model
 from card.engine.shared.config import NgramConfig, SamplingParams, StopParams
 from card.engine.shared.errors import FailedPrecondition
-from tests.services.e2e_support import torch_threads, vanilla_reference
+from tests.services.e2e_support import float64_reference
 from tests.tiny_models import save_foreign_tokenizer_checkpoint, save_tiny_checkpoint
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -55,13 +54,7 @@ def trio(checkpoints, redis_server, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reference(checkpoints):
-    run = vanilla_reference(load_model(ModelConfig(str(checkpoints["target"]), dtype="float64", exact=True)))
-
-    def one_thread(*args):
-        with torch_threads(1):
-            return run(*args)
-
-    return one_thread
+    return float64_reference(checkpoints["target"])
 
 
 @pytest.mark.parametrize("sampling", [GREEDY, SEEDED], ids=["greedy", "seeded"])

@@ -226,12 +226,20 @@ def test_a_rejection_request_verifies_drawn_chains_through_the_trio(api, model_i
     nodes come back, every chain reaches the target with its proposal (no fallback to exact), and
     a greedy rejection request is plain decoding's (verified exactly, and says so)."""
     body = {"ignore_eos": True, "verify": "rejection", "seed": 5}
-    # the tiny models' softmax is nearly flat: a low temperature makes drafted tokens worth verifying
-    reply = api.completions.create(model=model_id, prompt=PROMPT, max_tokens=48, temperature=0.05,
-                                   extra_body=body)
-    card = reply.usage.model_extra["card"]
-    assert card["verify"] == "rejection" and card["lossy"] is False
-    assert card["draft_tokens"] > 0 and card["rejection_fallbacks"] == 0, card
+    # the tiny models' softmax is nearly flat: a low temperature makes drafted tokens worth verifying;
+    # whether the draft is ahead on any one request is a race on a loaded core, so a few requests
+    # must show verified chains, and none may fall back to exact verification
+    cards = []
+    for seed in (5, 6, 7):
+        reply = api.completions.create(model=model_id, prompt=PROMPT, max_tokens=48, temperature=0.05,
+                                       extra_body={**body, "seed": seed})
+        card = reply.usage.model_extra["card"]
+        assert card["verify"] == "rejection" and card["lossy"] is False
+        assert card["rejection_fallbacks"] == 0, card
+        cards.append(card)
+        if card["draft_tokens"] > 0:
+            break
+    assert any(c["draft_tokens"] > 0 for c in cards), cards
     greedy = api.completions.create(model=model_id, prompt=PROMPT, max_tokens=16, temperature=0,
                                     extra_body=body)
     plain = api.completions.create(model=model_id, prompt=PROMPT, max_tokens=16, temperature=0,

@@ -21,10 +21,9 @@ import pytest
 from card.client.ops import cache_status
 from card.client.remote import RemoteGenerationResult, generate_remote
 from card.client.trio import LocalTrio, ServiceProcess
-from card.engine.loading.models import ModelConfig, load_model
 from card.engine.shared.config import SamplingParams, StopParams
 from card.v1 import cache_pb2
-from tests.services.e2e_support import torch_threads, vanilla_reference, wait_until
+from tests.services.e2e_support import float64_reference, wait_until
 from tests.tiny_models import save_tiny_checkpoint
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -53,13 +52,7 @@ def torch_float64():
 
 @pytest.fixture(scope="module")
 def reference(checkpoints):
-    run = vanilla_reference(load_model(ModelConfig(str(checkpoints["draft"]), dtype="float64", exact=True)))
-
-    def one_thread(*args):
-        with torch_threads(1):
-            return run(*args)
-
-    return one_thread
+    return float64_reference(checkpoints["draft"])
 
 
 def start_trio(checkpoints, redis_server, tmp_path_factory, pool: str, cache_args: tuple[str, ...] = ()

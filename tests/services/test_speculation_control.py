@@ -17,9 +17,8 @@ import pytest
 
 from card.client.remote import generate_remote
 from card.client.trio import LocalTrio
-from card.engine.loading.models import ModelConfig, load_model
 from card.engine.shared.config import SamplingParams, StopParams
-from tests.services.e2e_support import metric, scrape, torch_threads, vanilla_reference
+from tests.services.e2e_support import float64_reference, metric, scrape
 from tests.tiny_models import save_tiny_checkpoint
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -37,13 +36,7 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory):
 
 @pytest.fixture(scope="module")
 def reference(checkpoints):
-    run = vanilla_reference(load_model(ModelConfig(str(checkpoints["target"]), dtype="float64", exact=True)))
-
-    def one_thread(*args):
-        with torch_threads(1):
-            return run(*args)
-
-    return one_thread
+    return float64_reference(checkpoints["target"])
 
 
 def _trio(checkpoints, redis_server, tmp_path_factory, speculation: str, draft: str) -> LocalTrio:
