@@ -129,11 +129,14 @@ def test_load_through_the_services_alone(pair, tmp_path):
     target, draft = pair
     turns = [{"from": "human", "value": "Count to five."}]
     data = _jsonl(tmp_path / "mine.jsonl",
-                  ["What is 2 + 3?", {"text": "Name a colour."}, {"conversations": turns}])
+                  ["What is 2 + 3?", {"text": "Name a colour."}, {"conversations": turns},
+                   {"messages": [{"role": "user", "content": "Hi."},
+                                 {"role": "assistant", "content": "Hello."},
+                                 {"role": "user", "content": "Say it again."}]}])
     out = tmp_path / "r.json"
     result = CliRunner().invoke(main, [
         "--target-model", str(target), "--draft-model", str(draft), "--draft-quantize", "none",
-        "--prompts", str(data), "--n", "3", "--max-new-tokens", "8",
+        "--prompts", str(data), "--n", "4", "--max-new-tokens", "8",
         "--modes", "svc-vanilla,svc-card,svc-ngram",
         "--services", "--concurrency", "1,3", "--ignore-eos", "--out", str(out),
         # the speculative paths are what is measured here (the controller's own test is
@@ -147,8 +150,8 @@ def test_load_through_the_services_alone(pair, tmp_path):
     assert payload["config"]["speculation"] == "always"
     rows = {(r["mode"], r["concurrency"]): r for r in payload["summary"]}
     assert set(rows) == {(m, c) for m in ("svc-vanilla", "svc-card", "svc-ngram") for c in (1, 3)}
-    assert rows[("svc-ngram", 3)]["requests"] == 9 and rows[("svc-ngram", 1)]["hit_rate"] is not None
-    assert rows[("svc-card", 3)]["requests"] == 9 and rows[("svc-vanilla", 1)]["requests"] == 3
+    assert rows[("svc-ngram", 3)]["requests"] == 12 and rows[("svc-ngram", 1)]["hit_rate"] is not None
+    assert rows[("svc-card", 3)]["requests"] == 12 and rows[("svc-vanilla", 1)]["requests"] == 4
     assert all(r["matches_reference"] for r in payload["records"])
     assert all(r["new_tokens"] == 8 and r["ttft_s"] > 0 for r in payload["records"])
     assert rows[("svc-vanilla", 3)]["x_vs_one_at_a_time"] > 0

@@ -28,18 +28,22 @@ from card.v1 import target_pb2, target_pb2_grpc
 REFERENCE = "svc-vanilla"
 
 
-def one_request(addr: str, prompt: str | Sequence[int], mode: str, max_new_tokens: int, ignore_eos: bool,
-                timeout_s: float = 600.0, tls: TlsConfig = PLAINTEXT, api_key: str | None = None,
-                draft: str | None = None) -> dict:
-    """Stream one generation of ``prompt`` (text, with the target's chat template, or token ids);
+def one_request(addr: str, prompt: str | Sequence[int] | Sequence[Mapping[str, str]], mode: str,
+                max_new_tokens: int, ignore_eos: bool, timeout_s: float = 600.0, tls: TlsConfig = PLAINTEXT,
+                api_key: str | None = None, draft: str | None = None) -> dict:
+    """Stream one generation of ``prompt`` (text, with the target's chat template; a conversation,
+    role/content messages, ditto; or token ids);
     its tokens and timings (seconds from the call). ``api_key``: the target's, where it has one;
     ``draft``: the pool to speculate with (None: the target's routing)."""
     request = target_pb2.GenerateRequest(mode=mode, max_new_tokens=max_new_tokens, ignore_eos=ignore_eos,
                                          draft=draft or "")
     if isinstance(prompt, str):
         request.prompt = prompt
+    elif prompt and isinstance(prompt[0], Mapping):
+        request.messages.messages.extend(target_pb2.ChatMessage(role=m["role"], content=m["content"])
+                                         for m in prompt)  # type: ignore[index]
     else:
-        request.prompt_ids.CopyFrom(ids_to_msg(list(prompt)))
+        request.prompt_ids.CopyFrom(ids_to_msg(list(prompt)))  # type: ignore[arg-type]
     t0 = time.perf_counter()
     stamps: list[tuple[float, int]] = []
     tokens: list[int] = []
