@@ -35,6 +35,9 @@ class CacheConfig:
         (``server_threads``), so that no number of drafts can take these.
     max_drafts: most draft workers registered at once (RegisterDraft refuses more).
     pool_weights: how unnamed sessions split between pools ((pool, weight), ...; () = least loaded).
+    model_free_chains: where a session's tree holds nothing to verify (right after a miss, while
+        its draft restarts; no worker free), answer the Step with a model-free continuation of the
+        session's own text (card.engine.draft.ngram.PromptLookup) instead of an empty chain.
     tls: the certificate served on the gRPC port (card.common.tls; none = plaintext).
     """
 
@@ -54,6 +57,7 @@ class CacheConfig:
     grpc_threads: int = 64
     max_drafts: int = 128
     pool_weights: tuple[tuple[str, float], ...] = ()
+    model_free_chains: bool = True
     # who may call what (card.common.auth.CACHE_ROLES); None = that role's RPCs are open
     draft_token: str | None = field(default=None, repr=False)
     target_token: str | None = field(default=None, repr=False)

@@ -16,6 +16,8 @@ STEP_LATENCY = Histogram(
     buckets=(5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 1.0),
 )
 OUTCOMES = Counter("card_cache_outcomes", "Verdicts on the target's next token", ["outcome"])
+LOOKUP_CHAINS = Counter("card_cache_lookup_chains", "Chains answered by the session's own text (model-free "
+                        "lookup) because its tree held nothing")
 DRAFT_PAUSES = Counter("card_cache_draft_pauses", "Sessions whose drafting the target's speculation "
                        "controller paused (the worker stopped) or resumed", ["action"])
 LAYERS = Counter("card_cache_layers_received", "Draft layers received (applied or dropped)")

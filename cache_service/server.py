@@ -153,6 +153,11 @@ def create_server(addr: str, config: CacheConfig, store: MetadataStore | None = 
         help="Split unnamed sessions between draft pools by weight, e.g. 'stable=90,canary=10' (smooth "
              "round robin; pools left out take sessions only when no weighted pool has room). Default: the "
              "least-loaded worker of any pool.")
+@option("--model-free-chains/--no-model-free-chains", default=True,
+        help="Where a session's tree holds nothing (right after a miss, while its draft restarts; no worker "
+             "free), answer the Step with a continuation the session's own text suggests (prompt lookup, "
+             "no model, a few dict probes) instead of an empty chain. Outputs never change: the target "
+             "verifies every token.")
 @option("--draft-token", default=None,
         help="Drafts must present it (authorization: Bearer) to RegisterDraft, Commands, PublishLayers, "
              "Heartbeat; UNAUTHENTICATED otherwise (default: open).")

@@ -41,6 +41,7 @@ from card.cache_service.records import FinishedRecord, RecordWriter, stats_field
 from card.cache_service.registry import Registry, Worker
 from card.cache_service.store import MetadataStore
 from card.common.drafts import ANY, Route
+from card.engine.draft.ngram import PromptLookup
 from card.engine.shared.commands import AdvanceDraft, StartDraft, StopDraft
 from card.engine.shared.config import ChainDraw, ChainPolicy, TreeParams
 from card.engine.shared.errors import InvalidArgument, NotFound, ResourceExhausted, Unavailable
@@ -288,7 +289,10 @@ class SessionTable:
             raise InvalidArgument("tokenizer_fingerprint is required to match a draft to the target")
         params = chain.over(self.config.tree) if chain is not None else self.config.tree
         route = self.registry.route(draft, fingerprint, target_model or "the target", self.pool_stats.names())
-        card = CardSession(params, self.device, draw=draw)
+        # model-free chains from the session's own text where its tree holds nothing (a miss while
+        # the draft restarts, no worker free): the target verifies something every step
+        lookup = PromptLookup(vocab_size) if self.config.model_free_chains and vocab_size else None
+        card = CardSession(params, self.device, draw=draw, lookup=lookup)
         card.open(prompt_ids)
         session = Session(
             session_id=uuid.uuid4().hex, target_model=target_model or "unknown", fingerprint=fingerprint,
@@ -333,12 +337,16 @@ class SessionTable:
             session.last_active = session.last_step = now
             session.chain_len = len(result.chain.tokens)
             serving = session.worker
-            session.chain_pool = serving.pool if serving is not None and session.chain_len else ""
+            # a looked-up chain is no pool's: its acceptance says nothing of the draft
+            drafted = session.chain_len and not result.looked_up
+            session.chain_pool = serving.pool if serving is not None and drafted else ""
         assert result.outcome is not None
         if pool:
             self.pool_stats.record(pool, chain_len, len(correction.accepted_tokens), result.outcome in HITS,
                                    busy_s)
         metrics.STEPS.inc()
+        if result.looked_up:
+            metrics.LOOKUP_CHAINS.inc()
         metrics.OUTCOMES.labels(result.outcome.value).inc()
         metrics.STEP_LATENCY.observe(time.perf_counter() - t0)
         return result.chain, result.outcome
@@ -373,6 +381,7 @@ class SessionTable:
             **session.record(),  # the live fields: the live record may never have been written
             "status": status, "closed_unix": time.time(), "epoch": session.epoch,
             "committed_tokens": len(card.committed), "steps": card.steps, "layers": card.layers,
+            "lookup_chains": card.looked_up,
             "draft_forwards": forwards, "draft_idle_s": idle,
             **{f"cache_{k}{'es' if k.endswith('s') else 's'}": v for k, v in cache_counts.items()},
         }

@@ -193,19 +193,46 @@ class Proposer:
             found = self.shared.followers(tail)
         return found
 
-    def chain(self, tail: Sequence[int], length: int) -> list[int]:
+    def chain(self, tail: Sequence[int], length: int, min_path_prob: float = 0.0) -> list[int]:
         """The likeliest continuation of ``tail``, up to ``length`` tokens (greedy, stops where
-        nothing is known)."""
+        nothing is known, or before the first token whose path score, the product of Witten-Bell
+        probabilities, falls below ``min_path_prob``: the tree's chain rule)."""
         out: list[int] = []
         tail = list(tail)
+        path = 1.0
         while len(out) < length:
             found = self.followers(tail)
             if not found:
                 break
-            token = max(reversed(found.items()), key=lambda item: item[1])[0]  # ties: the newest
+            token, count = max(reversed(found.items()), key=lambda item: item[1])  # ties: the newest
+            path *= count / (sum(found.values()) + len(found))
+            if path < min_path_prob:
+                break
             out.append(token)
             tail = [*tail[1:], token] if len(tail) >= self.config.max_order else [*tail, token]
         return out
+
+
+class PromptLookup:
+    """Model-free chains from one session's own text alone (prompt lookup and suffix matching;
+    no shared table, so no session's text ever shapes another's chains). What a CardSession
+    offers when its tree has nothing to verify, e.g. right after a miss while the draft restarts
+    (card.engine.shared.session.Lookup). Costs a few dict probes a token."""
+
+    def __init__(self, vocab_size: int, config: NgramConfig | None = None) -> None:
+        self.vocab_size = vocab_size
+        self.config = config or NgramConfig(table_mb=0.0)
+        self.proposer = Proposer(vocab_size, self.config, None)
+
+    def open(self, committed: Sequence[int]) -> None:
+        self.proposer = Proposer(self.vocab_size, self.config, None)
+        self.proposer.extend(committed)
+
+    def extend(self, tokens: Sequence[int]) -> None:
+        self.proposer.extend(tokens)
+
+    def continuation(self, length: int, min_path_prob: float = 0.0) -> tuple[int, ...]:
+        return tuple(self.proposer.chain(self.proposer.tail(), length, min_path_prob))
 
 
 class NgramDrafter:

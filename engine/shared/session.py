@@ -7,7 +7,9 @@ correction to a candidate tree.
                              3. the committed text grows by the accepted tokens and the next token
                              4. tell the draft: the advance, or the restart that was waiting
                              5. the next chain of what the tree holds now, at once (never waits):
-                                the best path, or (``draw``, a rejection request) a drawn one
+                                the best path, or (``draw``, a rejection request) a drawn one;
+                                where the tree holds nothing (a miss, the draft restarting, no
+                                draft at all), the session's ``lookup`` continues its own text
     apply_layer(layer)       a layer the draft grew, added where its parents still are
     attach(link) / detach()  a draft starts serving the session / stops (restarts wait, see below)
     close()                  the draft stops, the tree is freed
@@ -36,7 +38,7 @@ from typing import Protocol
 import torch
 
 from card.engine.shared.config import ChainDraw, TreeParams
-from card.engine.shared.tree import Advance, Chain, Correction, Layer, Outcome, TwoTierTree
+from card.engine.shared.tree import NO_NODE, Advance, Chain, Correction, Layer, Outcome, TwoTierTree
 
 
 class DraftLink(Protocol):
@@ -54,23 +56,47 @@ class DraftLink(Protocol):
         """The session no longer needs this draft: free what it holds."""
 
 
+class Lookup(Protocol):
+    """Model-free chains from the session's own committed text (card.engine.draft.ngram's
+    PromptLookup): the chain of a step whose tree holds nothing. Its tokens are no tree node's
+    (``NO_NODE``); accepted, the next correction finds them by token in whatever the draft grew
+    meanwhile (TwoTierTree.classify)."""
+
+    def open(self, committed: Sequence[int]) -> None:
+        """Start over from ``committed``."""
+
+    def extend(self, tokens: Sequence[int]) -> None:
+        """The committed text grew by ``tokens``."""
+
+    def continuation(self, length: int, min_path_prob: float = 0.0) -> tuple[int, ...]:
+        """The likeliest next tokens after the committed text (at most ``length``), cut where
+        their path score falls below ``min_path_prob``."""
+
+
 @dataclass(frozen=True)
 class StepResult:
     """The next chain, and the verdict on the correction that this step applied (None: no tree
-    judged it, e.g. plain decoding)."""
+    judged it, e.g. plain decoding). ``looked_up``: the chain is the session's Lookup's, not the
+    tree's."""
 
     chain: Chain
     outcome: Outcome | None = None
+    looked_up: bool = False
 
 
 class CardSession:
     """``params``: the chain rule (max_chain, b_extension, min_path_prob) of this session;
-    ``device``: where the tree's columns live; ``draw``: chains are drawn (config.ChainDraw)."""
+    ``device``: where the tree's columns live; ``draw``: chains are drawn (config.ChainDraw);
+    ``lookup``: model-free chains where the tree holds nothing (best-path chains only: a drawn
+    chain needs the distribution each token was drawn from)."""
 
     def __init__(self, params: TreeParams, device: torch.device | str = "cpu",
-                 link: DraftLink | None = None, draw: ChainDraw | None = None) -> None:
+                 link: DraftLink | None = None, draw: ChainDraw | None = None,
+                 lookup: Lookup | None = None) -> None:
         self.params = params
         self.draw = draw
+        self.lookup = lookup if draw is None else None
+        self.looked_up = 0  # chains the lookup answered
         # its own stream, never the target's position-keyed uniforms (the rule needs the chain
         # independent of the target's coins)
         self._rng = random.Random(f"card-chain-draw:{draw.seed}") if draw is not None else None
@@ -93,6 +119,8 @@ class CardSession:
         with self.lock:
             self.committed = list(committed)
             self.closed = False
+            if self.lookup is not None:
+                self.lookup.open(self.committed)
             self._restart(epoch)
 
     def step(self, correction: Correction) -> StepResult:
@@ -100,22 +128,37 @@ class CardSession:
         InvalidArgument: an accepted path the tree does not hold."""
         with self.lock:
             advance = self.tree.apply_correction(correction)  # classify, re-root, epoch + 1
-            self.committed += (*correction.accepted_tokens, correction.next_token)
+            grown = (*correction.accepted_tokens, correction.next_token)
+            self.committed += grown
+            if self.lookup is not None:
+                self.lookup.extend(grown)
             self.outcomes[advance.outcome] += 1
             self.steps += 1
             if self.restart_pending:
                 self._restart(self.epoch)
             elif self.link is not None:
                 self.link.advance(advance)
-            return StepResult(self.next_chain(), advance.outcome)
+            chain, looked_up = self._next()
+            return StepResult(chain, advance.outcome, looked_up)
 
     def next_chain(self) -> Chain:
-        """The chain to verify next: the tree's best path, or a drawn one (``draw``)."""
+        """The chain to verify next: the tree's best path, or a drawn one (``draw``); where the
+        tree has none, the lookup's continuation of the committed text."""
+        return self._next()[0]
+
+    def _next(self) -> tuple[Chain, bool]:
         p = self.params
         with self.lock:
             if self.draw is not None:
-                return self.tree.drawn_chain(p.max_chain, self.draw.temperature, self._rng, p.min_path_prob)
-            return self.tree.best_chain(p.max_chain, p.b_extension, p.min_path_prob)
+                return self.tree.drawn_chain(p.max_chain, self.draw.temperature, self._rng, p.min_path_prob), False
+            chain = self.tree.best_chain(p.max_chain, p.b_extension, p.min_path_prob)
+            if chain.tokens or self.lookup is None:
+                return chain, False
+            tokens = self.lookup.continuation(p.max_chain, p.min_path_prob)
+            if not tokens:
+                return chain, False
+            self.looked_up += 1
+            return Chain(tokens, (NO_NODE,) * len(tokens), self.epoch), True
 
     def apply_layer(self, layer: Layer) -> bool:
         """Add a layer the draft grew; False when it was dropped whole (the session is closed,

@@ -416,42 +416,56 @@ class TwoTierTree:
             cur = nid
         return Chain(tuple(tokens), tuple(node_ids), self.epoch, Proposal.of_rows(rows))
 
-    def classify(self, correction: Correction) -> tuple[Outcome, int | None]:
-        """Hit / secondary hit / miss of the correction's next token below the accepted path."""
+    def classify(self, correction: Correction) -> tuple[Outcome, int | None, tuple[int, ...]]:
+        """Hit / secondary hit / miss of the correction's next token below the accepted path, and
+        the accepted path's node ids as this tree holds them.
+
+        An accepted token of ``NO_NODE`` (a tier-B extension, a model-free chain the tree never
+        held, the text a paused or late session catches up on) is looked up by token among the
+        children of the node before it: the same token after the same path is the same context,
+        so a draft that grew it meanwhile keeps its work. The path leaves the tree at the first
+        token no child holds; past that point every id must be ``NO_NODE``."""
         if correction.epoch != self.epoch:
             raise Aborted(f"stale epoch {correction.epoch}: the session is at epoch {self.epoch}")
         if len(correction.accepted_tokens) != len(correction.accepted_node_ids):
             raise InvalidArgument("accepted_tokens and accepted_node_ids differ in length")
         accepted = list(correction.accepted_node_ids)
-        if NO_NODE in accepted:
-            if any(nid != NO_NODE for nid in accepted[accepted.index(NO_NODE):]):
-                raise InvalidArgument("an accepted path that leaves the tree cannot come back to it")
-            return Outcome.MISS, None
+        if NO_NODE in accepted and any(nid != NO_NODE for nid in accepted[accepted.index(NO_NODE):]):
+            raise InvalidArgument("an accepted path that leaves the tree cannot come back to it")
         view = self._host()
         row = {nid: i for i, nid in enumerate(view.ids)}
         anchor = self.root_id
+        resolved: list[int] = []
         for nid, token in zip(accepted, correction.accepted_tokens, strict=True):
-            r = row.get(nid)
-            if r is None or view.parents[r] != anchor:
-                raise InvalidArgument(f"accepted node {nid} is not on a path from the root")
-            if view.tokens[r] != token:
-                raise InvalidArgument(f"accepted node {nid} does not hold the accepted token {token}")
+            if nid == NO_NODE:
+                nid = next((view.ids[i] for i, (p, t) in enumerate(zip(view.parents, view.tokens, strict=True))
+                            if p == anchor and t == token), NO_NODE)
+                if nid == NO_NODE:  # left the tree: the rest of the path is no node's either
+                    return Outcome.MISS, None, tuple(resolved) + (NO_NODE,) * (len(accepted) - len(resolved))
+            else:
+                r = row.get(nid)
+                if r is None or view.parents[r] != anchor:
+                    raise InvalidArgument(f"accepted node {nid} is not on a path from the root")
+                if view.tokens[r] != token:
+                    raise InvalidArgument(f"accepted node {nid} does not hold the accepted token {token}")
+            resolved.append(nid)
             anchor = nid
         nxt = correction.next_token
         for i, parent in enumerate(view.parents):
             if parent == anchor and view.tokens[i] == nxt:
-                return Outcome.HIT, view.ids[i]
+                return Outcome.HIT, view.ids[i], tuple(resolved)
         if any(p == anchor and t == nxt for p, t in zip(view.b_parents, view.b_tokens, strict=True)):
-            return Outcome.SECONDARY_HIT, None
-        return Outcome.MISS, None
+            return Outcome.SECONDARY_HIT, None, tuple(resolved)
+        return Outcome.MISS, None, tuple(resolved)
 
     def apply_correction(self, correction: Correction) -> Advance:
-        """Classify, re-root and bump the epoch; the returned Advance goes to the drafter."""
-        outcome, hit_id = self.classify(correction)
+        """Classify, re-root and bump the epoch; the returned Advance goes to the drafter, with
+        the accepted path's node ids as this tree holds them (``classify``)."""
+        outcome, hit_id, node_ids = self.classify(correction)
         advance = Advance(
             epoch=self.epoch + 1,
             accepted_tokens=correction.accepted_tokens,
-            accepted_node_ids=correction.accepted_node_ids,
+            accepted_node_ids=node_ids,
             next_token=correction.next_token,
             outcome=outcome,
             hit_node_id=hit_id,

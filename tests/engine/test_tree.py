@@ -303,3 +303,33 @@ def test_node_ids_not_above_the_root_are_refused() -> None:
     tree.apply_correction(Correction(0, (), (), 11))  # root n1
     keep = tree.apply_layer(layer([(5, 0, 60, 0.5)]))  # id 0 belonged to a pruned node
     assert keep.tolist() == [False]
+
+
+# ---- accepted tokens no chain node named (a model-free chain, a catch-up) -------------------------
+def test_an_accepted_path_of_no_node_that_the_tree_holds_is_found_by_token() -> None:
+    """A chain the tree never handed out (a model-free lookup's) whose tokens the draft grew
+    meanwhile: the same tokens after the same path are the same nodes, so it is a hit and the
+    drafter is told the nodes (it keeps their KV)."""
+    tree = built()
+    advance = tree.apply_correction(Correction(0, (11, 22), (NO_NODE, NO_NODE), 31))
+    assert advance.outcome is Outcome.HIT and advance.hit_node_id == 5
+    assert advance.accepted_node_ids == (1, 4) and tree.root_id == 5
+
+
+def test_a_path_that_leaves_the_tree_by_token_is_a_miss_with_the_nodes_it_passed() -> None:
+    tree = built()
+    advance = tree.apply_correction(Correction(0, (11, 99, 5), (NO_NODE,) * 3, 31))
+    assert advance.outcome is Outcome.MISS and advance.hit_node_id is None
+    assert advance.accepted_node_ids == (1, NO_NODE, NO_NODE) and len(tree) == 0
+
+
+def test_a_named_node_then_no_node_found_by_token_then_a_secondary_hit() -> None:
+    tree = built()
+    advance = tree.apply_correction(Correction(0, (10, 20), (0, NO_NODE), 32))
+    assert advance.outcome is Outcome.SECONDARY_HIT  # 32 is in B(n2), n2 found by its token
+    assert advance.accepted_node_ids == (0, 2)
+
+
+def test_a_path_cannot_come_back_to_named_nodes_after_no_node() -> None:
+    with pytest.raises(InvalidArgument, match="cannot come back"):
+        built().apply_correction(Correction(0, (11, 22), (NO_NODE, 4), 31))
