@@ -150,7 +150,8 @@ class CardSession:
         p = self.params
         with self.lock:
             if self.draw is not None:
-                return self.tree.drawn_chain(p.max_chain, self.draw.temperature, self._rng, p.min_path_prob), False
+                drawn = self.tree.drawn_chain(p.max_chain, self.draw.temperature, self._rng, p.min_path_prob)
+                return drawn, False
             chain = self.tree.best_chain(p.max_chain, p.b_extension, p.min_path_prob)
             if chain.tokens or self.lookup is None:
                 return chain, False

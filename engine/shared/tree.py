@@ -438,8 +438,8 @@ class TwoTierTree:
         resolved: list[int] = []
         for nid, token in zip(accepted, correction.accepted_tokens, strict=True):
             if nid == NO_NODE:
-                nid = next((view.ids[i] for i, (p, t) in enumerate(zip(view.parents, view.tokens, strict=True))
-                            if p == anchor and t == token), NO_NODE)
+                children = zip(view.ids, view.parents, view.tokens, strict=True)
+                nid = next((i for i, p, t in children if p == anchor and t == token), NO_NODE)
                 if nid == NO_NODE:  # left the tree: the rest of the path is no node's either
                     return Outcome.MISS, None, tuple(resolved) + (NO_NODE,) * (len(accepted) - len(resolved))
             else:
