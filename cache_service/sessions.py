@@ -318,9 +318,9 @@ class SessionTable:
     def step(self, session_id: str, correction: Correction,
              pause_draft: bool = False) -> tuple[Chain, Outcome]:
         """Apply the target's correction and return the next chain; never waits for a draft.
-        ``pause_draft``: the target's controller pauses the session's drafting (its worker stops,
-        the chain is empty); a Step without it resumes a paused session (a worker starts from the
-        whole text)."""
+        ``pause_draft``: the session's drafting is paused (its worker stops and its tree empties;
+        the chain is the session's model-free lookup, empty without one); a Step without it
+        resumes a paused session (a worker starts from the whole text)."""
         t0 = time.perf_counter()
         session = self.get(session_id)
         with session.lock:
@@ -329,8 +329,10 @@ class SessionTable:
             result = session.card.step(correction)  # Aborted on a stale epoch
         if pause_draft != session.paused:
             self._pause(session, pause_draft)
-            if pause_draft:
-                result = StepResult(Chain(epoch=session.epoch), result.outcome)
+            if pause_draft:  # the tree is gone: what the session's own text suggests, if anything
+                with session.lock:
+                    chain, looked_up = session.card.offer()
+                result = StepResult(chain, result.outcome, looked_up)
         with session.lock:
             now = time.monotonic()
             pool, chain_len, busy_s = session.chain_pool, session.chain_len, now - session.last_step

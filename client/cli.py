@@ -60,7 +60,10 @@ def cli(log_level: str) -> None:
 @option("--draft", "draft_name", default=None,
         help="The draft pool to speculate with (or one worker's name; services). Default: any pool whose "
              "tokenizer matches.")
-@option("--mode", type=click.Choice(["card", "sd", "vanilla"]), default="card", show_default=True)
+@option("--mode", type=click.Choice(["card", "card-auto", "sd", "vanilla"]), default="card",
+        show_default=True,
+        help="card-auto: per request, model-free drafting (the text's own n-grams, no draft forward) or the "
+             "draft model, whichever commits faster.")
 @option("--target-model", default=DEFAULT_MODEL, envvar="CARD_CLIENT_TARGET_MODEL", show_default=True,
         help="Hugging Face id, local folder, .gguf file, or 'default' (embedded SmolLM2-135M).")
 @option("--draft-model", default=DEFAULT_DRAFT.spec, envvar="CARD_CLIENT_DRAFT_MODEL", show_default=True,
@@ -128,7 +131,13 @@ def generate(prompt: str, inprocess: bool, target_addr: str | None, api_key: str
     if draft_quantize is None:
         draft_quantize = DEFAULT_DRAFT.quantize if draft_model == DEFAULT_DRAFT.spec else "none"
     drafter = DrafterKind.from_flags(draft_model, cascade)
-    drafter.check_mode(mode)
+    if mode == "card-auto":
+        if drafter is not DrafterKind.NEURAL:
+            raise click.UsageError("--mode card-auto chooses between model-free drafting and the draft "
+                                   "model: drop --draft-model ngram / --cascade")
+        drafter = DrafterKind.AUTO
+    else:
+        drafter.check_mode(mode)
     draft_shape = tuple(f"--{'tree-width' if f == 'width' else f.replace('_', '-')}"
                         for f in DRAFT_SHAPE if f in tree_flags)
     opts = GenerateOptions(

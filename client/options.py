@@ -77,10 +77,10 @@ class GenerateOptions:
         if self.drafter is DrafterKind.NGRAM:  # the drafter is one Python thread: every core to the target
             t, d = os.cpu_count() or 1, None
         return RunnerConfig(
-            mode=self.mode,
+            mode="card" if self.mode == "card-auto" else self.mode,  # in process: drafter auto
             tree=self.tree,
             gamma=self.gamma,
-            target_threads=self.target_threads or (t if self.mode == "card" else os.cpu_count()),
+            target_threads=self.target_threads or (t if self.mode.startswith("card") else os.cpu_count()),
             draft_threads=self.draft_threads or d,
             backoff=self.backoff,
             drafter=self.drafter,

@@ -65,7 +65,7 @@ def _remote(opts: GenerateOptions, addr: str, on_text: Callable[[str], None] | N
         sampling=opts.sampling,
         stop=opts.stop,
         draft=opts.draft_name,
-        mode="vanilla" if opts.mode == "vanilla" else "card",
+        mode=opts.mode,
         chain=opts.chain,
         on_text=on_text,
         tls=tls,

@@ -38,6 +38,7 @@ from card.engine.shared.config import (
 )
 from card.engine.shared.errors import InvalidArgument, NotFound, ResourceExhausted, Unavailable
 from card.engine.target.chain_source import ChainSource, NoDraft
+from card.engine.target.drafter_choice import DrafterChoice
 from card.engine.target.generation import Generation, GenerationResult, check_prompt
 from card.engine.target.scheduler import Event
 from card.target_service import metrics
@@ -49,7 +50,7 @@ from card.v1 import cache_pb2_grpc
 
 log = logging.getLogger(__name__)
 
-MODES = ("card", "vanilla")
+MODES = ("card", "card-auto", "vanilla")
 
 _NO_DEADLINE_S = 10 * 365 * 86400.0
 
@@ -253,4 +254,7 @@ class Frontend:
         assert self.link is not None
         if draft:  # refused here, in one line, before it waits for a slot
             self.link.directory.check(draft, self.model.fingerprint, self.model.name)
-        return RemoteCard(self.link, draft, request.chain, request.chain_draw)
+        # card-auto: the session's drafter (the cache's model-free lookup alone, or its worker)
+        # chosen by measured pace; a drawn chain needs the draft's distributions: its worker only
+        choice = DrafterChoice() if mode == "card-auto" and request.chain_draw is None else None
+        return RemoteCard(self.link, draft, request.chain, request.chain_draw, choice)

@@ -36,6 +36,9 @@ CLOSES_DROPPED = Counter("card_target_session_closes_dropped_total",
 CATCH_UPS = Counter("card_target_session_catch_ups_total",
                     "Sessions that opened after their generation committed more tokens; their first Step "
                     "tells them the tokens since")
+DRAFTER_SWITCHES = Counter("card_target_drafter_switches_total",
+                           "card-auto sessions switched to a drafter (model-free: the cache's lookup alone, "
+                           "its worker paused; neural: its worker)", ["drafter"])
 ENGINE_ALIVE = Gauge("card_target_engine_alive", "1 while the engine's thread runs, 0 once it died")
 # vLLM's spec-decode counters, by the same names' meaning: drafted tokens verified, and kept
 DRAFT_TOKENS = Counter("card_target_spec_decode_draft_tokens_total", "Drafted tokens the target verified")

@@ -21,7 +21,8 @@ object AIPerf reads. ``logprobs`` (completions: 0-20 alternatives; chat: ``logpr
 of each token, the same in every mode. Fields that would change the output and are not served here
 (``n > 1``, tools, penalties, ``logit_bias``, ...) are refused with 400 in OpenAI's error shape,
 never ignored; so is any field this server does not know.
-Extensions: ``mode`` ("card" or "vanilla"), ``draft`` (a draft pool, or a worker name), ``top_k``,
+Extensions: ``mode`` ("card", "card-auto": the model-free lookup or the draft, whichever is faster for
+the request, or "vanilla"), ``draft`` (a draft pool, or a worker name), ``top_k``,
 ``ignore_eos``, ``verify`` ("exact", the default; "rejection": speculative sampling, the target's
 distribution but not plain decoding's tokens for the seed; or "loose": FLy, lossy) with
 ``verify_entropy_threshold`` and ``verify_window``.
@@ -94,7 +95,7 @@ class _Common(BaseModel):
     logit_bias: dict[str, float] | None = None
     user: str | None = None  # an end-user id for the operator's logs; never changes output
     # extensions
-    mode: Literal["card", "vanilla"] = "card"
+    mode: Literal["card", "card-auto", "vanilla"] = "card"
     draft: str = ""
     top_k: int | None = None
     ignore_eos: bool = False

@@ -23,6 +23,9 @@ deadline.
   lasts (plain decoding at plain decoding's cost; the keeper keeps the session). Resumed, the next
   Step carries the tokens committed since as a path the tree never held, as a late open does, and
   a worker drafts again from the whole text. A source paused before it opens opens paused.
+- ``card-auto`` (``choice``, card.engine.target.drafter_choice): the session alternates between
+  the cache's model-free lookup alone (every Step says ``pause_draft``: no worker spends anything
+  on it, the chains come from its own text) and its worker, keeping whichever commits faster.
 
 The source owns the session's epoch (a re-opened session starts again at 0, whatever the chains
 before it said), its round-trip times and the draft's counters (from each Step's answer); the
@@ -45,6 +48,7 @@ from card.engine.shared.errors import CardError, InvalidArgument
 from card.engine.shared.stats import GenerationStats
 from card.engine.shared.tree import NO_NODE, Chain, Correction
 from card.engine.target.chain_source import SourceStats, StepResult
+from card.engine.target.drafter_choice import MODEL_FREE, DrafterChoice
 from card.target_service import metrics
 from card.target_service.cache_link import CACHE_TROUBLE, CacheLink
 from card.v1 import cache_pb2
@@ -62,11 +66,12 @@ def _code(err: BaseException) -> grpc.StatusCode | None:
 class RemoteCard:
     """A ``ChainSource`` backed by the cache service for one request: ``draft`` is the worker it
     names ("" = any), ``chain`` its ChainPolicy and ``draw`` how its chains are chosen (None: the
-    best path), sent with every OpenSession. Driven by the engine's thread only (the keeper reads
+    best path), sent with every OpenSession; ``choice``: card-auto, the session's drafter chosen
+    by pace (None: its worker throughout). Driven by the engine's thread only (the keeper reads
     ``session_id`` and ``last_contact``)."""
 
     def __init__(self, link: CacheLink, draft: str = "", chain: ChainPolicy | None = None,
-                 draw: ChainDraw | None = None) -> None:
+                 draw: ChainDraw | None = None, choice: DrafterChoice | None = None) -> None:
         self.link = link
         self.stub = link.stub
         self.target = link.target
@@ -90,9 +95,10 @@ class RemoteCard:
         self._retry_s = link.target.retry_initial_s
         self._draft_done = (0, 0.0)  # draft forwards and idle seconds of sessions that ended
         self._draft_now = (0, 0.0)  # the current session's, from its latest Step
-        self._hold = False  # the engine's controller wants drafting paused
+        self.choice = choice
+        self._hold = False  # the engine's controller wants drafting paused: no Step at all
         self._cache_paused = False  # the cache's session has no draft (told so, or opened so)
-        self._synced_at = 0  # committed tokens the cache's session holds (while paused)
+        self._silent_at: int | None = None  # committed tokens the cache holds while no Step goes
 
     def _draft_totals(self) -> tuple[int, float]:
         return self._draft_done[0] + self._draft_now[0], self._draft_done[1] + self._draft_now[1]
@@ -146,10 +152,28 @@ class RemoteCard:
                 results[i] = sources[i]._answer(reply, t0)
         return results  # type: ignore[return-value]
 
+    @property
+    def _model_free(self) -> bool:
+        """card-auto has chosen the cache's model-free lookup alone: the worker stays paused."""
+        return self.choice is not None and self.choice.current == MODEL_FREE
+
+    def _choose(self, correction: Correction) -> None:
+        """card-auto: time the step the session served and maybe switch drafters (the Step about
+        to go says which: ``pause_draft`` for the lookup alone, none to draft again)."""
+        if self.choice is None:
+            return
+        if self._hold or not self.session_id or self._silent_at is not None:
+            self.choice.untimed()  # no drafter served this step
+            return
+        to = self.choice.step(len(correction.accepted_tokens) + 1)
+        if to is not None:
+            metrics.DRAFTER_SWITCHES.labels(to).inc()
+
     def _request(self, correction: Correction) -> cache_pb2.StepRequest | StepResult:
         """The Step to send for ``correction``, or the plain result when there is no session."""
         if self._degraded:
             return self._plain()
+        self._choose(correction)
         if not self.session_id:
             if self._opening is None:
                 if time.monotonic() >= self._retry_at:
@@ -157,30 +181,30 @@ class RemoteCard:
                 return self._plain()
             if not self._opened():
                 return self._plain()
-            if self._cache_paused and self._hold:  # opened paused: nothing to tell it yet
+            if self._hold:  # opened paused: nothing to tell it yet
+                self._silent_at = self._opened_at
                 return self._plain()
             # the session's text ends where it opened, at epoch 0: the tokens committed since (all
             # but next_token) are a path the tree never held
             since = tuple(self.committed[self._opened_at:-1])
             correction = Correction(0, since, (NO_NODE,) * len(since), correction.next_token)
             self._catching_up = bool(since)
-            self._cache_paused = False
             if since:
                 metrics.CATCH_UPS.inc()
-        elif self._cache_paused:
+        elif self._silent_at is not None:
             if self._hold:  # paused: no round trip at all
                 return self._plain()
             # resumed: the text committed since the pause, as a path the tree never held
-            since = tuple(self.committed[self._synced_at:-1])
+            since = tuple(self.committed[self._silent_at:-1])
             correction = Correction(self.epoch, since, (NO_NODE,) * len(since), correction.next_token)
-            self._catching_up, self._cache_paused = True, False
+            self._catching_up, self._silent_at = True, None
         else:
             correction = Correction(self.epoch, correction.accepted_tokens,
                                     correction.accepted_node_ids, correction.next_token)
             if self._hold:  # this Step pauses the session's draft; the next ones are not sent
-                self._cache_paused, self._synced_at = True, len(self.committed)
-                return correction_to_msg(self.session_id, correction, pause_draft=True)
-        return correction_to_msg(self.session_id, correction)
+                self._silent_at = len(self.committed)
+        self._cache_paused = self._hold or self._model_free
+        return correction_to_msg(self.session_id, correction, pause_draft=self._cache_paused)
 
     def _answer(self, reply: cache_pb2.StepResult, t0: float) -> StepResult:
         kind = reply.WhichOneof("result")
@@ -238,13 +262,14 @@ class RemoteCard:
         if not self.link.breaker.allow():
             self._retry_at = time.monotonic() + max(self.link.breaker.retry_in(), self.target.retry_initial_s)
             return
+        paused = self._hold or self._model_free
         future = self.link.open_session(list(self.committed), self.draft, self.chain, self.draw,
-                                        paused=self._hold)
+                                        paused=paused)
         if future is None:
             self._retry_at = time.monotonic() + self.target.retry_initial_s
             return
         self._opening, self._opened_at = future, len(self.committed)
-        self._cache_paused, self._synced_at = self._hold, len(self.committed)
+        self._cache_paused, self._silent_at = paused, None
         self._opens += 1
 
     def _opened(self) -> bool:
@@ -288,7 +313,7 @@ class RemoteCard:
         if close and self.session_id:
             self.link.close_session(self.session_id)
         self.session_id = ""
-        self._cache_paused = False
+        self._cache_paused, self._silent_at = False, None
         self._draft_done, self._draft_now = self._draft_totals(), (0, 0.0)
         # not at once: a failed Step often means the cache is restarting, and a session opened on
         # a cache that is shutting down would be lost with it

@@ -9,6 +9,9 @@
     hf-pld              transformers' prompt lookup decoding (``prompt_lookup_num_tokens``), greedy
     svc-vanilla, svc-card   the same through the real services (a LocalTrio: redis, card-cache,
                         card-draft, card-target as subprocesses) with ``--services``
+    svc-ngram, svc-cascade  through the same trio, a model-free / a cascade worker's pool
+    svc-auto            through the same trio, mode card-auto: per request the cache's model-free
+                        lookup alone or the draft model's worker, whichever commits faster
 
 Every mode returns a ``GenerationStats`` (engine/stats.py) and the generated token ids, so one
 report covers all of them. Each mode sets the torch thread count it runs best with before it runs:
@@ -45,11 +48,13 @@ from card.engine.shared.stats import GenerationStats
 ENGINE_MODES = ("vanilla", "sd", "card", "card-ngram", "card-cascade", "card-auto")
 HF_MODES = ("hf", "hf-assisted", "hf-pld")
 MODES = ENGINE_MODES + HF_MODES
-SERVICE_MODES = ("svc-vanilla", "svc-card", "svc-ngram", "svc-cascade")
+SERVICE_MODES = ("svc-vanilla", "svc-card", "svc-ngram", "svc-cascade", "svc-auto")
 DEFAULT_SERVICE_MODES = ("svc-vanilla", "svc-card")  # what --services adds beside in-process modes
 # The draft pool each speculating service mode names, in a trio card-bench starts: one trio serves
 # them all, the model-free and cascade workers beside the draft model's (card.client.bench.cli)
-SERVICE_POOLS = {"svc-card": "bench-draft", "svc-ngram": "bench-ngram", "svc-cascade": "bench-cascade"}
+# (svc-auto: mode card-auto, per request the cache's model-free lookup alone or the draft model's worker)
+SERVICE_POOLS = {"svc-card": "bench-draft", "svc-ngram": "bench-ngram", "svc-cascade": "bench-cascade",
+                 "svc-auto": "bench-draft"}
 
 
 def service_request(mode: str, pools: Mapping[str, str]) -> tuple[str, str | None]:
@@ -57,7 +62,8 @@ def service_request(mode: str, pools: Mapping[str, str]) -> tuple[str, str | Non
     ``pools``: SERVICE_POOLS in a trio card-bench started, empty for a running target (its own
     routing)."""
     base = mode.split("+")[0]
-    return ("vanilla" if base == "svc-vanilla" else "card"), pools.get(base)
+    kind = {"svc-vanilla": "vanilla", "svc-auto": "card-auto"}.get(base, "card")
+    return kind, pools.get(base)
 NEEDS_DRAFT = ("sd", "card", "card-cascade", "card-auto", "hf-assisted")
 # hf-pld: candidate tokens per lookup (transformers' documented example uses 10; its matching
 # n-gram size keeps its default, 2)

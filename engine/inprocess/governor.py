@@ -22,37 +22,18 @@ breaks even costs a probe (8 steps) per pause. The output never depends on any o
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from card.engine.shared.tree import Outcome
+from card.engine.target.drafter_choice import Pace
 
 EMA = 0.2  # weight of the newest step in the moving averages
 BACKOFF_USEFUL = 0.15  # pause below this
 USEFUL_START, USEFUL_PROBE = 0.5, 0.3  # 6 straight misses pause a new session, 4 a probe
 JUDGE_STEPS = 8  # drafting steps of a (re)started session before its pace is compared
 BACKOFF_STEPS = (16, 256)  # first and longest pause, in target steps; doubles per failed probe
-
-
-@dataclass
-class Pace:
-    """Moving averages of seconds and tokens per target step (running means for the first 5)."""
-
-    seconds: float = 0.0
-    tokens: float = 0.0
-    steps: int = 0
-
-    def add(self, seconds: float, tokens: int) -> None:
-        self.steps += 1
-        w = max(1.0 / self.steps, EMA)
-        self.seconds += w * (seconds - self.seconds)
-        self.tokens += w * (tokens - self.tokens)
-
-    @property
-    def s_per_token(self) -> float:
-        return self.seconds / self.tokens if self.tokens > 0 else math.inf
 
 
 @dataclass

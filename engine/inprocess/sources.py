@@ -31,12 +31,13 @@ from card.engine.draft.drafter import Drafter
 from card.engine.draft.ngram import NgramDrafter, NgramTable
 from card.engine.draft.worker import DraftWorker
 from card.engine.inprocess.core_lending import CoreLender
-from card.engine.inprocess.governor import Governor, Pace
+from card.engine.inprocess.governor import Governor
 from card.engine.shared.config import ChainDraw, NgramConfig, TreeParams
 from card.engine.shared.session import CardSession, DraftLink, StepResult
 from card.engine.shared.stats import GenerationStats
 from card.engine.shared.tree import Advance, Chain, Correction, Layer
 from card.engine.target.chain_source import SourceStats
+from card.engine.target.drafter_choice import MODEL_FREE, NEURAL, DrafterChoice
 
 
 # ---- links: how a session reaches its draft ------------------------------------------------------
@@ -293,36 +294,27 @@ class NgramCard(Governed):
         return InlineLink(self.drafter, self.session, self.params.max_chain)
 
 
-# PolicyCard: steps each drafter is judged on, and the steps before a losing drafter is tried
-# again (doubling per failed try, up to the second value)
-TRIAL_STEPS = 8
-RETRY_STEPS = (32, 256)
-
-
 class PolicyCard:
-    """The drafter that pays, per session: the model-free drafter inline (NgramCard) or the
-    draft model's worker (LocalCard: neural, or a cascade where the worker is one), each with its
-    own governor that pauses it (the target then decodes alone) when its chains keep failing.
-
-    The generation opens on the model-free drafter (it costs the target nothing and wins
-    outright where the text repeats its input), tries the draft model for TRIAL_STEPS, then keeps
-    whichever committed tokens faster (seconds per committed token, card.engine.inprocess.governor.Pace, over
-    its latest steps), and tries the other again after RETRY_STEPS. A switch restarts the new
-    drafter from the committed text at the next epoch; the output never depends on any of this.
-    """
+    """The drafter that pays, per session (card.engine.target.drafter_choice): the model-free
+    drafter inline (NgramCard) or the draft model's worker (LocalCard: neural, or a cascade where
+    the worker is one), each with its own governor that pauses it (the target then decodes alone)
+    when its chains keep failing. A switch restarts the new drafter from the committed text at the
+    next epoch; the output never depends on any of this."""
 
     def __init__(self, ngram: NgramCard, neural: LocalCard,
                  clock: Callable[[], float] = time.perf_counter) -> None:
-        self.sources: dict[str, NgramCard | LocalCard] = {"ngram": ngram, "neural": neural}
+        self.sources: dict[str, NgramCard | LocalCard] = {MODEL_FREE: ngram, NEURAL: neural}
         self.clock = clock
-        self.current = "ngram"
-        self.pace: dict[str, Pace] = {}
-        self.switches = 0
-        self._left = TRIAL_STEPS  # steps until the next decision
-        self._trial = True  # the current drafter is on trial (a decision follows)
-        self._retry = RETRY_STEPS[0]
-        self._last: float | None = None
+        self.choice = DrafterChoice(clock)
         self._held = False  # the engine's speculation controller paused drafting (Pausable)
+
+    @property
+    def current(self) -> str:
+        return self.choice.current
+
+    @property
+    def switches(self) -> int:
+        return self.choice.switches
 
     def pause_drafting(self) -> None:
         self._held = True
@@ -333,43 +325,20 @@ class PolicyCard:
         self.sources[self.current].resume_drafting()
 
     def open(self, committed: Sequence[int]) -> None:
-        self.pace = {name: Pace() for name in self.sources}
-        self.current, self._left, self._trial, self._retry = "ngram", TRIAL_STEPS, True, RETRY_STEPS[0]
-        self._last, self.switches = None, 0
-        self.sources["neural"].open(committed)
-        self.sources["neural"].suspend()
-        self.sources["ngram"].open(committed)
+        self.choice = DrafterChoice(self.clock)
+        self.sources[NEURAL].open(committed)
+        self.sources[NEURAL].suspend()
+        self.sources[MODEL_FREE].open(committed)
 
     def step(self, correction: Correction) -> StepResult:
         if self._held:  # no drafter runs: nothing to time or judge
-            self._last = None
+            self.choice.untimed()
             return self.sources[self.current].step(correction)
-        now = self.clock()
-        if self._last is not None:
-            self.pace[self.current].add(now - self._last, len(correction.accepted_tokens) + 1)
-        self._last = now
-        self._left -= 1
-        if self._left > 0:
+        before = self.current
+        to = self.choice.step(len(correction.accepted_tokens) + 1)
+        if to is None:
             return self.sources[self.current].step(correction)
-        other = "neural" if self.current == "ngram" else "ngram"
-        if not self._trial:  # the keeper's time is up: try the other again
-            return self._switch(other, correction, trial=True)
-        if not self.pace[other].steps:  # the other was never tried
-            return self._switch(other, correction, trial=True)
-        if self.pace[other].s_per_token < self.pace[self.current].s_per_token:
-            # the trial lost: back to the other, and a longer wait before the next try
-            self._retry = min(2 * self._retry, RETRY_STEPS[1]) if self.switches > 1 else self._retry
-            return self._switch(other, correction, trial=False)
-        self._trial, self._left, self._retry = False, self._retry, RETRY_STEPS[0]  # the trial won
-        return self.sources[self.current].step(correction)
-
-    def _switch(self, to: str, correction: Correction, trial: bool) -> StepResult:
-        self.sources[self.current].suspend()
-        self.current, self._trial, self.switches = to, trial, self.switches + 1
-        self._left = TRIAL_STEPS if trial else self._retry
-        if trial:
-            self.pace[to] = Pace()  # judged on fresh steps
-        self._last = None  # the switch's own step is not timed
+        self.sources[before].suspend()
         return self.sources[to].resume(correction.epoch + 1)
 
     def close(self, stats: GenerationStats) -> SourceStats:

@@ -138,15 +138,16 @@ class CardSession:
                 self._restart(self.epoch)
             elif self.link is not None:
                 self.link.advance(advance)
-            chain, looked_up = self._next()
+            chain, looked_up = self.offer()
             return StepResult(chain, advance.outcome, looked_up)
 
     def next_chain(self) -> Chain:
         """The chain to verify next: the tree's best path, or a drawn one (``draw``); where the
         tree has none, the lookup's continuation of the committed text."""
-        return self._next()[0]
+        return self.offer()[0]
 
-    def _next(self) -> tuple[Chain, bool]:
+    def offer(self) -> tuple[Chain, bool]:
+        """The next chain, and whether the lookup made it (the tree had none)."""
         p = self.params
         with self.lock:
             if self.draw is not None:

@@ -164,6 +164,57 @@ def test_chains_outcomes_and_advances(cache: Cache) -> None:
     assert info.committed_tokens == len([*PROMPT, 10, 20, 31, 50, 60, 70, 80])
 
 
+# "5 6 7 8 9" twice: after "... 7 8" the session's own text says "9 2 3"
+REPEATING = [1, 5, 6, 7, 8, 9, 2, 3, 5, 6]
+
+
+@pytest.mark.parametrize("lookup", [True, False], ids=["model-free-chains", "none"])
+def test_a_step_with_no_tree_answers_from_the_sessions_own_text(redis_url: str, redis_prefix: str,
+                                                                lookup: bool) -> None:
+    """No worker serves the session: the chain after each step is the model-free continuation of
+    its text (prompt lookup), accepted tokens land as usual; without --model-free-chains (the
+    negative control) the chain stays empty."""
+    c = start_cache(make_config(redis_url, redis_prefix, model_free_chains=lookup))
+    try:
+        sid = c.target.open(REPEATING, vocab_size=100).session_id
+        r = c.target.step(sid, 0, 7)  # "... 5 6 7": then "8 9 2 3 5 6 7 8 ..." (the text repeats)
+        assert r.outcome is Outcome.MISS
+        assert r.chain.tokens == (((8, 9, 2, 3, 5, 6, 7) * 4)[:len(r.chain.tokens)] if lookup else ())
+        if lookup:
+            assert len(r.chain.tokens) >= 2 and set(r.chain.node_ids) == {NO_NODE}
+            r = c.target.step(sid, 1, 3, accepted=[8, 9, 2], accepted_ids=[NO_NODE] * 3)
+            assert r.chain.epoch == 2 and r.chain.tokens[:1] == (5,)
+            info = {s.session_id: s for s in c.target.status().sessions}[sid]
+            assert info.committed_tokens == len(REPEATING) + 5
+    finally:
+        c.close()
+
+
+def test_an_accepted_lookup_chain_is_a_hit_on_what_the_worker_grew(redis_url: str, redis_prefix: str) -> None:
+    """The worker restarts after a miss; the lookup's chain fills that step. Its tokens, accepted,
+    are found in the layers the worker published meanwhile: a hit, and the worker is told the
+    nodes (it keeps their KV), not a miss that throws its work away."""
+    c = start_cache(make_config(redis_url, redis_prefix))
+    try:
+        draft = c.draft("d0")
+        sid = c.target.open(REPEATING, vocab_size=100).session_id
+        expect_start(draft)
+        r = c.target.step(sid, 0, 7)
+        assert r.chain.tokens[:2] == (8, 9) and r.chain.node_ids[0] == NO_NODE
+        expect_advance(draft, sid)
+        root = virtual_root_id(1)
+        draft.publish(sid, layer([root], [0], [8], [0.9], b=[(root, 8, 0.9)], epoch=1))
+        draft.publish(sid, layer([0], [1], [9], [0.9], b=[(0, 9, 0.9)], epoch=1))
+        draft.publish(sid, layer([1], [2], [2], [0.9], b=[(1, 2, 0.9)], epoch=1))
+        wait_for(lambda: {s.session_id: s for s in c.target.status().sessions}[sid].tree_nodes == 3)
+        r = c.target.step(sid, 1, 2, accepted=[8, 9], accepted_ids=[NO_NODE, NO_NODE])
+        assert r.outcome is Outcome.HIT
+        adv = expect_advance(draft, sid)
+        assert adv.outcome is Outcome.HIT and adv.accepted_node_ids == (0, 1) and adv.hit_node_id == 2
+    finally:
+        c.close()
+
+
 def test_layers_for_pruned_parents_are_dropped(cache: Cache) -> None:
     draft = cache.draft("d0")
     sid = cache.target.open(PROMPT).session_id

@@ -1,0 +1,60 @@
+"""card-auto through the trio, started as a user starts it: per request, the cache's model-free
+lookup alone (the worker paused) or the draft pool's worker, whichever commits faster
+(card.engine.target.drafter_choice). Tiny float64 checkpoints sharing the SmolLM2 tokenizer.
+
+- the output is plain decoding's token for token, through every switch;
+- both drafters served the request (the target counts its switches; the cache paused and resumed
+  the worker and answered chains from the session's own text);
+- mode card (the negative control) never switches and never pauses the worker.
+"""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+
+from card.client.remote import generate_remote
+from card.client.trio import LocalTrio
+from card.engine.shared.config import SamplingParams, StopParams
+from tests.services.e2e_support import float64_reference, metric, scrape
+from tests.services.test_speculation_control import _labelled
+from tests.tiny_models import save_tiny_checkpoint
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+PROMPT = "Repeat after me: the fox sails the sea, the fox sails the sea, the fox sails the sea."
+GREEDY = SamplingParams()
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory):
+    root = tmp_path_factory.mktemp("auto-models")
+    return {"target": save_tiny_checkpoint(root / "target", seed=0),
+            "draft": save_tiny_checkpoint(root / "draft", seed=0)}
+
+
+@pytest.mark.parametrize("mode", ["card-auto", "card"])
+def test_card_auto_switches_drafters_and_stays_exact(checkpoints, redis_server, tmp_path_factory, mode):
+    stop = StopParams(120, ignore_eos=True)
+    with LocalTrio(target_model=str(checkpoints["target"]), draft_model=str(checkpoints["draft"]),
+                   draft_name="tiny", target_threads=1, draft_threads=1, dtype="float64",
+                   log_dir=tmp_path_factory.mktemp("auto"), redis_url=redis_server.url, metrics=True,
+                   start_timeout_s=240,
+                   extra_args={"cache": ["--redis-prefix", f"auto-{uuid.uuid4().hex[:8]}:"],
+                               "target": ["--speculation", "always", "--max-model-len", "480"]}) as trio:
+        out = generate_remote(trio.target_addr, PROMPT, sampling=GREEDY, stop=stop, mode=mode, timeout_s=120)
+        cache = scrape(trio.metrics_ports["card-cache"])
+        target = scrape(trio.metrics_ports["card-target"])
+    assert out.token_ids == float64_reference(checkpoints["target"])(PROMPT, GREEDY, stop).token_ids
+    to_neural = _labelled(target, "card_target_drafter_switches_total", drafter="neural")
+    to_model_free = _labelled(target, "card_target_drafter_switches_total", drafter="model-free")
+    pauses = _labelled(cache, "card_cache_draft_pauses_total", action="pause")
+    if mode == "card-auto":
+        # opened model-free (the worker paused), tried the worker, and judged it
+        assert to_neural >= 1 and to_neural + to_model_free >= 2
+        assert _labelled(cache, "card_cache_draft_pauses_total", action="resume") >= 1
+        assert metric(cache, "card_cache_lookup_chains_total") >= 1
+        assert out.stats.draft_tokens > 0
+    else:
+        assert to_neural == to_model_free == pauses == 0
