@@ -7,7 +7,8 @@ forward cost does not depend on the weights, and no weights can be downloaded wh
               session per 8 rows) against R, exact on and off: the cost of invariance per shape
     serving   plain decoding and card tokens/s with 1, 4, 8 and 32 requests in flight through the
               target engine (card: draft worker on the same GPU), exact on and off; every figure
-              is also a ratio to plain decoding with exact on, measured in the same run
+              is also a ratio to plain decoding (the first of ``--kernels``) in the same run; card
+              under each ``--speculation`` mode asked for
 
 Random-weight drafts agree with the target at chance level, so card figures here measure what
 speculation costs, not what a trained pair gains (accepted length is printed beside them). The
@@ -31,6 +32,7 @@ from card.engine.loading.models import LoadedModel
 from card.engine.shared.config import GenerationRequest, SamplingParams, StopParams, TreeParams
 from card.engine.shared.kv_pool import KVPool, Segment, forward
 from card.engine.target.chain_source import NoDraft
+from card.engine.target.controller import SpeculationControl, SpeculationController
 from card.engine.target.generation import Generation
 from card.engine.target.scheduler import TargetEngine
 
@@ -93,8 +95,9 @@ def _requests(n: int, vocab: int, new_tokens: int) -> list[GenerationRequest]:
 
 
 def serve_tok_s(target: torch.nn.Module, draft: torch.nn.Module | None, in_flight: int, exact: bool,
-                new_tokens: int, device: str) -> dict:
-    """Tokens/s of ``in_flight`` requests run together to their end (card when ``draft``)."""
+                new_tokens: int, device: str, speculation: str = "auto") -> dict:
+    """Tokens/s of ``in_flight`` requests run together to their end (card when ``draft``), the
+    engine's speculation controller in ``speculation`` mode."""
     vocab = target.config.vocab_size
     requests = _requests(in_flight, vocab, new_tokens)
     runner = None
@@ -106,7 +109,8 @@ def serve_tok_s(target: torch.nn.Module, draft: torch.nn.Module | None, in_fligh
             mode="card", tree=tree, cache_device=device, backoff=False, draft_slots=max(in_flight, 1)))
     try:
         pool = KVPool(target, slots=in_flight, max_len=128 + new_tokens + 16)
-        engine = TargetEngine(target, pool, exact=exact)
+        engine = TargetEngine(target, pool, exact=exact,
+                              controller=SpeculationController(SpeculationControl(mode=speculation)))
         gens = [runner.generation(r) if runner else
                 Generation(r, NoDraft(), eos_ids=frozenset(), decode=lambda ids: "", context_window=4096,
                            mode="vanilla", vocab_size=vocab) for r in requests]
@@ -123,8 +127,10 @@ def serve_tok_s(target: torch.nn.Module, draft: torch.nn.Module | None, in_fligh
             runner.close()
     new = sum(g.stats.new_tokens for g in gens)
     forwards = sum(g.stats.target_forwards for g in gens)
+    paused = sum(g.stats.drafting_paused_steps for g in gens)
     return {"tok_s": new / wall, "wall_s": wall, "new_tokens": new,
-            "accepted_length": new / forwards if forwards else 0.0, "engine_forwards": engine.forwards}
+            "accepted_length": new / forwards if forwards else 0.0, "engine_forwards": engine.forwards,
+            "speculation": speculation, "paused_share": paused / forwards if forwards else 0.0}
 
 
 @click.command()
@@ -134,8 +140,21 @@ def serve_tok_s(target: torch.nn.Module, draft: torch.nn.Module | None, in_fligh
 @click.option("--out", type=click.Path(dir_okay=False, path_type=Path), default=Path("gpu-check.json"),
               show_default=True)
 @click.option("--small", is_flag=True, help="tiny shapes (a smoke run on any machine)")
-def main(device: str, new_tokens: int, context: int, out: Path, small: bool) -> None:
+@click.option("--kernels", default="exact,vendor", show_default=True,
+              help="comma-separated: exact (invariant kernels), vendor")
+@click.option("--in-flight", "in_flight", default=",".join(map(str, IN_FLIGHT)), show_default=True,
+              help="comma-separated requests in flight")
+@click.option("--speculation", default="auto", show_default=True,
+              help="comma-separated speculation controller modes card runs under (auto, always, never); "
+                   "the random draft never agrees with the target, so auto shows what the controller "
+                   "saves and always what speculation costs")
+def main(device: str, new_tokens: int, context: int, out: Path, small: bool, kernels: str, in_flight: str,
+         speculation: str) -> None:
     """Forward cost against rows, and serving tokens/s, exact on and off."""
+    loads = tuple(int(n) for n in in_flight.split(","))
+    modes = tuple(speculation.split(","))
+    for mode in modes:
+        SpeculationControl(mode=mode)  # validates
     tshape, dshape = (TARGET, DRAFT) if not small else (
         dict(TARGET, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
              vocab_size=2048),
@@ -145,27 +164,33 @@ def main(device: str, new_tokens: int, context: int, out: Path, small: bool) -> 
     report: dict = {"device": name, "torch": torch.__version__, "target_shape": tshape,
                     "draft_shape": dshape, "forward_ms": {}, "serving": {}}
     draft = random_qwen(dshape, 1, device, exact=False)
-    for exact in (True, False):
-        key = "exact" if exact else "vendor"
+    for key in kernels.split(","):
+        if key not in ("exact", "vendor"):
+            raise click.BadParameter(f"kernels are exact or vendor, not {key!r}")
+        exact = key == "exact"
         target = random_qwen(tshape, 0, device, exact=exact)
         report["forward_ms"][key] = {r: forward_ms(target, r, exact, context, device) for r in ROWS}
         for warm in (None, draft):  # first calls pay for kernel selection and allocator growth
             serve_tok_s(target, warm, 2, exact, 4, device)
-        for n in IN_FLIGHT:
+        for n in loads:
             report["serving"][f"{key}/vanilla/{n}"] = serve_tok_s(target, None, n, exact, new_tokens, device)
-            report["serving"][f"{key}/card/{n}"] = serve_tok_s(target, draft, n, exact, new_tokens, device)
+            for mode in modes:
+                name = "card" if len(modes) == 1 else f"card-{mode}"
+                report["serving"][f"{key}/{name}/{n}"] = serve_tok_s(target, draft, n, exact, new_tokens,
+                                                                     device, mode)
         del target
-    base = {n: report["serving"][f"exact/vanilla/{n}"]["tok_s"] for n in IN_FLIGHT}
+    first = kernels.split(",")[0]
+    base = {n: report["serving"][f"{first}/vanilla/{n}"]["tok_s"] for n in loads}
     for key, row in report["serving"].items():
-        row["vs_exact_vanilla"] = row["tok_s"] / base[int(key.rsplit("/", 1)[1])]
+        row["vs_vanilla"] = row["tok_s"] / base[int(key.rsplit("/", 1)[1])]
     out.write_text(json.dumps(report, indent=2))
     click.echo(f"device: {name}")
     click.echo("rows  " + "  ".join(f"{r:>7}" for r in ROWS))
     for key, times in report["forward_ms"].items():
         click.echo(f"{key:<6}" + "  ".join(f"{times[r]:7.2f}" for r in ROWS) + "  ms")
     for key, row in report["serving"].items():
-        click.echo(f"{key:<20} {row['tok_s']:9.1f} tok/s  x{row['vs_exact_vanilla']:.2f}  "
-                   f"acc {row['accepted_length']:.2f}")
+        click.echo(f"{key:<24} {row['tok_s']:9.1f} tok/s  x{row['vs_vanilla']:.2f}  "
+                   f"acc {row['accepted_length']:.2f}  paused {row['paused_share']:.0%}")
     click.echo(f"wrote {out}")
 
 
