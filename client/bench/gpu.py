@@ -95,9 +95,12 @@ def _requests(n: int, vocab: int, new_tokens: int) -> list[GenerationRequest]:
 
 
 def serve_tok_s(target: torch.nn.Module, draft: torch.nn.Module | None, in_flight: int, exact: bool,
-                new_tokens: int, device: str, speculation: str = "auto") -> dict:
+                new_tokens: int, device: str, speculation: str | SpeculationController = "auto") -> dict:
     """Tokens/s of ``in_flight`` requests run together to their end (card when ``draft``), the
-    engine's speculation controller in ``speculation`` mode."""
+    engine's speculation controller in ``speculation`` mode (or that controller: a serving engine
+    keeps one for its life, and what it measured before)."""
+    controller = (speculation if isinstance(speculation, SpeculationController)
+                  else SpeculationController(SpeculationControl(mode=speculation)))
     vocab = target.config.vocab_size
     requests = _requests(in_flight, vocab, new_tokens)
     runner = None
@@ -110,7 +113,7 @@ def serve_tok_s(target: torch.nn.Module, draft: torch.nn.Module | None, in_fligh
     try:
         pool = KVPool(target, slots=in_flight, max_len=128 + new_tokens + 16)
         engine = TargetEngine(target, pool, exact=exact,
-                              controller=SpeculationController(SpeculationControl(mode=speculation)))
+                              controller=controller)
         gens = [runner.generation(r) if runner else
                 Generation(r, NoDraft(), eos_ids=frozenset(), decode=lambda ids: "", context_window=4096,
                            mode="vanilla", vocab_size=vocab) for r in requests]
@@ -130,7 +133,7 @@ def serve_tok_s(target: torch.nn.Module, draft: torch.nn.Module | None, in_fligh
     paused = sum(g.stats.drafting_paused_steps for g in gens)
     return {"tok_s": new / wall, "wall_s": wall, "new_tokens": new,
             "accepted_length": new / forwards if forwards else 0.0, "engine_forwards": engine.forwards,
-            "speculation": speculation, "paused_share": paused / forwards if forwards else 0.0}
+            "speculation": controller.config.mode, "paused_share": paused / forwards if forwards else 0.0}
 
 
 @click.command()
@@ -148,8 +151,11 @@ def serve_tok_s(target: torch.nn.Module, draft: torch.nn.Module | None, in_fligh
               help="comma-separated speculation controller modes card runs under (auto, always, never); "
                    "the random draft never agrees with the target, so auto shows what the controller "
                    "saves and always what speculation costs")
+@click.option("--rounds", default=1, show_default=True, type=int,
+              help="serve each card load this many times with one controller (a serving engine keeps "
+                   "its controller: round 2 on shows what it has learned)")
 def main(device: str, new_tokens: int, context: int, out: Path, small: bool, kernels: str, in_flight: str,
-         speculation: str) -> None:
+         speculation: str, rounds: int) -> None:
     """Forward cost against rows, and serving tokens/s, exact on and off."""
     loads = tuple(int(n) for n in in_flight.split(","))
     modes = tuple(speculation.split(","))
@@ -160,8 +166,8 @@ def main(device: str, new_tokens: int, context: int, out: Path, small: bool, ker
              vocab_size=2048),
         dict(DRAFT, hidden_size=128, intermediate_size=256, num_hidden_layers=1, num_attention_heads=2,
              vocab_size=2048))
-    name = torch.cuda.get_device_name(device) if device.startswith("cuda") else "cpu"
-    report: dict = {"device": name, "torch": torch.__version__, "target_shape": tshape,
+    gpu = torch.cuda.get_device_name(device) if device.startswith("cuda") else "cpu"
+    report: dict = {"device": gpu, "torch": torch.__version__, "target_shape": tshape,
                     "draft_shape": dshape, "forward_ms": {}, "serving": {}}
     draft = random_qwen(dshape, 1, device, exact=False)
     for key in kernels.split(","):
@@ -175,16 +181,19 @@ def main(device: str, new_tokens: int, context: int, out: Path, small: bool, ker
         for n in loads:
             report["serving"][f"{key}/vanilla/{n}"] = serve_tok_s(target, None, n, exact, new_tokens, device)
             for mode in modes:
-                name = "card" if len(modes) == 1 else f"card-{mode}"
-                report["serving"][f"{key}/{name}/{n}"] = serve_tok_s(target, draft, n, exact, new_tokens,
-                                                                     device, mode)
+                controller = SpeculationController(SpeculationControl(mode=mode))
+                base_name = "card" if len(modes) == 1 else f"card-{mode}"
+                for r in range(rounds):
+                    name = base_name + (f"-r{r + 1}" if rounds > 1 else "")
+                    report["serving"][f"{key}/{name}/{n}"] = serve_tok_s(target, draft, n, exact, new_tokens,
+                                                                         device, controller)
         del target
     first = kernels.split(",")[0]
     base = {n: report["serving"][f"{first}/vanilla/{n}"]["tok_s"] for n in loads}
     for key, row in report["serving"].items():
         row["vs_vanilla"] = row["tok_s"] / base[int(key.rsplit("/", 1)[1])]
     out.write_text(json.dumps(report, indent=2))
-    click.echo(f"device: {name}")
+    click.echo(f"device: {gpu}")
     click.echo("rows  " + "  ".join(f"{r:>7}" for r in ROWS))
     for key, times in report["forward_ms"].items():
         click.echo(f"{key:<6}" + "  ".join(f"{times[r]:7.2f}" for r in ROWS) + "  ms")
