@@ -37,7 +37,7 @@ class CacheConfig:
     pool_weights: how unnamed sessions split between pools ((pool, weight), ...; () = least loaded).
     model_free_chains: where a session's tree holds nothing to verify (right after a miss, while
         its draft restarts; no worker free), answer the Step with a model-free continuation of the
-        session's own text (card.engine.draft.ngram.PromptLookup) instead of an empty chain.
+        session's own text (card.engine.shared.ngram_stats.PromptLookup) instead of an empty chain.
     tls: the certificate served on the gRPC port (card.common.tls; none = plaintext).
     """
 

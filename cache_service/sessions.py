@@ -41,10 +41,10 @@ from card.cache_service.records import FinishedRecord, RecordWriter, stats_field
 from card.cache_service.registry import Registry, Worker
 from card.cache_service.store import MetadataStore
 from card.common.drafts import ANY, Route
-from card.engine.draft.ngram import PromptLookup
 from card.engine.shared.commands import AdvanceDraft, StartDraft, StopDraft
 from card.engine.shared.config import ChainDraw, ChainPolicy, TreeParams
 from card.engine.shared.errors import InvalidArgument, NotFound, ResourceExhausted, Unavailable
+from card.engine.shared.ngram_stats import PromptLookup
 from card.engine.shared.session import CardSession, StepResult
 from card.engine.shared.stats import GenerationStats
 from card.engine.shared.tree import Advance, Chain, Correction, Layer, Outcome, TwoTierTree

@@ -45,12 +45,12 @@ from card.common.tls import PLAINTEXT, TlsConfig
 from card.draft_service.config import NGRAM_CAPACITY, NGRAM_MAX_MODEL_LEN, DraftConfig
 from card.draft_service.link import CacheLink
 from card.engine.draft.drafter import tree_rows
-from card.engine.draft.ngram import shared_table
 from card.engine.draft.worker import DraftWorker, Publish
 from card.engine.loading.fingerprint import tokenizer_fingerprint
 from card.engine.loading.models import QUANTIZE, load_model, load_tokenizer
 from card.engine.shared.config import NGRAM
 from card.engine.shared.kv_pool import KVPool
+from card.engine.shared.ngram_stats import shared_table
 
 log = logging.getLogger("draft_service")
 

@@ -39,10 +39,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from card.engine.draft.ngram import NgramDrafter, NgramTable, Proposer
+from card.engine.draft.ngram import NgramDrafter
 from card.engine.shared.config import DRAW_BRANCH, ChainDraw, NgramConfig, TreeParams
 from card.engine.shared.errors import Aborted, InvalidArgument, ResourceExhausted
 from card.engine.shared.kv_pool import PREFILL_CHUNK, KVPool, Segment, forward
+from card.engine.shared.ngram_stats import NgramTable, Proposer
 from card.engine.shared.tree import NO_NODE, Advance, Layer, TwoTierTree, draw_index, tier_b_probs
 
 log = logging.getLogger(__name__)

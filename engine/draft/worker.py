@@ -36,11 +36,12 @@ from dataclasses import dataclass, field
 import torch
 
 from card.engine.draft.drafter import Drafter, grow_round, tree_rows
-from card.engine.draft.ngram import NgramDrafter, NgramTable
+from card.engine.draft.ngram import NgramDrafter
 from card.engine.shared.commands import AdvanceDraft, DraftCommand, StartDraft, StopDraft
 from card.engine.shared.config import ChainDraw, DrafterKind, NgramConfig, TreeParams
 from card.engine.shared.errors import CardError, InvalidArgument, ResourceExhausted
 from card.engine.shared.kv_pool import KVPool
+from card.engine.shared.ngram_stats import NgramTable
 from card.engine.shared.tree import Advance, Layer
 
 log = logging.getLogger(__name__)

@@ -14,7 +14,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from card.engine.draft.ngram import NgramTable, shared_table
 from card.engine.draft.worker import DraftWorker
 from card.engine.inprocess.core_lending import CoreLender
 from card.engine.inprocess.sources import LocalCard, NgramCard, PolicyCard, SyncDraft
@@ -30,6 +29,7 @@ from card.engine.shared.config import (
 )
 from card.engine.shared.errors import FailedPrecondition, InvalidArgument
 from card.engine.shared.kv_pool import DEFAULT_MAX_MODEL_LEN
+from card.engine.shared.ngram_stats import NgramTable, shared_table
 from card.engine.shared.tree import Layer
 from card.engine.target.chain_source import ChainSource, NoDraft
 from card.engine.target.controller import SpeculationControl, SpeculationController

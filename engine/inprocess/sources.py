@@ -28,11 +28,12 @@ from collections.abc import Callable, Sequence
 import torch
 
 from card.engine.draft.drafter import Drafter
-from card.engine.draft.ngram import NgramDrafter, NgramTable
+from card.engine.draft.ngram import NgramDrafter
 from card.engine.draft.worker import DraftWorker
 from card.engine.inprocess.core_lending import CoreLender
 from card.engine.inprocess.governor import Governor
 from card.engine.shared.config import ChainDraw, NgramConfig, TreeParams
+from card.engine.shared.ngram_stats import NgramTable
 from card.engine.shared.session import CardSession, DraftLink, StepResult
 from card.engine.shared.stats import GenerationStats
 from card.engine.shared.tree import Advance, Chain, Correction, Layer

@@ -57,7 +57,7 @@ class DraftLink(Protocol):
 
 
 class Lookup(Protocol):
-    """Model-free chains from the session's own committed text (card.engine.draft.ngram's
+    """Model-free chains from the session's own committed text (card.engine.shared.ngram_stats'
     PromptLookup): the chain of a step whose tree holds nothing. Its tokens are no tree node's
     (``NO_NODE``); accepted, the next correction finds them by token in whatever the draft grew
     meanwhile (TwoTierTree.classify)."""

@@ -17,7 +17,6 @@ import torch
 from transformers import DynamicCache
 
 from card.engine.draft.drafter import Drafter
-from card.engine.draft.ngram import NgramTable
 from card.engine.draft.worker import DraftWorker
 from card.engine.inprocess.runner import InProcessRunner
 from card.engine.inprocess.sources import LocalCard, SyncDraft
@@ -30,6 +29,7 @@ from card.engine.shared.config import (
     TreeParams,
     VerifyPolicy,
 )
+from card.engine.shared.ngram_stats import NgramTable
 from card.engine.shared.session import CardSession, StepResult
 from card.engine.shared.tree import Advance, Correction, Layer, TwoTierTree
 from card.engine.target.chain_source import ChainSource, NoDraft

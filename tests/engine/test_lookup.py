@@ -1,4 +1,4 @@
-"""Model-free chains where the tree holds nothing (engine.draft.ngram.PromptLookup in a
+"""Model-free chains where the tree holds nothing (engine.shared.ngram_stats.PromptLookup in a
 CardSession): the chain right after a miss is the session's own text continued, never empty
 where that text repeats itself; accepted, it lands on what the draft grew meanwhile."""
 
@@ -8,8 +8,8 @@ import math
 
 import torch
 
-from card.engine.draft.ngram import PromptLookup
 from card.engine.shared.config import ChainDraw, TreeParams
+from card.engine.shared.ngram_stats import PromptLookup
 from card.engine.shared.session import CardSession
 from card.engine.shared.tree import NO_NODE, Correction, Layer, Outcome, virtual_root_id
 

@@ -11,10 +11,11 @@ import tracemalloc
 import pytest
 import torch
 
-from card.engine.draft.ngram import NgramDrafter, NgramTable, Proposer, top_followers
+from card.engine.draft.ngram import NgramDrafter
 from card.engine.draft.worker import DraftWorker
 from card.engine.inprocess.sources import NgramCard, PolicyCard
 from card.engine.shared.config import NgramConfig, SamplingParams, TreeParams
+from card.engine.shared.ngram_stats import NgramTable, Proposer, top_followers
 from card.engine.shared.tree import Advance, Outcome, TwoTierTree
 from card.engine.target.chain_source import NoDraft
 from tests.engine.support import (
