@@ -97,7 +97,6 @@ class RemoteCard:
         self._draft_now = (0, 0.0)  # the current session's, from its latest Step
         self.choice = choice
         self._hold = False  # the engine's controller wants drafting paused: no Step at all
-        self._cache_paused = False  # the cache's session has no draft (told so, or opened so)
         self._silent_at: int | None = None  # committed tokens the cache holds while no Step goes
 
     def _draft_totals(self) -> tuple[int, float]:
@@ -203,8 +202,8 @@ class RemoteCard:
                                     correction.accepted_node_ids, correction.next_token)
             if self._hold:  # this Step pauses the session's draft; the next ones are not sent
                 self._silent_at = len(self.committed)
-        self._cache_paused = self._hold or self._model_free
-        return correction_to_msg(self.session_id, correction, pause_draft=self._cache_paused)
+        # the cache's session has no worker while the engine holds it or card-auto chose the lookup
+        return correction_to_msg(self.session_id, correction, pause_draft=self._hold or self._model_free)
 
     def _answer(self, reply: cache_pb2.StepResult, t0: float) -> StepResult:
         kind = reply.WhichOneof("result")
@@ -269,7 +268,7 @@ class RemoteCard:
             self._retry_at = time.monotonic() + self.target.retry_initial_s
             return
         self._opening, self._opened_at = future, len(self.committed)
-        self._cache_paused, self._silent_at = paused, None
+        self._silent_at = None
         self._opens += 1
 
     def _opened(self) -> bool:
@@ -313,7 +312,7 @@ class RemoteCard:
         if close and self.session_id:
             self.link.close_session(self.session_id)
         self.session_id = ""
-        self._cache_paused, self._silent_at = False, None
+        self._silent_at = None
         self._draft_done, self._draft_now = self._draft_totals(), (0, 0.0)
         # not at once: a failed Step often means the cache is restarting, and a session opened on
         # a cache that is shutting down would be lost with it
