@@ -309,3 +309,16 @@ def test_peer_side_by_side_writes_aiperf_prompts_and_reports_ratios(tmp_path):
                                             str(tmp_path / "trio.json")])
     assert result.exit_code == 0, result.output
     assert "| trio | 8 | 75.0 | 0.50x |" in result.output and "| vllm | 8 | 150.0 | 1.00x |" in result.output
+
+
+def test_ngram_modes_grow_the_ngram_tree():
+    """card-ngram / svc-ngram run the model-free depth and chain, not the neural tree's (a string
+    where the drafter kind belongs once made them run the neural tree silently)."""
+    from card.client.bench.cli import bench_trees
+    from card.engine.shared.config import NGRAM_CHAIN, NGRAM_DEPTH
+
+    for device_type in ("cpu", "cuda"):
+        tree, ngram_tree = bench_trees(device_type, {"width": None, "max_depth": None})
+        assert ngram_tree.max_depth == NGRAM_DEPTH != tree.max_depth
+        assert ngram_tree.max_chain == max(tree.max_chain, NGRAM_CHAIN)
+        assert ngram_tree.width == tree.width

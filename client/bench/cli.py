@@ -45,6 +45,7 @@ from card.engine.loading.cpu_linear import PackedLinear, pack_linears
 from card.engine.loading.models import DTYPES, LoadedModel, ModelConfig, load_model
 from card.engine.shared.config import (
     NGRAM,
+    DrafterKind,
     NgramConfig,
     SamplingParams,
     TreeParams,
@@ -56,6 +57,13 @@ from card.engine.shared.errors import InvalidArgument
 from card.engine.target.controller import SPECULATION_MODES
 
 EXIT_MISMATCH = 1
+
+
+def bench_trees(device_type: str, overrides: dict[str, object]) -> tuple[TreeParams, TreeParams]:
+    """The neural modes' tree and the n-gram modes' tree (the model-free depth and chain), each
+    the hardware default for ``device_type`` with the flags given over it."""
+    return (default_tree_params(device_type).with_overrides(**overrides),
+            default_tree_params(device_type, DrafterKind.NGRAM).with_overrides(**overrides))
 
 
 def randomized(draft: LoadedModel, seed: int) -> LoadedModel:
@@ -290,8 +298,7 @@ def bench(*, target_model: str, draft_model: str, target_dtype: str, draft_dtype
     device_type = "cuda" if torch.cuda.is_available() else "cpu"
     overrides = dict(width=tree_width, branch=branch, max_depth=max_depth, max_chain=max_chain,
                      b_extension=b_extension, min_path_prob=min_path_prob)
-    tree = default_tree_params(device_type).with_overrides(**overrides)
-    ngram_tree = default_tree_params(device_type, "ngram").with_overrides(**overrides)
+    tree, ngram_tree = bench_trees(device_type, overrides)
     variants = {f"card-{name}": tree.with_overrides(**fields)
                 for name, fields in (_parse_variant(v) for v in card_variants)}
     settings = ModeSettings(tree=tree, gamma=gamma, all_threads=threads or cores,  # measured below
