@@ -113,9 +113,8 @@ class RenewingChannel(grpc.Channel):
     def __enter__(self) -> RenewingChannel:
         return self
 
-    def __exit__(self, *exc: object) -> bool:
+    def __exit__(self, *exc: object) -> None:
         self.close()
-        return False
 
 
 class _Following:

@@ -18,15 +18,15 @@ from card.engine.target.verify import TokenLogprob
 from card.v1 import cache_pb2, common_pb2, target_pb2
 
 # ---- outcome ----------------------------------------------------------------------------------
-_OUTCOMES: dict[Outcome, int] = {
+_OUTCOMES: dict[Outcome, common_pb2.Outcome] = {
     Outcome.HIT: common_pb2.OUTCOME_HIT,
     Outcome.SECONDARY_HIT: common_pb2.OUTCOME_SECONDARY_HIT,
     Outcome.MISS: common_pb2.OUTCOME_MISS,
 }
-_FROM_PROTO = {v: k for k, v in _OUTCOMES.items()}
+_FROM_PROTO: dict[int, Outcome] = {v: k for k, v in _OUTCOMES.items()}
 
 
-def outcome_to_proto(outcome: Outcome | None) -> int:
+def outcome_to_proto(outcome: Outcome | None) -> common_pb2.Outcome:
     return common_pb2.OUTCOME_UNSPECIFIED if outcome is None else _OUTCOMES[outcome]
 
 

@@ -144,7 +144,8 @@ class TlsConfig:
         loop's); files that do not load together yet (mid-rotation) leave the previous pair in use
         and are tried again at the next call."""
         assert self.cert is not None and self.key is not None
-        seen, warned = [self.stamp()], [()]
+        seen: list[tuple[int, ...]] = [self.stamp()]
+        warned: list[tuple[int, ...]] = [()]
 
         def check() -> None:
             now = self.stamp()

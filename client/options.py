@@ -71,8 +71,8 @@ class GenerateOptions:
 
     def runner_config(self) -> RunnerConfig:
         if self.mode == "vanilla":
-            target_threads = self.target_threads or os.cpu_count()
-            return RunnerConfig(mode="vanilla", target_threads=target_threads)
+            return RunnerConfig(mode="vanilla", target_threads=self.target_threads or os.cpu_count() or 1)
+        d: int | None  # None: the in-process drafter runs on the target's thread
         t, d = default_thread_split()
         if self.drafter is DrafterKind.NGRAM:  # the drafter is one Python thread: every core to the target
             t, d = os.cpu_count() or 1, None

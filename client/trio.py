@@ -132,7 +132,7 @@ class ServiceProcess:
                 match = line.search(self.log_path.read_text(errors="replace"))
             except OSError:
                 match = None
-            if match:
+            if match and match.lastindex:
                 host, port = match.group(match.lastindex - 1), match.group(match.lastindex)
                 if host in ("0.0.0.0", "[::]", "::", ""):
                     host = "127.0.0.1"
@@ -357,11 +357,11 @@ class LocalTrio:
             log_path = self.log_dir / f"{label}-{n}.log"
         metrics_port = free_port() if self.metrics else 0
         cmd = die_with_parent([console_script(script), *args, "--metrics-port", str(metrics_port)])
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false",
-               **{k: v for k, v in (env or {}).items() if v is not None}}
+        environ = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false",
+                   **{k: v for k, v in (env or {}).items() if v is not None}}
         with open(log_path, "wb") as log:
             proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                    env=env, start_new_session=True)
+                                    env=environ, start_new_session=True)
         service = ServiceProcess(label, proc, log_path, metrics_port=metrics_port, tls=self.tls)
         self.processes.append(service)
         return service

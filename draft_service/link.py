@@ -275,7 +275,7 @@ class CacheLink:
         else:
             err = call.exception()
             why = ("the cache ended the layer stream" if err is None else
-                   f"the layer stream failed: {error_from_rpc(err, self.config.cache_addr)}")  # type: ignore[arg-type]
+                   f"the layer stream failed: {error_from_rpc(err, self.config.cache_addr)}")
         self._lose(conn, "layers", why)
 
     def _heartbeat(self, stub: cache_pb2_grpc.CacheServiceStub, conn: _Connection) -> None:

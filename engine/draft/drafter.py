@@ -42,6 +42,7 @@ import torch
 from card.engine.draft.ngram import NgramDrafter
 from card.engine.shared.config import DRAW_BRANCH, ChainDraw, NgramConfig, TreeParams
 from card.engine.shared.errors import Aborted, InvalidArgument, ResourceExhausted
+from card.engine.shared.hf import CausalLM
 from card.engine.shared.kv_pool import PREFILL_CHUNK, KVPool, Segment, forward
 from card.engine.shared.ngram_stats import NgramTable, Proposer
 from card.engine.shared.tree import NO_NODE, Advance, Layer, TwoTierTree, draw_index, tier_b_probs
@@ -81,7 +82,7 @@ class Drafter:
     and given back at ``release``); without one the drafter owns a pool of one slot of
     ``max_len`` committed tokens plus its tree (classic sd, tests)."""
 
-    def __init__(self, model: torch.nn.Module, params: TreeParams, pool: KVPool | None = None,
+    def __init__(self, model: CausalLM, params: TreeParams, pool: KVPool | None = None,
                  max_len: int | None = None, ngram_config: NgramConfig | None = None,
                  ngram: NgramTable | None = None) -> None:
         self.model = model
@@ -200,6 +201,7 @@ class Drafter:
             root = torch.tensor([self.tree.root_id], dtype=torch.int64)
             return [self._top_children(logits[-1:], root, torch.zeros(1))]
         frontier, t, f = work.frontier, self.n_tree_slots, work.frontier.numel()
+        assert work.segment.visible is not None  # an expansion's segment always carries its tree mask
         visible = work.segment.visible[:f, self.n_committed:self.n_committed + t + f].cpu()  # [F, T+F]
         self._add_rows(visible)
         self.kv_slot[frontier] = torch.arange(t, t + f)
@@ -221,6 +223,9 @@ class Drafter:
         """Cascade: walk each n-gram continuation down the layers the draft grows from it; a
         continuation token the draft put in tier C is an expanded node (its row was forwarded),
         whose children are published now. The rows not taken are dropped from the slot."""
+        # only an expansion with continuations gets here: it has a frontier, lookahead, a tree mask
+        assert work.frontier is not None and work.lookahead is not None and work.segment.visible is not None
+        assert self.slot is not None
         f, c = work.frontier.numel(), self.n_committed
         t0 = self.n_tree_slots - f  # tree rows before this forward
         tree = self.tree
@@ -324,6 +329,7 @@ class Drafter:
         self._check_room(self.n_committed + len(self.pending))
         tokens = torch.tensor(self.pending[:n], dtype=torch.int64)
         rows = torch.tensor([n - 1] if n == len(self.pending) else [], dtype=torch.int64)
+        assert self.slot is not None  # planned only for a session that holds its slot (``plan``)
         return DraftWork(Segment(self.slot, self.n_committed, n), tokens, rows)  # causal
 
     def _plan_expand(self, frontier: torch.Tensor) -> DraftWork:
@@ -354,14 +360,16 @@ class Drafter:
             positions.append(c - 1 + depth[i] + torch.arange(1, g + 1))
             tokens.append(torch.tensor(cont, dtype=torch.int64))
             row += g
+        assert self.slot is not None  # planned only for a session that holds its slot (``plan``)
         segment = Segment(self.slot, c + t, n, positions=torch.cat(positions), visible=visible)
         return DraftWork(segment, torch.cat(tokens), torch.arange(n), frontier,
                          ahead if s else None)
 
     def _lookahead(self, frontier: torch.Tensor, room: int) -> list[list[int]]:
         """Cascade: the n-gram's continuation below each frontier node, within ``room`` KV rows."""
-        if self.proposer is None or room <= 0:
+        if self.proposer is None or self.ngram_config is None or room <= 0:
             return []
+        max_order, lookahead = self.ngram_config.max_order, self.ngram_config.lookahead
         tree = self.tree
         view = tree._host()
         index = {nid: i for i, nid in enumerate(view.ids)}
@@ -370,11 +378,11 @@ class Drafter:
         for r, left in zip(frontier.tolist(), depth_left.tolist(), strict=True):
             path: list[int] = []
             i: int | None = r
-            while i is not None and len(path) < self.ngram_config.max_order:  # the node's tail
+            while i is not None and len(path) < max_order:  # the node's tail
                 path.append(view.tokens[i])
                 i = index.get(view.parents[i])
             path.reverse()
-            g = min(self.ngram_config.lookahead, left - 1, room)
+            g = min(lookahead, left - 1, room)
             cont = self.proposer.chain(self.proposer.tail(path), g) if g > 0 else []
             room -= len(cont)
             ahead.append(cont)
@@ -446,7 +454,7 @@ class Grown:
     error: BaseException | None = None
 
 
-def grow_round(model: torch.nn.Module | None, pool: KVPool | None,
+def grow_round(model: CausalLM | None, pool: KVPool | None,
                drafters: Sequence[Drafter | NgramDrafter],
                on_forward: Callable[[int], None] = lambda sessions: None) -> list[Grown]:
     """plan -> one forward -> finish, for every session that can grow: the one place a draft
@@ -483,7 +491,7 @@ def grow_round(model: torch.nn.Module | None, pool: KVPool | None,
     return out
 
 
-def _forward(model: torch.nn.Module, pool: KVPool, works: list[DraftWork],
+def _forward(model: CausalLM, pool: KVPool, works: list[DraftWork],
              on_forward: Callable[[int], None]) -> list[torch.Tensor | BaseException]:
     """One flattened forward over every work; each work's logits rows [r_i, V]."""
     tokens = torch.cat([w.tokens for w in works])  # [sum n_i]
@@ -499,7 +507,8 @@ def _forward(model: torch.nn.Module, pool: KVPool, works: list[DraftWork],
             return [exc]
         return [_forward(model, pool, [w], on_forward)[0] for w in works]
     on_forward(len(works))
-    out, r = [], 0
+    out: list[torch.Tensor | BaseException] = []
+    r = 0
     for w in works:
         n = w.logit_rows.numel()
         out.append(logits[r:r + n])

@@ -40,6 +40,7 @@ from card.engine.draft.ngram import NgramDrafter
 from card.engine.shared.commands import AdvanceDraft, DraftCommand, StartDraft, StopDraft
 from card.engine.shared.config import ChainDraw, DrafterKind, NgramConfig, TreeParams
 from card.engine.shared.errors import CardError, InvalidArgument, ResourceExhausted
+from card.engine.shared.hf import CausalLM
 from card.engine.shared.kv_pool import KVPool
 from card.engine.shared.ngram_stats import NgramTable
 from card.engine.shared.tree import Advance, Layer
@@ -70,7 +71,7 @@ class DraftWorker:
     a cascade (``ngram`` is the shared table, None when its budget is 0)."""
 
     @classmethod
-    def of_kind(cls, kind: DrafterKind, model: torch.nn.Module | None, params: TreeParams,
+    def of_kind(cls, kind: DrafterKind, model: CausalLM | None, params: TreeParams,
                 publish: Publish, *,
                 ngram_config: NgramConfig | None = None, ngram: NgramTable | None = None,
                 **kwargs: object) -> DraftWorker:
@@ -86,7 +87,7 @@ class DraftWorker:
                    ngram_config=ngram_config if kind.uses_ngram else None,
                    ngram=ngram if kind.uses_ngram else None, **kwargs)  # type: ignore[arg-type]
 
-    def __init__(self, model: torch.nn.Module | None, params: TreeParams, publish: Publish, *, slots: int,
+    def __init__(self, model: CausalLM | None, params: TreeParams, publish: Publish, *, slots: int,
                  max_len: int, threads: int | None = None, name: str = "draft",
                  ngram_config: NgramConfig | None = None, ngram: NgramTable | None = None,
                  vocab_size: int | None = None, on_forward: Callable[[int], None] | None = None,

@@ -12,9 +12,10 @@ from __future__ import annotations
 import torch
 
 from card.engine.shared.errors import InvalidArgument
+from card.engine.shared.hf import CausalLM
 
 
-def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
+def decoder_layers(model: CausalLM) -> torch.nn.ModuleList:
     """The decoder-layer list of a transformers causal LM (Llama, Qwen2, Mistral, ... layouts)."""
     base = getattr(model, "model", None)
     layers = getattr(base, "layers", None)
@@ -25,7 +26,7 @@ def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
     return layers
 
 
-def truncate_layers(model: torch.nn.Module, n: int) -> torch.nn.Module:
+def truncate_layers(model: CausalLM, n: int) -> torch.nn.Module:
     """Keep the first ``n`` decoder layers of ``model`` in place (final norm and head stay); returns it.
 
     The config is updated too, so caches and masks are built for ``n`` layers.

@@ -11,8 +11,10 @@ from __future__ import annotations
 import hashlib
 import json
 
+from card.engine.shared.hf import Tokenizer
 
-def _canonical(tokenizer: object) -> dict:
+
+def _canonical(tokenizer: Tokenizer) -> dict:
     backend = getattr(tokenizer, "backend_tokenizer", None) or getattr(tokenizer, "_tokenizer", None)
     if backend is not None:
         spec = json.loads(backend.to_str())
@@ -29,7 +31,7 @@ def _canonical(tokenizer: object) -> dict:
     return {"vocab": sorted(vocab.items()), "special": sorted(map(str, tokenizer.all_special_tokens))}
 
 
-def tokenizer_fingerprint(tokenizer: object) -> str:
+def tokenizer_fingerprint(tokenizer: Tokenizer) -> str:
     """A short stable hex digest of everything that decides token ids."""
     blob = json.dumps(_canonical(tokenizer), sort_keys=True, ensure_ascii=False, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]

@@ -29,6 +29,7 @@ import logging
 import torch
 
 from card.engine.loading.cpu_linear import PackedLinear, can_pack, pack_linears
+from card.engine.shared.hf import CausalLM
 
 log = logging.getLogger(__name__)
 
@@ -130,7 +131,7 @@ def _wrap(model: torch.nn.Module, chosen: set[int], tile: int) -> None:
                 setattr(parent, name, FixedTiles(child, tile))
 
 
-def _width(layer: torch.nn.Module) -> int:
+def _width(layer: CausalLM) -> int:  # a Linear, or a layer with ``weight`` [.., in]
     if hasattr(layer, "in_features"):
         return int(layer.in_features)
     return int(layer.weight.shape[-1])

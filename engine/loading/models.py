@@ -30,6 +30,7 @@ import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Literal
 
 import torch
 
@@ -37,6 +38,7 @@ from card.engine.loading.devices import resolve_device
 from card.engine.loading.fingerprint import tokenizer_fingerprint
 from card.engine.loading.invariant import make_exact
 from card.engine.shared.errors import InvalidArgument, NotFound
+from card.engine.shared.hf import CausalLM, Tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -88,8 +90,8 @@ class LoadedModel:
     """A causal LM ready for the engine, with everything the services need to know about it."""
 
     name: str
-    model: torch.nn.Module
-    tokenizer: object
+    model: CausalLM
+    tokenizer: Tokenizer
     fingerprint: str
     eos_ids: frozenset[int]
     context_window: int
@@ -122,7 +124,7 @@ class LoadedModel:
             return list(ids)
         return list(self.tokenizer(prompt, add_special_tokens=True)["input_ids"])
 
-    def _apply_chat_template(self, messages: list[dict]) -> object:
+    def _apply_chat_template(self, messages: list[dict]) -> Any:
         """The chat template over ``messages``; a template that refuses them (``raise_exception``,
         e.g. "Conversation roles must alternate") or fails on them is the request's error: one
         InvalidArgument with the template's own message, no traceback."""
@@ -179,7 +181,7 @@ def _locate(spec: str) -> tuple[str, str | None]:
     return spec, None  # a Hugging Face id
 
 
-def load_tokenizer(spec: str) -> object:
+def load_tokenizer(spec: str) -> Tokenizer:
     where, gguf = _locate(spec)
     return _tokenizer(where, gguf)
 
@@ -222,17 +224,17 @@ def _one_gguf_reader_per_file() -> Iterator[None]:
     original = gguf.GGUFReader
     readers: dict[tuple[str, str], object] = {}
 
-    def reader(path: str | os.PathLike, mode: str = "r") -> object:
+    def reader(path: str | os.PathLike, mode: Literal["r", "r+", "c"] = "r") -> object:
         key = (os.path.realpath(path), mode)
         if key not in readers:
             readers[key] = original(path, mode)
         return readers[key]
 
-    gguf.GGUFReader = reader
+    gguf.GGUFReader = reader  # type: ignore[misc,assignment]  # for this load only, restored below
     try:
         yield
     finally:
-        gguf.GGUFReader = original
+        gguf.GGUFReader = original  # type: ignore[misc]
         readers.clear()
 
 
@@ -251,7 +253,7 @@ def load_model(config: ModelConfig) -> LoadedModel:
         # transformers prints progress bars while dequantizing GGUF tensors; keep logs clean
         with _one_gguf_reader_per_file():  # the tokenizer may come from the same file
             with contextlib.redirect_stderr(io.StringIO()):
-                model = AutoModelForCausalLM.from_pretrained(where, **kwargs)
+                model: CausalLM = AutoModelForCausalLM.from_pretrained(where, **kwargs)
             tokenizer = _tokenizer(where, gguf)
     except OSError as exc:
         raise NotFound(
@@ -284,7 +286,7 @@ def load_model(config: ModelConfig) -> LoadedModel:
     )
 
 
-def own_memory(model: torch.nn.Module) -> None:
+def own_memory(model: CausalLM) -> None:
     """Give every parameter and buffer memory of its own, one tensor at a time.
 
     A safetensors checkpoint is memory-mapped, and a tensor that is still a view of the file (the
@@ -326,7 +328,7 @@ def export_checkpoint(spec: str, dest: Path, dtype: str = "float32") -> LoadedMo
     return loaded
 
 
-def eos_ids_of(model: torch.nn.Module, tokenizer: object) -> frozenset[int]:
+def eos_ids_of(model: CausalLM, tokenizer: Tokenizer) -> frozenset[int]:
     """Every EOS id the model declares (generation config and tokenizer)."""
     ids: set[int] = set()
     for source in (getattr(model, "generation_config", None), model.config, tokenizer):

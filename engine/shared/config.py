@@ -7,6 +7,7 @@ import enum
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from card.engine.loading.devices import resolve_device
 from card.engine.shared.errors import InvalidArgument
@@ -177,9 +178,10 @@ class TreeParams:
         if not 0.0 <= self.min_path_prob <= 1.0:
             raise InvalidArgument(f"min_path_prob must be in [0, 1], got {self.min_path_prob}")
 
-    def with_overrides(self, **overrides: object) -> TreeParams:
+    def with_overrides(self, **overrides: Any) -> TreeParams:
         """These params with every override that is not None applied: the one way flags (or a
-        request's ChainPolicy) go over a default."""
+        request's ChainPolicy) go over a default. Names are checked by ``dataclasses.replace``,
+        values by ``__post_init__`` (flags arrive as click's dict of them, so typed as Any)."""
         return dataclasses.replace(self, **{k: v for k, v in overrides.items() if v is not None})
 
     @property

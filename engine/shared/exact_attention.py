@@ -150,7 +150,11 @@ class RowPlan:
 
     @staticmethod
     def _group(S: int, tiles: list[tuple[Rows, int, int]], device: torch.device) -> _Group:
-        slots, query, masked, take, dest = [], [], [], [], []
+        slots: list[int] = []
+        query: list[int] = []
+        masked: list[torch.Tensor] = []
+        take: list[int] = []
+        dest: list[int] = []
         cols = torch.arange(S)
         for b, (s, first, m) in enumerate(tiles):
             rows = [first + i if i < m else first for i in range(QUERY_TILE)]

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from transformers import AttentionInterface
@@ -37,6 +38,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from card.engine.shared.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 from card.engine.shared.exact_attention import RowPlan, Rows, attend_rows, batched_is_invariant, span
+from card.engine.shared.hf import CausalLM
 
 ATTN = "card_slots"
 
@@ -75,7 +77,7 @@ class Segment:
 class KVPool:
     """Preallocated keys and values for ``slots`` sessions of at most ``max_len`` tokens each."""
 
-    def __init__(self, model: torch.nn.Module, slots: int, max_len: int) -> None:
+    def __init__(self, model: CausalLM, slots: int, max_len: int) -> None:
         if slots < 1 or max_len < 2:
             raise ResourceExhausted(f"a KV cache needs >= 1 slot of >= 2 tokens, got {slots} x {max_len}")
         enable(model)
@@ -102,7 +104,7 @@ class KVPool:
         self._ready = [0] * slots  # per slot: rows below this hold finite values (KVPool.ready)
 
     @staticmethod
-    def bytes_per_token(model: torch.nn.Module) -> int:
+    def bytes_per_token(model: CausalLM) -> int:
         """Keys and values of one token over every layer."""
         kv_heads, head_dim = _kv_shape(model.config)
         itemsize = torch.empty(0, dtype=_kv_dtype(model)).element_size()
@@ -175,14 +177,14 @@ def pool_shape(max_slots: int, max_model_len: int | None, context_window: int, b
     return slots, max_len
 
 
-def _kv_shape(cfg: object) -> tuple[int, int]:
+def _kv_shape(cfg: Any) -> tuple[int, int]:
     heads = cfg.num_attention_heads
     kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
     return kv_heads, head_dim
 
 
-def _kv_dtype(model: torch.nn.Module) -> torch.dtype:
+def _kv_dtype(model: CausalLM) -> torch.dtype:
     # keys and values come out of the k/v projections in the activations' dtype: the embedding's
     return model.get_input_embeddings().weight.dtype
 
@@ -212,8 +214,8 @@ class _Batch:
                  if s.exact]
         self.row_plan = None
         if exact and pool.batched_exact:
-            for s in exact:
-                pool.ready(s.slot, s.start + s.n, span(s.start + s.n - 1))
+            for r in exact:
+                pool.ready(r.slot, r.start + r.n, span(r.start + r.n - 1))
             self.row_plan = RowPlan(exact, dev)
 
     def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, cache_kwargs: object = None,
@@ -230,9 +232,9 @@ def _causal(seg: Segment, device: torch.device) -> torch.Tensor:
     return torch.arange(seg.end, device=device)[None, :] <= query_pos  # [length, end]
 
 
-def _slot_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+def _slot_attention(module: CausalLM, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                     attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
-                    card_batch: _Batch | None = None, **kwargs: object) -> tuple[torch.Tensor, None]:
+                    card_batch: _Batch | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
     """Attention per session over its own slot; any other forward (a plain HF call on the same
     model object, a reference in the tests) takes transformers' SDPA path unchanged."""
     if card_batch is None:
@@ -264,7 +266,7 @@ def _slot_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
 _registered = False
 
 
-def enable(model: torch.nn.Module) -> None:
+def enable(model: CausalLM) -> None:
     """Let ``model`` run batched forwards (idempotent). Plain forwards keep transformers' SDPA."""
     global _registered
     inner = getattr(model, "model", None)
@@ -285,7 +287,7 @@ def enable(model: torch.nn.Module) -> None:
 
 
 @torch.inference_mode()
-def forward(model: torch.nn.Module, pool: KVPool, segments: Sequence[Segment], tokens: torch.Tensor,
+def forward(model: CausalLM, pool: KVPool, segments: Sequence[Segment], tokens: torch.Tensor,
             logit_rows: torch.Tensor) -> torch.Tensor:
     """One forward over every segment's tokens (``tokens`` [T], segments in order); the logits of
     the flattened rows ``logit_rows`` [R] only (a prefill chunk needs none or its last row)."""

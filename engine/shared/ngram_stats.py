@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 import sys
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from card.engine.shared.config import NgramConfig
@@ -101,7 +101,7 @@ class NgramTable:
                 return followers
         return None
 
-    def feed_corpus(self, path: str, encode: object) -> int:
+    def feed_corpus(self, path: str, encode: Callable[[str], list[int]]) -> int:
         """Observe the n-grams of a text file, paragraph by paragraph (blank-line separated);
         ``encode(text) -> ids``. Returns the tokens read."""
         text = Path(path).read_text(encoding="utf-8", errors="replace")
@@ -114,7 +114,8 @@ class NgramTable:
         return read
 
 
-def shared_table(vocab_size: int, config: NgramConfig, encode: object = None) -> NgramTable | None:
+def shared_table(vocab_size: int, config: NgramConfig,
+                 encode: Callable[[str], list[int]] | None = None) -> NgramTable | None:
     """A worker's shared table (None when ``table_mb`` is 0), warmed with ``config.corpus``."""
     if not config.budget_bytes:
         return None

@@ -150,7 +150,7 @@ class CardSession:
         """The next chain, and whether the lookup made it (the tree had none)."""
         p = self.params
         with self.lock:
-            if self.draw is not None:
+            if self.draw is not None and self._rng is not None:  # set together in __init__
                 drawn = self.tree.drawn_chain(p.max_chain, self.draw.temperature, self._rng, p.min_path_prob)
                 return drawn, False
             chain = self.tree.best_chain(p.max_chain, p.b_extension, p.min_path_prob)

@@ -409,11 +409,11 @@ class TwoTierTree:
             tokens.append(token)
             rows.append((toks, probs))
             path += math.log(probs[pick])
-            nid = below.get((cur, token))
-            node_ids.append(NO_NODE if nid is None else nid)
-            if nid is None:
+            child = below.get((cur, token))
+            node_ids.append(NO_NODE if child is None else child)
+            if child is None:
                 break
-            cur = nid
+            cur = child
         return Chain(tuple(tokens), tuple(node_ids), self.epoch, Proposal.of_rows(rows))
 
     def classify(self, correction: Correction) -> tuple[Outcome, int | None, tuple[int, ...]]:
