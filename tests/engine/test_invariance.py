@@ -9,6 +9,8 @@ and on SmolLM2. Negative controls: the vendor attention, the unpadded one-row li
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -32,7 +34,7 @@ from card.engine.target.scheduler import TargetEngine, finish_alone
 from tests.engine.support import letters, prompt_cases
 from tests.engine.test_batching import _run_batched
 from tests.engine.test_core_lending import LetterTokenizer
-from tests.tiny_models import SMOLLM2_DIR, sharpened, tiny_model
+from tests.tiny_models import sharpened, tiny_model
 
 DTYPES = [torch.bfloat16, torch.float16]
 VOCAB = 512
@@ -326,10 +328,10 @@ SMOL_PROMPTS = [
 ]
 
 
-def _smollm2_in_flight(exact: bool) -> tuple[int, int]:
+def _smollm2_in_flight(gguf: Path, exact: bool) -> tuple[int, int]:
     """SmolLM2-135M in bf16, 8 chat prompts of 64 new tokens, all 8 at once through the engine:
     how many equal the same request alone, by plain decoding and by card (the same model as draft)."""
-    target = load_model(ModelConfig(spec=str(SMOLLM2_DIR), dtype="bfloat16", device="cpu", exact=exact))
+    target = load_model(ModelConfig(spec=str(gguf), dtype="bfloat16", device="cpu", exact=exact))
     model = target.model
     stop = StopParams(max_new_tokens=64, ignore_eos=True)
     requests = [GenerationRequest(tuple(target.encode_prompt(p)), SamplingParams(), stop)
@@ -357,10 +359,9 @@ def _smollm2_in_flight(exact: bool) -> tuple[int, int]:
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not SMOLLM2_DIR.is_dir(), reason=f"{SMOLLM2_DIR} is not there")
-def test_smollm2_bfloat16_eight_in_flight_equal_alone() -> None:
+def test_smollm2_bfloat16_eight_in_flight_equal_alone(smollm2_gguf: Path) -> None:
     """The issue's table as assertions: exact, 8/8 for both; the vendor kernels (the negative
     control) lose some (4/8 on the 2-core EPYC of docs/performance.md)."""
-    assert _smollm2_in_flight(exact=True) == (8, 8)
-    vendor_vanilla, vendor_card = _smollm2_in_flight(exact=False)
+    assert _smollm2_in_flight(smollm2_gguf, exact=True) == (8, 8)
+    vendor_vanilla, vendor_card = _smollm2_in_flight(smollm2_gguf, exact=False)
     assert vendor_vanilla < 8 or vendor_card < 8
