@@ -15,6 +15,8 @@ from dataclasses import dataclass
 import pytest
 import redis
 
+from tests.services.cache_helpers import Cache, make_config, start_cache
+
 # These tests check what speculation through the services does (routing, failover, exactness of
 # every chain path), so every card-target they start speculates throughout unless a test asks for
 # more (--speculation beats the variable). The speculation controller, on by default, is tested
@@ -108,3 +110,11 @@ def redis_url(redis_server: RedisServer) -> str:
 def redis_prefix() -> str:
     """A key prefix no other test uses."""
     return f"test-{uuid.uuid4().hex[:12]}:"
+
+
+@pytest.fixture
+def cache(redis_url: str, redis_prefix: str) -> Iterator[Cache]:
+    """A cache server in this process on its own key prefix, with hand-driven peers (cache_helpers)."""
+    c = start_cache(make_config(redis_url, redis_prefix))
+    yield c
+    c.close()

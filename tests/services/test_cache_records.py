@@ -32,9 +32,16 @@ from card.engine.shared.errors import CardError
 from card.engine.shared.stats import GenerationStats
 from card.engine.shared.tree import Correction
 from card.v1 import cache_pb2
-from tests.services.cache_helpers import TIMEOUT, HandDraft, HandTarget, wait_for
+from tests.services.cache_helpers import (
+    TIMEOUT,
+    Cache,
+    HandDraft,
+    HandTarget,
+    make_config,
+    start_cache,
+    wait_for,
+)
 from tests.services.conftest import RedisServer, running_redis
-from tests.services.test_cache_service import Cache, make_config, start_cache
 
 PROMPT = [1, 2, 3]
 MAXMEMORY = 20 * 2**20

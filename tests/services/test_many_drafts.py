@@ -37,9 +37,8 @@ from card.engine.draft.worker import DraftWorker
 from card.engine.loading.models import ModelConfig
 from card.engine.shared.config import DrafterKind, NgramConfig, SamplingParams, StopParams, TreeParams
 from card.v1 import cache_pb2, cache_pb2_grpc
-from tests.services.cache_helpers import FP_A, HandDraft, HandTarget
+from tests.services.cache_helpers import FP_A, HandDraft, HandTarget, make_config
 from tests.services.e2e_support import wait_until
-from tests.services.test_cache_service import make_config
 from tests.tiny_models import save_tiny_checkpoint
 
 pytestmark = pytest.mark.timeout(300)
