@@ -206,6 +206,13 @@ def start_cache(config: CacheConfig) -> Cache:
     return cache
 
 
+def wait_rounds(cache: Cache, n: int) -> None:
+    """Until the cache's monitor has run ``n`` more rounds (``Monitor.rounds``, so at least n - 1
+    whole ones): what an assertion that the monitor did NOT do something waits for, not a sleep."""
+    start = cache.server.monitor.rounds
+    wait_for(lambda: cache.server.monitor.rounds >= start + n, what=f"{n} monitor rounds")
+
+
 def expect_advance(draft: HandDraft, sid: str) -> Advance:
     cmd = draft.next_command()
     assert isinstance(cmd, AdvanceDraft), cmd

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import os
 import shutil
 import socket
 import subprocess
@@ -16,13 +15,6 @@ import pytest
 import redis
 
 from tests.services.cache_helpers import Cache, make_config, start_cache
-
-# These tests check what speculation through the services does (routing, failover, exactness of
-# every chain path), so every card-target they start speculates throughout unless a test asks for
-# more (--speculation beats the variable). The speculation controller, on by default, is tested
-# through the trio by tests/services/test_speculation_control.py and in process by
-# tests/engine/test_controller.py.
-os.environ.setdefault("CARD_TARGET_SPECULATION", "always")
 
 
 def free_port() -> int:

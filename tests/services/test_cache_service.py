@@ -42,6 +42,7 @@ from tests.services.cache_helpers import (
     rpc_error,
     start_cache,
     wait_for,
+    wait_rounds,
 )
 from tests.services.conftest import RedisServer, free_port, running_redis
 
@@ -564,7 +565,7 @@ def test_live_records_are_written_once(cache: Cache, redis_url: str, redis_prefi
     with redis.Redis.from_url(redis_url, decode_responses=True) as r:
         assert 0 < r.ttl(key) <= 600
     cache.target.step(sid, 2, 6)
-    time.sleep(0.5)  # five monitor rounds: the record is not rewritten
+    wait_rounds(cache, 5)  # five monitor rounds: the record is not rewritten
     assert rhash(redis_url, key)["epoch"] == "2"
     cache.target.close_session(sid)
     assert cache.server.records.flush(TIMEOUT)

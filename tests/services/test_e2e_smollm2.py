@@ -1,6 +1,7 @@
 """End to end with the real SmolLM2-135M-Instruct (Q4_1 GGUF): the default pair, the target in
 float32 and the same model as an int8 draft, through the entry points, against in-process vanilla.
-Slow: three processes dequantize the GGUF (~40 s each on a busy 2-core machine)."""
+The target runs its default speculation control (auto), as a user's does. Slow: three processes
+dequantize the GGUF (~40 s each on a busy 2-core machine)."""
 
 from __future__ import annotations
 
