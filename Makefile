@@ -26,7 +26,7 @@ setup: $(BIN)/python
 	$(BIN)/pip install -q -e ".[dev,bench]"
 
 test: setup
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=25
 
 # The type checker reads the package as it installs: `card` is spread over several folders
 # (pyproject's package-dir), so a link tree in .typecheck/ gives mypy the installed layout; its

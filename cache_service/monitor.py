@@ -46,6 +46,8 @@ class Monitor:
         self._set_metrics()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        # rounds run so far: a test that asserts something did NOT happen waits for rounds, not a sleep
+        self.rounds = 0
 
     @property
     def store_up(self) -> bool:
@@ -74,6 +76,7 @@ class Monitor:
                 self.tick()
             except Exception:  # the loop must outlive any one bad round
                 log.exception("monitor round failed")
+            self.rounds += 1
 
     def _check(self) -> tuple[str, str]:
         """(kind, reason): ("", "") when the store takes writes."""

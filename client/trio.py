@@ -239,6 +239,7 @@ class LocalTrio:
     grace_s: float = 10.0
     tree: TreeParams | None = None
     exact: bool = True  # card-target --exact on|off
+    speculation: str | None = None  # card-target --speculation (auto, always, never); None: its default
     extra_args: dict[str, Sequence[str]] = field(default_factory=dict)  # per service: "cache", ...
 
     def __post_init__(self) -> None:
@@ -287,6 +288,7 @@ class LocalTrio:
             "--model", self.target_model, "--cache", self.cache_addr, "--port", str(self.target_port),
             "--threads", str(self.target_threads), "--dtype", self.dtype, "--device", self.device,
             "--exact", "on" if self.exact else "off",
+            *([] if self.speculation is None else ["--speculation", self.speculation]),
             *([] if self.http_port is None else ["--http-port", str(self.http_port)]),
             *self.extra_args.get("target", ()),
         ], env={"CARD_TARGET_TARGET_TOKEN": self.target_token, **tls_env("CARD_TARGET", self.tls)})

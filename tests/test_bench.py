@@ -12,8 +12,8 @@ from card.client.bench import load, report
 from card.client.bench.cli import main
 from tests.tiny_models import save_tiny_checkpoint
 
-# tests that load models take the `pair` fixture, which skips where the shared SmolLM2 tokenizer is
-# missing (save_tiny_checkpoint); the others need no model and always run
+# tests that load models take the `pair` fixture (tiny checkpoints with the default model's tokenizer,
+# tests.tiny_models); the others need no model
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.tiny_models import SMOLLM2_DIR, save_foreign_tokenizer_checkpoint, save_tiny_checkpoint
+from tests.tiny_models import save_foreign_tokenizer_checkpoint, save_tiny_checkpoint
 
 CLIENT = str(Path(sys.executable).parent / "card-client")
 
@@ -224,9 +224,8 @@ def test_generate_without_services_starts_a_local_trio(models, vanilla):
     assert [lp["token"] for lp in out["logprobs"]] == vanilla["token_ids"]
 
 
-@pytest.mark.skipif(not SMOLLM2_DIR.is_dir(), reason=f"{SMOLLM2_DIR} is not there")
-def test_export_turns_a_gguf_into_a_checkpoint_with_the_same_outputs(tmp_path):
-    gguf = next(SMOLLM2_DIR.glob("*.gguf"))
+def test_export_turns_a_gguf_into_a_checkpoint_with_the_same_outputs(tmp_path, smollm2_gguf):
+    gguf = smollm2_gguf
     dest = tmp_path / "smollm2"
     proc = run_cli("export", str(gguf), str(dest))
     assert proc.returncode == 0, proc.stderr

@@ -1,22 +1,60 @@
-"""Tiny random causal LMs built in code with fixed seeds, for exhaustive exactness tests.
+"""The models the tests run: the embedded default (SmolLM2-135M-Instruct) and tiny random causal
+LMs built in code with fixed seeds, for exhaustive exactness tests.
 
-``tiny_model`` gives an in-memory model; ``save_tiny_checkpoint`` writes a folder that
-``card.engine.loading.models.load_model`` (and so every service entry point) loads like any checkpoint, with
-the real SmolLM2 tokenizer beside it so prompts, chat templates and fingerprints are real.
+``default_gguf`` is the default model's GGUF, fetched and cached the way ``card generate`` fetches
+it (card.engine.loading.embedded); ``smollm2_tokenizer_dir`` its tokenizer as files, built from the
+GGUF by the loader's own ``load_tokenizer``. ``tiny_model`` gives an in-memory model;
+``save_tiny_checkpoint`` writes a folder that ``card.engine.loading.models.load_model`` (and so every
+service entry point) loads like any checkpoint, with that tokenizer beside it so prompts, chat
+templates and fingerprints are real. Nothing here reads outside the repository and the model cache.
 """
 
 from __future__ import annotations
 
+import atexit
+import functools
+import os
 import shutil
+import tempfile
 from pathlib import Path
 
+import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-SHARED = Path(__file__).resolve().parents[1].parent / "shared"
-SMOLLM2_DIR = SHARED / "models" / "smollm2-135m-instruct-q4_1"
+from card.engine.loading.embedded import ensure_default_model, models_dir
+from card.engine.shared.errors import Unavailable
+
 SMOLLM2_VOCAB = 49152
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+
+
+@functools.cache
+def default_gguf() -> Path:
+    """The embedded default model's GGUF: fetched into the model cache ($CARD_MODELS_DIR or
+    ~/.cache/card/models) on first use, sha256-checked, then read from there.
+
+    A model that cannot be fetched fails the test that needs it, with pip's reason and how to get
+    the file by hand; it is never a skip (a suite that skips its end-to-end tests on a fresh clone
+    passes by accident). Under CI=true the message says how to give the job the model."""
+    try:
+        return ensure_default_model(progress=False)
+    except Unavailable as exc:
+        reason = str(exc)
+    where = (f"CI=true: give the job network access to the package index, or restore a cached "
+             f"{models_dir()} ($CARD_MODELS_DIR). " if os.environ.get("CI") == "true" else "")
+    pytest.fail(f"the tests need the default model and it cannot be fetched. {where}{reason}", pytrace=False)
+
+
+@functools.cache
+def smollm2_tokenizer_dir() -> Path:
+    """The default model's tokenizer as files (tokenizer.json, tokenizer_config.json,
+    chat_template.jinja), written once per test process by the loader from the GGUF."""
+    from card.engine.loading.models import load_tokenizer
+
+    folder = Path(tempfile.mkdtemp(prefix="card-tests-tokenizer-"))
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    load_tokenizer(str(default_gguf())).save_pretrained(folder)  # type: ignore[attr-defined]
+    return folder
 
 
 def tiny_model(kind: str = "llama", seed: int = 0, vocab: int = 97, layers: int = 2,
@@ -68,14 +106,8 @@ def save_tiny_checkpoint(path: Path, kind: str = "llama", seed: int = 0, perturb
                          dtype: torch.dtype = torch.float32, layers: int = 2, hidden: int = 32,
                          idle_layers: int = 0) -> Path:
     """A loadable checkpoint folder: tiny weights + the SmolLM2 tokenizer (vocab 49152);
-    ``idle_layers``: see ``with_idle_layers`` (same outputs as without, dearer forwards).
-
-    Skips the calling test where the tokenizer (in ../shared beside the checkout) is absent."""
-    missing = [name for name in TOKENIZER_FILES if not (SMOLLM2_DIR / name).is_file()]
-    if missing:
-        import pytest
-
-        pytest.skip(f"the SmolLM2 tokenizer ({', '.join(missing)}) is not in {SMOLLM2_DIR}")
+    ``idle_layers``: see ``with_idle_layers`` (same outputs as without, dearer forwards)."""
+    tokenizer = smollm2_tokenizer_dir()
     model = tiny_model(kind, seed, vocab=SMOLLM2_VOCAB, layers=layers, hidden=hidden,
                        perturb=perturb, dtype=dtype)
     model = with_idle_layers(model, idle_layers)
@@ -83,8 +115,7 @@ def save_tiny_checkpoint(path: Path, kind: str = "llama", seed: int = 0, perturb
     model.config.bos_token_id = 1
     path.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(path)
-    for name in TOKENIZER_FILES:
-        shutil.copy(SMOLLM2_DIR / name, path / name)
+    shutil.copytree(tokenizer, path, dirs_exist_ok=True)
     return path
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -29,12 +30,13 @@ from card.engine.shared.config import (
     TreeParams,
     VerifyPolicy,
 )
+from card.engine.shared.kv_pool import KVPool, Segment, forward
 from card.engine.shared.ngram_stats import NgramTable
 from card.engine.shared.session import CardSession, StepResult
 from card.engine.shared.tree import Advance, Correction, Layer, TwoTierTree
 from card.engine.target.chain_source import ChainSource, NoDraft
 from card.engine.target.generation import Chunk, Generation, GenerationResult
-from card.engine.target.scheduler import run_alone
+from card.engine.target.scheduler import TargetEngine, run_alone
 from tests.tiny_models import sharpened, tiny_model
 
 VOCAB = 97
@@ -406,3 +408,74 @@ class DraftSession:
             for k, v, want in zip(keys, values, ref.layers, strict=True):
                 torch.testing.assert_close(k[:, slot], want.keys[0, :, -1], rtol=0, atol=1e-9)
                 torch.testing.assert_close(v[:, slot], want.values[0, :, -1], rtol=0, atol=1e-9)
+
+
+# ---- helpers several test files share --------------------------------------------------------
+class LetterTokenizer:
+    """A tokenizer whose decode is ``letters``: what LoadedModel needs around a tiny model."""
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return letters(ids)
+
+
+def run_batched(engine: TargetEngine, gens: list[Generation], join_every: int) -> dict[int, list[int]]:
+    """Add a generation every ``join_every`` iterations; run until every one has ended."""
+    tokens: dict[int, list[int]] = {i: [] for i in range(len(gens))}
+    index = {id(g): i for i, g in enumerate(gens)}
+    pending, steps, sizes = list(gens), 0, []
+    while pending or not engine.idle:
+        if pending and steps % join_every == 0:
+            engine.add(pending.pop(0))
+        for event in engine.step():
+            assert event.error is None, event.error
+            if event.chunk is not None:
+                tokens[index[id(event.generation)]] += list(event.chunk.token_ids)
+        sizes.append(len(engine.running))
+        steps += 1
+    assert max(sizes) > 1, "nothing ran beside anything"
+    return tokens
+
+
+def chi_square(counts: torch.Tensor, probs: torch.Tensor) -> tuple[float, int]:
+    n = float(counts.sum())
+    support = probs > 0
+    expected = probs[support] * n
+    stat = float(((counts[support] - expected) ** 2 / expected).sum())
+    return stat, int(support.sum()) - 1
+
+
+def assert_fits(counts: torch.Tensor, probs: torch.Tensor) -> None:
+    assert int(counts[probs == 0].sum()) == 0, "a token outside top-k / top-p was drawn"
+    stat, df = chi_square(counts, probs)
+    # mean df, sd sqrt(2 df): 6 sd above the mean is far out for a right sampler (p < 1e-6)
+    # and far below what a wrong temperature, truncation or off-by-one gives (stat in the 100s+)
+    assert stat < df + 6 * math.sqrt(2 * df) + 6, f"chi-square {stat:.1f} with {df} degrees of freedom"
+
+
+def chain_logits_equal_steps(model: torch.nn.Module, exact: bool, sessions: int = 2) -> bool:
+    """Prefill a prompt, then forward a chain of 6 tokens in one segment beside ``sessions - 1``
+    other sessions' chains; compare each row's logits with plain one-token steps in a pool of its
+    own."""
+    prompt = list(range(3, 3 + 90))
+    chain = [7, 11, 13, 17, 19, 23]
+    rows = torch.arange(len(chain))
+
+    def prefill(pool: KVPool, slot: int) -> None:
+        forward(model, pool, [Segment(slot, 0, len(prompt) - 1)], torch.tensor(prompt[:-1]),
+                torch.empty(0, dtype=torch.int64))
+
+    start = len(prompt) - 1
+    batch_pool = KVPool(model, slots=sessions, max_len=256)
+    for slot in range(sessions):
+        prefill(batch_pool, slot)
+    tokens = torch.tensor([prompt[-1], *chain[:-1]] * sessions)
+    segments = [Segment(slot, start, 6, exact=exact) for slot in range(sessions)]
+    together = forward(model, batch_pool, segments, tokens, torch.arange(6 * sessions))
+    step_pool = KVPool(model, slots=1, max_len=256)
+    prefill(step_pool, 0)
+    ok = True
+    for i, token in enumerate([prompt[-1], *chain[:-1]]):
+        alone = forward(model, step_pool, [Segment(0, start + i, 1, exact=exact)], torch.tensor([token]),
+                        torch.tensor([0]))
+        ok &= all(torch.equal(together[6 * slot + rows[i]], alone[0]) for slot in range(sessions))
+    return ok

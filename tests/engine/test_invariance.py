@@ -9,6 +9,8 @@ and on SmolLM2. Negative controls: the vendor attention, the unpadded one-row li
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -25,14 +27,12 @@ from card.engine.shared.exact_attention import (
     batched_is_invariant,
     span,
 )
-from card.engine.shared.kv_pool import KVPool, Segment, forward
+from card.engine.shared.kv_pool import KVPool
 from card.engine.target.chain_source import NoDraft
 from card.engine.target.generation import Generation
 from card.engine.target.scheduler import TargetEngine, finish_alone
-from tests.engine.support import letters, prompt_cases
-from tests.engine.test_batching import _run_batched
-from tests.engine.test_core_lending import LetterTokenizer
-from tests.tiny_models import SMOLLM2_DIR, sharpened, tiny_model
+from tests.engine.support import LetterTokenizer, chain_logits_equal_steps, letters, prompt_cases, run_batched
+from tests.tiny_models import sharpened, tiny_model
 
 DTYPES = [torch.bfloat16, torch.float16]
 VOCAB = 512
@@ -224,40 +224,12 @@ def _exact_model(kind: str, dtype: torch.dtype, exact: bool = True, sharp: bool 
     return model
 
 
-def _chain_logits_equal_steps(model: torch.nn.Module, exact: bool, sessions: int = 2) -> bool:
-    """Prefill a prompt, then forward a chain of 6 tokens in one segment beside ``sessions - 1``
-    other sessions' chains; compare each row's logits with plain one-token steps in a pool of its
-    own."""
-    prompt = list(range(3, 3 + 90))
-    chain = [7, 11, 13, 17, 19, 23]
-    rows = torch.arange(len(chain))
-
-    def prefill(pool: KVPool, slot: int) -> None:
-        forward(model, pool, [Segment(slot, 0, len(prompt) - 1)], torch.tensor(prompt[:-1]),
-                torch.empty(0, dtype=torch.int64))
-
-    start = len(prompt) - 1
-    batch_pool = KVPool(model, slots=sessions, max_len=256)
-    for slot in range(sessions):
-        prefill(batch_pool, slot)
-    tokens = torch.tensor([prompt[-1], *chain[:-1]] * sessions)
-    segments = [Segment(slot, start, 6, exact=exact) for slot in range(sessions)]
-    together = forward(model, batch_pool, segments, tokens, torch.arange(6 * sessions))
-    step_pool = KVPool(model, slots=1, max_len=256)
-    prefill(step_pool, 0)
-    ok = True
-    for i, token in enumerate([prompt[-1], *chain[:-1]]):
-        alone = forward(model, step_pool, [Segment(0, start + i, 1, exact=exact)], torch.tensor([token]),
-                        torch.tensor([0]))
-        ok &= all(torch.equal(together[6 * slot + rows[i]], alone[0]) for slot in range(sessions))
-    return ok
-
 
 @pytest.mark.parametrize("hidden", [256, 1536])
 @pytest.mark.parametrize("dtype", [torch.float32, *DTYPES])
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
 def test_chain_logits_equal_plain_steps(kind: str, dtype: torch.dtype, hidden: int) -> None:
-    assert _chain_logits_equal_steps(_exact_model(kind, dtype, hidden=hidden), exact=True)
+    assert chain_logits_equal_steps(_exact_model(kind, dtype, hidden=hidden), exact=True)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, *DTYPES])
@@ -266,7 +238,7 @@ def test_vendor_kernels_change_the_chain_logits(dtype: torch.dtype) -> None:
     at the width of Qwen2.5-1.5B, with 8 sessions in the forward (48 rows: on AMX CPUs bf16 takes
     another kernel there, while 12 rows of bf16 happen to match one-row steps)."""
     model = _exact_model("qwen2", dtype, exact=False, hidden=1536)
-    assert not _chain_logits_equal_steps(model, exact=False, sessions=8)
+    assert not chain_logits_equal_steps(model, exact=False, sessions=8)
 
 
 # ---- the engine: many requests in flight --------------------------------------------------------
@@ -297,7 +269,7 @@ def test_many_in_flight_equal_alone(dtype: torch.dtype, sampled: bool) -> None:
     alone = [finish_alone(target, _plain(target, r)).token_ids for r in requests]
 
     engine = TargetEngine(target, KVPool(target, slots=4, max_len=256))
-    batched = _run_batched(engine, [_plain(target, r) for r in requests], join_every=2)
+    batched = run_batched(engine, [_plain(target, r) for r in requests], join_every=2)
     assert [batched[i] for i in range(len(requests))] == alone, "vanilla in flight"
 
     runner = InProcessRunner(_loaded(target), _loaded(draft),
@@ -305,7 +277,7 @@ def test_many_in_flight_equal_alone(dtype: torch.dtype, sampled: bool) -> None:
     try:
         engine = TargetEngine(target, KVPool(target, slots=4, max_len=256))
         gens = [runner.generation(r) for r in requests]
-        batched = _run_batched(engine, gens, join_every=2)
+        batched = run_batched(engine, gens, join_every=2)
         assert [batched[i] for i in range(len(requests))] == alone, "card in flight"
         assert sum(g.stats.draft_forwards for g in gens) > 0
         assert all(g.stats.exact for g in gens)
@@ -326,10 +298,10 @@ SMOL_PROMPTS = [
 ]
 
 
-def _smollm2_in_flight(exact: bool) -> tuple[int, int]:
+def _smollm2_in_flight(gguf: Path, exact: bool) -> tuple[int, int]:
     """SmolLM2-135M in bf16, 8 chat prompts of 64 new tokens, all 8 at once through the engine:
     how many equal the same request alone, by plain decoding and by card (the same model as draft)."""
-    target = load_model(ModelConfig(spec=str(SMOLLM2_DIR), dtype="bfloat16", device="cpu", exact=exact))
+    target = load_model(ModelConfig(spec=str(gguf), dtype="bfloat16", device="cpu", exact=exact))
     model = target.model
     stop = StopParams(max_new_tokens=64, ignore_eos=True)
     requests = [GenerationRequest(tuple(target.encode_prompt(p)), SamplingParams(), stop)
@@ -341,14 +313,14 @@ def _smollm2_in_flight(exact: bool) -> tuple[int, int]:
 
     alone = [finish_alone(model, plain(r), exact=exact).token_ids for r in requests]
     engine = TargetEngine(model, KVPool(model, slots=8, max_len=512), exact=exact)
-    batched = _run_batched(engine, [plain(r) for r in requests], join_every=1)
+    batched = run_batched(engine, [plain(r) for r in requests], join_every=1)
     vanilla = sum(batched[i] == alone[i] for i in range(8))
     runner = InProcessRunner(target, target, RunnerConfig(mode="card", tree=TreeParams(width=2, max_depth=4),
                                                           backoff=False))
     try:
         engine = TargetEngine(model, KVPool(model, slots=8, max_len=512), exact=exact)
         gens = [runner.generation(r) for r in requests]
-        batched = _run_batched(engine, gens, join_every=1)
+        batched = run_batched(engine, gens, join_every=1)
         assert sum(g.stats.draft_forwards for g in gens) > 0
         assert all(g.stats.exact == exact for g in gens)
     finally:
@@ -357,10 +329,9 @@ def _smollm2_in_flight(exact: bool) -> tuple[int, int]:
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not SMOLLM2_DIR.is_dir(), reason=f"{SMOLLM2_DIR} is not there")
-def test_smollm2_bfloat16_eight_in_flight_equal_alone() -> None:
+def test_smollm2_bfloat16_eight_in_flight_equal_alone(smollm2_gguf: Path) -> None:
     """The issue's table as assertions: exact, 8/8 for both; the vendor kernels (the negative
     control) lose some (4/8 on the 2-core EPYC of docs/performance.md)."""
-    assert _smollm2_in_flight(exact=True) == (8, 8)
-    vendor_vanilla, vendor_card = _smollm2_in_flight(exact=False)
+    assert _smollm2_in_flight(smollm2_gguf, exact=True) == (8, 8)
+    vendor_vanilla, vendor_card = _smollm2_in_flight(smollm2_gguf, exact=False)
     assert vendor_vanilla < 8 or vendor_card < 8

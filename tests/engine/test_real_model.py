@@ -1,4 +1,5 @@
-"""A real model: SmolLM2-135M-Instruct (Q4_1 GGUF from ../shared/models, dequantized to float32).
+"""A real model: SmolLM2-135M-Instruct (the embedded default, Q4_1 GGUF
+fetched into the model cache, dequantized to float32).
 
 card and sd equal vanilla token for token on chat prompts, with the same model as draft, both
 dynamically quantized to int8 (a different, cheaper draft) and unquantized.
@@ -13,25 +14,21 @@ from card.engine.inprocess.runner import InProcessRunner, RunnerConfig
 from card.engine.loading.models import LoadedModel, ModelConfig, load_model
 from card.engine.shared.config import GenerationRequest, StopParams, TreeParams
 from tests.engine.support import LockstepRunner, wait_until
-from tests.tiny_models import SMOLLM2_DIR
 
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.skipif(not SMOLLM2_DIR.is_dir(), reason=f"{SMOLLM2_DIR} is not there"),
-]
+pytestmark = pytest.mark.slow
 
 PROMPTS = ["Write a haiku about the sea.", "Explain in simple words how a bicycle works."]
 NEW_TOKENS = 32
 
 
 @pytest.fixture(scope="module")
-def target() -> LoadedModel:
-    return load_model(ModelConfig(spec=str(SMOLLM2_DIR), device="cpu", exact=True))
+def target(smollm2_gguf) -> LoadedModel:
+    return load_model(ModelConfig(spec=str(smollm2_gguf), device="cpu", exact=True))
 
 
 @pytest.fixture(scope="module")
-def int8_draft() -> LoadedModel:
-    return load_model(ModelConfig(spec=str(SMOLLM2_DIR), device="cpu", quantize="int8"))
+def int8_draft(smollm2_gguf) -> LoadedModel:
+    return load_model(ModelConfig(spec=str(smollm2_gguf), device="cpu", quantize="int8"))
 
 
 @pytest.fixture(scope="module")

@@ -33,8 +33,7 @@ from card.engine.shared.tree import NO_NODE, Layer, Proposal, TwoTierTree
 from card.engine.target.chain_source import NoDraft
 from card.engine.target.sampling import filtered_probs
 from card.engine.target.verify import TargetState, proposal_holds
-from tests.engine.support import VOCAB, generate, plain_forward, target_model
-from tests.engine.test_exactness_sampling import assert_fits, chi_square
+from tests.engine.support import VOCAB, assert_fits, chi_square, generate, plain_forward, target_model
 from tests.tiny_models import sharpened, tiny_model
 
 REJECTION = VerifyPolicy(Verify.REJECTION)

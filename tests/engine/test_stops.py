@@ -160,14 +160,10 @@ def test_context_window_ends_the_generation(run, reference, window: int) -> None
 
 # ---- streaming with a real byte-level tokenizer --------------------------------------------------
 @pytest.fixture(scope="module")
-def smollm2_decode() -> Callable[[list[int]], str]:
+def smollm2_decode(smollm2_tokenizer) -> Callable[[list[int]], str]:
     from transformers import AutoTokenizer
 
-    from tests.tiny_models import SMOLLM2_DIR
-
-    if not (SMOLLM2_DIR / "tokenizer.json").is_file():
-        pytest.skip(f"the SmolLM2 tokenizer is not in {SMOLLM2_DIR} (../shared beside the checkout)")
-    tokenizer = AutoTokenizer.from_pretrained(SMOLLM2_DIR)
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_tokenizer)
     decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
     decode.encode = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]  # type: ignore[attr-defined]
     return decode

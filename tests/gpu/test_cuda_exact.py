@@ -27,10 +27,7 @@ from card.engine.shared.kv_pool import KVPool
 from card.engine.target.chain_source import NoDraft
 from card.engine.target.generation import Generation
 from card.engine.target.scheduler import TargetEngine, finish_alone
-from tests.engine.support import letters
-from tests.engine.test_batching import _run_batched
-from tests.engine.test_core_lending import LetterTokenizer
-from tests.engine.test_invariance import _chain_logits_equal_steps
+from tests.engine.support import LetterTokenizer, chain_logits_equal_steps, letters, run_batched
 
 DEVICE = os.environ.get("CARD_GPU_CHECK_DEVICE", "cuda")
 SMALL = os.environ.get("CARD_GPU_CHECK_SCALE", "real") == "small"
@@ -96,14 +93,14 @@ def _loaded(model: torch.nn.Module) -> LoadedModel:
 
 
 def test_chain_logits_equal_plain_steps_on_the_device(target) -> None:
-    assert _chain_logits_equal_steps(target, exact=True)
+    assert chain_logits_equal_steps(target, exact=True)
 
 
 @pytest.mark.skipif(SMALL, reason="at small widths the vendor kernels can agree row for row")
 def test_vendor_kernels_change_the_chain_logits_on_the_device() -> None:
     """Negative control: without the exact forward a chain's logits differ from plain steps."""
     model = qwen(QWEN_1_5B, seed=0, exact=False)
-    assert not _chain_logits_equal_steps(model, exact=False)
+    assert not chain_logits_equal_steps(model, exact=False)
 
 
 @pytest.mark.parametrize("sampled", [False, True])
@@ -114,7 +111,7 @@ def test_in_flight_equal_alone(target, draft, in_flight: int, sampled: bool) -> 
     alone = [finish_alone(target, _plain(target, r)).token_ids for r in requests]
 
     engine = TargetEngine(target, KVPool(target, slots=in_flight, max_len=512))
-    batched = _run_batched(engine, [_plain(target, r) for r in requests], join_every=2) if in_flight > 1 \
+    batched = run_batched(engine, [_plain(target, r) for r in requests], join_every=2) if in_flight > 1 \
         else {i: finish_alone(target, _plain(target, r)).token_ids for i, r in enumerate(requests)}
     assert [batched[i] for i in range(n)] == alone, "plain decoding in flight"
 
@@ -126,7 +123,7 @@ def test_in_flight_equal_alone(target, draft, in_flight: int, sampled: bool) -> 
             got = {i: runner.run(r).token_ids for i, r in enumerate(requests)}
         else:
             engine = TargetEngine(target, KVPool(target, slots=in_flight, max_len=512))
-            got = _run_batched(engine, [runner.generation(r) for r in requests], join_every=2)
+            got = run_batched(engine, [runner.generation(r) for r in requests], join_every=2)
         assert [got[i] for i in range(n)] == alone, "card in flight"
     finally:
         runner.close()

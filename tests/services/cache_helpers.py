@@ -1,4 +1,5 @@
-"""A hand-driven draft worker and target for the cache-service tests: real gRPC clients, no model."""
+"""A hand-driven draft worker and target for the cache-service tests (real gRPC clients, no model),
+and an in-process cache server to drive them against."""
 
 from __future__ import annotations
 
@@ -7,11 +8,15 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 
 import grpc
+import pytest
 import torch
 
-from card.common.channels import channel
+from card.cache_service.config import CacheConfig
+from card.cache_service.server import CacheServer, create_server
+from card.common.channels import channel, wait_serving
 from card.common.convert import (
     chain_policy_to_msg,
     command_from_msg,
@@ -22,10 +27,10 @@ from card.common.convert import (
 )
 from card.common.drafts import WORKER_ID_METADATA
 from card.common.tensors import ids_to_msg
-from card.engine.shared.commands import DraftCommand
+from card.engine.shared.commands import AdvanceDraft, DraftCommand, StartDraft
 from card.engine.shared.config import ChainPolicy
 from card.engine.shared.stats import GenerationStats
-from card.engine.shared.tree import Correction, Layer
+from card.engine.shared.tree import Advance, Correction, Layer
 from card.engine.target.chain_source import StepResult
 from card.v1 import cache_pb2, cache_pb2_grpc
 
@@ -166,3 +171,62 @@ class HandTarget:
 
     def close(self) -> None:
         self.channel.close()
+
+
+def make_config(redis_url: str, prefix: str, **kw: object) -> CacheConfig:
+    base = CacheConfig(host="127.0.0.1", port=0, redis_url=redis_url, redis_prefix=prefix, metrics_port=0,
+                       heartbeat_interval_s=30.0, health_check_interval_s=0.1, session_ttl_s=600)
+    return replace(base, **kw)
+
+
+class Cache:
+    def __init__(self, server: CacheServer, port: int) -> None:
+        self.server = server
+        self.addr = f"127.0.0.1:{port}"
+        self.drafts: list[HandDraft] = []
+        self.target = HandTarget(self.addr)
+
+    def draft(self, name: str, **kw: object) -> HandDraft:
+        d = HandDraft(self.addr, name, **kw)  # type: ignore[arg-type]
+        self.drafts.append(d)
+        return d
+
+    def close(self) -> None:
+        for d in self.drafts:
+            d.close()
+        self.target.close()
+        self.server.stop(1.0).wait()
+
+
+def start_cache(config: CacheConfig) -> Cache:
+    server, port = create_server(config.addr, config)
+    server.start()
+    cache = Cache(server, port)
+    wait_serving(cache.addr, TIMEOUT)
+    return cache
+
+
+def wait_rounds(cache: Cache, n: int) -> None:
+    """Until the cache's monitor has run ``n`` more rounds (``Monitor.rounds``, so at least n - 1
+    whole ones): what an assertion that the monitor did NOT do something waits for, not a sleep."""
+    start = cache.server.monitor.rounds
+    wait_for(lambda: cache.server.monitor.rounds >= start + n, what=f"{n} monitor rounds")
+
+
+def expect_advance(draft: HandDraft, sid: str) -> Advance:
+    cmd = draft.next_command()
+    assert isinstance(cmd, AdvanceDraft), cmd
+    assert cmd.session_id == sid
+    return cmd.advance
+
+
+def expect_start(draft: HandDraft) -> StartDraft:
+    cmd = draft.next_command()
+    assert isinstance(cmd, StartDraft), cmd
+    return cmd
+
+
+def rpc_error(fn, *args, **kw) -> grpc.RpcError:
+    with pytest.raises(grpc.RpcError) as info:
+        fn(*args, **kw)
+    return info.value

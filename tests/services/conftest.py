@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import os
 import shutil
 import socket
 import subprocess
@@ -15,12 +14,7 @@ from dataclasses import dataclass
 import pytest
 import redis
 
-# These tests check what speculation through the services does (routing, failover, exactness of
-# every chain path), so every card-target they start speculates throughout unless a test asks for
-# more (--speculation beats the variable). The speculation controller, on by default, is tested
-# through the trio by tests/services/test_speculation_control.py and in process by
-# tests/engine/test_controller.py.
-os.environ.setdefault("CARD_TARGET_SPECULATION", "always")
+from tests.services.cache_helpers import Cache, make_config, start_cache
 
 
 def free_port() -> int:
@@ -108,3 +102,11 @@ def redis_url(redis_server: RedisServer) -> str:
 def redis_prefix() -> str:
     """A key prefix no other test uses."""
     return f"test-{uuid.uuid4().hex[:12]}:"
+
+
+@pytest.fixture
+def cache(redis_url: str, redis_prefix: str) -> Iterator[Cache]:
+    """A cache server in this process on its own key prefix, with hand-driven peers (cache_helpers)."""
+    c = start_cache(make_config(redis_url, redis_prefix))
+    yield c
+    c.close()

@@ -65,6 +65,13 @@ def metric(text: str, name: str) -> float:
     return float(match.group(1))
 
 
+def labelled(text: str, name: str, **labels: str) -> float:
+    """The value of the sample ``name{labels}`` in a Prometheus text page (0 when absent)."""
+    want = ",".join(f'{k}="{v}"' for k, v in labels.items())
+    match = re.search(rf"^{re.escape(name)}{{{re.escape(want)}}} (\S+)$", text, re.MULTILINE)
+    return float(match.group(1)) if match else 0.0
+
+
 def wait_until(check: Callable[[], bool], timeout_s: float = 15.0, what: str = "condition") -> None:
     deadline = time.monotonic() + timeout_s
     while not check():

@@ -25,7 +25,7 @@ def test_a_trio_across_three_hosts_is_exact_at_every_link_delay(delay_ms: float,
     model = str(save_tiny_checkpoint(tmp_path / "model", seed=0))
     try:
         trio = NetnsTrio(model, model, dtype="float64", delay_ms=delay_ms, log_dir=tmp_path / "logs",
-                         start_timeout_s=240)
+                         start_timeout_s=240, extra_args={"target": ["--speculation", "always"]})
     except Unsupported as exc:
         pytest.skip(str(exc))
     with trio:

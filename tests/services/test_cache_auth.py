@@ -112,6 +112,7 @@ def test_a_trio_with_tokens_and_mutual_tls_is_exact_and_refuses_strangers(redis_
     model = str(save_tiny_checkpoint(tmp_path / "target", seed=0))
     pki = make_pki(tmp_path / "pki")
     tls = pki.tls(client_auth=True)
+    # the target's default speculation control (auto): it speculates from the start
     trio = LocalTrio(target_model=model, draft_model=model, draft_name="same", target_threads=1,
                      draft_threads=1, dtype="float64", log_dir=tmp_path / "logs", redis_url=redis_server.url,
                      draft_token=DRAFT_TOKEN, target_token=TARGET_TOKEN, tls=tls, start_timeout_s=240,

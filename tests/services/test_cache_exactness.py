@@ -24,8 +24,7 @@ from card.engine.target.chain_source import ChainSource, NoDraft, SourceStats, S
 from card.engine.target.generation import Generation
 from card.engine.target.scheduler import finish_alone
 from card.v1 import cache_pb2, cache_pb2_grpc
-from tests.services.cache_helpers import FP_A, TIMEOUT, HandTarget, wait_for
-from tests.services.test_cache_service import Cache, make_config, start_cache
+from tests.services.cache_helpers import FP_A, TIMEOUT, Cache, HandTarget, make_config, start_cache, wait_for
 from tests.tiny_models import tiny_model
 
 TREE = TreeParams(width=3, max_depth=5, max_chain=6)

@@ -32,9 +32,17 @@ from card.engine.shared.errors import CardError
 from card.engine.shared.stats import GenerationStats
 from card.engine.shared.tree import Correction
 from card.v1 import cache_pb2
-from tests.services.cache_helpers import TIMEOUT, HandDraft, HandTarget, wait_for
+from tests.services.cache_helpers import (
+    TIMEOUT,
+    Cache,
+    HandDraft,
+    HandTarget,
+    make_config,
+    start_cache,
+    wait_for,
+    wait_rounds,
+)
 from tests.services.conftest import RedisServer, running_redis
-from tests.services.test_cache_service import Cache, make_config, start_cache
 
 PROMPT = [1, 2, 3]
 MAXMEMORY = 20 * 2**20
@@ -124,13 +132,13 @@ def test_5000_short_sessions_do_not_fill_a_capped_redis(capped: RedisServer, red
                 try:
                     sid = table.open(PROMPT, "fp-records", "target-model").session_id
                 except CardError as exc:  # the invariant must hold the moment opens fail
-                    time.sleep(0.3)  # a few monitor rounds (0.1 s)
+                    wait_rounds(cache, 3)
                     assert_opens_or_not_serving(cache, caplog)
                     pytest.fail(f"session {i}: OpenSession failed: {exc}")
                 for epoch in range(3):
                     table.step(sid, Correction(epoch, (), (), 5))
                 table.close(sid, short_answer_stats(rng))
-            time.sleep(0.3)  # a few monitor rounds (0.1 s) probe the store after the last close
+            wait_rounds(cache, 3)  # monitor rounds probe the store after the last close
             opened = assert_opens_or_not_serving(cache, caplog)
 
             # records are bounded: they all fit, Redis never refused a write, each is there
@@ -170,7 +178,7 @@ def test_redis_out_of_memory_turns_health_not_serving_with_one_line(capped: Redi
                 r.set(f"{redis_prefix}more", "y")
             assert r.ping()  # why PING alone cannot tell
             wait_for(lambda: health(cache) == "NOT_SERVING", what="NOT_SERVING under OOM")
-            time.sleep(0.5)  # five more monitor rounds: still one line
+            wait_rounds(cache, 5)  # five more monitor rounds: still one line
             assert len(oom_lines(caplog)) == 1, oom_lines(caplog)
             status = cache.target.status()
             assert not status.redis_connected
@@ -196,7 +204,7 @@ def test_redis_out_of_memory_turns_health_not_serving_with_one_line(capped: Redi
 
             r.delete(junk)
             wait_for(lambda: health(cache) == "SERVING", what="SERVING once writes succeed again")
-            time.sleep(0.3)
+            wait_rounds(cache, 3)  # more rounds with the store up: still one line each way
             assert len(back_lines(caplog)) == 1 and len(oom_lines(caplog)) == 1
             assert cache.target.status().redis_connected
             sid = cache.target.open(PROMPT).session_id

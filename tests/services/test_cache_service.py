@@ -10,8 +10,6 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Iterator
-from dataclasses import replace
 
 import grpc
 import pytest
@@ -20,62 +18,35 @@ from click.testing import CliRunner, Result
 from grpc_health.v1 import health_pb2
 from prometheus_client import REGISTRY
 
-from card.cache_service.config import CacheConfig
-from card.cache_service.server import SERVICE_NAME, CacheServer, create_server
+from card.cache_service.server import SERVICE_NAME, create_server
 from card.client.cli import cli
 from card.common.channels import health_status, wait_serving
 from card.common.convert import layer_to_msg
 from card.common.drafts import WORKER_ID_METADATA
 from card.common.tensors import ids_to_msg
-from card.engine.shared.commands import AdvanceDraft, StartDraft, StopDraft
+from card.engine.shared.commands import AdvanceDraft, StopDraft
 from card.engine.shared.config import ChainPolicy
 from card.engine.shared.stats import GenerationStats
-from card.engine.shared.tree import NO_NODE, Advance, Outcome, virtual_root_id
+from card.engine.shared.tree import NO_NODE, Outcome, virtual_root_id
 from card.v1 import cache_pb2
-from tests.services.cache_helpers import FP_A, FP_B, TIMEOUT, HandDraft, HandTarget, layer, wait_for
+from tests.services.cache_helpers import (
+    FP_A,
+    FP_B,
+    TIMEOUT,
+    Cache,
+    HandTarget,
+    expect_advance,
+    expect_start,
+    layer,
+    make_config,
+    rpc_error,
+    start_cache,
+    wait_for,
+    wait_rounds,
+)
 from tests.services.conftest import RedisServer, free_port, running_redis
 
 PROMPT = [1, 2, 3]
-
-
-def make_config(redis_url: str, prefix: str, **kw: object) -> CacheConfig:
-    base = CacheConfig(host="127.0.0.1", port=0, redis_url=redis_url, redis_prefix=prefix, metrics_port=0,
-                       heartbeat_interval_s=30.0, health_check_interval_s=0.1, session_ttl_s=600)
-    return replace(base, **kw)
-
-
-class Cache:
-    def __init__(self, server: CacheServer, port: int) -> None:
-        self.server = server
-        self.addr = f"127.0.0.1:{port}"
-        self.drafts: list[HandDraft] = []
-        self.target = HandTarget(self.addr)
-
-    def draft(self, name: str, **kw: object) -> HandDraft:
-        d = HandDraft(self.addr, name, **kw)  # type: ignore[arg-type]
-        self.drafts.append(d)
-        return d
-
-    def close(self) -> None:
-        for d in self.drafts:
-            d.close()
-        self.target.close()
-        self.server.stop(1.0).wait()
-
-
-def start_cache(config: CacheConfig) -> Cache:
-    server, port = create_server(config.addr, config)
-    server.start()
-    cache = Cache(server, port)
-    wait_serving(cache.addr, TIMEOUT)
-    return cache
-
-
-@pytest.fixture
-def cache(redis_url: str, redis_prefix: str) -> Iterator[Cache]:
-    c = start_cache(make_config(redis_url, redis_prefix))
-    yield c
-    c.close()
 
 
 def rkeys(url: str, pattern: str) -> list[str]:
@@ -92,25 +63,6 @@ def wait_live_record(url: str, prefix: str, sid: str) -> dict[str, str]:
     """The live record the monitor writes once the session has lived through one of its rounds."""
     wait_for(lambda: bool(rhash(url, f"{prefix}session:{sid}")), what=f"the live record of {sid}")
     return rhash(url, f"{prefix}session:{sid}")
-
-
-def expect_advance(draft: HandDraft, sid: str) -> Advance:
-    cmd = draft.next_command()
-    assert isinstance(cmd, AdvanceDraft), cmd
-    assert cmd.session_id == sid
-    return cmd.advance
-
-
-def expect_start(draft: HandDraft) -> StartDraft:
-    cmd = draft.next_command()
-    assert isinstance(cmd, StartDraft), cmd
-    return cmd
-
-
-def rpc_error(fn, *args, **kw) -> grpc.RpcError:
-    with pytest.raises(grpc.RpcError) as info:
-        fn(*args, **kw)
-    return info.value
 
 
 # ---- the tree through the wire ---------------------------------------------------------------
@@ -613,7 +565,7 @@ def test_live_records_are_written_once(cache: Cache, redis_url: str, redis_prefi
     with redis.Redis.from_url(redis_url, decode_responses=True) as r:
         assert 0 < r.ttl(key) <= 600
     cache.target.step(sid, 2, 6)
-    time.sleep(0.5)  # five monitor rounds: the record is not rewritten
+    wait_rounds(cache, 5)  # five monitor rounds: the record is not rewritten
     assert rhash(redis_url, key)["epoch"] == "2"
     cache.target.close_session(sid)
     assert cache.server.records.flush(TIMEOUT)

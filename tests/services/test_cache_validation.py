@@ -13,8 +13,7 @@ from prometheus_client import REGISTRY
 
 from card.common.convert import layer_to_msg
 from card.engine.shared.tree import MAX_LAYER_NODES, Layer, virtual_root_id
-from tests.services.cache_helpers import layer
-from tests.services.test_cache_service import cache, expect_start, rpc_error  # noqa: F401  (fixture)
+from tests.services.cache_helpers import expect_start, layer, rpc_error
 
 VOCAB = 100
 ROOT = virtual_root_id(0)
@@ -24,7 +23,7 @@ def malformed() -> float:
     return REGISTRY.get_sample_value("card_cache_layers_malformed_total") or 0.0
 
 
-def tree_nodes(cache, session_id: str) -> int:  # noqa: F811
+def tree_nodes(cache, session_id: str) -> int:
     (info,) = [s for s in cache.target.status().sessions if s.session_id == session_id]
     return info.tree_nodes
 
@@ -47,7 +46,7 @@ BAD = {
 }
 
 
-def test_layers_no_drafter_grows_are_dropped_and_the_session_goes_on(cache) -> None:  # noqa: F811
+def test_layers_no_drafter_grows_are_dropped_and_the_session_goes_on(cache) -> None:
     draft = cache.draft("w1")
     sid = cache.target.open([1, 2, 3], vocab_size=VOCAB, context_window=64).session_id
     expect_start(draft)
@@ -62,7 +61,7 @@ def test_layers_no_drafter_grows_are_dropped_and_the_session_goes_on(cache) -> N
     assert step.outcome.value == "hit"
 
 
-def test_prompts_are_bounded_by_the_targets_window_and_vocabulary(cache) -> None:  # noqa: F811
+def test_prompts_are_bounded_by_the_targets_window_and_vocabulary(cache) -> None:
     err = rpc_error(cache.target.open, list(range(1, 65)), vocab_size=VOCAB, context_window=64)
     assert err.code() is grpc.StatusCode.INVALID_ARGUMENT and "context window" in err.details()
     err = rpc_error(cache.target.open, [1, 2, VOCAB], vocab_size=VOCAB, context_window=64)
@@ -83,7 +82,7 @@ def test_layer_check_names_the_fault(name: str) -> None:
     ("x" * (1 << 20), 4, "name"), ("bad name/", 4, "name"), ("", 4, "name"),
     ("w", 0, "capacity"), ("w", -1, "capacity"), ("w", 10**6, "capacity"),
 ])
-def test_registrations_are_bounded(cache, name: str, capacity: int, fault: str) -> None:  # noqa: F811
+def test_registrations_are_bounded(cache, name: str, capacity: int, fault: str) -> None:
     from card.v1 import cache_pb2
 
     err = rpc_error(cache.target.stub.RegisterDraft, cache_pb2.RegisterDraftRequest(

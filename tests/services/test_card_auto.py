@@ -18,8 +18,7 @@ import pytest
 from card.client.remote import generate_remote
 from card.client.trio import LocalTrio
 from card.engine.shared.config import SamplingParams, StopParams
-from tests.services.e2e_support import float64_reference, metric, scrape
-from tests.services.test_speculation_control import _labelled
+from tests.services.e2e_support import float64_reference, labelled, metric, scrape
 from tests.tiny_models import save_tiny_checkpoint
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -36,8 +35,8 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory):
 
 
 def _switches(target: str) -> tuple[float, float]:
-    return (_labelled(target, "card_target_drafter_switches_total", drafter="neural"),
-            _labelled(target, "card_target_drafter_switches_total", drafter="model-free"))
+    return (labelled(target, "card_target_drafter_switches_total", drafter="neural"),
+            labelled(target, "card_target_drafter_switches_total", drafter="model-free"))
 
 
 def test_card_auto_switches_drafters_and_stays_exact(checkpoints, redis_server, tmp_path_factory):
@@ -57,7 +56,7 @@ def test_card_auto_switches_drafters_and_stays_exact(checkpoints, redis_server, 
         target = scrape(trio.metrics_ports["card-target"])
         assert plain.token_ids == want
         assert _switches(target) == (0, 0)
-        assert _labelled(cache, "card_cache_draft_pauses_total", action="pause") == 0
+        assert labelled(cache, "card_cache_draft_pauses_total", action="pause") == 0
 
         out = generate_remote(trio.target_addr, PROMPT, sampling=GREEDY, stop=stop, mode="card-auto",
                               timeout_s=120)
@@ -67,6 +66,6 @@ def test_card_auto_switches_drafters_and_stays_exact(checkpoints, redis_server, 
     to_neural, to_model_free = _switches(target)
     # opened model-free (the worker paused), tried the worker, and judged it
     assert to_neural >= 1 and to_neural + to_model_free >= 2
-    assert _labelled(cache, "card_cache_draft_pauses_total", action="resume") >= 1
+    assert labelled(cache, "card_cache_draft_pauses_total", action="resume") >= 1
     assert metric(cache, "card_cache_lookup_chains_total") >= 1
     assert out.stats.draft_tokens > 0

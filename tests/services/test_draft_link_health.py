@@ -32,9 +32,8 @@ from card.engine.draft.worker import DraftWorker
 from card.engine.loading.models import ModelConfig
 from card.engine.shared.config import DrafterKind, NgramConfig, TreeParams
 from card.v1 import cache_pb2, cache_pb2_grpc
-from tests.services.cache_helpers import wait_for
+from tests.services.cache_helpers import make_config, wait_for
 from tests.services.conftest import RedisServer, free_port, stop_process
-from tests.services.test_cache_service import make_config
 from tests.tiny_models import save_tiny_checkpoint
 
 pytestmark = pytest.mark.timeout(240)

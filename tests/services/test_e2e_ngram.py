@@ -41,7 +41,8 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory):
 
 @pytest.fixture(scope="module")
 def trio(checkpoints, redis_server, tmp_path_factory):
-    trio = LocalTrio(target_model=str(checkpoints["target"]), draft_model="ngram", draft_name="ngram",
+    trio = LocalTrio(speculation="always",
+                     target_model=str(checkpoints["target"]), draft_model="ngram", draft_name="ngram",
                      ngram=NgramConfig(max_order=3, min_order=1, table_mb=4.0), target_threads=1,
                      draft_threads=1, dtype="float64", log_dir=tmp_path_factory.mktemp("ngram-logs"),
                      redis_url=redis_server.url, start_timeout_s=240,

@@ -1,6 +1,7 @@
 """End to end with the real SmolLM2-135M-Instruct (Q4_1 GGUF): the default pair, the target in
 float32 and the same model as an int8 draft, through the entry points, against in-process vanilla.
-Slow: three processes dequantize the GGUF (~40 s each on a busy 2-core machine)."""
+The target runs its default speculation control (auto), as a user's does. Slow: three processes
+dequantize the GGUF (~40 s each on a busy 2-core machine)."""
 
 from __future__ import annotations
 
@@ -11,12 +12,10 @@ from card.client.trio import LocalTrio
 from card.engine.loading.models import ModelConfig, load_model
 from card.engine.shared.config import SamplingParams, StopParams
 from tests.services.e2e_support import torch_threads, vanilla_reference
-from tests.tiny_models import SMOLLM2_DIR
 
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.timeout(600),
-    pytest.mark.skipif(not SMOLLM2_DIR.is_dir(), reason=f"{SMOLLM2_DIR} is missing"),
 ]
 
 PROMPT = "Explain in two sentences why the sky is blue."
@@ -24,8 +23,8 @@ STOP = StopParams(32)
 
 
 @pytest.fixture(scope="module")
-def trio(redis_server, tmp_path_factory):
-    with LocalTrio(target_model=str(SMOLLM2_DIR), draft_model=str(SMOLLM2_DIR), draft_quantize="int8",
+def trio(redis_server, tmp_path_factory, smollm2_gguf):
+    with LocalTrio(target_model=str(smollm2_gguf), draft_model=str(smollm2_gguf), draft_quantize="int8",
                    draft_name="smollm2-int8", target_threads=1, draft_threads=1,
                    log_dir=tmp_path_factory.mktemp("e2e-smollm2-logs"), redis_url=redis_server.url,
                    start_timeout_s=400) as trio:
@@ -33,8 +32,8 @@ def trio(redis_server, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def reference():
-    run = vanilla_reference(load_model(ModelConfig(str(SMOLLM2_DIR), exact=True)))
+def reference(smollm2_gguf):
+    run = vanilla_reference(load_model(ModelConfig(str(smollm2_gguf), exact=True)))
 
     def one_thread(*args):
         with torch_threads(1):  # the target process runs one thread: same reduction order

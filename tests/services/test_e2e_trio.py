@@ -54,7 +54,8 @@ def prefix() -> str:
 
 @pytest.fixture(scope="module")
 def trio(checkpoints, redis_server, prefix, tmp_path_factory):
-    trio = LocalTrio(target_model=str(checkpoints["target"]), draft_model=str(checkpoints["target"]),
+    trio = LocalTrio(speculation="always",
+                     target_model=str(checkpoints["target"]), draft_model=str(checkpoints["target"]),
                      draft_name="same", target_threads=1, draft_threads=1, dtype="float64",
                      log_dir=tmp_path_factory.mktemp("e2e-logs"), redis_url=redis_server.url,
                      metrics=True, start_timeout_s=240,

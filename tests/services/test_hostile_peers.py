@@ -47,7 +47,8 @@ def trio(redis_server, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Loc
 
     tmp = tmp_path_factory.mktemp("hostile")
     model = str(save_tiny_checkpoint(tmp / "target", seed=0))
-    with LocalTrio(target_model=model, draft_model=model, draft_name="same", target_threads=1,
+    with LocalTrio(speculation="always",
+                   target_model=model, draft_model=model, draft_name="same", target_threads=1,
                    draft_threads=1, dtype="float64", log_dir=tmp / "logs", redis_url=redis_server.url,
                    draft_token=DRAFT_TOKEN, target_token=TARGET_TOKEN, start_timeout_s=240,
                    extra_args={"cache": ["--redis-prefix", f"hostile-{uuid.uuid4().hex[:8]}:",

@@ -37,9 +37,8 @@ from card.engine.draft.worker import DraftWorker
 from card.engine.loading.models import ModelConfig
 from card.engine.shared.config import DrafterKind, NgramConfig, SamplingParams, StopParams, TreeParams
 from card.v1 import cache_pb2, cache_pb2_grpc
-from tests.services.cache_helpers import FP_A, HandDraft, HandTarget
+from tests.services.cache_helpers import FP_A, HandDraft, HandTarget, make_config
 from tests.services.e2e_support import wait_until
-from tests.services.test_cache_service import make_config
 from tests.tiny_models import save_tiny_checkpoint
 
 pytestmark = pytest.mark.timeout(300)
@@ -84,7 +83,8 @@ def p99(results: list[RemoteGenerationResult]) -> float:
 @pytest.mark.slow
 def test_forty_idle_drafts_do_not_starve_steps(redis_server, tmp_path: Path) -> None:
     checkpoint = save_tiny_checkpoint(tmp_path / "model", seed=0)
-    trio = LocalTrio(target_model=str(checkpoint), draft_model=str(checkpoint), draft_name="same",
+    trio = LocalTrio(speculation="always",
+                     target_model=str(checkpoint), draft_model=str(checkpoint), draft_name="same",
                      target_threads=1, draft_threads=1, log_dir=tmp_path / "logs", redis_url=redis_server.url,
                      start_timeout_s=240,
                      extra_args={"cache": ["--redis-prefix", f"many-{uuid.uuid4().hex[:8]}:",

@@ -57,7 +57,8 @@ def reference(checkpoints):
 
 def start_trio(checkpoints, redis_server, tmp_path_factory, pool: str, cache_args: tuple[str, ...] = ()
                ) -> LocalTrio:
-    return LocalTrio(target_model=str(checkpoints["target"]), draft_model=str(checkpoints["draft"]),
+    return LocalTrio(speculation="always",
+                     target_model=str(checkpoints["target"]), draft_model=str(checkpoints["draft"]),
                      draft_name=f"{pool}-0", target_threads=1, draft_threads=1, dtype="float64",
                      log_dir=tmp_path_factory.mktemp("pool-logs"), redis_url=redis_server.url,
                      start_timeout_s=240,

@@ -10,7 +10,6 @@ A draft whose chains the target rejects ("junk": another seed):
 
 from __future__ import annotations
 
-import re
 import uuid
 
 import pytest
@@ -18,7 +17,7 @@ import pytest
 from card.client.remote import generate_remote
 from card.client.trio import LocalTrio
 from card.engine.shared.config import SamplingParams, StopParams
-from tests.services.e2e_support import float64_reference, metric, scrape
+from tests.services.e2e_support import float64_reference, labelled, metric, scrape
 from tests.tiny_models import save_tiny_checkpoint
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -48,11 +47,6 @@ def _trio(checkpoints, redis_server, tmp_path_factory, speculation: str, draft: 
                                  "target": ["--speculation", speculation, "--max-model-len", "480"]})
 
 
-def _labelled(text: str, name: str, **labels: str) -> float:
-    want = ",".join(f'{k}="{v}"' for k, v in labels.items())
-    match = re.search(rf"^{re.escape(name)}{{{re.escape(want)}}} (\S+)$", text, re.MULTILINE)
-    return float(match.group(1)) if match else 0.0
-
 
 @pytest.mark.parametrize("speculation", ["auto", "always", "never"])
 def test_the_controller_pauses_a_draft_that_does_not_pay(checkpoints, redis_server, tmp_path_factory,
@@ -69,7 +63,7 @@ def test_the_controller_pauses_a_draft_that_does_not_pay(checkpoints, redis_serv
     stats = out.stats
     assert stats.speculation == speculation
     assert metric(target, "card_target_drafting_paused_generations") == 0  # none in flight now
-    pauses = _labelled(cache, "card_cache_draft_pauses_total", action="pause")
+    pauses = labelled(cache, "card_cache_draft_pauses_total", action="pause")
     if speculation == "auto":
         assert stats.drafting_pauses >= 1 and stats.drafting_paused_steps > stats.target_forwards // 3
         assert pauses >= 1  # the worker was told to stop, not only ignored
@@ -81,4 +75,4 @@ def test_the_controller_pauses_a_draft_that_does_not_pay(checkpoints, redis_serv
         assert stats.draft_forwards == 0 and stats.draft_tokens == 0 and out.draft == ""
         assert stats.drafting_paused_steps == stats.target_forwards - 1
         assert metric(cache, "card_cache_steps_total") == 0  # opened paused, never stepped
-        assert _labelled(target, "card_target_speculation_decisions_total", regime="spec", why="probe") == 0
+        assert labelled(target, "card_target_speculation_decisions_total", regime="spec", why="probe") == 0

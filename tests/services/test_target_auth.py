@@ -11,6 +11,7 @@ app whose model has not loaded (fast, no subprocess)."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import select
@@ -41,6 +42,7 @@ from card.target_service.openai_api import HttpServer, create_app
 from card.v1 import target_pb2, target_pb2_grpc
 from tests.services.certs import Pki, make_pki
 from tests.services.conftest import stop_process
+from tests.services.e2e_support import wait_until
 from tests.tiny_models import save_tiny_checkpoint
 
 KEY = "sk-test-" + uuid.uuid4().hex
@@ -296,8 +298,8 @@ def test_refusals_for_load_carry_retry_after_and_metrics_can_be_off(loading_fron
         server.stop(5)
 
 
-def test_a_renewed_http_certificate_is_served_within_a_second(loading_front: Frontend,
-                                                              tmp_path: Path) -> None:
+def test_a_renewed_http_certificate_is_served_within_a_second(loading_front: Frontend, tmp_path: Path,
+                                                              caplog: pytest.LogCaptureFixture) -> None:
     old, new = make_pki(tmp_path / "old"), make_pki(tmp_path / "new")
     live = tmp_path / "live"
     live.mkdir()
@@ -310,10 +312,14 @@ def test_a_renewed_http_certificate_is_served_within_a_second(loading_front: Fro
         verify = ssl.create_default_context(cafile=str(ca))
         return httpx.get(f"https://127.0.0.1:{server.port}/health", verify=verify, timeout=10).status_code
 
+    def refused_half_pair() -> bool:
+        return any("cannot be read yet" in r.getMessage() for r in caplog.records)
+
     try:
         assert health(old.ca) == 503  # loading, over TLS
-        shutil.copy(new.cert, live / "cert.pem")  # mid-rotation: the new certificate, the old key
-        time.sleep(1.5)
+        with caplog.at_level(logging.WARNING, logger="card.common.tls"):
+            shutil.copy(new.cert, live / "cert.pem")  # mid-rotation: the new certificate, the old key
+            wait_until(refused_half_pair, timeout_s=5, what="the reloader to look at the half-renewed pair")
         assert health(old.ca) == 503  # the previous pair stays in use
         shutil.copy(new.key, live / "key.pem")
         deadline = time.monotonic() + 5

@@ -16,8 +16,15 @@ from card.engine.shared.tree import NO_NODE, Correction, Outcome
 from card.target_service.cache_link import CacheLink, CacheTarget
 from card.target_service.remote_card import RemoteCard
 from card.v1 import cache_pb2_grpc
-from tests.services.cache_helpers import FP_A, wait_for
-from tests.services.test_cache_service import Cache, expect_advance, expect_start, make_config, start_cache
+from tests.services.cache_helpers import (
+    FP_A,
+    Cache,
+    expect_advance,
+    expect_start,
+    make_config,
+    start_cache,
+    wait_for,
+)
 
 
 @pytest.fixture

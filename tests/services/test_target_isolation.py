@@ -44,7 +44,8 @@ LATE_TOKENS = 240  # still running well after the cache answers again
 @pytest.fixture(scope="module")
 def trio(redis_server, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalTrio]:
     tmp = tmp_path_factory.mktemp("isolation")
-    with LocalTrio(draft_name="same", log_dir=tmp / "logs", redis_url=redis_server.url, http_port=0,
+    with LocalTrio(speculation="always",
+                   draft_name="same", log_dir=tmp / "logs", redis_url=redis_server.url, http_port=0,
                    start_timeout_s=240,
                    extra_args={"cache": ["--redis-prefix", f"isolation-{uuid.uuid4().hex[:8]}:"],
                                "target": ["--queue-timeout-s", "5", "--max-batch-size", "8",

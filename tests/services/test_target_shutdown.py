@@ -29,7 +29,8 @@ def test_sigterm_lets_four_streams_finish_and_leaves_nothing(redis_server, tmp_p
     draft KV is left (the engine ends them and closes their sessions before the channel goes)."""
     model = str(save_tiny_checkpoint(tmp_path / "target", seed=0))
     prefix = f"term-{uuid.uuid4().hex[:8]}:"
-    trio = LocalTrio(target_model=model, draft_model=model, draft_name="same", target_threads=1,
+    trio = LocalTrio(speculation="always",
+                     target_model=model, draft_model=model, draft_name="same", target_threads=1,
                      draft_threads=1, dtype="float64", log_dir=tmp_path / "logs", redis_url=redis_server.url,
                      metrics=True, start_timeout_s=240, extra_args={"cache": ["--redis-prefix", prefix],
                                                       "target": ["--max-model-len", "480",
