@@ -22,6 +22,7 @@ thread) and the draft worker thread.
 from __future__ import annotations
 
 import copy
+import statistics
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -29,7 +30,6 @@ from typing import Protocol
 
 import torch
 
-from card.client.bench.costs import verify_costs
 from card.common.convert import verify_to_msg
 from card.engine.inprocess.runner import InProcessRunner, RunnerConfig
 from card.engine.loading.models import LoadedModel
@@ -43,6 +43,7 @@ from card.engine.shared.config import (
     VerifyPolicy,
 )
 from card.engine.shared.errors import InvalidArgument
+from card.engine.shared.kv_pool import KVPool, Segment, forward
 from card.engine.shared.stats import GenerationStats
 
 ENGINE_MODES = ("vanilla", "sd", "card", "card-ngram", "card-cascade", "card-auto")
@@ -280,8 +281,21 @@ def step_ms_by_threads(model: torch.nn.Module, max_threads: int, reps: int = 5) 
     thread than on two (docs/performance.md), its matrices too small to pay the threads' sync."""
     counts = range(1, max_threads + 1) if max_threads <= 8 else sorted({1, 2, 4, 8, max_threads})
     previous = torch.get_num_threads()
-    prompt = list(range(1, 65))
+    pool = KVPool(model, slots=1, max_len=65)
+    forward(model, pool, [Segment(0, 0, 64)], torch.arange(1, 65), torch.empty(0, dtype=torch.int64))
+    token, row = torch.tensor([64]), torch.zeros(1, dtype=torch.int64)
+
+    def step() -> float:  # row 64 is simply overwritten by the next step
+        t0 = time.perf_counter()
+        forward(model, pool, [Segment(0, 64, 1)], token, row)
+        return (time.perf_counter() - t0) * 1e3
+
     try:
-        return {t: verify_costs(model, prompt, range(1), t, reps)[0][1] for t in counts}
+        result = {}
+        for threads in counts:
+            torch.set_num_threads(threads)
+            step()  # warm-up: oneDNN / MKL pick their kernels per shape and thread count
+            result[threads] = statistics.median(step() for _ in range(reps))
+        return result
     finally:
         torch.set_num_threads(previous)
