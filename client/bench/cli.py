@@ -99,8 +99,9 @@ def _trio(target_model: str, draft_model: str, dtype: str, draft_quantize: str, 
         more = []
         drafters = {m.drafter for m in modes}
         if DrafterKind.NGRAM in drafters:  # the model-free depth, as card-ngram runs in process
-            more.append(trio.start_draft(NGRAM, args=[*service_args(settings.ngram_tree)["draft"], "--pool",
-                                                      SERVICE_POOLS[DrafterKind.NGRAM]], wait=False))
+            tree_args = service_args(settings.ngram_tree or tree)["draft"]
+            more.append(trio.start_draft(NGRAM, args=[*tree_args, "--pool", SERVICE_POOLS[DrafterKind.NGRAM]],
+                                         wait=False))
         if DrafterKind.CASCADE in drafters:
             more.append(trio.start_draft(draft_model, draft_quantize, wait=False, args=[
                 "--cascade", NGRAM, "--pool", SERVICE_POOLS[DrafterKind.CASCADE]]))
@@ -366,9 +367,9 @@ def bench(*, target_model: str, draft_model: str, target_dtype: str, draft_dtype
                 raise InvalidArgument("the services always prepack CPU weights; drop --no-prepack")
             trio = stack.enter_context(_trio(target_model, draft_model, target_dtype, draft_quantize, tree,
                                              settings))
-            threads = {"target": settings.target_threads, "draft": settings.draft_threads}
+            card_threads = {"target": settings.target_threads, "draft": settings.draft_threads}
             svc = [SVC_VANILLA, *(dataclasses.replace(SVC_CARD, verify=p.mode) for p in policies)]
-            built += [ServiceMode(m, trio.target_addr, threads, ignore_eos, sampling, policies[0])
+            built += [ServiceMode(m, trio.target_addr, card_threads, ignore_eos, sampling, policies[0])
                       for m in svc]
         records = run_bench(target, draft, built, loaded, max_new_tokens, warmup_tokens,
                             progress=not no_progress)
