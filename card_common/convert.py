@@ -1,8 +1,11 @@
-"""Engine values <-> card.v1 messages. Every crossing of the wire goes through here."""
+"""Engine values <-> card.v1 messages (and the HTTP usage's statistics). Every crossing of the
+wire goes through here."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -226,62 +229,35 @@ def sampling_from_msg(msg: common_pb2.SamplingParams) -> SamplingParams:
     return SamplingParams(temperature=_f32(msg.temperature), top_k=msg.top_k, top_p=top_p, seed=msg.seed)
 
 
+# Every GenerationStats field crosses the wire under its own name (card.v1 GenerationStats holds
+# one field of the same name each; tests/services/test_card_common.py holds them equal): a new
+# statistic is one dataclass field and one proto field. The HTTP usage's ``card`` object names
+# loose_kept for what it counts, and leaves out the per-forward lists (a reply stays bounded; the
+# histogram rides in ``metrics.speculative_decoding``).
+_HTTP_NAMES = {"loose_kept": "loose_kept_tokens"}
+
+
 def stats_to_msg(stats: GenerationStats) -> common_pb2.GenerationStats:
-    return common_pb2.GenerationStats(
-        mode=stats.mode,
-        prompt_tokens=stats.prompt_tokens,
-        new_tokens=stats.new_tokens,
-        wall_s=stats.wall_s,
-        prefill_s=stats.prefill_s,
-        target_forwards=stats.target_forwards,
-        draft_forwards=stats.draft_forwards,
-        hits=stats.hits,
-        secondary_hits=stats.secondary_hits,
-        misses=stats.misses,
-        target_idle_s=stats.target_idle_s,
-        draft_idle_s=stats.draft_idle_s,
-        step_rtt_ms=stats.step_rtt_ms,
-        accepted_lengths=stats.accepted_lengths,
-        exact=stats.exact,
-        verify=stats.verify,
-        draft_tokens=stats.draft_tokens,
-        accepted_draft_tokens=stats.accepted_draft_tokens,
-        loose_kept=stats.loose_kept,
-        acceptance_histogram=stats.acceptance_histogram,
-        rejection_fallbacks=stats.rejection_fallbacks,
-        speculation=stats.speculation,
-        drafting_paused_steps=stats.drafting_paused_steps,
-        drafting_pauses=stats.drafting_pauses,
-    )
+    return common_pb2.GenerationStats(**{f.name: getattr(stats, f.name) for f in dataclasses.fields(stats)})
 
 
 def stats_from_msg(msg: common_pb2.GenerationStats) -> GenerationStats:
-    return GenerationStats(
-        mode=msg.mode,
-        prompt_tokens=msg.prompt_tokens,
-        new_tokens=msg.new_tokens,
-        wall_s=msg.wall_s,
-        prefill_s=msg.prefill_s,
-        target_forwards=msg.target_forwards,
-        draft_forwards=msg.draft_forwards,
-        hits=msg.hits,
-        secondary_hits=msg.secondary_hits,
-        misses=msg.misses,
-        target_idle_s=msg.target_idle_s,
-        draft_idle_s=msg.draft_idle_s,
-        step_rtt_ms=list(msg.step_rtt_ms),
-        accepted_lengths=list(msg.accepted_lengths),
-        exact=msg.exact,
-        verify=msg.verify or "exact",
-        draft_tokens=msg.draft_tokens,
-        accepted_draft_tokens=msg.accepted_draft_tokens,
-        loose_kept=msg.loose_kept,
-        acceptance_histogram=list(msg.acceptance_histogram),
-        rejection_fallbacks=msg.rejection_fallbacks,
-        speculation=msg.speculation,
-        drafting_paused_steps=msg.drafting_paused_steps,
-        drafting_pauses=msg.drafting_pauses,
-    )
+    """Repeated fields as lists; an empty string as the field's default (proto3 cannot tell unset
+    from empty, and an older peer leaves a newer field unset)."""
+    values: dict[str, Any] = {}
+    for f in dataclasses.fields(GenerationStats):
+        value = getattr(msg, f.name)
+        if f.default_factory is list:
+            value = list(value)
+        elif isinstance(f.default, str):
+            value = value or f.default
+        values[f.name] = value
+    return GenerationStats(**values)
+
+
+def stats_to_json(stats: GenerationStats) -> dict[str, Any]:
+    """The HTTP usage's ``card`` object: every statistic and derived figure but the lists."""
+    return {_HTTP_NAMES.get(k, k): v for k, v in stats.to_dict().items() if not isinstance(v, list)}
 
 
 # ---- logprobs and the acceptance rule (target <-> client) ---------------------------------------

@@ -185,7 +185,7 @@ def test_card_variants_run_interleaved_under_their_own_names(pair, tmp_path):
     assert summary["card-k2"]["draft_idle_fraction"] is not None
 
 
-@pytest.mark.parametrize("variant", ["k2", "k2:", "k2:width", "k2:depth=3", "k2:width=two",
+@pytest.mark.parametrize("variant", ["k2", "k2:", "k2:width", "k2:depth=3", "k2:width=two", "ngram:width=2",
                                      "k2:b_extension=maybe"])
 def test_a_malformed_card_variant_is_a_usage_error(variant):
     result = CliRunner().invoke(main, ["--card-variant", variant, "--no-progress"])
@@ -322,3 +322,53 @@ def test_ngram_modes_grow_the_ngram_tree():
         assert ngram_tree.max_depth == NGRAM_DEPTH != tree.max_depth
         assert ngram_tree.max_chain == max(tree.max_chain, NGRAM_CHAIN)
         assert ngram_tree.width == tree.width
+
+
+def test_every_mode_name_parses_once_and_names_itself_again():
+    """The card-bench grammar, [svc-]DECODER[-DRAFTER | -VARIANT][+POLICY], parsed into one
+    BenchMode whose name is the text it came from."""
+    from card.client.bench.modes import MODE_NAMES, BenchMode
+    from card.engine.shared.config import DrafterKind, Verify
+
+    for name in (*MODE_NAMES, "card-k2", "card-k2+loose", "svc-ngram+rejection", "card-auto+loose"):
+        assert BenchMode.parse(name).name == name
+    assert BenchMode.parse("svc-ngram") == BenchMode("card", DrafterKind.NGRAM, services=True)
+    assert BenchMode.parse("hf-pld") == BenchMode("hf", DrafterKind.NGRAM)
+    assert BenchMode.parse(" card-k2+loose ") == BenchMode("card", DrafterKind.NEURAL, variant="k2",
+                                                            verify=Verify.LOOSE)
+    assert [m.needs_draft for m in map(BenchMode.parse, ("sd", "card-ngram", "hf-assisted", "svc-card"))] == [
+        True, False, True, False]
+
+
+@pytest.mark.parametrize("text", ["card2", "svc-sd", "hf+loose", "sd+rejection", "card+", "card+lossy",
+                                  "svc-card-k2", "card-a b", "card-ngram-x+y+z"])
+def test_a_mode_outside_the_grammar_is_a_usage_error(text):
+    from card.client.bench.modes import BenchMode
+    from card.engine.shared.errors import InvalidArgument
+
+    with pytest.raises(InvalidArgument):
+        BenchMode.parse(text)
+    result = CliRunner().invoke(main, ["--modes", f"vanilla,{text}", "--no-progress"])
+    assert result.exit_code == 2 and "card-bench" in result.output, result.output
+
+
+def test_card_modes_run_once_under_each_acceptance_rule():
+    """--verify: every card mode of the run (variants too) under each rule, named MODE+POLICY
+    past exact; vanilla first; a card-NAME mode needs its --card-variant."""
+    from card.client.bench.cli import _in_process_modes
+    from card.client.bench.modes import BenchMode
+    from card.engine.shared.config import TreeParams, Verify, VerifyPolicy
+    from card.engine.shared.errors import InvalidArgument
+
+    exact, loose = VerifyPolicy(), VerifyPolicy(Verify.LOOSE)
+    requested = [BenchMode.parse(m) for m in ("sd", "card-ngram", "hf")]
+    names = [m.name for m in _in_process_modes(requested, {"k2": TreeParams()}, [exact, loose])]
+    assert names == ["vanilla", "sd", "card-ngram", "card-ngram+loose", "hf", "card-k2", "card-k2+loose"]
+    assert [m.name for m in _in_process_modes([BenchMode.parse("card")], {}, [loose])] == ["vanilla",
+                                                                                          "card+loose"]
+    with pytest.raises(InvalidArgument, match="--card-variant k3"):
+        _in_process_modes([BenchMode.parse("card-k3")], {"k2": TreeParams()}, [exact])
+    with pytest.raises(InvalidArgument, match="add card to --modes"):
+        _in_process_modes([BenchMode.parse("sd")], {}, [exact, loose])
+    with pytest.raises(InvalidArgument, match="services alone"):
+        _in_process_modes([BenchMode.parse("svc-card")], {}, [exact])

@@ -102,14 +102,6 @@ def test_card_bench_passes_data_dir_and_the_env_var(tmp_path, monkeypatch):
     assert "--data-dir" in help_text and "CARD_BENCH_DATA_DIR" in help_text
 
 
-def test_default_draft_reads_prompts_through_the_data_module(tmp_path, monkeypatch):
-    from card.client.bench.default_draft import prompts
-
-    assert len(prompts(4)) == 4  # the packaged samples
-    monkeypatch.setenv(data.ENV_DATA_DIR, str(_data_tree(tmp_path)))
-    assert prompts(4) == ["M0", "M2", "Q1?", "Q2?"]
-
-
 def test_prompts_of_every_common_format() -> None:
     from card.client.bench.data import prompt_of
     from card.engine.shared.errors import InvalidArgument

@@ -17,7 +17,7 @@ import dataclasses
 import os
 import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 
 import click
@@ -26,14 +26,15 @@ import torch
 from card.client.bench import data, load, report
 from card.client.bench.modes import (
     DEFAULT_SERVICE_MODES,
-    MODES,
-    NEEDS_DRAFT,
-    SERVICE_MODES,
+    MODE_NAMES,
     SERVICE_POOLS,
+    SVC_CARD,
+    SVC_VANILLA,
+    VANILLA,
+    BenchMode,
     Mode,
     ModeSettings,
     ServiceMode,
-    build_card,
     build_mode,
     step_ms_by_threads,
 )
@@ -83,7 +84,7 @@ def randomized(draft: LoadedModel, seed: int) -> LoadedModel:
 
 @contextlib.contextmanager
 def _trio(target_model: str, draft_model: str, dtype: str, draft_quantize: str, tree: TreeParams,
-          settings: ModeSettings, modes: Sequence[str] = DEFAULT_SERVICE_MODES) -> Iterator[LocalTrio]:
+          settings: ModeSettings, modes: Sequence[BenchMode] = DEFAULT_SERVICE_MODES) -> Iterator[LocalTrio]:
     """The services, configured like the in-process card modes (tree shape, chain policy, n-gram
     settings, threads): the draft model's worker in pool bench-draft and, for svc-ngram and
     svc-cascade, a model-free and a cascade worker in pools of their own (SERVICE_POOLS), so that
@@ -92,16 +93,18 @@ def _trio(target_model: str, draft_model: str, dtype: str, draft_quantize: str, 
         target_model=target_model, draft_model=draft_model, draft_quantize=draft_quantize, dtype=dtype,
         target_threads=settings.target_threads, draft_threads=settings.draft_threads, tree=tree,
         exact=settings.exact, ngram=settings.ngram,
-        extra_args={"draft": ["--pool", SERVICE_POOLS["svc-card"]],
+        extra_args={"draft": ["--pool", SERVICE_POOLS[DrafterKind.NEURAL]],
                     "target": ["--speculation", settings.speculation]},
     ) as trio:
         more = []
-        if "svc-ngram" in modes:  # the model-free depth, as card-ngram runs in process
-            more.append(trio.start_draft(NGRAM, args=[*service_args(settings.ngram_tree)["draft"], "--pool",
-                                                      SERVICE_POOLS["svc-ngram"]], wait=False))
-        if "svc-cascade" in modes:
+        drafters = {m.drafter for m in modes}
+        if DrafterKind.NGRAM in drafters:  # the model-free depth, as card-ngram runs in process
+            tree_args = service_args(settings.ngram_tree or tree)["draft"]
+            more.append(trio.start_draft(NGRAM, args=[*tree_args, "--pool", SERVICE_POOLS[DrafterKind.NGRAM]],
+                                         wait=False))
+        if DrafterKind.CASCADE in drafters:
             more.append(trio.start_draft(draft_model, draft_quantize, wait=False, args=[
-                "--cascade", NGRAM, "--pool", SERVICE_POOLS["svc-cascade"]]))
+                "--cascade", NGRAM, "--pool", SERVICE_POOLS[DrafterKind.CASCADE]]))
         for proc in more:
             proc.wait_listening(trio.start_timeout_s)
             proc.wait_serving(trio.start_timeout_s)
@@ -130,24 +133,31 @@ def run_bench(target: LoadedModel, draft: LoadedModel | None, modes: list[Mode],
                     out = mode.run(prompt_ids, max_new_tokens)
                     reference = ds.reference(i)
                     correct = data.answer_correct(target.decode(out.token_ids), reference)
-                    record = {"dataset": ds.name, "prompt_index": i, "mode": mode.name,
-                              "finish_reason": out.finish_reason, "token_ids": out.token_ids,
-                              "reference": reference, "correct": correct, **out.stats.to_dict()}
-                    record["mode"] = mode.name
-                    records.append(record)
+                    records.append({**out.stats.to_dict(), "dataset": ds.name, "prompt_index": i,
+                                    "mode": mode.name, "finish_reason": out.finish_reason,
+                                    "token_ids": out.token_ids, "reference": reference, "correct": correct})
                     bar.update(1)
     return records
 
 
-def _parse_modes(value: str) -> list[str]:
-    modes = [m.strip() for m in value.split(",") if m.strip()]
-    unknown = [m for m in modes if m not in MODES]
-    if unknown:
-        raise InvalidArgument(f"unknown mode(s) {', '.join(unknown)}; choose from {', '.join(MODES)} "
-                              f"(or only {', '.join(SERVICE_MODES)}: the services alone)")
-    if report.REFERENCE not in modes:
-        modes.insert(0, report.REFERENCE)  # speedups and exactness are measured against it
-    return list(dict.fromkeys(modes))
+def _in_process_modes(requested: Sequence[BenchMode], variants: Mapping[str, TreeParams],
+                      policies: Sequence[VerifyPolicy]) -> list[BenchMode]:
+    """vanilla first (speedups and exactness are measured against it), the requested modes and each
+    --card-variant, every card mode named for no acceptance rule once under each of ``policies``."""
+    if any(m.services for m in requested):
+        raise InvalidArgument("svc-* modes run through the services alone (--modes svc-...,svc-... "
+                              "--services); beside in-process modes --services adds svc-vanilla, svc-card")
+    for m in requested:
+        if m.variant and m.variant not in variants:
+            raise InvalidArgument(f"mode {m} names no --card-variant {m.variant} "
+                                  f"(the modes: {', '.join(MODE_NAMES)})")
+    base = [VANILLA, *requested, *(BenchMode("card", DrafterKind.NEURAL, variant=v) for v in variants)]
+    if len(policies) > 1 and not any(m.decoder == "card" for m in base):
+        raise InvalidArgument("--verify with more than one rule compares card modes: add card to --modes")
+    return list(dict.fromkeys(
+        run for m in base
+        for run in ([dataclasses.replace(m, verify=p.mode) for p in policies]
+                    if m.decoder == "card" and m.verify is Verify.EXACT else [m])))
 
 
 _TREE_FIELDS = {f.name: f.type for f in dataclasses.fields(TreeParams)}
@@ -158,6 +168,10 @@ def _parse_variant(value: str) -> tuple[str, dict[str, object]]:
     name, sep, spec = value.partition(":")
     if not sep or not name.strip() or not spec.strip():
         raise InvalidArgument(f"--card-variant wants NAME:FIELD=VALUE[,...], got {value!r}")
+    try:
+        BenchMode("card", DrafterKind.NEURAL, variant=name.strip())
+    except InvalidArgument as e:
+        raise InvalidArgument(f"--card-variant {name.strip()}: {e}") from None
     fields: dict[str, object] = {}
     for item in spec.split(","):
         key, eq, raw = (part.strip() for part in item.partition("="))
@@ -191,7 +205,8 @@ def _parse_variant(value: str) -> tuple[str, dict[str, object]]:
 @click.option("--draft-random-init", type=int, default=None, metavar="SEED",
               help="replace the draft's weights by random ones (seeded): the useless-draft worst case")
 @click.option("--modes", default="vanilla,sd,card,hf,hf-assisted", show_default=True,
-              help=f"comma-separated, from {', '.join(MODES)} (vanilla is always run: it is the reference)")
+              help=f"comma-separated, from {', '.join(MODE_NAMES)}; a card mode also as MODE+POLICY "
+                   "(an acceptance rule, as --verify); vanilla is always run: it is the reference")
 @click.option("--dataset", "datasets", multiple=True, default=(),
               help="gsm8k | humaneval | mt_bench | name=path | path to a jsonl(.gz); repeatable "
                    "(default: gsm8k, unless --prompts)")
@@ -256,8 +271,8 @@ def _parse_variant(value: str) -> tuple[str, dict[str, object]]:
 @click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True, help="sampling seed")
 @click.option("--verify", "verify_policies", default="exact", show_default=True, metavar="POLICY,...",
               help="acceptance rules of the card modes: exact, rejection (speculative sampling on drawn "
-                   "chains; needs --temperature > 0), loose (FLy, lossy); each one past the first adds the "
-                   "card modes again as MODE+POLICY, so they compare in one run")
+                   "chains; needs --temperature > 0), loose (FLy, lossy); the card modes run under each, "
+                   "named MODE+POLICY past exact, so they compare in one run")
 @click.option("--loose-entropy-threshold", type=float, default=None,
               help="verify loose: FLy's top-3 entropy gate (default 0.3)")
 @click.option("--loose-window", type=int, default=None, help="verify loose: FLy's window (default 6)")
@@ -291,42 +306,42 @@ def bench(*, target_model: str, draft_model: str, target_dtype: str, draft_dtype
     levels = _parse_levels(concurrency)
     if levels and not services:
         raise InvalidArgument("--concurrency loads the services: add --services")
-    requested = [m.strip() for m in modes.split(",") if m.strip()]
-    services_only = bool(requested) and all(m in SERVICE_MODES for m in requested)
+    requested = list(dict.fromkeys(BenchMode.parse(m) for m in modes.split(",") if m.strip()))
+    services_only = bool(requested) and all(m.services for m in requested)
     cores = os.cpu_count() or 1
     split = default_thread_split(cores)
     device_type = "cuda" if torch.cuda.is_available() else "cpu"
     overrides = dict(width=tree_width, branch=branch, max_depth=max_depth, max_chain=max_chain,
                      b_extension=b_extension, min_path_prob=min_path_prob)
     tree, ngram_tree = bench_trees(device_type, overrides)
-    variants = {f"card-{name}": tree.with_overrides(**fields)
-                for name, fields in (_parse_variant(v) for v in card_variants)}
+    variants = {name: tree.with_overrides(**fields) for name, fields in map(_parse_variant, card_variants)}
     settings = ModeSettings(tree=tree, gamma=gamma, all_threads=threads or cores,  # measured below
                             target_threads=target_threads or split[0],
                             draft_threads=draft_threads or split[1],
                             ignore_eos=ignore_eos, backoff=backoff, speculation=speculation,
-                            ngram=ngram, ngram_tree=ngram_tree,
+                            ngram=ngram, ngram_tree=ngram_tree, variants=variants,
                             exact=exact, sampling=sampling, verify=policies[0])
     specs = [*datasets, *(f"{data.resolve(str(f))[0]}={f}" for f in prompt_files)] or ["gsm8k"]
     loaded = [data.load(spec, n_prompts, data_dir) for spec in specs]
     if target_addr and not services_only:
-        raise InvalidArgument(f"--target loads a running card-target: only {', '.join(SERVICE_MODES)} run "
-                              f"there (--modes {','.join(SERVICE_MODES)} --services)")
+        raise InvalidArgument("--target loads a running card-target: only svc-* modes run there "
+                              "(--modes svc-vanilla,svc-card --services)")
     if services_only:
         if not services:
             raise InvalidArgument(f"--modes {modes} runs through the services: add --services")
-        if not sampling.greedy or len(policies) > 1 or policies[0].mode is not Verify.EXACT:
+        if (not sampling.greedy or len(policies) > 1 or policies[0].mode is not Verify.EXACT
+                or any(m.verify is not Verify.EXACT for m in requested)):
             raise InvalidArgument("--modes svc-* alone measures greedy, exact load; --temperature and "
                                   "--verify go with the in-process modes (add vanilla,card)")
         return _services_only(target_model, draft_model, target_dtype, draft_quantize, tree, settings,
                               requested, loaded, levels or (1,), max_new_tokens, ignore_eos, out,
                               target_addr, tls, api_key or None)
-    mode_names = _parse_modes(modes)
+    runs = _in_process_modes(requested, variants, policies)
 
     t0 = time.perf_counter()
     target = load_model(ModelConfig(spec=target_model, dtype=target_dtype, prepack=prepack, exact=exact))
     draft = None
-    if variants or any(m in NEEDS_DRAFT for m in mode_names):
+    if any(m.needs_draft for m in runs):
         draft = load_model(ModelConfig(spec=draft_model, dtype=draft_dtype, quantize=draft_quantize,
                                        prepack=prepack))
         if draft_random_init is not None:
@@ -341,24 +356,10 @@ def bench(*, target_model: str, draft_model: str, target_dtype: str, draft_dtype
         click.echo(f"one-model modes on {settings.all_threads} thread(s) (decoding step: {steps})", err=True)
 
     with contextlib.ExitStack() as stack:
-        built = [build_mode(m, target, draft, settings) for m in mode_names]
-        built += [build_card(name, target, draft, dataclasses.replace(settings, tree=variant))
-                  for name, variant in variants.items()]
-        mode_names += list(variants)
-        for policy in policies[1:]:  # the card modes again under each further acceptance rule
-            again = [m for m in mode_names if report.is_card(m) and "+" not in m]
-            if not again:
-                raise InvalidArgument("--verify with more than one rule compares card modes: "
-                                      "add card to --modes")
-            with_policy = dataclasses.replace(settings, verify=policy)
-            built += [build_mode(m, target, draft, with_policy) if m not in variants else
-                      build_card(m, target, draft, dataclasses.replace(with_policy, tree=variants[m]))
-                      for m in again]
-            for m, mode in zip(again, built[-len(again):], strict=True):
-                mode.name = f"{m}+{policy.mode.value}"
-            mode_names += [f"{m}+{policy.mode.value}" for m in again]
-        for m in built:
-            stack.callback(m.close)
+        built: list[Mode] = []
+        for m in runs:
+            built.append(build_mode(m, target, draft, settings))
+            stack.callback(built[-1].close)
         if services:
             if draft_random_init is not None:
                 raise InvalidArgument("--services loads the draft from its spec; drop --draft-random-init")
@@ -366,14 +367,10 @@ def bench(*, target_model: str, draft_model: str, target_dtype: str, draft_dtype
                 raise InvalidArgument("the services always prepack CPU weights; drop --no-prepack")
             trio = stack.enter_context(_trio(target_model, draft_model, target_dtype, draft_quantize, tree,
                                              settings))
-            threads = {"target": settings.target_threads, "draft": settings.draft_threads}
-            built += [ServiceMode(m, trio.target_addr, threads, ignore_eos, sampling,
-                                  policies[0] if m == "svc-card" else None) for m in DEFAULT_SERVICE_MODES]
-            mode_names += list(DEFAULT_SERVICE_MODES)
-            for policy in policies[1:]:
-                name = f"svc-card+{policy.mode.value}"
-                built.append(ServiceMode(name, trio.target_addr, threads, ignore_eos, sampling, policy))
-                mode_names.append(name)
+            card_threads = {"target": settings.target_threads, "draft": settings.draft_threads}
+            svc = [SVC_VANILLA, *(dataclasses.replace(SVC_CARD, verify=p.mode) for p in policies)]
+            built += [ServiceMode(m, trio.target_addr, card_threads, ignore_eos, sampling, policies[0])
+                      for m in svc]
         records = run_bench(target, draft, built, loaded, max_new_tokens, warmup_tokens,
                             progress=not no_progress)
         if levels:
@@ -386,10 +383,11 @@ def bench(*, target_model: str, draft_model: str, target_dtype: str, draft_dtype
     config = {
         "target_model": target.name, "draft_model": draft.name if draft else None,
         "target_dtype": target_dtype, "draft_dtype": draft_dtype, "draft_quantize": draft_quantize,
-        "draft_random_init": draft_random_init, "prepack": prepack, "exact": exact, "modes": mode_names,
+        "draft_random_init": draft_random_init, "prepack": prepack, "exact": exact,
+        "modes": [m.name for m in built],
         "datasets": {d.name: str(d.path) for d in loaded}, "n": n_prompts,
         "max_new_tokens": max_new_tokens, "ignore_eos": ignore_eos, "tree": vars(tree) | {"k": tree.k},
-        "card_variants": {name: vars(variant) for name, variant in variants.items()},
+        "card_variants": {f"card-{name}": vars(variant) for name, variant in variants.items()},
         "one_model_threads": settings.all_threads, "step_ms_by_threads": step_ms,
         "backoff": backoff, "speculation": speculation, "gamma": gamma, "warmup_tokens": warmup_tokens,
         "ngram": vars(ngram), "ngram_tree": vars(ngram_tree),
@@ -433,7 +431,8 @@ def _echo_err(line: str) -> None:
 
 
 def _services_only(target_model: str, draft_model: str, target_dtype: str, draft_quantize: str,
-                   tree: TreeParams, settings: ModeSettings, modes: list[str], loaded: list[data.Dataset],
+                   tree: TreeParams, settings: ModeSettings, modes: list[BenchMode],
+                   loaded: list[data.Dataset],
                    levels: tuple[int, ...], max_new_tokens: int, ignore_eos: bool, out: Path | None,
                    target_addr: str | None = None, tls: TlsConfig = PLAINTEXT,
                    api_key: str | None = None) -> int:
@@ -442,7 +441,7 @@ def _services_only(target_model: str, draft_model: str, target_dtype: str, draft
     card-target (dialed with ``tls``, presenting ``api_key``) instead of a local trio."""
     modes = list(dict.fromkeys([load.REFERENCE, *modes]))
     prompts = [p for ds in loaded for p in ds.prompts]
-    own_pools = [m for m in modes if m in ("svc-ngram", "svc-cascade")]
+    own_pools = [m.name for m in modes if m.drafter in (DrafterKind.NGRAM, DrafterKind.CASCADE)]
     if target_addr and own_pools:
         raise InvalidArgument(f"{', '.join(own_pools)} run on drafts card-bench starts; with --target, name "
                               f"the running target's pools in your own requests (svc-card there is unnamed)")
@@ -453,14 +452,15 @@ def _services_only(target_model: str, draft_model: str, target_dtype: str, draft
                                       log=_echo_err, tls=tls, api_key=api_key,
                                       pools={} if target_addr else SERVICE_POOLS)
     config = {"target_model": target_model, "draft_model": draft_model, "draft_quantize": draft_quantize,
-              "exact": settings.exact, "modes": modes, "datasets": {d.name: str(d.path) for d in loaded},
+              "exact": settings.exact, "modes": [m.name for m in modes],
+              "datasets": {d.name: str(d.path) for d in loaded},
               "n": len(prompts),
               "max_new_tokens": max_new_tokens, "ignore_eos": ignore_eos, "tree": vars(tree),
               "target_threads": settings.target_threads, "draft_threads": settings.draft_threads,
               "target_addr": target_addr or "local trio",
               "speculation": "the running target's" if target_addr else settings.speculation}
-    machine = report.machine_info({m: {"target": settings.target_threads, "draft": settings.draft_threads}
-                                   for m in modes})
+    threads = {"target": settings.target_threads, "draft": settings.draft_threads}
+    machine = report.machine_info({m.name: threads for m in modes})
     out = out or Path("bench-results") / f"bench-{time.strftime('%Y%m%d-%H%M%S')}.json"
     title = (f"{target_model} / draft {draft_model}; {max_new_tokens} new tokens, greedy; "
              f"{machine['cpu_model']}")

@@ -18,22 +18,25 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from card.client.bench import report
-from card.client.bench.modes import SERVICE_POOLS, service_request
+from card.client.bench.modes import SERVICE_POOLS, SVC_VANILLA, BenchMode, service_request
 from card.client.bench.report import percentile
 from card.common.channels import channel
+from card.common.convert import stats_from_msg
 from card.common.tensors import ids_from_msg, ids_to_msg
 from card.common.tls import PLAINTEXT, TlsConfig
+from card.engine.shared.config import DrafterKind
+from card.engine.shared.stats import GenerationStats
 from card.v1 import target_pb2, target_pb2_grpc
 
-REFERENCE = "svc-vanilla"
+REFERENCE = SVC_VANILLA
 
 
 def one_request(addr: str, prompt: str | Sequence[int] | Sequence[Mapping[str, str]], mode: str,
                 max_new_tokens: int, ignore_eos: bool, timeout_s: float = 600.0, tls: TlsConfig = PLAINTEXT,
                 api_key: str | None = None, draft: str | None = None) -> dict:
     """Stream one generation of ``prompt`` (text, with the target's chat template; a conversation,
-    role/content messages, ditto; or token ids);
-    its tokens and timings (seconds from the call). ``api_key``: the target's, where it has one;
+    role/content messages, ditto; or token ids): the target's stats, its tokens and timings
+    (seconds from the call, measured here). ``api_key``: the target's, where it has one;
     ``draft``: the pool to speculate with (None: the target's routing)."""
     request = target_pb2.GenerateRequest(mode=mode, max_new_tokens=max_new_tokens, ignore_eos=ignore_eos,
                                          draft=draft or "")
@@ -47,7 +50,7 @@ def one_request(addr: str, prompt: str | Sequence[int] | Sequence[Mapping[str, s
     t0 = time.perf_counter()
     stamps: list[tuple[float, int]] = []
     tokens: list[int] = []
-    stats = None
+    stats = GenerationStats()
     with channel(addr, api_key, tls) as ch:
         for msg in target_pb2_grpc.TargetServiceStub(ch).Generate(request, timeout=timeout_s):
             if msg.WhichOneof("kind") == "chunk":
@@ -55,19 +58,17 @@ def one_request(addr: str, prompt: str | Sequence[int] | Sequence[Mapping[str, s
                     stamps.append((time.perf_counter() - t0, len(msg.chunk.token_ids)))
             else:
                 tokens = ids_from_msg(msg.final.token_ids)
-                stats = msg.final.stats
+                stats = stats_from_msg(msg.final.stats)
     wall = time.perf_counter() - t0
     gaps = [(b - a) / n for (a, _), (b, n) in itertools.pairwise(stamps)]
-    return {"token_ids": tokens, "wall_s": wall, "ttft_s": stamps[0][0] if stamps else wall,
-            "itl_s": gaps, "new_tokens": len(tokens), "target_forwards": stats.target_forwards,
-            "hits": stats.hits, "corrections": stats.hits + stats.secondary_hits + stats.misses,
-            "paused_steps": stats.drafting_paused_steps}
+    return {**stats.to_dict(), "token_ids": tokens, "wall_s": wall, "new_tokens": len(tokens),
+            "ttft_s": stamps[0][0] if stamps else wall, "itl_s": gaps}
 
 
-def run_level(addr: str, mode: str, prompts: Sequence[str | Sequence[int]], concurrency: int,
+def run_level(addr: str, mode: BenchMode, prompts: Sequence[str | Sequence[int]], concurrency: int,
               max_new_tokens: int, ignore_eos: bool, ramp_s: float = 0.0,
               tls: TlsConfig = PLAINTEXT, api_key: str | None = None,
-              pools: Mapping[str, str] = SERVICE_POOLS) -> tuple[list[dict], float]:
+              pools: Mapping[DrafterKind, str] = SERVICE_POOLS) -> tuple[list[dict], float]:
     """Every one of ``concurrency`` clients sends every prompt, client c starting ``c * ramp_s``
     after the first (so that equal requests do not arrive, and end, in waves); records and the
     load's wall time."""
@@ -87,7 +88,7 @@ def run_level(addr: str, mode: str, prompts: Sequence[str | Sequence[int]], conc
                 with lock:
                     errors.append(exc)
                 return
-            rec.update(mode=mode, concurrency=concurrency, client=c, prompt_index=i)
+            rec.update(mode=mode.name, concurrency=concurrency, client=c, prompt_index=i)
             with lock:
                 records.append(rec)
 
@@ -102,13 +103,13 @@ def run_level(addr: str, mode: str, prompts: Sequence[str | Sequence[int]], conc
     return records, time.perf_counter() - t0
 
 
-def run_load(addr: str, modes: Sequence[str], prompts: Sequence[str | Sequence[int]], levels: Sequence[int],
-             max_new_tokens: int, ignore_eos: bool, log=print,
+def run_load(addr: str, modes: Sequence[BenchMode], prompts: Sequence[str | Sequence[int]],
+             levels: Sequence[int], max_new_tokens: int, ignore_eos: bool, log=print,
              tls: TlsConfig = PLAINTEXT, api_key: str | None = None,
-             pools: Mapping[str, str] = SERVICE_POOLS) -> tuple[list[dict], list[dict]]:
+             pools: Mapping[DrafterKind, str] = SERVICE_POOLS) -> tuple[list[dict], list[dict]]:
     records: list[dict] = []
     walls: dict[tuple[str, int], float] = {}
-    alone: dict[str, float] = {}
+    alone: dict[BenchMode, float] = {}
     for level in sorted(levels):
         for mode in modes:
             # clients start spread over one request's time alone (measured at the lowest level)
@@ -117,10 +118,10 @@ def run_load(addr: str, modes: Sequence[str], prompts: Sequence[str | Sequence[i
                                    api_key, pools)
             alone.setdefault(mode, statistics.median(r["wall_s"] for r in recs))
             records += recs
-            walls[(mode, level)] = wall
+            walls[(mode.name, level)] = wall
             log(f"load: {mode} x{level}: {sum(r['new_tokens'] for r in recs) / wall:.2f} tok/s")
     reference = {r["prompt_index"]: r["token_ids"] for r in records
-                 if r["mode"] == REFERENCE and r["concurrency"] == min(levels)}
+                 if r["mode"] == REFERENCE.name and r["concurrency"] == min(levels)}
     for r in records:
         want = reference.get(r["prompt_index"])
         r["matches_reference"] = None if want is None else r["token_ids"] == want
@@ -134,7 +135,8 @@ def summarize(records: list[dict], walls: dict[tuple[str, int], float]) -> list[
         tokens = sum(r["new_tokens"] for r in rs)
         ttft = [r["ttft_s"] * 1e3 for r in rs]
         itl = [g * 1e3 for r in rs for g in r["itl_s"]]
-        forwards, corrections = sum(r["target_forwards"] for r in rs), sum(r["corrections"] for r in rs)
+        forwards = sum(r["target_forwards"] for r in rs)
+        corrections = sum(r["hits"] + r["secondary_hits"] + r["misses"] for r in rs)
         rows.append({
             "mode": mode, "concurrency": level, "requests": len(rs), "new_tokens": tokens, "wall_s": wall,
             "tokens_per_s": tokens / wall if wall else 0.0,
@@ -142,7 +144,7 @@ def summarize(records: list[dict], walls: dict[tuple[str, int], float]) -> list[
             "mean_accepted_length": tokens / forwards if forwards else None,
             "hit_rate": sum(r["hits"] for r in rs) / corrections if corrections else None,
             # decoding steps whose drafting the speculation controller had paused
-            "paused_share": (sum(r.get("paused_steps", 0) for r in rs) / steps
+            "paused_share": (sum(r["drafting_paused_steps"] for r in rs) / steps
                              if (steps := sum(max(r["target_forwards"] - 1, 0) for r in rs)) else None),
             "ttft_p50_ms": percentile(ttft, 50), "ttft_p99_ms": percentile(ttft, 99),
             "itl_p50_ms": percentile(itl, 50), "itl_p99_ms": percentile(itl, 99),
@@ -152,7 +154,7 @@ def summarize(records: list[dict], walls: dict[tuple[str, int], float]) -> list[
     for row in rows:
         one = next((x for x in rows if x["mode"] == row["mode"] and x["concurrency"] == lowest), None)
         same_load = next((x for x in rows
-                          if x["mode"] == REFERENCE and x["concurrency"] == row["concurrency"]), None)
+                          if x["mode"] == REFERENCE.name and x["concurrency"] == row["concurrency"]), None)
         row["x_vs_one_at_a_time"] = row["tokens_per_s"] / one["tokens_per_s"] if one else None
         row["x_vs_vanilla_same_load"] = (row["tokens_per_s"] / same_load["tokens_per_s"]
                                          if same_load else None)

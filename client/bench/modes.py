@@ -4,6 +4,7 @@
     card-ngram          card with the model-free n-gram drafter (card.engine.draft.ngram), no draft model
     card-cascade        card with the draft model and the n-gram statistics beneath it
     card-auto           card choosing per session between card-ngram and card (PolicyCard)
+    card-NAME           card on the tree of ``--card-variant NAME:...``
     hf                  transformers' plain greedy ``model.generate`` (cross-check of vanilla)
     hf-assisted         transformers' assisted generation with the same draft, greedy
     hf-pld              transformers' prompt lookup decoding (``prompt_lookup_num_tokens``), greedy
@@ -12,8 +13,10 @@
     svc-ngram, svc-cascade  through the same trio, a model-free / a cascade worker's pool
     svc-auto            through the same trio, mode card-auto: per request the cache's model-free
                         lookup alone or the draft model's worker, whichever commits faster
+    MODE+POLICY         a card mode under another acceptance rule (``card+loose``, ``svc-card+rejection``)
 
-Every mode returns a ``GenerationStats`` (engine/stats.py) and the generated token ids, so one
+A name is parsed once (``BenchMode.parse``); everything downstream asks the mode's fields. Every
+mode returns a ``GenerationStats`` (engine/shared/stats.py) and the generated token ids, so one
 report covers all of them. Each mode sets the torch thread count it runs best with before it runs:
 modes that use one model at a time get every core; card splits the cores between the target (this
 thread) and the draft worker thread.
@@ -22,14 +25,16 @@ thread) and the draft worker thread.
 from __future__ import annotations
 
 import copy
+import dataclasses
+import re
+import statistics
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Literal, Protocol
 
 import torch
 
-from card.client.bench.costs import verify_costs
 from card.common.convert import verify_to_msg
 from card.engine.inprocess.runner import InProcessRunner, RunnerConfig
 from card.engine.loading.models import LoadedModel
@@ -40,31 +45,106 @@ from card.engine.shared.config import (
     SamplingParams,
     StopParams,
     TreeParams,
+    Verify,
     VerifyPolicy,
 )
 from card.engine.shared.errors import InvalidArgument
+from card.engine.shared.kv_pool import KVPool, Segment, forward
 from card.engine.shared.stats import GenerationStats
 
-ENGINE_MODES = ("vanilla", "sd", "card", "card-ngram", "card-cascade", "card-auto")
-HF_MODES = ("hf", "hf-assisted", "hf-pld")
-MODES = ENGINE_MODES + HF_MODES
-SERVICE_MODES = ("svc-vanilla", "svc-card", "svc-ngram", "svc-cascade", "svc-auto")
-DEFAULT_SERVICE_MODES = ("svc-vanilla", "svc-card")  # what --services adds beside in-process modes
+Decoder = Literal["vanilla", "sd", "card", "hf"]
+_NEURAL, _NGRAM = DrafterKind.NEURAL, DrafterKind.NGRAM
+_CASCADE, _AUTO = DrafterKind.CASCADE, DrafterKind.AUTO
+# (decoder, drafter, through the services) of every named mode; hf: the draft model assists
+# (neural) or the prompt is looked up (ngram)
+_NAMES: dict[str, tuple[Decoder, DrafterKind | None, bool]] = {
+    "vanilla": ("vanilla", None, False), "sd": ("sd", _NEURAL, False), "card": ("card", _NEURAL, False),
+    "card-ngram": ("card", _NGRAM, False), "card-cascade": ("card", _CASCADE, False),
+    "card-auto": ("card", _AUTO, False),
+    "hf": ("hf", None, False), "hf-assisted": ("hf", _NEURAL, False), "hf-pld": ("hf", _NGRAM, False),
+    "svc-vanilla": ("vanilla", None, True), "svc-card": ("card", _NEURAL, True),
+    "svc-ngram": ("card", _NGRAM, True), "svc-cascade": ("card", _CASCADE, True),
+    "svc-auto": ("card", _AUTO, True),
+}
+_NAME_OF = {key: name for name, key in _NAMES.items()}
+MODE_NAMES = tuple(_NAMES)
+_VARIANT = re.compile(r"[\w.-]+")
+_CARD_DRAFTERS = [n.removeprefix("card-") for n in _NAMES if n.startswith("card-")]
+
+
+@dataclass(frozen=True)
+class BenchMode:
+    """One card-bench mode: ``[svc-]DECODER[-DRAFTER | -VARIANT][+POLICY]`` parsed once (``parse``),
+    its name again from ``name``. ``variant``: in-process card on a ``--card-variant``'s tree;
+    ``verify``: the card modes' acceptance rule (the thresholds are the run's ``--loose-*``)."""
+
+    decoder: Decoder
+    drafter: DrafterKind | None = None
+    services: bool = False  # through a trio's card-target, else in this process
+    variant: str = ""
+    verify: Verify = Verify.EXACT
+
+    def __post_init__(self) -> None:
+        key = (self.decoder, self.drafter, self.services)
+        if key not in _NAME_OF:
+            raise InvalidArgument(f"no card-bench mode runs {key}")
+        if self.variant and (key != ("card", _NEURAL, False) or not _VARIANT.fullmatch(self.variant)
+                             or f"card-{self.variant}" in _NAMES):
+            raise InvalidArgument(f"card-{self.variant} is no tree variant: a variant's NAME (letters, "
+                                  f"digits, _ . -) other than {', '.join(_CARD_DRAFTERS)}")
+        if self.verify is not Verify.EXACT and self.decoder != "card":
+            raise InvalidArgument(f"{_NAME_OF[key]}+{self.verify.value}: only card modes take an "
+                                  "acceptance rule")
+
+    @classmethod
+    def parse(cls, text: str) -> BenchMode:
+        """InvalidArgument (a usage error) naming the grammar for anything else."""
+        name, plus, policy = text.strip().partition("+")
+        variant = ""
+        key = _NAMES.get(name)
+        if key is None and name.startswith("card-"):
+            key, variant = _NAMES["card"], name.removeprefix("card-")
+        if key is None or (plus and not policy):
+            raise InvalidArgument(
+                f"unknown mode {text!r}; choose from {', '.join(_NAMES)}, card-NAME (a --card-variant), "
+                f"or a card mode under another acceptance rule, MODE+{'|'.join(v.value for v in Verify)}")
+        return cls(*key, variant=variant, verify=Verify.parse(policy) if plus else Verify.EXACT)
+
+    @property
+    def name(self) -> str:
+        name = _NAME_OF[(self.decoder, self.drafter, self.services)]
+        if self.variant:
+            name += f"-{self.variant}"
+        return name if self.verify is Verify.EXACT else f"{name}+{self.verify.value}"
+
+    def __str__(self) -> str:
+        return self.name
+
+    @property
+    def needs_draft(self) -> bool:
+        """Runs the draft model in this process."""
+        return not self.services and self.drafter in (_NEURAL, _CASCADE, _AUTO)
+
+
+VANILLA = BenchMode("vanilla")  # the reference: speedups and exactness are measured against it
+SVC_VANILLA = BenchMode("vanilla", services=True)  # the reference under load
+SVC_CARD = BenchMode("card", _NEURAL, services=True)
+DEFAULT_SERVICE_MODES = (SVC_VANILLA, SVC_CARD)  # what --services adds beside in-process modes
 # The draft pool each speculating service mode names, in a trio card-bench starts: one trio serves
 # them all, the model-free and cascade workers beside the draft model's (card.client.bench.cli)
 # (svc-auto: mode card-auto, per request the cache's model-free lookup alone or the draft model's worker)
-SERVICE_POOLS = {"svc-card": "bench-draft", "svc-ngram": "bench-ngram", "svc-cascade": "bench-cascade",
-                 "svc-auto": "bench-draft"}
+SERVICE_POOLS = {_NEURAL: "bench-draft", _NGRAM: "bench-ngram", _CASCADE: "bench-cascade",
+                 _AUTO: "bench-draft"}
 
 
-def service_request(mode: str, pools: Mapping[str, str]) -> tuple[str, str | None]:
-    """(the GenerateRequest's mode, its draft) of service mode ``mode`` (``svc-card+loose`` too);
-    ``pools``: SERVICE_POOLS in a trio card-bench started, empty for a running target (its own
-    routing)."""
-    base = mode.split("+")[0]
-    kind = {"svc-vanilla": "vanilla", "svc-auto": "card-auto"}.get(base, "card")
-    return kind, pools.get(base)
-NEEDS_DRAFT = ("sd", "card", "card-cascade", "card-auto", "hf-assisted")
+def service_request(mode: BenchMode, pools: Mapping[DrafterKind, str]) -> tuple[str, str | None]:
+    """(the GenerateRequest's mode, its draft) of a service mode; ``pools``: SERVICE_POOLS in a
+    trio card-bench started, empty for a running target (its own routing)."""
+    if mode.drafter is None:
+        return "vanilla", None
+    return ("card-auto" if mode.drafter is _AUTO else "card"), pools.get(mode.drafter)
+
+
 # hf-pld: candidate tokens per lookup (transformers' documented example uses 10; its matching
 # n-gram size keeps its default, 2)
 PLD_TOKENS = 10
@@ -131,15 +211,13 @@ class _ForwardCounter:
 class HFMode:
     """transformers' own greedy decoding, plain or assisted by the draft."""
 
-    def __init__(self, name: str, target: LoadedModel, draft: LoadedModel | None, threads: int,
+    def __init__(self, mode: BenchMode, target: LoadedModel, draft: LoadedModel | None, threads: int,
                  ignore_eos: bool = False, pld_tokens: int = PLD_TOKENS) -> None:
         from transformers import GenerationConfig
 
-        if name == "hf-assisted" and draft is None:
-            raise InvalidArgument("mode hf-assisted needs a draft model")
-        self.name = name
+        self.name = mode.name
         self.target = target
-        self.assistant = draft.model if name == "hf-assisted" else None
+        self.assistant = draft.model if draft is not None and mode.drafter is _NEURAL else None
         self.threads = {"target": threads}
         self._threads = threads
         eos = sorted(target.eos_ids)
@@ -148,7 +226,7 @@ class HFMode:
         # would make the comparison with the engine's greedy decoding meaningless
         self.config = GenerationConfig(do_sample=False, eos_token_id=None if ignore_eos else eos,
                                        pad_token_id=pad if pad is not None else (eos or [0])[0])
-        if name == "hf-pld":
+        if mode.drafter is _NGRAM:
             self.config.prompt_lookup_num_tokens = pld_tokens
 
     def run(self, prompt_ids: Sequence[int], max_new_tokens: int) -> ModeOutput:
@@ -188,16 +266,16 @@ class ServiceMode:
     stats (Step round trips, idle times, accepted lengths) come back in the final message.
     """
 
-    def __init__(self, name: str, target_addr: str, threads: dict[str, int],
-                 ignore_eos: bool = False, sampling: SamplingParams | None = None,
-                 verify: VerifyPolicy | None = None, pools: Mapping[str, str] = SERVICE_POOLS) -> None:
-        self.name = name
+    def __init__(self, mode: BenchMode, target_addr: str, threads: dict[str, int], ignore_eos: bool = False,
+                 sampling: SamplingParams | None = None, verify: VerifyPolicy | None = None,
+                 pools: Mapping[DrafterKind, str] = SERVICE_POOLS) -> None:
+        self.name = mode.name
         self.addr = target_addr
-        self.remote_mode, self.draft = service_request(name, pools)
+        self.remote_mode, self.draft = service_request(mode, pools)
         self.threads = threads
         self.ignore_eos = ignore_eos
         self.sampling = sampling or SamplingParams()
-        self.verify = verify or VerifyPolicy()
+        self.verify = dataclasses.replace(verify or VerifyPolicy(), mode=mode.verify)
 
     def run(self, prompt_ids: Sequence[int], max_new_tokens: int) -> ModeOutput:
         from card.client.remote import generate_remote
@@ -219,7 +297,8 @@ class ServiceMode:
 
 @dataclass(frozen=True)
 class ModeSettings:
-    """``ngram_tree``: card-ngram's tree (the hardware default at the model-free depth)."""
+    """``ngram_tree``: card-ngram's tree (the hardware default at the model-free depth);
+    ``variants``: the tree of each ``--card-variant`` by its name."""
 
     tree: TreeParams
     gamma: int
@@ -231,47 +310,40 @@ class ModeSettings:
     speculation: str = "auto"  # the target's speculation controller (in process and in the trio)
     ngram: NgramConfig = field(default_factory=NgramConfig)
     ngram_tree: TreeParams | None = None
+    variants: Mapping[str, TreeParams] = field(default_factory=dict)
     exact: bool = True  # the target's batch-invariant forward (--exact), in-process and in the trio
     sampling: SamplingParams = field(default_factory=SamplingParams)  # every mode's (HF modes: greedy)
-    verify: VerifyPolicy = field(default_factory=VerifyPolicy)  # card modes' acceptance rule
+    # the card modes' loose thresholds (--loose-*); each mode's own rule is its BenchMode.verify
+    verify: VerifyPolicy = field(default_factory=VerifyPolicy)
 
 
-def build_mode(name: str, target: LoadedModel, draft: LoadedModel | None, s: ModeSettings) -> Mode:
-    if name in NEEDS_DRAFT and draft is None:
-        raise InvalidArgument(f"mode {name} needs a draft model")
-    if name == "vanilla":
-        return EngineMode(name, target, None, RunnerConfig(mode="vanilla"), s.all_threads,
-                          ignore_eos=s.ignore_eos, sampling=s.sampling)
-    if name == "sd":
-        return EngineMode(name, target, draft, RunnerConfig(mode="sd", gamma=s.gamma), s.all_threads,
-                          ignore_eos=s.ignore_eos, sampling=s.sampling)
-    if name == "card":
-        return build_card(name, target, draft, s)
-    if name in ("card-cascade", "card-auto"):
-        return build_card(name, target, draft, s, drafter=DrafterKind(name.removeprefix("card-")))
-    if name == "card-ngram":  # one Python thread drafts: the target keeps the one-model thread count
-        config = RunnerConfig(mode="card", tree=s.ngram_tree or s.tree, backoff=s.backoff,
-                              speculation=s.speculation, drafter=DrafterKind.NGRAM,
-                              ngram=s.ngram, target_threads=s.all_threads)
-        return EngineMode(name, target, None, config, s.all_threads, ignore_eos=s.ignore_eos,
-                          sampling=s.sampling, verify=s.verify)
-    if name in HF_MODES:
+def build_mode(mode: BenchMode, target: LoadedModel, draft: LoadedModel | None, s: ModeSettings) -> Mode:
+    """An in-process mode (InvalidArgument where it needs the draft model and has none)."""
+    if mode.needs_draft and draft is None:
+        raise InvalidArgument(f"mode {mode} needs a draft model")
+    if mode.decoder == "hf":
         if not s.sampling.greedy:
-            raise InvalidArgument(f"mode {name} runs transformers' greedy generate: drop it, or "
+            raise InvalidArgument(f"mode {mode} runs transformers' greedy generate: drop it, or "
                                   "--temperature 0")
-        return HFMode(name, target, draft, s.all_threads, s.ignore_eos)
-    raise InvalidArgument(f"unknown mode {name!r}; choose from {', '.join(MODES)}")
-
-
-def build_card(name: str, target: LoadedModel, draft: LoadedModel, s: ModeSettings,
-               drafter: DrafterKind = DrafterKind.NEURAL) -> Mode:
-    """In-process card with the settings' tree (also each ``--card-variant``, under its own name)."""
+        return HFMode(mode, target, draft, s.all_threads, s.ignore_eos)
+    if mode.decoder != "card":
+        return EngineMode(mode.name, target, draft if mode.needs_draft else None,
+                          RunnerConfig(mode=mode.decoder, gamma=s.gamma), s.all_threads,
+                          ignore_eos=s.ignore_eos, sampling=s.sampling)
+    verify = dataclasses.replace(s.verify, mode=mode.verify)
+    if mode.drafter is _NGRAM:  # one Python thread drafts: the target keeps the one-model thread count
+        config = RunnerConfig(mode="card", tree=s.ngram_tree or s.tree, backoff=s.backoff,
+                              speculation=s.speculation, drafter=_NGRAM, ngram=s.ngram,
+                              target_threads=s.all_threads)
+        return EngineMode(mode.name, target, None, config, s.all_threads, ignore_eos=s.ignore_eos,
+                          sampling=s.sampling, verify=verify)
     # lending the draft's cores pays only where the target runs faster on more threads
-    config = RunnerConfig(mode="card", tree=s.tree, target_threads=s.target_threads,
-                          draft_threads=s.draft_threads, backoff=s.backoff, speculation=s.speculation,
-                          lend_cores=s.all_threads > s.target_threads, drafter=drafter, ngram=s.ngram)
-    return EngineMode(name, target, draft, config, s.target_threads, s.draft_threads, s.ignore_eos,
-                      sampling=s.sampling, verify=s.verify)
+    config = RunnerConfig(mode="card", tree=s.variants[mode.variant] if mode.variant else s.tree,
+                          target_threads=s.target_threads, draft_threads=s.draft_threads, backoff=s.backoff,
+                          speculation=s.speculation, lend_cores=s.all_threads > s.target_threads,
+                          drafter=mode.drafter or _NEURAL, ngram=s.ngram)
+    return EngineMode(mode.name, target, draft, config, s.target_threads, s.draft_threads, s.ignore_eos,
+                      sampling=s.sampling, verify=verify)
 
 
 def step_ms_by_threads(model: torch.nn.Module, max_threads: int, reps: int = 5) -> dict[int, float]:
@@ -280,8 +352,21 @@ def step_ms_by_threads(model: torch.nn.Module, max_threads: int, reps: int = 5) 
     thread than on two (docs/performance.md), its matrices too small to pay the threads' sync."""
     counts = range(1, max_threads + 1) if max_threads <= 8 else sorted({1, 2, 4, 8, max_threads})
     previous = torch.get_num_threads()
-    prompt = list(range(1, 65))
+    pool = KVPool(model, slots=1, max_len=65)
+    forward(model, pool, [Segment(0, 0, 64)], torch.arange(1, 65), torch.empty(0, dtype=torch.int64))
+    token, row = torch.tensor([64]), torch.zeros(1, dtype=torch.int64)
+
+    def step() -> float:  # row 64 is simply overwritten by the next step
+        t0 = time.perf_counter()
+        forward(model, pool, [Segment(0, 64, 1)], token, row)
+        return (time.perf_counter() - t0) * 1e3
+
     try:
-        return {t: verify_costs(model, prompt, range(1), t, reps)[0][1] for t in counts}
+        result = {}
+        for threads in counts:
+            torch.set_num_threads(threads)
+            step()  # warm-up: oneDNN / MKL pick their kernels per shape and thread count
+            result[threads] = statistics.median(step() for _ in range(reps))
+        return result
     finally:
         torch.set_num_threads(previous)

@@ -10,7 +10,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-REFERENCE = "vanilla"
+from card.client.bench.modes import VANILLA, BenchMode
+
+REFERENCE = VANILLA.name
 
 
 @dataclass(frozen=True)
@@ -66,30 +68,25 @@ def percentile(values: Sequence[float], q: float) -> float | None:
     return ordered[idx]
 
 
-def is_card(mode: str) -> bool:
-    """In-process card, one of its tree variants (``card-NAME``, card-bench --card-variant), or
-    either under another acceptance rule (``card+loose``, card-bench --verify)."""
-    return mode == "card" or mode.startswith(("card-", "card+"))
-
-
 def summarize(records: list[dict]) -> list[dict]:
     """One row per (dataset, mode), in the order modes first appear."""
     groups: dict[tuple[str, str], list[dict]] = {}
     for r in records:
         groups.setdefault((r["dataset"], r["mode"]), []).append(r)
     rows = []
-    for (dataset, mode), rs in groups.items():
+    for (dataset, label), rs in groups.items():
+        mode = BenchMode.parse(label)
         tokens = sum(r["new_tokens"] for r in rs)
         wall = sum(r["wall_s"] for r in rs)
         forwards = sum(r["target_forwards"] for r in rs)
         # hits are the cache's verdicts; sd's drafter classifies too, but against a chain it
         # rebuilds after every correction, so its counts mean nothing and are not reported
         corrections = (sum(r["hits"] + r["secondary_hits"] + r["misses"] for r in rs)
-                       if is_card(mode) or mode.endswith("-card") else 0)
+                       if mode.decoder == "card" else 0)
         rtts = [x for r in rs for x in r["step_rtt_ms"]]
         rows.append({
             "dataset": dataset,
-            "mode": mode,
+            "mode": label,
             "prompts": len(rs),
             "new_tokens": tokens,
             "wall_s": wall,
@@ -100,7 +97,7 @@ def summarize(records: list[dict]) -> list[dict]:
             "secondary_hit_rate": sum(r["secondary_hits"] for r in rs) / corrections if corrections else None,
             "target_idle_fraction": sum(r["target_idle_s"] for r in rs) / wall if wall > 0 else None,
             "draft_idle_fraction": (sum(r["draft_idle_s"] for r in rs) / wall
-                                    if wall > 0 and is_card(mode) else None),
+                                    if wall > 0 and mode.decoder == "card" and not mode.services else None),
             "step_rtt_p50_ms": percentile(rtts, 50),
             "step_rtt_p99_ms": percentile(rtts, 99),
             # rejection keeps the target's distribution, not its seeded tokens: no token check
@@ -233,7 +230,7 @@ def write_chart(path: Path, rows: list[dict], records: list[dict], title: str) -
 
     datasets = list(dict.fromkeys(r["dataset"] for r in rows))
     modes = list(dict.fromkeys(r["mode"] for r in rows))
-    spec_modes = [m for m in modes if m == "sd" or is_card(m) or m.endswith("-card") or m.endswith("-sd")]
+    spec_modes = [m for m in modes if BenchMode.parse(m).decoder in ("sd", "card")]
     fig, axes = plt.subplots(1, 2, figsize=(13, 4.8))
     ax = axes[0]
     width = 0.8 / max(len(modes), 1)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from typing import ClassVar
 
@@ -25,6 +26,7 @@ from card.common.convert import (
     sampling_from_msg,
     sampling_to_msg,
     stats_from_msg,
+    stats_to_json,
     stats_to_msg,
     step_result_from_msg,
 )
@@ -107,6 +109,37 @@ def test_engine_values_round_trip() -> None:
     stats = GenerationStats(mode="card", prompt_tokens=3, new_tokens=9, wall_s=1.5, target_forwards=4,
                             hits=2, misses=1, step_rtt_ms=[0.5, 0.25], accepted_lengths=[1, 3, 5])
     assert stats_from_msg(stats_to_msg(stats)) == stats
+
+
+def _every_stat_set() -> GenerationStats:
+    """Every field away from its default and from every other field's value."""
+    values: dict[str, object] = {}
+    for i, f in enumerate(dataclasses.fields(GenerationStats), start=1):
+        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+        values[f.name] = {bool: not default, int: i, float: i + 0.5, str: f"s{i}", list: [i, i + 2]}[
+            type(default)]
+    return GenerationStats(**values)  # type: ignore[arg-type]
+
+
+def test_every_generation_stat_crosses_each_wire() -> None:
+    """A statistic is one dataclass field and one proto field: the conversions follow the fields,
+    so a field the proto message lacks (or has beyond the dataclass), or one a conversion drops,
+    fails here."""
+    names = [f.name for f in dataclasses.fields(GenerationStats)]
+    assert sorted(names) == sorted(common_pb2.GenerationStats.DESCRIPTOR.fields_by_name)
+    stats = _every_stat_set()
+    assert stats_from_msg(stats_to_msg(stats)) == stats
+    http = stats_to_json(stats)  # the HTTP usage's card object
+    assert not any(isinstance(v, list) for v in http.values())
+    for name in names:
+        if not isinstance(getattr(stats, name), list):
+            assert http[{"loose_kept": "loose_kept_tokens"}.get(name, name)] == getattr(stats, name), name
+    assert http["mean_accepted_length"] == stats.mean_accepted_length and http["lossy"] is False
+    assert stats_from_msg(common_pb2.GenerationStats()).verify == "exact"  # an older peer's: unset
+    # the control: a statistic the proto lacks fails the conversion loudly, it is not dropped
+    wider = dataclasses.make_dataclass("Wider", [("novel_count", int, 1)], bases=(GenerationStats,))
+    with pytest.raises(ValueError, match="novel_count"):
+        stats_to_msg(wider())
 
 
 @pytest.mark.parametrize("cmd", [
