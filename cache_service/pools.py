@@ -39,7 +39,7 @@ class PoolRouter:
         return self.weights.get(pool, 0.0)
 
     def choose(self, eligible: Iterable[str]) -> set[str]:
-        """The pools to take the least-loaded worker from (the caller holds the registry's lock)."""
+        """The pools to take the least-loaded worker from (the caller holds the Assignments' lock)."""
         pools = set(eligible)
         if not self.weights or len(pools) <= 1:
             return pools
