@@ -252,9 +252,9 @@ class Assignments:
         """New pool weights (PoolRouter.set); returns them."""
         with self._lock:
             self.router.set(weights)
-            weights = dict(self.router.weights)
+            now = dict(self.router.weights)
         self._count()
-        return weights
+        return now
 
     def workers(self) -> list[Worker]:
         with self._lock:
@@ -389,7 +389,7 @@ class Assignments:
     @staticmethod
     def _follow(seats: Iterable[Seat]) -> None:
         """Bring each seat's card to the worker decided for it, under the card's lock alone."""
-        for seat in seats:
+        for seat in dict.fromkeys(seats):  # once each, in order
             card = seat.card
             with card.lock:
                 worker, link = seat.worker, card.link
