@@ -73,16 +73,6 @@ class Seat:
     forwards_done: int = 0
     idle_done: float = 0.0
 
-    @property
-    def waiting(self) -> bool:
-        return self.worker is None and not (self.paused or self.refused or self.closed)
-
-    @property
-    def draft(self) -> str:
-        """Name of the worker serving the session now; "" when none does."""
-        worker = self.worker
-        return worker.name if worker else ""
-
     def linked(self, worker_id: str) -> bool:
         """The card drafts through ``worker_id`` now (the caller holds the card's lock)."""
         link = self.card.link
@@ -148,18 +138,17 @@ class Assignments:
     def gone(self, worker: Worker, why: str) -> bool:
         """``worker`` is gone: unregistered, its stream ended, its sessions detached and each given
         another worker where one can serve it (they go on with their trees' chains meanwhile).
-        The one path for every way a worker goes. False when it was gone already."""
+        The one path for every way a worker goes (its Commands stream ended, its heartbeats
+        stopped, a successor took its name, shutdown). False when it was gone already."""
         with self._lock:
+            worker.streaming = False
             if self._by_id.get(worker.worker_id) is not worker:
                 return False
             del self._by_id[worker.worker_id]
             if self._by_name.get(worker.name) is worker:
                 del self._by_name[worker.name]
             worker.close()
-            orphans = [self._seats[sid] for sid in worker.sessions if sid in self._seats]
-            worker.sessions.clear()
-            for seat in orphans:
-                seat.worker = None
+            orphans = self._evict(worker)
             changed = [*orphans, *self._rebalance()]
         self._follow(changed)
         self._count()
@@ -187,10 +176,8 @@ class Assignments:
 
     def open_stream(self, worker_id: str, cancel: Callable[[], object]) -> Worker:
         """The worker's Commands stream opened (``cancel`` ends it): it may take sessions now."""
+        worker = self.get(worker_id)
         with self._lock:
-            worker = self._by_id.get(worker_id)
-            if worker is None:
-                raise NotFound(f"no draft worker with id {worker_id!r} is registered (register again)")
             if worker.streaming:
                 raise FailedPrecondition(f"draft {worker.name} already has a command stream open")
             worker.streaming, worker.cancel_stream = True, cancel
@@ -198,12 +185,6 @@ class Assignments:
         self._follow(changed)
         self._count()
         return worker
-
-    def stream_closed(self, worker: Worker) -> bool:
-        """Its Commands stream ended: the worker is gone (False: it was already)."""
-        with self._lock:
-            worker.streaming = False
-        return self.gone(worker, "closed its command stream; unregistered")
 
     def open_layer_stream(self, worker_id: str) -> Worker:
         """One more PublishLayers stream of the worker, at most MAX_LAYER_STREAMS at once: a
@@ -232,14 +213,9 @@ class Assignments:
                 what = f"draft worker {name!r}" if name else f"draft pool {pool!r}"
                 known = ", ".join(sorted(self._by_name if name else {w.pool for w in self._by_id.values()}))
                 raise NotFound(f"no {what} is registered (registered: {known or 'none'})")
-            moving = []
             for w in found:
                 w.draining = not resume
-                if w.draining:
-                    moving += [self._seats[sid] for sid in sorted(w.sessions) if sid in self._seats]
-                    w.sessions.clear()
-            for seat in moving:
-                seat.worker = None
+            moving = [seat for w in found if w.draining for seat in self._evict(w)]
             changed = [*moving, *self._rebalance()]
         self._follow(changed)
         self._count()
@@ -310,8 +286,6 @@ class Assignments:
         empties) or resume it (a worker is picked as for a new session, and starts from the whole
         committed text at once: the tree is empty)."""
         with self._lock:
-            if seat.closed:
-                return
             seat.paused = paused
             changed = self._unseat(seat) if paused else self._rebalance([seat])
         self._follow(changed)
@@ -339,6 +313,14 @@ class Assignments:
             return self._pick(fingerprint, route, default_pool)
 
     # ---- under the lock -----------------------------------------------------------------------
+    def _evict(self, worker: Worker) -> list[Seat]:
+        """Every session of ``worker`` loses it (it is gone or drained); the seats."""
+        seats = [self._seats[sid] for sid in sorted(worker.sessions) if sid in self._seats]
+        worker.sessions.clear()
+        for seat in seats:
+            seat.worker = None
+        return seats
+
     def _unseat(self, seat: Seat) -> list[Seat]:
         """Take the seat's worker away; its place may serve a waiting session. The seats changed."""
         worker, seat.worker = seat.worker, None
@@ -351,7 +333,7 @@ class Assignments:
         """Give each waiting seat (of ``seats``, default all) a worker where a matching one has room."""
         changed = []
         for seat in list(self._seats.values()) if seats is None else seats:
-            if seat.waiting:
+            if seat.worker is None and not (seat.paused or seat.refused or seat.closed):
                 worker = self._pick(seat.fingerprint, seat.route, seat.default_pool)
                 if worker is not None:
                     worker.sessions.add(seat.session_id)

@@ -49,7 +49,8 @@ log = logging.getLogger(__name__)
 def session_to_msg(session: Session) -> cache_pb2.SessionInfo:
     return cache_pb2.SessionInfo(
         session_id=session.session_id, target_model=session.target_model, draft=session.draft,
-        epoch=session.epoch, committed_tokens=len(session.card.committed), tree_nodes=len(session.tree),
+        epoch=session.card.epoch, committed_tokens=len(session.card.committed),
+        tree_nodes=len(session.card.tree),
     )
 
 
@@ -77,15 +78,9 @@ def pool_to_msg(name: str, workers: list[Worker], weight: float, counters: PoolC
     )
 
 
-def worker_to_msg(worker: Worker) -> cache_pb2.DraftInfo:
-    return draft_record_to_msg(worker.record())
-
-
 def drafting_paused(request: cache_pb2.OpenSessionRequest | cache_pb2.StepRequest) -> bool:
     """Whether the target paused the session's drafting: the one reader of these two fields."""
-    if isinstance(request, cache_pb2.StepRequest):
-        return request.pause_draft
-    return request.draft_paused
+    return request.pause_draft if isinstance(request, cache_pb2.StepRequest) else request.draft_paused
 
 
 class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
@@ -152,7 +147,7 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
         reply = chain_to_msg(chain, outcome)
         with contextlib.suppress(NotFound):  # closed since: its counters are in its record
             session = self.sessions.get(request.session_id)
-            reply.draft_forwards, reply.draft_idle_s = session.draft_totals()
+            reply.draft_forwards, reply.draft_idle_s = session.seat.totals()
             reply.draft = session.draft
         return reply
 
@@ -167,9 +162,8 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
     @grpc_errors
     def RegisterDraft(self, request: cache_pb2.RegisterDraftRequest, context: grpc.ServicerContext
                       ) -> cache_pb2.RegisterDraftResponse:
-        registration = DraftRegistration(name=request.name, model=request.model,
-                                         fingerprint=request.tokenizer_fingerprint, capacity=request.capacity,
-                                         pool=request.pool)
+        registration = DraftRegistration(request.name, request.model, request.tokenizer_fingerprint,
+                                         request.capacity, request.pool)
         worker, _ = self.assignments.register(registration, self.config.worker_ttl_s)
         self._record_draft(worker)
         return cache_pb2.RegisterDraftResponse(worker_id=worker.worker_id,
@@ -193,7 +187,7 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
                     break
                 yield command_to_msg(command)
         finally:
-            if self.assignments.stream_closed(worker):
+            if self.assignments.gone(worker, "closed its command stream; unregistered"):
                 self._delete_record(worker)
 
     def _delete_record(self, worker: Worker) -> None:
@@ -202,19 +196,15 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
         except Unavailable as exc:  # the key expires by itself
             log.warning("draft record of %s not deleted: %s", worker.name, exc)
 
-    def _layer_stream_of(self, context: grpc.ServicerContext) -> Worker:
-        """The registered worker a PublishLayers stream belongs to (its metadata says which)."""
-        metadata = context.invocation_metadata() or ()
-        worker_id = next((v for k, v in metadata if k == WORKER_ID_METADATA), "")
-        if not worker_id:
-            raise InvalidArgument(f"a layer stream must name its worker in the {WORKER_ID_METADATA!r} "
-                                  f"metadata (a draft from before pools: upgrade it)")
-        return self.assignments.open_layer_stream(str(worker_id))
-
     @grpc_errors
     def PublishLayers(self, request_iterator: Iterator[cache_pb2.LayerMessage],
                       context: grpc.ServicerContext) -> cache_pb2.PublishLayersResponse:
-        worker = self._layer_stream_of(context)
+        # the registered worker the stream belongs to: its metadata says which
+        worker_id = next((v for k, v in context.invocation_metadata() or () if k == WORKER_ID_METADATA), "")
+        if not worker_id:
+            raise InvalidArgument(f"a layer stream must name its worker in the {WORKER_ID_METADATA!r} "
+                                  f"metadata (a draft from before pools: upgrade it)")
+        worker = self.assignments.open_layer_stream(str(worker_id))
         received = malformed = 0
         try:
             for msg in request_iterator:
@@ -272,7 +262,7 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
     @grpc_errors
     def Status(self, request: cache_pb2.StatusRequest, context: grpc.ServicerContext
                ) -> cache_pb2.StatusResponse:
-        drafts = {w.name: worker_to_msg(w) for w in self.assignments.workers()}
+        drafts = {w.name: draft_record_to_msg(w.record()) for w in self.assignments.workers()}
         totals: dict[str, float] = {}
         # connected: the store takes writes (the monitor's last probe; its log line says why not);
         # reads still work while Redis refuses writes for memory

@@ -11,12 +11,12 @@ nothing; a session that lives through a monitor round gets its live record writt
 monitor (``flush_records``); CloseSession hands the finished record (a bounded summary) and its
 totals to the cache's RecordWriter thread and returns.
 
-Locks, never two at once: the table lock guards only the dict of sessions and is never held while
-anything else is taken (a session leaves the table under it; its lock is taken to close it after);
-a session's lock (its CardSession's) is taken alone, and so is the Assignments' lock. A session's
-``record_lock`` is taken alone too, by the monitor around a live-record write and by the
-RecordWriter around the finished one, so that a live write in flight cannot land after the
-finished record. Redis is never called under the table's or a session's lock.
+Locks, never two of these at once (under each only leaf locks that never wait: a command queue's,
+the in-process store's, metrics', logging's): the table lock, over the dict of sessions only (a
+close takes the session out under it, then takes the session's lock); a session's lock (its
+CardSession's); the Assignments' lock (card.cache_service.assignment); a session's
+``record_lock``, around the monitor's live-record write and the RecordWriter's finished one (so a
+live write in flight lands first), the only one Redis is called under.
 """
 
 from __future__ import annotations
@@ -37,12 +37,12 @@ from card.cache_service.config import CacheConfig
 from card.cache_service.pools import PoolStats
 from card.cache_service.records import FinishedRecord, RecordWriter, stats_fields
 from card.cache_service.store import MetadataStore
-from card.engine.shared.config import ChainDraw, ChainPolicy, TreeParams
+from card.engine.shared.config import ChainDraw, ChainPolicy
 from card.engine.shared.errors import InvalidArgument, NotFound, Unavailable
 from card.engine.shared.ngram_stats import PromptLookup
 from card.engine.shared.session import CardSession, StepResult
 from card.engine.shared.stats import GenerationStats
-from card.engine.shared.tree import Chain, Correction, Layer, Outcome, TwoTierTree
+from card.engine.shared.tree import Chain, Correction, Layer, Outcome
 
 HITS = (Outcome.HIT, Outcome.SECONDARY_HIT)
 
@@ -72,8 +72,7 @@ class Session:
     record_lock: threading.Lock = field(default_factory=threading.Lock)
 
     @property
-    def card(self) -> CardSession:
-        """Tree, committed text, chain settings (the cache's, its ChainPolicy over them)."""
+    def card(self) -> CardSession:  # tree, committed text, chain settings
         return self.seat.card
 
     @property
@@ -81,39 +80,22 @@ class Session:
         return self.card.lock
 
     @property
-    def epoch(self) -> int:
-        return self.card.epoch
-
-    @property
-    def tree(self) -> TwoTierTree:
-        return self.card.tree
-
-    @property
-    def params(self) -> TreeParams:
-        return self.card.params
-
-    @property
-    def closed(self) -> bool:
-        return self.card.closed
-
-    @property
     def draft(self) -> str:
         """Name of the worker serving the session now; "" when none does."""
-        return self.seat.draft
+        worker = self.seat.worker
+        return worker.name if worker else ""
 
     def record(self) -> dict[str, str | int | float]:
         """The live-session record as Redis holds it."""
+        card, params = self.card, self.card.params
         return {
             "status": "live", "target_model": self.target_model, "fingerprint": self.seat.fingerprint,
             "draft_requested": self.draft_name, "draft": self.draft,
-            "prompt_tokens": self.prompt_tokens, "committed_tokens": len(self.card.committed),
-            "epoch": self.epoch, "tree_nodes": len(self.tree), "max_chain": self.params.max_chain,
-            "min_path_prob": self.params.min_path_prob, "b_extension": int(self.params.b_extension),
+            "prompt_tokens": self.prompt_tokens, "committed_tokens": len(card.committed),
+            "epoch": card.epoch, "tree_nodes": len(card.tree), "max_chain": params.max_chain,
+            "min_path_prob": params.min_path_prob, "b_extension": int(params.b_extension),
             "opened_unix": self.opened_unix, "updated_unix": time.time(),
         }
-
-    def draft_totals(self) -> tuple[int, float]:
-        return self.seat.totals()
 
 
 class SessionTable:
@@ -157,14 +139,12 @@ class SessionTable:
              default_pool: str = "", paused: bool = False) -> Session:
         """``draft``: a pool or a worker's name (card.common.drafts.route_draft; "" = any pool,
         ``default_pool`` first); ``chain`` goes over the configured chain settings for this session
-        (None: keep them);
-        ``draw``: its chains are drawn (verify rejection; None: the best path);
+        (None: keep them); ``draw``: its chains are drawn (verify rejection; None: the best path);
         ``vocab_size`` / ``context_window``: the target's (0 = not told); ``idle_timeout_s``: how
-        long the session lives without a Step or keepalive (0 = the cache's; it is also the cap).
-        InvalidArgument: an empty
+        long the session lives without a Step or keepalive (0 = the cache's; it is also the cap);
+        ``paused``: no worker drafts for it until a Step resumes it. InvalidArgument: an empty
         prompt, one at or past the context window, a token outside the vocabulary, no fingerprint,
-        or a chain policy out of range. ``paused``: no worker drafts for it until a Step resumes it.
-        NotFound / FailedPrecondition: ``draft`` names no pool or
+        or a chain policy out of range. NotFound / FailedPrecondition: ``draft`` names no pool or
         worker, or one with another tokenizer. ResourceExhausted: the named worker is full."""
         if self.closing:
             raise Unavailable("the cache service is shutting down; retry against another replica")
@@ -207,7 +187,7 @@ class SessionTable:
         t0 = time.perf_counter()
         session = self.get(session_id)
         with session.lock:
-            if session.closed:
+            if session.card.closed:
                 raise NotFound(f"session {session_id!r} is closed")
             result = session.card.step(correction)  # Aborted on a stale epoch
         if pause_draft != session.seat.paused:
@@ -242,12 +222,12 @@ class SessionTable:
         record (a bounded summary, whatever ``stats`` holds) goes to the RecordWriter: this never
         waits for Redis, and a record the writer cannot take is dropped and counted."""
         session = self._remove(session_id)
-        forwards, idle = session.draft_totals()
+        forwards, idle = session.seat.totals()
         card = session.card
         cache_counts = {o.value: n for o, n in card.outcomes.items()}
         record: dict[str, str | int | float] = {
             **session.record(),  # the live fields: the live record may never have been written
-            "status": status, "closed_unix": time.time(), "epoch": session.epoch,
+            "status": status, "closed_unix": time.time(), "epoch": card.epoch,
             "committed_tokens": len(card.committed), "steps": card.steps, "layers": card.layers,
             "lookup_chains": card.looked_up,
             "draft_forwards": forwards, "draft_idle_s": idle,
@@ -338,7 +318,7 @@ class SessionTable:
             if session.live_written and not everything:
                 continue
             with session.record_lock:
-                if session.closed:
+                if session.card.closed:
                     continue
                 self.store.put_session(session.session_id, session.record(), self.config.session_ttl_s)
                 session.live_written = True

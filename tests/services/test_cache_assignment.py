@@ -70,7 +70,7 @@ def test_a_gone_workers_sessions_move_to_peers_with_room_and_the_rest_wait() -> 
     assert sent(w2) == [StartDraft(moved.session_id, PROMPT, 0)]
     w3 = worker(a, "w3")  # a worker whose stream opens takes the waiting session at once
     assert serving(waiting) is w3 and sent(w3) == [StartDraft(waiting.session_id, PROMPT, 0)]
-    assert a.stream_closed(w2)  # its stream ends: the same path
+    assert a.gone(w2, "closed its command stream (test)")
     assert serving(moved) is w3 and w3.sessions == {"s1", "s2"} and sent(w2) == [None]
 
 
