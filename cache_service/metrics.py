@@ -54,7 +54,7 @@ POOL_WEIGHT = Gauge("card_cache_pool_weight", "The pool's share of unnamed sessi
 
 
 def set_pools(pools: dict[str, list[Any]], weight: Callable[[str], float]) -> None:
-    """The pool gauges from the registry's pools (Registry.pools), stale pools removed."""
+    """The pool gauges from the registry's pools (Assignments.pools), stale pools removed."""
     for gauge in (POOL_WORKERS, POOL_SESSIONS, POOL_WEIGHT):
         gauge.clear()
     for pool, workers in pools.items():

@@ -7,8 +7,8 @@ import threading
 from collections.abc import Callable
 
 from card.cache_service import metrics
+from card.cache_service.assignment import Assignments
 from card.cache_service.config import CacheConfig
-from card.cache_service.registry import Registry
 from card.cache_service.sessions import SessionTable
 from card.cache_service.store import MetadataStore, StoreFull
 from card.engine.shared.errors import Unavailable
@@ -31,11 +31,11 @@ class Monitor:
     is NOT_SERVING, with one log line naming the reason when it starts and one when it ends;
     ``reason`` holds it meanwhile (Status reports ``redis_connected`` false)."""
 
-    def __init__(self, config: CacheConfig, store: MetadataStore, registry: Registry,
+    def __init__(self, config: CacheConfig, store: MetadataStore, assignments: Assignments,
                  sessions: SessionTable, on_health: Callable[[bool], None]) -> None:
         self.config = config
         self.store = store
-        self.registry = registry
+        self.assignments = assignments
         self.sessions = sessions
         self.on_health = on_health
         self.period_s = min(config.health_check_interval_s, config.heartbeat_interval_s)
@@ -113,12 +113,7 @@ class Monitor:
         came_back = self.store_up and before == UNREACHABLE
         self._set_metrics()
         self.on_health(self.store_up)
-        for worker in self.registry.expired(self.config.worker_ttl_s):
-            if self.registry.remove(worker):
-                log.warning("draft %s missed %d heartbeats; unregistered", worker.name, 3,
-                            extra={"draft": worker.name})
-                self.sessions.worker_left(worker)
-        metrics.DRAFTS.set(len(self.registry.workers()))
+        self.assignments.expire(self.config.worker_ttl_s)
         self.sessions.close_idle(self.config.session_idle_timeout_s)
         if self.store_up:
             try:

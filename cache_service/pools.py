@@ -8,7 +8,7 @@ pools, so a pool's workers can be scaled, drained and replaced while the name st
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
 
 from card.cache_service import metrics
@@ -38,8 +38,8 @@ class PoolRouter:
             return 1.0
         return self.weights.get(pool, 0.0)
 
-    def choose(self, eligible: Iterable[str]) -> set[str]:
-        """The pools to take the least-loaded worker from (the caller holds the registry's lock)."""
+    def choose(self, eligible: Iterable[str]) -> Collection[str]:
+        """The pools to take the least-loaded worker from (the caller holds the Assignments' lock)."""
         pools = set(eligible)
         if not self.weights or len(pools) <= 1:
             return pools

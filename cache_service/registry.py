@@ -1,25 +1,19 @@
-"""Live draft workers: who they are, which pool each serves, the queue of commands for each, and
-which worker a new (or orphaned) session goes to."""
+"""A draft worker as the cache knows it: what it said when it registered, which pool it serves, the
+queue of commands for it. Which sessions it serves is card.cache_service.assignment's."""
 
 from __future__ import annotations
 
 import contextlib
 import logging
 import queue
-import threading
 import time
-import uuid
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from card.cache_service.pools import PoolRouter
-from card.common.drafts import ANY, POOL_NAME, DraftEntry, Route, pool_name, route_draft
+from card.common.drafts import POOL_NAME, DraftEntry, pool_name
 from card.engine.shared.commands import DraftCommand
 from card.engine.shared.errors import (
-    AlreadyExists,
     InvalidArgument,
-    NotFound,
-    ResourceExhausted,
 )
 
 log = logging.getLogger(__name__)
@@ -40,7 +34,7 @@ MAX_LAYER_STREAMS = 2
 class DraftRegistration:
     """What a draft worker says about itself when it registers. ``pool`` "" = from its model id."""
 
-    name: str  # unique; a name is taken over only from a worker that is gone (Registry.register)
+    name: str  # unique; a name is taken over only from a worker that is gone (Assignments.register)
     model: str
     fingerprint: str  # of its tokenizer; only sessions of targets with the same one are served
     capacity: int  # most concurrent sessions, in [1, MAX_CAPACITY]
@@ -69,7 +63,8 @@ class DraftRegistration:
 
 @dataclass(eq=False)
 class Worker:
-    """One registration. ``sessions`` and ``draining`` are guarded by the owning Registry's lock."""
+    """One registration. ``sessions``, ``streaming``, ``publishing`` and ``draining`` are the
+    Assignments' (guarded by its lock)."""
 
     worker_id: str
     name: str
@@ -100,7 +95,7 @@ class Worker:
             self.commands.put_nowait(command)
         except queue.Full:
             # May run under a session's lock: only end the stream here; its handler unregisters
-            # the worker and the sessions move to other workers (SessionTable.worker_left)
+            # the worker and the sessions move to other workers (Assignments.gone)
             log.warning("draft %s has %d commands unread; ending its command stream (its sessions move "
                         "to other workers)", self.name, self.commands.qsize(), extra={"draft": self.name})
             self.close()
@@ -138,148 +133,3 @@ class Worker:
             "active_sessions": len(self.sessions), "last_heartbeat_unix": self.last_heartbeat_unix,
             "registered_unix": self.registered_unix,
         }
-
-
-class Registry:
-    """Workers by id and by name, and the routing of sessions to them. Methods are thread-safe;
-    ``lock`` is shared with the session table so that assigning a session and counting a worker's
-    load happen together. ``router`` splits unnamed sessions between pools (--pool-weights)."""
-
-    def __init__(self, lock: threading.RLock | None = None, max_workers: int = 1024,
-                 router: PoolRouter | None = None) -> None:
-        self.lock = lock or threading.RLock()
-        self.max_workers = max_workers
-        self.router = router or PoolRouter()
-        self._by_id: dict[str, Worker] = {}
-        self._by_name: dict[str, Worker] = {}
-
-    def register(self, reg: DraftRegistration, live_s: float) -> tuple[Worker, Worker | None]:
-        """Add a worker; returns it and the worker it replaced (same name), which is now removed.
-
-        A name is replaced only when its holder is gone: no Commands stream open and no heartbeat
-        for ``live_s``. Otherwise AlreadyExists: a second registration (a misconfigured twin, or
-        someone holding a stolen draft token) cannot evict a live worker and start a name war. A
-        worker that restarts under its name gets it back once the old stream has ended (at once
-        when its connection closed, else after ``live_s``); the draft link retries with backoff.
-        ResourceExhausted: ``max_workers`` are registered (each holds server threads for its
-        streams, sized from this bound: card.cache_service.server).
-        """
-        worker = Worker(worker_id=uuid.uuid4().hex, name=reg.name, model=reg.model,
-                        fingerprint=reg.fingerprint, capacity=reg.capacity, pool=reg.pool_or_model)
-        with self.lock:
-            old = self._by_name.get(reg.name)
-            if old is None and len(self._by_id) >= self.max_workers:
-                raise ResourceExhausted(f"the registry is full ({self.max_workers} draft workers; "
-                                        f"card-cache --max-drafts)")
-            if old is not None:
-                if old.streaming or time.monotonic() - old.last_heartbeat <= live_s:
-                    raise AlreadyExists(
-                        f"draft name {reg.name!r} is held by a live worker (registered "
-                        f"{time.time() - old.registered_unix:.0f}s ago); give this worker another --name, "
-                        f"or retry once that one has stopped")
-                self._remove(old)
-            self._by_id[worker.worker_id] = worker
-            self._by_name[worker.name] = worker
-        return worker, old
-
-    def get(self, worker_id: str) -> Worker:
-        with self.lock:
-            worker = self._by_id.get(worker_id)
-        if worker is None:
-            raise NotFound(f"no draft worker with id {worker_id!r} is registered (register again)")
-        return worker
-
-    def _remove(self, worker: Worker) -> None:
-        self._by_id.pop(worker.worker_id, None)
-        if self._by_name.get(worker.name) is worker:
-            del self._by_name[worker.name]
-        worker.close()
-
-    def remove(self, worker: Worker) -> bool:
-        """Unregister ``worker``; False when it was already gone (replaced or expired)."""
-        with self.lock:
-            present = self._by_id.get(worker.worker_id) is worker
-            if present:
-                self._remove(worker)
-            return present
-
-    def named(self, name: str) -> Worker | None:
-        with self.lock:
-            return self._by_name.get(name) if name else None
-
-    def heartbeat(self, worker_id: str) -> Worker:
-        worker = self.get(worker_id)
-        worker.last_heartbeat = time.monotonic()
-        worker.last_heartbeat_unix = time.time()
-        return worker
-
-    def expired(self, max_age_s: float) -> list[Worker]:
-        now = time.monotonic()
-        with self.lock:
-            return [w for w in self._by_id.values() if now - w.last_heartbeat > max_age_s]
-
-    def workers(self) -> list[Worker]:
-        with self.lock:
-            return sorted(self._by_id.values(), key=lambda w: w.name)
-
-    def pools(self) -> dict[str, list[Worker]]:
-        """Every pool with a registered worker, and the pools the weights name (maybe empty)."""
-        with self.lock:
-            pools: dict[str, list[Worker]] = {p: [] for p in self.router.weights}
-            for w in sorted(self._by_id.values(), key=lambda w: w.name):
-                pools.setdefault(w.pool, []).append(w)
-            return pools
-
-    def drain(self, name: str = "", pool: str = "", resume: bool = False) -> list[Worker]:
-        """Mark the worker ``name``, or every worker of ``pool``, drained (or not, ``resume``): a
-        drained worker takes no new session. Returns them; NotFound when none matches. Moving the
-        sessions they serve is the session table's (SessionTable.drain)."""
-        with self.lock:
-            if name:
-                found = [w for w in self._by_id.values() if w.name == name]
-            else:
-                found = [w for w in self._by_id.values() if w.pool == pool]
-            if not found:
-                what = f"draft worker {name!r}" if name else f"draft pool {pool!r}"
-                names = self._by_name if name else {w.pool for w in self._by_id.values()}
-                known = ", ".join(sorted(names))
-                raise NotFound(f"no {what} is registered (registered: {known or 'none'})")
-            for w in found:
-                w.draining = not resume
-            return sorted(found, key=lambda w: w.name)
-
-    def route(self, draft: str, fingerprint: str, target_model: str = "the target",
-              known_pools: Iterable[str] = ()) -> Route:
-        """A request's ``draft`` as a route (card.common.drafts.route_draft, against the workers
-        registered now, the weighted pools and ``known_pools``: those Status lists, e.g. measured
-        ones whose workers are gone). NotFound / FailedPrecondition."""
-        with self.lock:
-            entries = [w.entry() for w in self._by_id.values()]
-        return route_draft(draft, entries, fingerprint, target_model, {*self.router.weights, *known_pools})
-
-    def pick(self, fingerprint: str, route: Route = ANY, default_pool: str = "") -> Worker | None:
-        """The worker for a new or orphaned session, or None (it waits without speculation):
-
-        - the route's worker while it can take it, else the least-loaded one of the route's pool;
-        - unnamed: the least-loaded one of ``default_pool`` while it has room, else of the pool the
-          router chooses among those with room.
-
-        Only workers whose command stream is open, not drained and not full are candidates.
-        """
-        with self.lock:
-            preferred = self._by_name.get(route.worker) if route.worker else None
-            if preferred is not None and preferred.assignable and preferred.fingerprint == fingerprint:
-                return preferred
-            candidates = [w for w in self._by_id.values() if w.assignable and w.fingerprint == fingerprint]
-            if route.pool:
-                candidates = [w for w in candidates if w.pool == route.pool]
-            elif candidates:
-                in_default = [w for w in candidates if w.pool == default_pool] if default_pool else []
-                if in_default:
-                    candidates = in_default
-                else:
-                    chosen = self.router.choose(w.pool for w in candidates)
-                    candidates = [w for w in candidates if w.pool in chosen]
-            if not candidates:
-                return None
-            return min(candidates, key=lambda w: (w.load, len(w.sessions), w.registered_unix))

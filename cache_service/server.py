@@ -14,11 +14,11 @@ import logging
 import sys
 import threading
 
+from card.cache_service.assignment import Assignments
 from card.cache_service.config import CacheConfig
 from card.cache_service.monitor import Monitor
 from card.cache_service.pools import PoolRouter
 from card.cache_service.records import RecordWriter
-from card.cache_service.registry import Registry
 from card.cache_service.servicer import CacheServicer
 from card.cache_service.sessions import SessionTable
 from card.cache_service.store import MetadataStore, open_store
@@ -62,11 +62,11 @@ class CacheServer:
         # beyond the pool are refused by grpc, never queued behind streams that do not end
         self.grpc = make_server(config.server_threads, [auth], maximum_concurrent_rpcs=config.server_threads)
         self.health = add_health(self.grpc)
-        self.registry = Registry(max_workers=config.max_drafts, router=PoolRouter(config.pool_weights))
+        self.assignments = Assignments(max_workers=config.max_drafts, router=PoolRouter(config.pool_weights))
         self.records = RecordWriter(store)
-        self.sessions = SessionTable(config, store, self.registry, self.records)
-        self.monitor = Monitor(config, store, self.registry, self.sessions, self._set_health)
-        self.servicer = CacheServicer(config, store, self.registry, self.sessions, self.monitor)
+        self.sessions = SessionTable(config, store, self.assignments, self.records)
+        self.monitor = Monitor(config, store, self.assignments, self.sessions, self._set_health)
+        self.servicer = CacheServicer(config, store, self.assignments, self.sessions, self.monitor)
         cache_pb2_grpc.add_CacheServiceServicer_to_server(self.servicer, self.grpc)
         self._stopped = False
 

@@ -1,8 +1,8 @@
-"""card.v1.CacheService over SessionTable and Registry: decode, call, encode. No tree logic here.
+"""card.v1.CacheService over SessionTable and Assignments: decode, call, encode. No tree logic here.
 
 This is the cache's edge: requests are decoded into engine values once, here (with
-card.common.convert), and the domain's answers are encoded here; SessionTable and Registry never
-see a card.v1 message.
+card.common.convert), and the domain's answers are encoded here; SessionTable and Assignments
+never see a card.v1 message. No lock is taken here.
 """
 
 from __future__ import annotations
@@ -16,10 +16,11 @@ from collections.abc import Iterator, Mapping
 import grpc
 
 from card.cache_service import metrics
+from card.cache_service.assignment import Assignments
 from card.cache_service.config import CacheConfig
 from card.cache_service.monitor import Monitor
 from card.cache_service.pools import PoolCounters
-from card.cache_service.registry import MAX_LAYER_STREAMS, DraftRegistration, Registry, Worker
+from card.cache_service.registry import DraftRegistration, Worker
 from card.cache_service.sessions import Session, SessionTable
 from card.cache_service.store import MetadataStore
 from card.common.convert import (
@@ -36,10 +37,8 @@ from card.common.status import grpc_errors, status_code
 from card.common.tensors import ids_from_msg
 from card.engine.shared.errors import (
     CardError,
-    FailedPrecondition,
     InvalidArgument,
     NotFound,
-    ResourceExhausted,
     Unavailable,
 )
 from card.v1 import cache_pb2, cache_pb2_grpc
@@ -50,7 +49,8 @@ log = logging.getLogger(__name__)
 def session_to_msg(session: Session) -> cache_pb2.SessionInfo:
     return cache_pb2.SessionInfo(
         session_id=session.session_id, target_model=session.target_model, draft=session.draft,
-        epoch=session.epoch, committed_tokens=len(session.card.committed), tree_nodes=len(session.tree),
+        epoch=session.card.epoch, committed_tokens=len(session.card.committed),
+        tree_nodes=len(session.card.tree),
     )
 
 
@@ -78,16 +78,17 @@ def pool_to_msg(name: str, workers: list[Worker], weight: float, counters: PoolC
     )
 
 
-def worker_to_msg(worker: Worker) -> cache_pb2.DraftInfo:
-    return draft_record_to_msg(worker.record())
+def drafting_paused(request: cache_pb2.OpenSessionRequest | cache_pb2.StepRequest) -> bool:
+    """Whether the target paused the session's drafting: the one reader of these two fields."""
+    return request.pause_draft if isinstance(request, cache_pb2.StepRequest) else request.draft_paused
 
 
 class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
-    def __init__(self, config: CacheConfig, store: MetadataStore, registry: Registry,
+    def __init__(self, config: CacheConfig, store: MetadataStore, assignments: Assignments,
                  sessions: SessionTable, monitor: Monitor) -> None:
         self.config = config
         self.store = store
-        self.registry = registry
+        self.assignments = assignments
         self.sessions = sessions
         self.monitor = monitor
         self._draft_records_failing = False
@@ -119,7 +120,7 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
                                      chain_policy_from_msg(request.chain), request.vocab_size,
                                      request.context_window, request.idle_timeout_ms / 1000.0,
                                      chain_draw_from_msg(request.draw) if request.HasField("draw") else None,
-                                     request.default_pool, request.draft_paused)
+                                     request.default_pool, drafting_paused(request))
         return cache_pb2.OpenSessionResponse(session_id=session.session_id, draft=session.draft)
 
     @grpc_errors
@@ -142,11 +143,11 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
 
     def _step(self, request: cache_pb2.StepRequest) -> cache_pb2.StepResponse:
         chain, outcome = self.sessions.step(request.session_id, correction_from_msg(request),
-                                            request.pause_draft)
+                                            drafting_paused(request))
         reply = chain_to_msg(chain, outcome)
         with contextlib.suppress(NotFound):  # closed since: its counters are in its record
             session = self.sessions.get(request.session_id)
-            reply.draft_forwards, reply.draft_idle_s = session.draft_totals()
+            reply.draft_forwards, reply.draft_idle_s = session.seat.totals()
             reply.draft = session.draft
         return reply
 
@@ -161,37 +162,21 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
     @grpc_errors
     def RegisterDraft(self, request: cache_pb2.RegisterDraftRequest, context: grpc.ServicerContext
                       ) -> cache_pb2.RegisterDraftResponse:
-        registration = DraftRegistration(name=request.name, model=request.model,
-                                         fingerprint=request.tokenizer_fingerprint, capacity=request.capacity,
-                                         pool=request.pool)
-        worker, replaced = self.registry.register(registration, self.config.worker_ttl_s)
+        registration = DraftRegistration(request.name, request.model, request.tokenizer_fingerprint,
+                                         request.capacity, request.pool)
+        worker, _ = self.assignments.register(registration, self.config.worker_ttl_s)
         self._record_draft(worker)
-        if replaced is not None:
-            log.info("draft %s re-registered; the old registration is replaced", worker.name,
-                     extra={"draft": worker.name})
-        self.sessions.worker_joined(worker, replaced)
-        self._count_drafts()
-        log.info("draft %s registered (pool %s, model %s, capacity %d)", worker.name, worker.pool,
-                 worker.model, worker.capacity, extra={"draft": worker.name, "worker_id": worker.worker_id})
         return cache_pb2.RegisterDraftResponse(worker_id=worker.worker_id,
                                                heartbeat_interval_s=self.config.heartbeat_interval_s)
 
     @grpc_errors
     def Commands(self, request: cache_pb2.CommandsRequest, context: grpc.ServicerContext
                  ) -> Iterator[cache_pb2.DraftCommand]:
-        worker = self.registry.get(request.worker_id)
-        with self.registry.lock:
-            if worker.streaming:
-                raise FailedPrecondition(f"draft {worker.name} already has a command stream open")
-            worker.streaming = True
-            worker.cancel_stream = context.cancel
+        # the worker may take sessions from here (waiting ones at once): its initial metadata tells
+        # it so (the draft link reports SERVING, and tests proceed, only once it has arrived)
+        worker = self.assignments.open_stream(request.worker_id, context.cancel)
         context.add_callback(worker.close)  # wake the loop when the peer goes
-        # the worker may take sessions from here: its initial metadata tells it so (the draft link
-        # reports SERVING, and tests proceed, only once it has arrived)
         context.send_initial_metadata(())
-        # its sessions waited for a worker with an open stream: this one may take them now
-        self.sessions.rebalance()
-        self._count_drafts()
         try:
             while context.is_active() and not worker.closed:
                 try:
@@ -202,45 +187,24 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
                     break
                 yield command_to_msg(command)
         finally:
-            worker.streaming = False
-            if self.registry.remove(worker):
-                log.warning("draft %s closed its command stream; unregistered", worker.name,
-                            extra={"draft": worker.name})
-                self._forget(worker)
+            if self.assignments.gone(worker, "closed its command stream; unregistered"):
+                self._delete_record(worker)
 
-    def _count_drafts(self) -> None:
-        metrics.DRAFTS.set(len(self.registry.workers()))
-        metrics.set_pools(self.registry.pools(), self.registry.router.weight)
-
-    def _forget(self, worker: Worker) -> None:
-        self.sessions.worker_left(worker)
-        self._count_drafts()
+    def _delete_record(self, worker: Worker) -> None:
         try:
             self.store.delete_draft(worker.name)
         except Unavailable as exc:  # the key expires by itself
             log.warning("draft record of %s not deleted: %s", worker.name, exc)
 
-    def _layer_stream_of(self, context: grpc.ServicerContext) -> Worker:
-        """The registered worker a PublishLayers stream belongs to (its metadata says which), one
-        of at most MAX_LAYER_STREAMS of its: a stream of nobody's would hold a server thread for
-        nothing (every open stream holds one)."""
-        metadata = context.invocation_metadata() or ()
-        worker_id = next((v for k, v in metadata if k == WORKER_ID_METADATA), "")
-        if not worker_id:
-            raise InvalidArgument(f"a layer stream must name its worker in the {WORKER_ID_METADATA!r} "
-                                  f"metadata (a draft from before pools: upgrade it)")
-        worker = self.registry.get(str(worker_id))
-        with self.registry.lock:
-            if worker.publishing >= MAX_LAYER_STREAMS:
-                raise ResourceExhausted(
-                    f"draft {worker.name} already has {worker.publishing} layer streams open")
-            worker.publishing += 1
-        return worker
-
     @grpc_errors
     def PublishLayers(self, request_iterator: Iterator[cache_pb2.LayerMessage],
                       context: grpc.ServicerContext) -> cache_pb2.PublishLayersResponse:
-        worker = self._layer_stream_of(context)
+        # the registered worker the stream belongs to: its metadata says which
+        worker_id = next((v for k, v in context.invocation_metadata() or () if k == WORKER_ID_METADATA), "")
+        if not worker_id:
+            raise InvalidArgument(f"a layer stream must name its worker in the {WORKER_ID_METADATA!r} "
+                                  f"metadata (a draft from before pools: upgrade it)")
+        worker = self.assignments.open_layer_stream(str(worker_id))
         received = malformed = 0
         try:
             for msg in request_iterator:
@@ -250,7 +214,7 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
                     metrics.LAYERS_MALFORMED.inc()
                     continue
                 if msg.dropped:
-                    self.sessions.draft_dropped(msg.session_id, msg.worker_id)
+                    self.assignments.dropped(msg.session_id, msg.worker_id)
                     continue
                 try:
                     self.sessions.apply_layer(msg.session_id, msg.worker_id, layer_from_msg(msg),
@@ -266,31 +230,16 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
             log.info("layer stream ended by its draft worker after %d layers (peer %s)", received,
                      context.peer())
         finally:
-            with self.registry.lock:
-                worker.publishing -= 1
+            self.assignments.layer_stream_closed(worker)
         return cache_pb2.PublishLayersResponse(layers_received=received)
 
     @grpc_errors
     def Heartbeat(self, request: cache_pb2.HeartbeatRequest, context: grpc.ServicerContext
                   ) -> cache_pb2.HeartbeatResponse:
-        worker = self.registry.heartbeat(request.worker_id)
-        if request.draining and not worker.draining:  # its SIGTERM: hand its sessions over, then exit
-            moved = self._drain(self.registry.drain(name=worker.name))
-            log.info("draft %s is shutting down; %d session(s) moved to other workers", worker.name,
-                     moved, extra={"draft": worker.name})
+        # draining: its SIGTERM: its sessions move to other workers, then it exits
+        worker = self.assignments.heartbeat(request.worker_id, request.draining)
         self._record_draft(worker)
         return cache_pb2.HeartbeatResponse()
-
-    def _drain(self, workers: list[Worker], resume: bool = False) -> int:
-        """``workers`` were just drained (or resumed) in the registry: move their sessions (or let
-        waiting sessions take them); the count moved."""
-        moved = 0
-        if resume:
-            self.sessions.rebalance()
-        else:
-            moved = self.sessions.drain(workers)
-        self._count_drafts()
-        return moved
 
     # ---- operators ----------------------------------------------------------------------------
     @grpc_errors
@@ -298,28 +247,22 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
               ) -> cache_pb2.DrainResponse:
         if bool(request.name) == bool(request.pool):
             raise InvalidArgument("drain names one worker or one pool (name or pool, not both)")
-        workers = self.registry.drain(request.name, request.pool, request.resume)
-        moved = self._drain(workers, request.resume)
+        workers, moved = self.assignments.drain(request.name, request.pool, request.resume)
         for worker in workers:
             self._record_draft(worker)
-        log.info("%s %s (%d session(s) moved)", "resumed" if request.resume else "drained",
-                 ", ".join(w.name for w in workers), moved)
         return cache_pb2.DrainResponse(workers=[w.name for w in workers], sessions_moved=moved)
 
     @grpc_errors
     def SetPoolWeights(self, request: cache_pb2.PoolWeightsRequest, context: grpc.ServicerContext
                        ) -> cache_pb2.PoolWeightsResponse:
-        with self.registry.lock:  # the router is read under it (Registry.pick)
-            self.registry.router.set(sorted(request.weights.items()))
-            weights = dict(self.registry.router.weights)
-        self._count_drafts()
+        weights = self.assignments.set_weights(sorted(request.weights.items()))
         log.info("pool weights now %s", ", ".join(f"{p}={w:g}" for p, w in weights.items()) or "none")
         return cache_pb2.PoolWeightsResponse(weights=weights)
 
     @grpc_errors
     def Status(self, request: cache_pb2.StatusRequest, context: grpc.ServicerContext
                ) -> cache_pb2.StatusResponse:
-        drafts = {w.name: worker_to_msg(w) for w in self.registry.workers()}
+        drafts = {w.name: draft_record_to_msg(w.record()) for w in self.assignments.workers()}
         totals: dict[str, float] = {}
         # connected: the store takes writes (the monitor's last probe; its log line says why not);
         # reads still work while Redis refuses writes for memory
@@ -334,11 +277,11 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
             except Unavailable:
                 connected = False
         counters = self.sessions.pool_stats.snapshot()
-        pools = self.registry.pools()
+        pools = self.assignments.pools()
         for name in counters:
             pools.setdefault(name, [])  # gone, but measured
         return cache_pb2.StatusResponse(
-            pools=[pool_to_msg(p, pools[p], self.registry.router.weight(p), counters.get(p))
+            pools=[pool_to_msg(p, pools[p], self.assignments.router.weight(p), counters.get(p))
                    for p in sorted(pools)],
             drafts=[drafts[n] for n in sorted(drafts)],
             sessions=[session_to_msg(s)
@@ -351,8 +294,7 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
         """End every session (stop commands to the drafts, final records) and every command stream."""
         started = time.perf_counter()
         self.sessions.close_all(status="shutdown")
-        for worker in self.registry.workers():
-            if self.registry.remove(worker):
-                with contextlib.suppress(Unavailable):  # the key expires by itself
-                    self.store.delete_draft(worker.name)
+        for worker in self.assignments.workers():
+            if self.assignments.gone(worker, "is let go (the cache shuts down)"):
+                self._delete_record(worker)
         log.info("cache state released in %.3fs", time.perf_counter() - started)

@@ -1,25 +1,22 @@
-"""The cache's sessions: which draft worker serves each, their records, their idleness.
+"""The cache's sessions: the open ones, their records, their idleness.
 
 Query-and-correct itself is engine.shared.session.CardSession (tree, committed text, chain
-settings: the cache's with the target's ChainPolicy over them); each Session here holds one, with
-a ``WorkerLink`` that queues StartDraft / AdvanceDraft / StopDraft for the worker serving it.
-Everything here is engine values; wire messages exist only in the servicer and convert.py.
-
-Changing a session's worker (one left, one joined, one replaced) detaches the old link and
-attaches a new one: the CardSession restarts the tree under the virtual root of the epoch and the
-new worker gets ``StartDraft(committed, epoch)``, at once or right after the next correction when
-the tree still holds nodes the target may be verifying. Output never depends on any of this: the
-target verifies every token.
+settings: the cache's with the target's ChainPolicy over them); each Session here holds one, and
+its ``Seat`` in the cache's Assignments (card.cache_service.assignment), which decides the worker
+that serves it and links its CardSession to that worker. Everything here is engine values; wire
+messages exist only in the servicer and convert.py.
 
 Records (card.cache_service.records): no session RPC waits for Redis. OpenSession writes
 nothing; a session that lives through a monitor round gets its live record written once, by the
 monitor (``flush_records``); CloseSession hands the finished record (a bounded summary) and its
 totals to the cache's RecordWriter thread and returns.
 
-Lock order: the table lock (shared with the Registry) before any session's lock; Redis is never
-called under either. A session's ``record_lock`` is taken alone (never with the table lock or the
-session's lock held), by the monitor around a live-record write and by the RecordWriter around the
-finished one, so that a live write in flight cannot land after the finished record.
+Locks, never two of these at once (under each only leaf locks that never wait: a command queue's,
+the in-process store's, metrics', logging's): the table lock, over the dict of sessions only (a
+close takes the session out under it, then takes the session's lock); a session's lock (its
+CardSession's); the Assignments' lock (card.cache_service.assignment); a session's
+``record_lock``, around the monitor's live-record write and the RecordWriter's finished one (so a
+live write in flight lands first), the only one Redis is called under.
 """
 
 from __future__ import annotations
@@ -35,71 +32,39 @@ from dataclasses import dataclass, field
 import torch
 
 from card.cache_service import metrics
+from card.cache_service.assignment import Assignments, Seat, WorkerLink
 from card.cache_service.config import CacheConfig
 from card.cache_service.pools import PoolStats
 from card.cache_service.records import FinishedRecord, RecordWriter, stats_fields
-from card.cache_service.registry import Registry, Worker
 from card.cache_service.store import MetadataStore
-from card.common.drafts import ANY, Route
-from card.engine.shared.commands import AdvanceDraft, StartDraft, StopDraft
-from card.engine.shared.config import ChainDraw, ChainPolicy, TreeParams
-from card.engine.shared.errors import InvalidArgument, NotFound, ResourceExhausted, Unavailable
+from card.engine.shared.config import ChainDraw, ChainPolicy
+from card.engine.shared.errors import InvalidArgument, NotFound, Unavailable
 from card.engine.shared.ngram_stats import PromptLookup
 from card.engine.shared.session import CardSession, StepResult
 from card.engine.shared.stats import GenerationStats
-from card.engine.shared.tree import Advance, Chain, Correction, Layer, Outcome, TwoTierTree
+from card.engine.shared.tree import Chain, Correction, Layer, Outcome
 
 HITS = (Outcome.HIT, Outcome.SECONDARY_HIT)
 
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class WorkerLink:
-    """A session's link to the worker serving it: commands queued for its Commands stream."""
-
-    worker: Worker
-    session_id: str
-
-    def start(self, committed: Sequence[int], epoch: int, draw: ChainDraw | None = None) -> None:
-        self.worker.send(StartDraft(self.session_id, tuple(committed), epoch, draw))
-
-    def advance(self, advance: Advance) -> None:
-        self.worker.send(AdvanceDraft(self.session_id, advance))
-
-    def stop(self) -> None:
-        self.worker.send(StopDraft(self.session_id))
-
-
 @dataclass(eq=False)
 class Session:
     session_id: str
     target_model: str
-    fingerprint: str
     draft_name: str  # the draft the target asked for (a pool or a worker); "" = any matching worker
-    card: CardSession  # tree, committed text, chain settings (the cache's, its ChainPolicy over them)
+    seat: Seat  # its place in the Assignments: the worker serving it, its CardSession
     prompt_tokens: int
     vocab_size: int = 0  # the target's (OpenSession); layers' tokens must lie below it
     opened_unix: float = field(default_factory=time.time)
     last_active: float = field(default_factory=time.monotonic)  # open, last Step or keepalive
     idle_timeout_s: float = 0.0  # the target's (OpenSession); 0 = the cache's
-    draft_refused: bool = False  # a worker dropped it (LayerMessage.dropped): no worker is tried again
-    # the target's speculation controller paused its drafting: no worker serves it, chains are
-    # empty, until a Step resumes it (StepRequest.pause_draft)
-    paused: bool = False
-    worker: Worker | None = None
-    route: Route = ANY  # where its workers come from (draft_name resolved at open)
-    default_pool: str = ""  # the target's --default-pool, for an unnamed session
     # the chain handed out last: its length and the pool whose worker grew it ("" = none); the next
     # Step's correction is that pool's acceptance (PoolStats)
     chain_len: int = 0
     chain_pool: str = ""
     last_step: float = field(default_factory=time.monotonic)
-    # draft counters: from workers that served earlier + the current worker's latest layer
-    draft_forwards_done: int = 0
-    draft_idle_done: float = 0.0
-    draft_forwards: int = 0
-    draft_idle_s: float = 0.0
     # live record: the monitor saw the session in one round (it lived through one), wrote its record
     seen_by_monitor: bool = False
     live_written: bool = False
@@ -107,60 +72,47 @@ class Session:
     record_lock: threading.Lock = field(default_factory=threading.Lock)
 
     @property
+    def card(self) -> CardSession:  # tree, committed text, chain settings
+        return self.seat.card
+
+    @property
     def lock(self) -> threading.Condition:
         return self.card.lock
 
     @property
-    def epoch(self) -> int:
-        return self.card.epoch
-
-    @property
-    def tree(self) -> TwoTierTree:
-        return self.card.tree
-
-    @property
-    def params(self) -> TreeParams:
-        return self.card.params
-
-    @property
-    def closed(self) -> bool:
-        return self.card.closed
-
-    @property
     def draft(self) -> str:
         """Name of the worker serving the session now; "" when none does."""
-        return self.worker.name if self.worker else ""
+        worker = self.seat.worker
+        return worker.name if worker else ""
 
     def record(self) -> dict[str, str | int | float]:
         """The live-session record as Redis holds it."""
+        card, params = self.card, self.card.params
         return {
-            "status": "live", "target_model": self.target_model, "fingerprint": self.fingerprint,
+            "status": "live", "target_model": self.target_model, "fingerprint": self.seat.fingerprint,
             "draft_requested": self.draft_name, "draft": self.draft,
-            "prompt_tokens": self.prompt_tokens, "committed_tokens": len(self.card.committed),
-            "epoch": self.epoch, "tree_nodes": len(self.tree), "max_chain": self.params.max_chain,
-            "min_path_prob": self.params.min_path_prob, "b_extension": int(self.params.b_extension),
+            "prompt_tokens": self.prompt_tokens, "committed_tokens": len(card.committed),
+            "epoch": card.epoch, "tree_nodes": len(card.tree), "max_chain": params.max_chain,
+            "min_path_prob": params.min_path_prob, "b_extension": int(params.b_extension),
             "opened_unix": self.opened_unix, "updated_unix": time.time(),
         }
-
-    def draft_totals(self) -> tuple[int, float]:
-        return self.draft_forwards_done + self.draft_forwards, self.draft_idle_done + self.draft_idle_s
 
 
 class SessionTable:
     """``records``: the writer of finished records (the cache's; started and stopped by it). Without
-    one the table makes and starts its own."""
+    one the table makes and starts its own. ``assignments`` decides which worker serves each."""
 
-    def __init__(self, config: CacheConfig, store: MetadataStore, registry: Registry,
+    def __init__(self, config: CacheConfig, store: MetadataStore, assignments: Assignments,
                  records: RecordWriter | None = None, pool_stats: PoolStats | None = None) -> None:
         self.config = config
         self.store = store
-        self.registry = registry
+        self.assignments = assignments
         self.pool_stats = pool_stats or PoolStats()
         if records is None:
             records = RecordWriter(store)
             records.start()
         self.records = records
-        self.lock = registry.lock
+        self.lock = threading.Lock()  # the dict of sessions, nothing else
         self.device = torch.device(config.device)
         self._sessions: dict[str, Session] = {}
         self.closing = False  # set by close_all at shutdown: no new sessions
@@ -180,85 +132,6 @@ class SessionTable:
     def __len__(self) -> int:
         return len(self._sessions)
 
-    # ---- worker assignment (table lock held) --------------------------------------------------
-    def _attach(self, session: Session, worker: Worker) -> None:
-        worker.sessions.add(session.session_id)
-        with session.lock:
-            session.worker = worker
-            session.card.attach(WorkerLink(worker, session.session_id))
-        log.info("session %s served by draft %s", session.session_id, worker.name,
-                 extra={"session_id": session.session_id, "draft": worker.name})
-
-    def _detach(self, session: Session, stop: bool = False, keep_tree: bool = True) -> None:
-        """The session's worker no longer serves it (it left, dropped it, is drained, or the
-        session is paused): no command goes to it after this one; ``stop``: tell it to stop (a
-        drained worker is alive, and counts its sessions down to exit). With ``keep_tree`` the tree
-        it grew serves the chain in flight and the next worker starts after the next correction;
-        without, the tree empties now."""
-        worker = session.worker
-        if worker is None:
-            return
-        worker.sessions.discard(session.session_id)
-        with session.lock:
-            forwards, idle = session.draft_forwards, session.draft_idle_s
-            session.draft_forwards_done += forwards
-            session.draft_idle_done += idle
-            session.draft_forwards, session.draft_idle_s = 0, 0.0
-            session.worker = None
-            link = session.card.detach(keep_tree)
-        if stop and link is not None:
-            link.stop()
-
-    def _rebalance(self) -> None:
-        """Give every session without a worker one, where a matching worker has room."""
-        for session in self._sessions.values():
-            if session.worker is not None or session.draft_refused or session.paused:
-                continue
-            worker = self.registry.pick(session.fingerprint, session.route, session.default_pool)
-            if worker is not None:
-                self._attach(session, worker)
-
-    def worker_joined(self, worker: Worker, replaced: Worker | None) -> None:
-        with self.lock:
-            if replaced is not None:
-                self.worker_left(replaced)
-            self._rebalance()
-
-    def rebalance(self) -> None:
-        """A worker may take sessions again (its command stream opened, it was resumed): give
-        every waiting session one where a matching worker has room."""
-        with self.lock:
-            self._rebalance()
-
-    def worker_left(self, worker: Worker) -> None:
-        """``worker`` is gone: its sessions continue without it (or with another worker)."""
-        with self.lock:
-            orphans = [self._sessions[sid] for sid in list(worker.sessions) if sid in self._sessions]
-            worker.sessions.clear()
-            for session in orphans:
-                self._detach(session)
-            self._rebalance()
-        if orphans:
-            moved = sum(s.worker is not None for s in orphans)
-            log.warning("draft %s left; %d of its %d session(s) moved to other workers, the rest continue "
-                        "without a draft", worker.name, moved, len(orphans), extra={"draft": worker.name})
-
-    def drain(self, workers: Sequence[Worker]) -> int:
-        """Move the sessions of ``workers`` (now drained: Registry.drain) to other workers: each
-        drained worker is told to stop them, and they go where a new session of theirs would (their
-        pool first). Returns how many moved to a worker."""
-        with self.lock:
-            moving = [self._sessions[sid] for w in workers if w.draining
-                      for sid in sorted(w.sessions) if sid in self._sessions]
-            for session in moving:
-                self._detach(session, stop=True)
-            self._rebalance()
-            moved = sum(s.worker is not None for s in moving)
-        if moving:
-            log.info("drained %s: %d of %d session(s) moved to other workers",
-                     ", ".join(w.name for w in workers), moved, len(moving))
-        return moved
-
     # ---- target side --------------------------------------------------------------------------
     def open(self, prompt_ids: Sequence[int], fingerprint: str, target_model: str,
              draft: str = "", chain: ChainPolicy | None = None, vocab_size: int = 0,
@@ -266,14 +139,12 @@ class SessionTable:
              default_pool: str = "", paused: bool = False) -> Session:
         """``draft``: a pool or a worker's name (card.common.drafts.route_draft; "" = any pool,
         ``default_pool`` first); ``chain`` goes over the configured chain settings for this session
-        (None: keep them);
-        ``draw``: its chains are drawn (verify rejection; None: the best path);
+        (None: keep them); ``draw``: its chains are drawn (verify rejection; None: the best path);
         ``vocab_size`` / ``context_window``: the target's (0 = not told); ``idle_timeout_s``: how
-        long the session lives without a Step or keepalive (0 = the cache's; it is also the cap).
-        InvalidArgument: an empty
+        long the session lives without a Step or keepalive (0 = the cache's; it is also the cap);
+        ``paused``: no worker drafts for it until a Step resumes it. InvalidArgument: an empty
         prompt, one at or past the context window, a token outside the vocabulary, no fingerprint,
-        or a chain policy out of range. ``paused``: no worker drafts for it until a Step resumes it.
-        NotFound / FailedPrecondition: ``draft`` names no pool or
+        or a chain policy out of range. NotFound / FailedPrecondition: ``draft`` names no pool or
         worker, or one with another tokenizer. ResourceExhausted: the named worker is full."""
         if self.closing:
             raise Unavailable("the cache service is shutting down; retry against another replica")
@@ -288,31 +159,23 @@ class SessionTable:
         if not fingerprint:
             raise InvalidArgument("tokenizer_fingerprint is required to match a draft to the target")
         params = chain.over(self.config.tree) if chain is not None else self.config.tree
-        route = self.registry.route(draft, fingerprint, target_model or "the target", self.pool_stats.names())
+        route = self.assignments.route(draft, fingerprint, target_model or "the target",
+                                       self.pool_stats.names())
         # model-free chains from the session's own text where its tree holds nothing (a miss while
         # the draft restarts, no worker free): the target verifies something every step
         lookup = PromptLookup(vocab_size) if self.config.model_free_chains and vocab_size else None
         card = CardSession(params, self.device, draw=draw, lookup=lookup)
         card.open(prompt_ids)
-        session = Session(
-            session_id=uuid.uuid4().hex, target_model=target_model or "unknown", fingerprint=fingerprint,
-            draft_name=draft, card=card, prompt_tokens=len(prompt_ids), vocab_size=vocab_size,
-            idle_timeout_s=idle_timeout_s, route=route, default_pool=default_pool, paused=paused,
-        )
+        seat = Seat(uuid.uuid4().hex, fingerprint, card, route, default_pool, paused=paused)
+        self.assignments.join(seat)  # ResourceExhausted: the worker it names is full
+        session = Session(seat.session_id, target_model or "unknown", draft, seat, len(prompt_ids),
+                          vocab_size=vocab_size, idle_timeout_s=idle_timeout_s)
         with self.lock:
-            pinned = self.registry.named(route.worker)
-            if pinned is not None and pinned.full and not pinned.draining and not paused:
-                raise ResourceExhausted(
-                    f"draft {route.worker!r} is at capacity ({pinned.capacity} sessions); retry later, name "
-                    f"its pool {route.pool!r}, or leave the draft unnamed")
-            worker = None if paused else self.registry.pick(fingerprint, route, default_pool)
             self._sessions[session.session_id] = session
-            if worker is not None:
-                self._attach(session, worker)
         # no Redis write here: the monitor writes the live record of a session that outlives a round
         metrics.SESSIONS_OPEN.inc()
         log.info("session %s opened (%d prompt tokens, draft %s)", session.session_id, len(prompt_ids),
-                 worker.name if worker else "none", extra={"session_id": session.session_id})
+                 session.draft or "none", extra={"session_id": session.session_id})
         return session
 
     def step(self, session_id: str, correction: Correction,
@@ -324,11 +187,11 @@ class SessionTable:
         t0 = time.perf_counter()
         session = self.get(session_id)
         with session.lock:
-            if session.closed:
+            if session.card.closed:
                 raise NotFound(f"session {session_id!r} is closed")
             result = session.card.step(correction)  # Aborted on a stale epoch
-        if pause_draft != session.paused:
-            self._pause(session, pause_draft)
+        if pause_draft != session.seat.paused:
+            self.assignments.pause(session.seat, pause_draft)
             if pause_draft:  # the tree is gone: what the session's own text suggests, if anything
                 with session.lock:
                     chain, looked_up = session.card.offer()
@@ -338,10 +201,10 @@ class SessionTable:
             pool, chain_len, busy_s = session.chain_pool, session.chain_len, now - session.last_step
             session.last_active = session.last_step = now
             session.chain_len = len(result.chain.tokens)
-            serving = session.worker
+            link = session.card.link
             # a looked-up chain is no pool's: its acceptance says nothing of the draft
             drafted = session.chain_len and not result.looked_up
-            session.chain_pool = serving.pool if serving is not None and drafted else ""
+            session.chain_pool = link.worker.pool if isinstance(link, WorkerLink) and drafted else ""
         assert result.outcome is not None
         if pool:
             self.pool_stats.record(pool, chain_len, len(correction.accepted_tokens), result.outcome in HITS,
@@ -353,35 +216,18 @@ class SessionTable:
         metrics.STEP_LATENCY.observe(time.perf_counter() - t0)
         return result.chain, result.outcome
 
-    def _pause(self, session: Session, pause: bool) -> None:
-        """Pause a session's drafting (its worker is told to stop and serves others; its tree
-        empties) or resume it (a worker is picked as for a new session, and starts from the whole
-        committed text at once: the tree is empty)."""
-        with self.lock:
-            if session.closed:
-                return
-            session.paused = pause
-            if pause:
-                self._detach(session, stop=True, keep_tree=False)
-                self._rebalance()  # its place on the worker may serve a waiting session
-            elif not session.draft_refused:
-                worker = self.registry.pick(session.fingerprint, session.route, session.default_pool)
-                if worker is not None:
-                    self._attach(session, worker)
-        metrics.DRAFT_PAUSES.labels("pause" if pause else "resume").inc()
-
     def close(self, session_id: str, stats: GenerationStats | None = None,
               status: str = "finished") -> tuple[int, float]:
         """End the session everywhere; returns the draft's (forwards, idle seconds). Its finished
         record (a bounded summary, whatever ``stats`` holds) goes to the RecordWriter: this never
         waits for Redis, and a record the writer cannot take is dropped and counted."""
         session = self._remove(session_id)
-        forwards, idle = session.draft_totals()
+        forwards, idle = session.seat.totals()
         card = session.card
         cache_counts = {o.value: n for o, n in card.outcomes.items()}
         record: dict[str, str | int | float] = {
             **session.record(),  # the live fields: the live record may never have been written
-            "status": status, "closed_unix": time.time(), "epoch": session.epoch,
+            "status": status, "closed_unix": time.time(), "epoch": card.epoch,
             "committed_tokens": len(card.committed), "steps": card.steps, "layers": card.layers,
             "lookup_chains": card.looked_up,
             "draft_forwards": forwards, "draft_idle_s": idle,
@@ -403,18 +249,14 @@ class SessionTable:
         return forwards, idle
 
     def _remove(self, session_id: str) -> Session:
+        """Take the session out of the table (under the table lock alone), then close its card
+        under its own lock (a Step in flight finishes first), then free its worker's place."""
         with self.lock:
             session = self._sessions.pop(session_id, None)
-            if session is None:
-                raise NotFound(f"session {session_id!r} is not open on this cache service")
-            worker = session.worker
-            if worker is not None:
-                worker.sessions.discard(session_id)
-            with session.lock:
-                session.worker = None
-                session.card.close()  # StopDraft to the worker; the tree's tensors are freed now
-            if worker is not None:
-                self._rebalance()  # the freed slot may serve a waiting session
+        if session is None:
+            raise NotFound(f"session {session_id!r} is not open on this cache service")
+        session.card.close()  # StopDraft to the worker; the tree's tensors are freed now
+        self.assignments.leave(session.seat)  # the freed place may serve a waiting session
         metrics.SESSIONS_OPEN.dec()
         return session
 
@@ -456,30 +298,9 @@ class SessionTable:
             return False
         layer.check(session.vocab_size)
         with session.lock:
-            worker = session.worker
-            if worker is None or worker.worker_id != worker_id:
-                return False
-            if not session.card.apply_layer(layer):  # closed, or layers of the old tree
-                return False
-            session.draft_forwards = draft_forwards
-            session.draft_idle_s = draft_idle_s
-        return True
-
-    def draft_dropped(self, session_id: str, worker_id: str) -> bool:
-        """Worker ``worker_id`` gave the session up: free its place in the worker's capacity (a
-        waiting session may take it). The session goes on with the chains its tree still holds,
-        then without a draft; a worker that could not hold it once is not asked again. False when
-        the worker does not serve the session (anymore)."""
-        with self.lock:
-            session = self._sessions.get(session_id)
-            if session is None or session.worker is None or session.worker.worker_id != worker_id:
-                return False
-            worker = session.worker
-            self._detach(session)
-            session.draft_refused = True
-            self._rebalance()
-        log.warning("draft %s dropped session %s; it goes on without a draft", worker.name, session_id,
-                    extra={"session_id": session_id, "draft": worker.name})
+            if not session.seat.linked(worker_id) or not session.card.apply_layer(layer):
+                return False  # another worker serves it (or none), it is closed, or an old tree's
+            session.seat.forwards, session.seat.idle_s = draft_forwards, draft_idle_s
         return True
 
     # ---- records ------------------------------------------------------------------------------
@@ -497,7 +318,7 @@ class SessionTable:
             if session.live_written and not everything:
                 continue
             with session.record_lock:
-                if session.closed:
+                if session.card.closed:
                     continue
                 self.store.put_session(session.session_id, session.record(), self.config.session_ttl_s)
                 session.live_written = True

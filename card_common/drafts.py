@@ -1,5 +1,5 @@
 """Draft names and pools: one owner for the rule a request's ``draft`` follows, used by the cache
-when it assigns a session (cache_service.registry) and by card-target when it checks a request at
+when it assigns a session (cache_service.assignment) and by card-target when it checks a request at
 its edge, before the request waits for a KV slot (target_service.cache_link.DraftDirectory).
 
 A request names a pool (every worker started with that ``card-draft --pool``), or one worker by its

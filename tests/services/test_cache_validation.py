@@ -92,19 +92,20 @@ def test_registrations_are_bounded(cache, name: str, capacity: int, fault: str) 
 
 
 def test_a_name_passes_to_a_new_worker_only_once_its_holder_is_gone() -> None:
-    from card.cache_service.registry import DraftRegistration, Registry
+    from card.cache_service.assignment import Assignments
+    from card.cache_service.registry import DraftRegistration
     from card.engine.shared.errors import AlreadyExists
 
-    registry = Registry()
+    assignments = Assignments()
     reg = DraftRegistration(name="w", model="m", fingerprint="fp", capacity=2)
-    first, replaced = registry.register(reg, live_s=0.2)
+    first, replaced = assignments.register(reg, live_s=0.2)
     assert replaced is None
     with pytest.raises(AlreadyExists):  # it heartbeats (registration counts as one)
-        registry.register(reg, live_s=0.2)
+        assignments.register(reg, live_s=0.2)
     first.streaming = True  # its Commands stream is open: live whatever the heartbeat says
     first.last_heartbeat -= 10
     with pytest.raises(AlreadyExists):
-        registry.register(reg, live_s=0.2)
+        assignments.register(reg, live_s=0.2)
     first.streaming = False  # no stream and three heartbeats missed: gone
-    second, replaced = registry.register(reg, live_s=0.2)
-    assert replaced is first and first.closed and registry.get(second.worker_id) is second
+    second, replaced = assignments.register(reg, live_s=0.2)
+    assert replaced is first and first.closed and assignments.get(second.worker_id) is second

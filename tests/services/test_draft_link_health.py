@@ -3,7 +3,7 @@
 
 Real parts: card-cache and card-draft (model-free, ``--model ngram``) as subprocesses, a real
 redis-server; and, for a layer stream that fails while the command stream stays open, a real
-cache (SessionTable, Registry, servicer) whose PublishLayers refuses its first stream."""
+cache (SessionTable, Assignments, servicer) whose PublishLayers refuses its first stream."""
 
 from __future__ import annotations
 
@@ -19,8 +19,8 @@ import grpc
 import pytest
 from prometheus_client import REGISTRY
 
+from card.cache_service.assignment import Assignments
 from card.cache_service.monitor import Monitor
-from card.cache_service.registry import Registry
 from card.cache_service.servicer import CacheServicer
 from card.cache_service.sessions import SessionTable
 from card.cache_service.store import RedisStore
@@ -150,20 +150,21 @@ class RefusesOneLayerStream(CacheServicer):
 
 
 @pytest.fixture
-def flaky_cache(redis_url: str, redis_prefix: str) -> Iterator[tuple[str, RefusesOneLayerStream, Registry]]:
+def flaky_cache(redis_url: str, redis_prefix: str
+                ) -> Iterator[tuple[str, RefusesOneLayerStream, Assignments]]:
     config = make_config(redis_url, redis_prefix, heartbeat_interval_s=0.5)
     store = RedisStore(config.redis_url, config.redis_prefix)
-    registry = Registry()
-    sessions = SessionTable(config, store, registry)
-    monitor = Monitor(config, store, registry, sessions, lambda serving: None)
-    servicer = RefusesOneLayerStream(config, store, registry, sessions, monitor)
+    assignments = Assignments()
+    sessions = SessionTable(config, store, assignments)
+    monitor = Monitor(config, store, assignments, sessions, lambda serving: None)
+    servicer = RefusesOneLayerStream(config, store, assignments, sessions, monitor)
     server = make_server(16)
     cache_pb2_grpc.add_CacheServiceServicer_to_server(servicer, server)
     port = bind(server, "127.0.0.1:0")
     server.start()
     monitor.start()
     try:
-        yield f"127.0.0.1:{port}", servicer, registry
+        yield f"127.0.0.1:{port}", servicer, assignments
     finally:
         servicer.fail_now.set()
         monitor.stop()
@@ -174,10 +175,10 @@ def flaky_cache(redis_url: str, redis_prefix: str) -> Iterator[tuple[str, Refuse
 
 
 def test_a_failed_layer_stream_makes_the_draft_not_serving(
-        flaky_cache: tuple[str, RefusesOneLayerStream, Registry]) -> None:
+        flaky_cache: tuple[str, RefusesOneLayerStream, Assignments]) -> None:
     """PublishLayers fails while Commands stays open: the draft could take commands but its layers
     reach no one. It goes NOT_SERVING, registers again and is SERVING on the new registration."""
-    addr, servicer, registry = flaky_cache
+    addr, servicer, assignments = flaky_cache
     states: list[bool] = []
     config = DraftConfig(cache_addr=addr, model=ModelConfig("ngram"), name="flaky-layers",
                          drafter=DrafterKind.NGRAM, ngram=NgramConfig(table_mb=0.0), tokenizer="unused",
@@ -194,12 +195,12 @@ def test_a_failed_layer_stream_makes_the_draft_not_serving(
     link.start()
     try:
         wait_for(lambda: states[-1:] == [True], what="the first registration")
-        (first,) = registry.workers()
+        (first,) = assignments.workers()
         servicer.fail_now.set()  # the layer stream fails; the command stream is still open
         wait_for(lambda: False in states, what="NOT_SERVING after the layer stream failed")
         wait_for(lambda: states[-1:] == [True] and servicer.streams == 2,
                  what="SERVING on a new registration")
-        (second,) = registry.workers()
+        (second,) = assignments.workers()
         assert second.worker_id != first.worker_id and second.name == "flaky-layers"
         assert states[0] is True and states.index(False) < len(states) - 1
         assert REGISTRY.get_sample_value("card_draft_link_lost_total", {"cause": "layers"}) == lost + 1

@@ -20,8 +20,8 @@ from pathlib import Path
 import grpc
 import pytest
 
+from card.cache_service.assignment import Assignments
 from card.cache_service.monitor import Monitor
-from card.cache_service.registry import Registry
 from card.cache_service.servicer import CacheServicer
 from card.cache_service.sessions import SessionTable
 from card.cache_service.store import RedisStore
@@ -125,10 +125,10 @@ def test_negative_control_a_pool_without_stream_threads_starves(redis_url: str, 
     drafts each holding its two streams, has no thread left for OpenSession."""
     config = make_config(redis_url, redis_prefix)
     store = RedisStore(config.redis_url, config.redis_prefix)
-    registry = Registry()
-    sessions = SessionTable(config, store, registry)
-    monitor = Monitor(config, store, registry, sessions, lambda serving: None)
-    servicer = CacheServicer(config, store, registry, sessions, monitor)
+    assignments = Assignments()
+    sessions = SessionTable(config, store, assignments)
+    monitor = Monitor(config, store, assignments, sessions, lambda serving: None)
+    servicer = CacheServicer(config, store, assignments, sessions, monitor)
     server = make_server(16)  # as card-cache was: one pool for every call, streams included
     cache_pb2_grpc.add_CacheServiceServicer_to_server(servicer, server)
     addr = f"127.0.0.1:{bind(server, '127.0.0.1:0')}"

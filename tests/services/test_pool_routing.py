@@ -1,13 +1,14 @@
 """The rules of draft pools without a network: naming (card.common.drafts), weights and their
-round robin (PoolRouter), which workers may take a session (Registry.pick), and the bound on a
+round robin (PoolRouter), which workers may take a session (Assignments.pick), and the bound on a
 worker's command queue. The same rules through real gRPC: test_cache_service.py."""
 
 from __future__ import annotations
 
 import pytest
 
+from card.cache_service.assignment import Assignments
 from card.cache_service.pools import PoolRouter
-from card.cache_service.registry import MIN_COMMAND_BACKLOG, DraftRegistration, Registry
+from card.cache_service.registry import MIN_COMMAND_BACKLOG, DraftRegistration
 from card.common.drafts import DraftEntry, Route, parse_pool_weights, pool_name, route_draft
 from card.draft_service.config import default_pool, default_worker_name
 from card.engine.shared.commands import StopDraft
@@ -54,39 +55,39 @@ def test_route_names_a_pool_a_worker_or_nothing() -> None:
         route_draft("nope", entries, "fp", "t")
 
 
-def registered(registry: Registry, name: str, pool: str, capacity: int = 2, stream: bool = True):
-    worker, _ = registry.register(DraftRegistration(name, "model", "fp", capacity, pool), live_s=10.0)
+def registered(assignments: Assignments, name: str, pool: str, capacity: int = 2, stream: bool = True):
+    worker, _ = assignments.register(DraftRegistration(name, "model", "fp", capacity, pool), live_s=10.0)
     worker.streaming = stream
     return worker
 
 
 def test_only_live_undrained_workers_with_room_take_sessions() -> None:
-    registry = Registry()
-    silent = registered(registry, "silent", "p", capacity=4096, stream=False)  # heartbeats, no stream
-    busy = registered(registry, "busy", "p", capacity=1)
+    assignments = Assignments()
+    silent = registered(assignments, "silent", "p", capacity=4096, stream=False)  # heartbeats, no stream
+    busy = registered(assignments, "busy", "p", capacity=1)
     busy.sessions.add("s0")
-    assert registry.pick("fp") is None  # the only one with room has no command stream
+    assert assignments.pick("fp") is None  # the only one with room has no command stream
     assert silent.capacity == 4096
-    free = registered(registry, "free", "p")
-    assert registry.pick("fp") is free
-    assert registry.pick("fp", Route("p", "busy")) is free  # its named worker is full: a pool peer
+    free = registered(assignments, "free", "p")
+    assert assignments.pick("fp") is free
+    assert assignments.pick("fp", Route("p", "busy")) is free  # its named worker is full: a pool peer
     free.draining = True
-    assert registry.pick("fp", Route("p", "")) is None
-    assert registry.pick("other-fp") is None
+    assert assignments.pick("fp", Route("p", "")) is None
+    assert assignments.pick("other-fp") is None
 
 
 def test_default_pool_first_then_the_weights() -> None:
-    registry = Registry(router=PoolRouter(parse_pool_weights("a=1")))
-    a, b = registered(registry, "a1", "a"), registered(registry, "b1", "b")
-    assert registry.pick("fp") is a
-    assert registry.pick("fp", default_pool="b") is b
+    assignments = Assignments(router=PoolRouter(parse_pool_weights("a=1")))
+    a, b = registered(assignments, "a1", "a"), registered(assignments, "b1", "b")
+    assert assignments.pick("fp") is a
+    assert assignments.pick("fp", default_pool="b") is b
     a.sessions.update({"s1", "s2"})  # full
-    assert registry.pick("fp") is b  # the weighted pool has no room: an unweighted one
+    assert assignments.pick("fp") is b  # the weighted pool has no room: an unweighted one
 
 
 def test_a_worker_that_stops_reading_commands_is_dropped() -> None:
-    registry = Registry()
-    worker = registered(registry, "slow", "p", capacity=1)
+    assignments = Assignments()
+    worker = registered(assignments, "slow", "p", capacity=1)
     cancelled = []
     worker.cancel_stream = lambda: cancelled.append(True)
     for i in range(MIN_COMMAND_BACKLOG):
