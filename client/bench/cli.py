@@ -32,7 +32,7 @@ from card.client.bench.modes import (
     SVC_VANILLA,
     VANILLA,
     BenchMode,
-    Mode,
+    BuiltMode,
     ModeSettings,
     ServiceMode,
     build_mode,
@@ -111,7 +111,7 @@ def _trio(target_model: str, draft_model: str, dtype: str, draft_quantize: str, 
         yield trio
 
 
-def run_bench(target: LoadedModel, draft: LoadedModel | None, modes: list[Mode],
+def run_bench(target: LoadedModel, draft: LoadedModel | None, modes: list[BuiltMode],
               datasets: list[data.Dataset], max_new_tokens: int, warmup_tokens: int,
               progress: bool = True) -> list[dict]:
     """Every prompt through every mode (order rotating per prompt); one record per run."""
@@ -356,7 +356,7 @@ def bench(*, target_model: str, draft_model: str, target_dtype: str, draft_dtype
         click.echo(f"one-model modes on {settings.all_threads} thread(s) (decoding step: {steps})", err=True)
 
     with contextlib.ExitStack() as stack:
-        built: list[Mode] = []
+        built: list[BuiltMode] = []
         for m in runs:
             built.append(build_mode(m, target, draft, settings))
             stack.callback(built[-1].close)

@@ -157,7 +157,9 @@ class ModeOutput:
     finish_reason: str = ""
 
 
-class Mode(Protocol):
+class BuiltMode(Protocol):
+    """A BenchMode built to run prompts (EngineMode, HFMode, ServiceMode), under its name."""
+
     name: str
     threads: dict[str, int]
 
@@ -317,7 +319,7 @@ class ModeSettings:
     verify: VerifyPolicy = field(default_factory=VerifyPolicy)
 
 
-def build_mode(mode: BenchMode, target: LoadedModel, draft: LoadedModel | None, s: ModeSettings) -> Mode:
+def build_mode(mode: BenchMode, target: LoadedModel, draft: LoadedModel | None, s: ModeSettings) -> BuiltMode:
     """An in-process mode (InvalidArgument where it needs the draft model and has none)."""
     if mode.needs_draft and draft is None:
         raise InvalidArgument(f"mode {mode} needs a draft model")
