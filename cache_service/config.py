@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from card.cache_service.registry import MAX_LAYER_STREAMS
 from card.common.drafts import parse_pool_weights
@@ -67,7 +68,7 @@ class CacheConfig:
     json_logs: bool = False
 
     @classmethod
-    def from_options(cls, *, device: str, tree_flags: dict[str, object], draft_token: str | None,
+    def from_options(cls, *, device: str, tree_flags: dict[str, Any], draft_token: str | None,
                      target_token: str | None, pool_weights: str = "", **options: object) -> CacheConfig:
         """The config of card-cache's flags (one keyword per flag; every other flag is a field).
         The cache sits with the target: its hardware says how long a chain pays to verify."""

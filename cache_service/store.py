@@ -102,7 +102,9 @@ class RedisStore:
         self.url = url
         self.prefix = prefix
         # fail fast when Redis is down: the caller decides (health flips, writes are retried later)
-        self.client = redis.Redis.from_url(
+        # redis-py types every reply bytes | str; with decode_responses=True each is str, so the client
+        # is untyped here and each method below states what it returns
+        self.client: Any = redis.Redis.from_url(
             url, decode_responses=True, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
             retry=Retry(ExponentialBackoff(cap=0.2, base=0.02), 1),
         )

@@ -19,6 +19,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import click
 import torch
@@ -60,7 +61,7 @@ from card.engine.target.controller import SPECULATION_MODES
 EXIT_MISMATCH = 1
 
 
-def bench_trees(device_type: str, overrides: dict[str, object]) -> tuple[TreeParams, TreeParams]:
+def bench_trees(device_type: str, overrides: Mapping[str, Any]) -> tuple[TreeParams, TreeParams]:
     """The neural modes' tree and the n-gram modes' tree (the model-free depth and chain), each
     the hardware default for ``device_type`` with the flags given over it."""
     return (default_tree_params(device_type).with_overrides(**overrides),
@@ -280,7 +281,7 @@ def _parse_variant(value: str) -> tuple[str, dict[str, object]]:
 @tls_options("card-bench", serves=False, envvar_prefix="CARD_BENCH")
 @ngram_options("card-bench", envvar_prefix="CARD_BENCH")
 @exact_option("CARD_BENCH")
-def main(**opts: object) -> None:
+def main(**opts: Any) -> None:  # click's values, typed by bench's signature
     """Compare decoding modes on the same prompts, on this machine, in one run."""
     with exit_on_error("card-bench"):
         code = bench(**opts)

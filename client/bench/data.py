@@ -82,8 +82,8 @@ def data_dir(override: str | Path | None = None) -> Path:
 def resolve(spec: str, directory: str | Path | None = None) -> tuple[str, Path]:
     """``gsm8k`` | ``name=path`` | ``path`` -> (name, path)."""
     if "=" in spec:
-        name, _, path = spec.partition("=")
-        return name, Path(path).expanduser()
+        name, _, where = spec.partition("=")
+        return name, Path(where).expanduser()
     if spec in KNOWN:
         return spec, data_dir(directory) / KNOWN[spec]
     path = Path(spec).expanduser()
@@ -107,16 +107,16 @@ def prompt_of(record: object) -> str | list[dict]:
     if isinstance(record.get("turns"), list) and record["turns"]:
         return str(record["turns"][0])
     if isinstance(record.get("conversations"), list):
-        human = [t.get("value") for t in record["conversations"] if isinstance(t, dict)
-                 and t.get("from") in ("human", "user") and isinstance(t.get("value"), str)]
+        human = [value for t in record["conversations"] if isinstance(t, dict)
+                 and t.get("from") in ("human", "user") and isinstance(value := t.get("value"), str)]
         if human:
             return human[0]
     instruction, extra = record.get("instruction"), record.get("input")
     if isinstance(instruction, str) and isinstance(extra, str) and extra:
         return f"{record['instruction']}\n\n{record['input']}"
     for key in PROMPT_KEYS:
-        if isinstance(record.get(key), str) and record[key]:
-            return record[key]
+        if isinstance(value := record.get(key), str) and value:
+            return value
     raise InvalidArgument(f"a record has none of 'messages', 'turns', 'conversations', "
                           f"{', '.join(repr(k) for k in PROMPT_KEYS)}: keys {sorted(record)}")
 

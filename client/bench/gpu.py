@@ -30,6 +30,7 @@ from card.engine.inprocess.runner import InProcessRunner, RunnerConfig
 from card.engine.loading.invariant import make_exact
 from card.engine.loading.models import LoadedModel
 from card.engine.shared.config import GenerationRequest, SamplingParams, StopParams, TreeParams
+from card.engine.shared.hf import CausalLM
 from card.engine.shared.kv_pool import KVPool, Segment, forward
 from card.engine.target.chain_source import NoDraft
 from card.engine.target.controller import SpeculationControl, SpeculationController
@@ -44,13 +45,14 @@ ROWS = (1, 2, 4, 8, 16, 32, 64, 128)
 IN_FLIGHT = (1, 4, 8, 32)
 
 
-def random_qwen(shape: dict, seed: int, device: str, exact: bool) -> torch.nn.Module:
+def random_qwen(shape: dict, seed: int, device: str, exact: bool) -> CausalLM:
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(seed)
     config = Qwen2Config(**shape, max_position_embeddings=4096, tie_word_embeddings=True)
     with torch.device(device):
-        model = Qwen2ForCausalLM(config).to(torch.bfloat16).eval()
+        model: CausalLM = Qwen2ForCausalLM(config)
+        model = model.to(torch.bfloat16).eval()
     make_exact(model, exact=exact)
     return model
 
@@ -67,7 +69,7 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def forward_ms(model: torch.nn.Module, rows: int, exact: bool, context: int, device: str,
+def forward_ms(model: CausalLM, rows: int, exact: bool, context: int, device: str,
                repeats: int = 20) -> float:
     """Median ms of one forward of ``rows`` decoding rows at ``context`` tokens of history."""
     sessions = max(1, rows // 8)

@@ -28,10 +28,12 @@ from card.engine.shared.config import DrafterKind
 from card.engine.shared.stats import GenerationStats
 from card.v1 import target_pb2, target_pb2_grpc
 
+# text (with the target's chat template), a conversation's role/content messages, or token ids
+Prompt = str | Sequence[int] | Sequence[Mapping[str, str]]
 REFERENCE = SVC_VANILLA
 
 
-def one_request(addr: str, prompt: str | Sequence[int] | Sequence[Mapping[str, str]], mode: str,
+def one_request(addr: str, prompt: Prompt, mode: str,
                 max_new_tokens: int, ignore_eos: bool, timeout_s: float = 600.0, tls: TlsConfig = PLAINTEXT,
                 api_key: str | None = None, draft: str | None = None) -> dict:
     """Stream one generation of ``prompt`` (text, with the target's chat template; a conversation,
@@ -42,11 +44,11 @@ def one_request(addr: str, prompt: str | Sequence[int] | Sequence[Mapping[str, s
                                          draft=draft or "")
     if isinstance(prompt, str):
         request.prompt = prompt
-    elif prompt and isinstance(prompt[0], Mapping):
-        request.messages.messages.extend(target_pb2.ChatMessage(role=m["role"], content=m["content"])
-                                         for m in prompt)  # type: ignore[index]
+    elif all(isinstance(t, int) for t in prompt):
+        request.prompt_ids.CopyFrom(ids_to_msg([t for t in prompt if isinstance(t, int)]))
     else:
-        request.prompt_ids.CopyFrom(ids_to_msg(list(prompt)))  # type: ignore[arg-type]
+        request.messages.messages.extend(target_pb2.ChatMessage(role=m["role"], content=m["content"])
+                                         for m in prompt if isinstance(m, Mapping))
     t0 = time.perf_counter()
     stamps: list[tuple[float, int]] = []
     tokens: list[int] = []
@@ -65,7 +67,7 @@ def one_request(addr: str, prompt: str | Sequence[int] | Sequence[Mapping[str, s
             "ttft_s": stamps[0][0] if stamps else wall, "itl_s": gaps}
 
 
-def run_level(addr: str, mode: BenchMode, prompts: Sequence[str | Sequence[int]], concurrency: int,
+def run_level(addr: str, mode: BenchMode, prompts: Sequence[Prompt], concurrency: int,
               max_new_tokens: int, ignore_eos: bool, ramp_s: float = 0.0,
               tls: TlsConfig = PLAINTEXT, api_key: str | None = None,
               pools: Mapping[DrafterKind, str] = SERVICE_POOLS) -> tuple[list[dict], float]:
@@ -103,7 +105,7 @@ def run_level(addr: str, mode: BenchMode, prompts: Sequence[str | Sequence[int]]
     return records, time.perf_counter() - t0
 
 
-def run_load(addr: str, modes: Sequence[BenchMode], prompts: Sequence[str | Sequence[int]],
+def run_load(addr: str, modes: Sequence[BenchMode], prompts: Sequence[Prompt],
              levels: Sequence[int], max_new_tokens: int, ignore_eos: bool, log=print,
              tls: TlsConfig = PLAINTEXT, api_key: str | None = None,
              pools: Mapping[DrafterKind, str] = SERVICE_POOLS) -> tuple[list[dict], list[dict]]:

@@ -171,7 +171,7 @@ def machine_info(threads: dict[str, dict[str, int]]) -> dict:
             cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
     except OSError:
         pass
-    info = {
+    info: dict[str, object] = {
         "cpu_model": cpu,
         "cpu_count": os.cpu_count(),
         "platform": platform.platform(),

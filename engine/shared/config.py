@@ -402,7 +402,7 @@ def default_tree_params(device_type: str, drafter: DrafterKind = DrafterKind.NEU
     return tree
 
 
-def tree_params(device: str, drafter: DrafterKind = DrafterKind.NEURAL, **overrides: object) -> TreeParams:
+def tree_params(device: str, drafter: DrafterKind = DrafterKind.NEURAL, **overrides: Any) -> TreeParams:
     """The hardware default for ``device`` (a device spec, ``auto`` included) and ``drafter``,
     with every flag that was given (not None) over it: what every entry point builds its tree
     settings with."""
