@@ -26,8 +26,7 @@ STOP = StopParams(32)
 @pytest.fixture(scope="module")
 def trio(redis_server, tmp_path_factory, smollm2_gguf):
     with LocalTrio(speculation="always", target_model=str(smollm2_gguf), draft_model=str(smollm2_gguf),
-                   draft_quantize="int8",
-                   draft_name="smollm2-int8", target_threads=1, draft_threads=1,
+                   draft_quantize="int8", draft_name="smollm2-int8", target_threads=1, draft_threads=1,
                    log_dir=tmp_path_factory.mktemp("e2e-smollm2-logs"), redis_url=redis_server.url,
                    start_timeout_s=400) as trio:
         yield trio
