@@ -1,7 +1,8 @@
 """End to end with the real SmolLM2-135M-Instruct (Q4_1 GGUF): the default pair, the target in
 float32 and the same model as an int8 draft, through the entry points, against in-process vanilla.
-The target runs its default speculation control (auto), as a user's does. Slow: three processes
-dequantize the GGUF (~40 s each on a busy 2-core machine)."""
+The target speculates throughout (--speculation always): under its default (auto) a loaded machine
+may decide plain decoding pays and serve the second request without the draft this test checks.
+Slow: three processes dequantize the GGUF (~40 s each on a busy 2-core machine)."""
 
 from __future__ import annotations
 
@@ -24,8 +25,8 @@ STOP = StopParams(32)
 
 @pytest.fixture(scope="module")
 def trio(redis_server, tmp_path_factory, smollm2_gguf):
-    with LocalTrio(target_model=str(smollm2_gguf), draft_model=str(smollm2_gguf), draft_quantize="int8",
-                   draft_name="smollm2-int8", target_threads=1, draft_threads=1,
+    with LocalTrio(speculation="always", target_model=str(smollm2_gguf), draft_model=str(smollm2_gguf),
+                   draft_quantize="int8", draft_name="smollm2-int8", target_threads=1, draft_threads=1,
                    log_dir=tmp_path_factory.mktemp("e2e-smollm2-logs"), redis_url=redis_server.url,
                    start_timeout_s=400) as trio:
         yield trio
