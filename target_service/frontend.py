@@ -65,9 +65,15 @@ class Running:
         self._aslot = asyncio.Event()
         if aio is None:
             loop.submit(gen, self._box.put, self._slot.set)
-        else:  # the sink and the admission callback run on the engine's thread
-            loop.submit(gen, lambda event: aio.call_soon_threadsafe(self._abox.put_nowait, event),
-                        lambda: aio.call_soon_threadsafe(self._aslot.set))
+            return
+
+        def sink(event: Event) -> None:  # on the engine's thread, as is ``admit``
+            aio.call_soon_threadsafe(self._abox.put_nowait, event)
+
+        def admit() -> None:
+            aio.call_soon_threadsafe(self._aslot.set)
+
+        loop.submit(gen, sink, admit)
 
     @property
     def admitted(self) -> bool:

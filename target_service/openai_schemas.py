@@ -101,7 +101,7 @@ class CompletionBody(_Common):
         return self.logprobs
 
     def prompt_input(self) -> tuple[Prompt, bool]:
-        prompt = self.prompt
+        prompt: Any = self.prompt  # one of the shapes pydantic checked
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
             if len(prompt) != 1:
                 raise InvalidArgument("one prompt per request (a batch of prompts is n requests)")
