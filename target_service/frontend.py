@@ -1,20 +1,12 @@
 """What every front of card-target does with a request, whatever its wire: gRPC (servicer.py) and
 OpenAI-compatible HTTP (openai_api.py) both come here with a ``ValidRequest`` (validation.py).
-
-    start(valid, aio)               a named draft checked against the cache's (DraftDirectory),
-                                       the Generation built with its chain source (RemoteCard or
-                                       NoDraft) and submitted to the engine loop, which refuses it
-                                       at once past --max-waiting; its cache session opens when it
-                                       is admitted to a KV slot, never before
-    Running.wait_admitted(deadline) a KV slot within the call's deadline and --queue-timeout-s,
-      / Running.admission()            else RESOURCE_EXHAUSTED (a gRPC thread / the event loop)
-    for chunk in Running            the one event pump: its chunks in order, an engine error
-      / async for chunk in Running     raised, the end at ``done``
-    Running.cancel()                the client went away or its deadline passed: the generation
-                                       leaves the batch at the next iteration, its cache session
-                                       closes and the draft drops its tree and KV
-
-The engine loop owns the model; fronts never touch it.
+``Frontend.start`` checks a named draft against the cache's (DraftDirectory), builds the
+Generation with its chain source (RemoteCard or NoDraft) and submits it to the engine loop (refused
+at once past --max-waiting; its cache session opens when it is admitted to a KV slot). ``Running``
+waits for that slot within the call's deadline and --queue-timeout-s (else RESOURCE_EXHAUSTED),
+pumps its events to the front, and cancels it when the client goes away (it leaves the batch at the
+next iteration; its cache session closes, the draft drops its tree and KV). The engine loop owns
+the model; fronts never touch it.
 """
 
 from __future__ import annotations
@@ -43,14 +35,11 @@ from card.v1 import cache_pb2_grpc
 
 log = logging.getLogger(__name__)
 
-_NO_DEADLINE_S = 10 * 365 * 86400.0
-
 
 class Running:
-    """One submitted generation, seen from its front, and the one pump of its events into the
-    front's stream. Events come from the engine's thread into a queue a gRPC thread blocks on,
-    or, with ``aio``, into that event loop by ``call_soon_threadsafe`` (no thread parked per
-    stream); either way ``_ended`` is the rule."""
+    """One submitted generation, seen from its front, and the one pump of its events: iterate it
+    (a gRPC thread blocks on a queue) or ``async for`` it (the event loop ``aio``, fed by
+    ``call_soon_threadsafe``: no thread parked per stream) for its chunks; ``_ended`` is the rule."""
 
     def __init__(self, gen: Generation, source: ChainSource, loop: EngineLoop, queue_timeout_s: float,
                  aio: asyncio.AbstractEventLoop | None = None) -> None:
@@ -90,8 +79,7 @@ class Running:
     def _wait_s(self, deadline_s: float | None) -> float:
         """How long it may still wait for a KV slot: the call's deadline, --queue-timeout-s."""
         left = max(0.0, self.queue_timeout_s - (time.monotonic() - self.t0))
-        # gRPC reports a call without a deadline as ~forever, past what a wait takes
-        return left if deadline_s is None or deadline_s > _NO_DEADLINE_S else min(deadline_s, left)
+        return left if deadline_s is None else min(deadline_s, left)
 
     def wait_admitted(self, deadline_s: float | None) -> None:
         """Block (a gRPC thread) until it has a KV slot or has ended; ``deadline_s``: seconds the

@@ -22,11 +22,6 @@ OPEN_PATHS = frozenset({"/health"})  # probes: no key
 DEFAULT_MAX_BODY_BYTES = 4 * 2**20
 
 
-def _unauthorized() -> JSONResponse:
-    return error_response(401, "a valid API key is required (Authorization: Bearer <key>)",
-                          code="invalid_api_key")
-
-
 class _BodyTooLarge(Exception):
     """A chunked body passed the limit while the app read it."""
 
@@ -55,7 +50,8 @@ class Guard:
         headers = dict(scope.get("headers") or ())  # the last of a repeated header wins
         if self.api_key and scope["path"] not in OPEN_PATHS \
                 and not bearer_matches(headers.get(b"authorization", b""), self.api_key):
-            await _unauthorized()(scope, receive, send)
+            await error_response(401, "a valid API key is required (Authorization: Bearer <key>)",
+                                 code="invalid_api_key")(scope, receive, send)
             return
         try:
             length = int(headers.get(b"content-length", b"0"))

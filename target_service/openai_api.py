@@ -1,17 +1,12 @@
 """OpenAI-compatible HTTP front of card-target (``--http-port``): the routes of its FastAPI app.
 Request bodies: openai_schemas.py; answers: openai_shapes.py; streaming: openai_stream.py; the
-door and the listener (uvicorn): http_listener.py.
+door (--api-key, --max-body-mb) and the listener (uvicorn, TLS): http_listener.py.
 
     GET  /v1/models              the served model
     POST /v1/completions         raw text (or token ids) in, text out
     POST /v1/chat/completions    a conversation through the model's chat template
     GET  /health                 200 once the model serves; 503 before, and once shutdown begins
     GET  /metrics                Prometheus, the same registry as --metrics-port (--no-http-metrics: off)
-
-The door (``Guard``) comes before FastAPI reads a byte of a body: with ``--api-key``, every path
-but /health needs ``Authorization: Bearer <key>`` (401 otherwise), and a body over
-``--max-body-mb`` gets 413 (at once by its Content-Length, or as soon as a chunked body passes
-it). ``--http-tls-cert/--http-tls-key`` serve HTTPS, renewed files within a second.
 
 ``stream: true`` answers with server-sent events in OpenAI's chunk shapes, then ``data: [DONE]``;
 ``stream_options.include_usage`` adds the usage chunk. Every request's ``usage`` carries a ``card``

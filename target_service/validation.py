@@ -1,15 +1,10 @@
-"""Validate once at each edge: a front reads its wire's request (gRPC ``GenerateRequest`` in
-servicer.py, OpenAI JSON in openai_schemas.py) into the arguments of ``Validator.validate``, which
-proves it fits this target and returns a ``ValidRequest``; ``Frontend.start`` takes nothing else
-and checks nothing again. The order puts cheap work first (TGI's ``validate`` ->
-``ValidGenerateRequest`` shape):
-
-    mode, acceptance rule, token budget, stop strings, logprobs, chain values
-    the prompt's length before any per-token work: ids by their count, text and conversations
-        by their characters (no token covers more characters than the longest vocabulary piece)
-    tokenization (with the chat template), once; the prompt's length in tokens, its ids in the
-        vocabulary
-    the token budget cut to the room the context leaves (the engine would end there, "length")
+"""Validate once at each edge: a front reads its wire's request (gRPC in servicer.py, OpenAI JSON
+in openai_schemas.py) into ``Validator.validate``, which returns a ``ValidRequest`` (TGI's
+``validate`` -> ``ValidGenerateRequest``); ``Frontend.start`` takes nothing else and checks nothing
+again. Cheap checks come first: the settings, then the prompt's length before any per-token work
+(ids by their count; text by its characters: no token covers more than the longest vocabulary
+piece), then the one tokenization and the length in tokens. The token budget is cut to the room
+the context leaves (the engine would end there anyway, "length").
 """
 
 from __future__ import annotations
