@@ -2,9 +2,8 @@
 in openai_schemas.py) into ``Validator.validate``, which returns a ``ValidRequest`` (TGI's
 ``validate`` -> ``ValidGenerateRequest``); ``Frontend.start`` takes nothing else and checks nothing
 again. Cheap checks come first: the settings, then the prompt's length before any per-token work
-(ids by their count; text by its characters: no token covers more than the longest vocabulary
-piece), then the one tokenization and the length in tokens. The token budget is cut to the room
-the context leaves (the engine would end there anyway, "length").
+(ids by their count, text by its characters), then the one tokenization and the length in tokens.
+The token budget is cut to the room the context leaves (the engine would end there, "length").
 """
 
 from __future__ import annotations
@@ -90,13 +89,13 @@ class Validator:
 
     def _prompt_ids(self, prompt: Prompt, chat: bool | None) -> list[int]:
         if isinstance(prompt, str):
-            self._check_chars(len(prompt))
+            self._check_chars(prompt)
             ids = self.model.encode_prompt(prompt, chat)
         elif not len(prompt):
             raise InvalidArgument("the prompt is empty")
         elif all(isinstance(m, dict) for m in prompt):  # stops at the first id: a count, not a scan
             messages = [m for m in prompt if isinstance(m, dict)]
-            self._check_chars(sum(len(str(m.get("content") or "")) for m in messages))
+            self._check_chars("".join(str(m.get("content") or "") for m in messages))
             ids = self.model.encode_prompt(messages, True if chat is None else chat)
         else:
             self._check_length(f"{len(prompt)} tokens", len(prompt))  # before any per-id work
@@ -112,11 +111,13 @@ class Validator:
         self._check_length(f"{len(ids)} tokens", len(ids))
         return ids
 
-    def _check_chars(self, chars: int) -> None:
-        """A text too long for the context whatever its tokens, refused before it is tokenized."""
+    def _check_chars(self, text: str) -> None:
+        """A text too long for the context whatever its tokens, refused before it is tokenized: a
+        token covers at most ``token_chars`` of its characters, whitespace aside (a normalizer
+        may collapse it), or twice that where a normalizer merges a letter and its accent."""
         if self.token_chars:
-            least = -(-chars // self.token_chars)
-            self._check_length(f"{chars} characters (at least {least} tokens)", least)
+            least = len("".join(text.split())) // (2 * self.token_chars)
+            self._check_length(f"{len(text)} characters (at least {least} tokens)", least)
 
     def _check_length(self, what: str, tokens: int) -> None:
         """InvalidArgument when a prompt of ``tokens`` tokens leaves no room for a new one."""
