@@ -1,6 +1,15 @@
-"""The request bodies of the OpenAI-compatible API (pydantic; an unknown field is an error), and
-how each reads into the one validation (card.target_service.validation): ``body.valid(validator)``.
-Fields that would change the output and are not served are refused, never ignored."""
+"""The request bodies of the OpenAI-compatible API (pydantic), and how each reads into the one
+validation (card.target_service.validation): ``body.valid(validator)``. Fields that would change
+the output and are not served (``n > 1``, tools, penalties, ``logit_bias``, ...) are refused with
+400, never ignored; so is any field this server does not know. Extensions: ``mode`` ("card",
+"card-auto": the model-free lookup or the draft, whichever is faster for the request, or
+"vanilla"), ``draft`` (a draft pool, or a worker name), ``top_k``, ``ignore_eos``, ``verify``
+("exact", the default; "rejection": speculative sampling, the target's distribution but not plain
+decoding's tokens for the seed; or "loose": FLy, lossy) with ``verify_entropy_threshold`` and
+``verify_window``. Defaults follow OpenAI's API, not card-client's: ``temperature`` and ``top_p``
+1.0; ``seed`` makes sampling reproducible (default 0). ``logprobs``: completions 0-20
+alternatives; chat ``logprobs`` with ``top_logprobs`` <= 20.
+"""
 
 from __future__ import annotations
 

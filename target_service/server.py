@@ -39,8 +39,7 @@ from card.engine.target.scheduler import TargetEngine
 from card.target_service.config import TargetConfig
 from card.target_service.engine_loop import EngineLoop, speculation_controller
 from card.target_service.frontend import Frontend
-from card.target_service.http_listener import HttpServer
-from card.target_service.openai_api import create_app
+from card.target_service.openai_api import HttpServer, create_app
 from card.target_service.servicer import TargetServicer
 from card.v1 import cache_pb2_grpc, target_pb2_grpc
 

@@ -17,7 +17,6 @@ import grpc
 from card.common.convert import chain_policy_from_msg, logprobs_to_msg, sampling_from_msg, stats_to_msg
 from card.common.status import grpc_errors, status_code
 from card.common.tensors import ids_array_from_msg, ids_to_msg
-from card.engine.shared.config import ChainPolicy, SamplingParams
 from card.engine.shared.errors import CardError, InvalidArgument
 from card.target_service import metrics
 from card.target_service.frontend import Frontend
@@ -86,8 +85,8 @@ def valid_request(request: target_pb2.GenerateRequest, validator: Validator) -> 
     v = request.verify
     return validator.validate(
         prompt, chat=_CHAT[request.chat],
-        sampling=sampling_from_msg(request.sampling) if request.HasField("sampling") else SamplingParams(),
-        chain=chain_policy_from_msg(request.chain) if request.HasField("chain") else ChainPolicy(),
+        # an unset message reads as the defaults: greedy, the cache's chain settings
+        sampling=sampling_from_msg(request.sampling), chain=chain_policy_from_msg(request.chain),
         max_new_tokens=request.max_new_tokens or None, stop=request.stop, ignore_eos=request.ignore_eos,
         verify=v.mode, entropy_threshold=v.entropy_threshold if v.HasField("entropy_threshold") else None,
         window=v.window if v.HasField("window") else None,

@@ -37,8 +37,7 @@ from card.engine.loading.models import ModelConfig
 from card.engine.shared.errors import InvalidArgument
 from card.target_service.config import TargetConfig
 from card.target_service.frontend import Frontend
-from card.target_service.http_listener import HttpServer
-from card.target_service.openai_api import create_app
+from card.target_service.openai_api import HttpServer, create_app
 from card.v1 import target_pb2, target_pb2_grpc
 from tests.services.certs import Pki, make_pki
 from tests.services.conftest import stop_process

@@ -118,9 +118,8 @@ def same_content(model: LoadedModel) -> list[tuple[target_pb2.GenerateRequest, C
              {"role": "developer", "content": "Be brief."},
              {"role": "user", "content": [{"type": "text", "text": "Hi there"}]}],
                   max_completion_tokens=5, stop="!", mode="vanilla", **sampling)),
-        (target_pb2.GenerateRequest(prompt_ids=ids_to_msg([7, 8, 9]), sampling=wire_sampling,
-                                    max_new_tokens=600),
-         CompletionBody(model=model.name, prompt=[[7, 8, 9]], max_tokens=600, **sampling)),
+        (target_pb2.GenerateRequest(prompt_ids=ids_to_msg([7, 8, 9]), max_new_tokens=600),  # greedy
+         CompletionBody(model=model.name, prompt=[[7, 8, 9]], max_tokens=600, temperature=0)),
     ]
 
 
