@@ -10,9 +10,9 @@ Request bodies (OpenAI's fields and defaults, card's extensions): openai_schemas
 (``usage.card``, vLLM's ``metrics.speculative_decoding``, logprobs, errors): openai_shapes.py.
 ``stream: true``: openai_stream.py. Here: the door (``Guard``: --api-key, --max-body-mb, before a
 body is read), the listener (``HttpServer``: uvicorn on its thread, --http-tls-cert) and the
-routes. No response starts before the request has a KV slot; a client
-that disconnects ends its generation within one target forward, prefill included, and its cache
-session and draft state go with it.
+routes. No response starts before the request has a KV slot; a client that disconnects ends its
+generation within one target forward, prefill included, and its cache session and draft state go
+with it.
 """
 
 from __future__ import annotations
