@@ -70,8 +70,13 @@ def ids_to_msg(ids: Sequence[int]) -> common_pb2.Tensor:
 
 def ids_from_msg(msg: common_pb2.Tensor) -> list[int]:
     """Ids from a 1-D integer tensor; an unset message is the empty list."""
+    return ids_array_from_msg(msg).tolist()
+
+
+def ids_array_from_msg(msg: common_pb2.Tensor) -> array[int]:
+    """``ids_from_msg`` as an array, not yet listed (a bound may read its length first)."""
     if not msg.dtype and not msg.shape and not msg.data:
-        return []
+        return array("q")
     if msg.dtype not in ("int64", "int32"):
         raise InvalidArgument(f"ids must be an int64 or int32 tensor, got dtype {msg.dtype!r}")
     if len(msg.shape) != 1:
@@ -83,4 +88,4 @@ def ids_from_msg(msg: common_pb2.Tensor) -> list[int]:
         )
     values = array(code)
     values.frombytes(msg.data)
-    return values.tolist()
+    return values

@@ -15,6 +15,7 @@ from card.engine.shared.config import (
     MAX_STOP_STRINGS,
     MAX_TEMPERATURE,
     SAMPLING_EPS,
+    ChainPolicy,
     SamplingParams,
     StopParams,
 )
@@ -69,19 +70,20 @@ def test_empty_and_non_string_stop_strings_are_refused(stop: tuple) -> None:
 
 
 def test_the_target_front_refuses_too_many_stop_strings_before_any_work() -> None:
-    """The gRPC servicer and the HTTP front build their request with Frontend.request, which builds
+    """The gRPC servicer and the HTTP front build their request with Validator.validate, which builds
     StopParams: no generation is made of a refused request."""
     from card.engine.loading.models import ModelConfig
     from card.target_service.config import TargetConfig
-    from card.target_service.frontend import Frontend
+    from card.target_service.validation import Validator
 
-    front = Frontend(TargetConfig(model=ModelConfig("default")), None)
-    front._model = LoadedModel("tiny", torch.nn.Linear(1, 1), None, "", frozenset(), 64)
-    front.context_window = 64
-    request = front.request([1, 2, 3], SamplingParams(), 8, ["ab"] * MAX_STOP_STRINGS)
+    model = LoadedModel("tiny", torch.nn.Linear(1, 1), None, "", frozenset(), 64)
+    validator = Validator(model, 64, TargetConfig(model=ModelConfig("default")))
+    request = validator.validate([1, 2, 3], sampling=SamplingParams(), chain=ChainPolicy(), max_new_tokens=8,
+                                 stop=["ab"] * MAX_STOP_STRINGS).generation
     assert request.stop.stop == ("ab",) * MAX_STOP_STRINGS
     with pytest.raises(InvalidArgument) as err:
-        front.request([1, 2, 3], SamplingParams(), 8, ["ab"] * 200_000)
+        validator.validate([1, 2, 3], sampling=SamplingParams(), chain=ChainPolicy(), max_new_tokens=8,
+                           stop=["ab"] * 200_000)
     assert refused(err).endswith("got 200000")
 
 

@@ -1,0 +1,133 @@
+"""Validate once at each edge: a front reads its wire's request (gRPC in servicer.py, OpenAI JSON
+in openai_schemas.py) into ``Validator.validate``, which returns a ``ValidRequest`` (TGI's
+``validate`` -> ``ValidGenerateRequest``); ``Frontend.start`` takes nothing else and checks nothing
+again. Cheap checks come first: the settings, then the prompt's length before any per-token work
+(ids by their count, text by its characters), then the one tokenization and the length in tokens.
+The token budget is cut to the room the context leaves (the engine would end there, "length").
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from card.engine.loading.models import LoadedModel
+from card.engine.shared.config import (
+    ChainPolicy,
+    GenerationRequest,
+    SamplingParams,
+    StopParams,
+    TreeParams,
+    Verify,
+    VerifyPolicy,
+    check_logprobs,
+)
+from card.engine.shared.errors import InvalidArgument
+from card.target_service.config import TargetConfig
+
+MODES = ("card", "card-auto", "vanilla")
+
+Prompt = str | Sequence[dict] | Sequence[int]  # text, a conversation ({role, content}), token ids
+
+
+@dataclass(frozen=True)
+class ValidRequest:
+    """A request proven to fit this target: its prompt tokenized once and within the context
+    with its budget, its sampling, stops, logprobs, chain and acceptance rule checked."""
+
+    generation: GenerationRequest
+    mode: str = "card"
+    draft: str = ""  # a draft pool or worker the request names ("" = the cache's choice)
+
+
+class Validator:
+    """This target's limits (its model, the context a KV slot holds, the operator's settings)
+    and the one check of a request against them."""
+
+    def __init__(self, model: LoadedModel, context_window: int, config: TargetConfig) -> None:
+        self.model = model
+        self.context_window = context_window
+        self.config = config
+        self.vocab_size = int(getattr(getattr(model.model, "config", None), "vocab_size", 0) or 0)
+        vocab = model.tokenizer.get_vocab() if hasattr(model.tokenizer, "get_vocab") else {}
+        self.token_chars = max(map(len, vocab), default=0)  # 0: no character bound
+
+    def validate(self, prompt: Prompt, *, sampling: SamplingParams, chain: ChainPolicy,
+                 chat: bool | None = None, max_new_tokens: int | None = None, stop: Sequence[str] = (),
+                 ignore_eos: bool = False, verify: str = "", entropy_threshold: float | None = None,
+                 window: int | None = None, logprobs: int | None = None, mode: str = "card",
+                 draft: str = "") -> ValidRequest:
+        """``chat``: the chat template for text (None = the model's default; a conversation takes
+        it unless False); ``verify`` with its FLy settings (the server's where None)."""
+        if mode not in MODES:
+            raise InvalidArgument(f"mode must be one of {', '.join(MODES)}, got {mode!r} "
+                                  "(sd runs in-process only: card-client generate --inprocess --mode sd)")
+        policy = self._verify_policy(verify, entropy_threshold, window)
+        if max_new_tokens is not None and max_new_tokens < 1:
+            raise InvalidArgument(f"the token budget must be >= 1, got {max_new_tokens}")
+        budget = StopParams(max_new_tokens or self.config.default_max_new_tokens, tuple(stop), ignore_eos)
+        check_logprobs(logprobs)
+        chain.over(TreeParams())  # refuse bad values here, not at the cache mid-request
+        ids = self._prompt_ids(prompt, chat)
+        room = self.context_window - len(ids)
+        if budget.max_new_tokens > room:
+            budget = dataclasses.replace(budget, max_new_tokens=room)
+        request = GenerationRequest(tuple(ids), sampling, budget, chain, policy, logprobs)
+        return ValidRequest(request, mode, draft)
+
+    def _verify_policy(self, mode: str, entropy_threshold: float | None, window: int | None) -> VerifyPolicy:
+        """A request's acceptance rule, the server's FLy settings where it sets none; loose is
+        refused when this server does not allow it (--no-allow-loose)."""
+        verify = Verify.parse(mode)
+        if verify is Verify.LOOSE and not self.config.allow_loose:
+            raise InvalidArgument("verify loose (lossy) is not allowed on this server (--no-allow-loose); "
+                                  "ask for verify exact")
+        c = self.config
+        threshold = c.loose_entropy_threshold if entropy_threshold is None else entropy_threshold
+        return VerifyPolicy(verify, threshold, c.loose_window if window is None else window)
+
+    def _prompt_ids(self, prompt: Prompt, chat: bool | None) -> list[int]:
+        if isinstance(prompt, str):
+            self._check_chars(prompt)
+            ids = self.model.encode_prompt(prompt, chat)
+        elif not len(prompt):
+            raise InvalidArgument("the prompt is empty")
+        elif all(isinstance(m, dict) for m in prompt):  # stops at the first id: a count, not a scan
+            messages = [m for m in prompt if isinstance(m, dict)]
+            self._check_chars("".join(str(m.get("content") or "") for m in messages))
+            ids = self.model.encode_prompt(messages, True if chat is None else chat)
+        else:
+            self._check_length(f"{len(prompt)} tokens", len(prompt))  # before any per-id work
+            ids = [t for t in prompt if isinstance(t, int) and not isinstance(t, bool)]
+            if len(ids) != len(prompt):
+                raise InvalidArgument("a prompt is text, a list of messages, or a list of token ids")
+            bad = [t for t in ids if t < 0 or (self.vocab_size and t >= self.vocab_size)]
+            if bad:
+                raise InvalidArgument(f"the prompt holds {len(bad)} token id(s) outside the vocabulary "
+                                      f"[0, {self.vocab_size}), e.g. {bad[0]}")
+        if not ids:
+            raise InvalidArgument("the prompt is empty")
+        self._check_length(f"{len(ids)} tokens", len(ids))
+        return ids
+
+    def _check_chars(self, text: str) -> None:
+        """A text too long for the context whatever its tokens, refused before it is tokenized: a
+        token covers at most ``token_chars`` of its characters, whitespace aside (a normalizer
+        may collapse it), or twice that where a normalizer merges a letter and its accent."""
+        if self.token_chars:
+            least = len("".join(text.split())) // (2 * self.token_chars)
+            self._check_length(f"{len(text)} characters (at least {least} tokens)", least)
+
+    def _check_length(self, what: str, tokens: int) -> None:
+        """InvalidArgument when a prompt of ``tokens`` tokens leaves no room for a new one."""
+        window, model = self.context_window, self.model
+        if tokens < window:
+            return
+        if window < model.context_window:
+            raise InvalidArgument(
+                f"the prompt has {what} but this card-target holds {window} tokens per request "
+                f"(--max-model-len; the context window of {model.name} is {model.context_window}); "
+                "room is needed for at least one new token")
+        raise InvalidArgument(f"the prompt has {what} but the context window of {model.name} is {window} "
+                              "tokens (room is needed for at least one new token)")
