@@ -11,6 +11,7 @@ from typing import Any
 
 from fastapi.responses import JSONResponse
 
+from card.common.convert import stats_to_json
 from card.common.status import http_status
 from card.engine.shared.errors import CardError
 from card.engine.shared.stats import GenerationStats
@@ -35,30 +36,11 @@ def error_json(exc: BaseException) -> dict:
 
 
 def usage(stats: GenerationStats, draft: str) -> dict:
-    return {
-        "prompt_tokens": stats.prompt_tokens,
-        "completion_tokens": stats.new_tokens,
-        "total_tokens": stats.prompt_tokens + stats.new_tokens,
-        "card": {  # speculation, visible per request
-            "mode": stats.mode,
-            "draft": draft,
-            "target_forwards": stats.target_forwards,
-            "draft_tokens": stats.draft_tokens,
-            "accepted_draft_tokens": stats.accepted_draft_tokens,
-            "mean_accepted_length": round(stats.mean_accepted_length, 4),
-            "hit_rate": round(stats.hit_rate, 4),
-            "verify": stats.verify,
-            # loose: the tokens are not plain decoding's, by this request's choice
-            "lossy": stats.lossy,
-            "loose_kept_tokens": stats.loose_kept,
-            # rejection: chains verified exactly for want of the draft's distributions
-            "rejection_fallbacks": stats.rejection_fallbacks,
-            # the speculation controller: steps decoded with this request's drafting paused
-            "speculation": stats.speculation,
-            "drafting_paused_steps": stats.drafting_paused_steps,
-            "drafting_pauses": stats.drafting_pauses,
-        },
-    }
+    """OpenAI's usage, with ``card``: every statistic of this request (card.common.convert's
+    one conversion of GenerationStats) and the draft that served it."""
+    return {"prompt_tokens": stats.prompt_tokens, "completion_tokens": stats.new_tokens,
+            "total_tokens": stats.prompt_tokens + stats.new_tokens,
+            "card": {**stats_to_json(stats), "draft": draft}}
 
 
 def spec_metrics(stats: GenerationStats) -> dict:
