@@ -30,6 +30,7 @@ from card.common.convert import (
     correction_from_msg,
     layer_from_msg,
     stats_from_msg,
+    worker_off,
 )
 from card.common.drafts import WORKER_ID_METADATA
 from card.common.status import grpc_errors, status_code
@@ -119,7 +120,7 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
                                      chain_policy_from_msg(request.chain), request.vocab_size,
                                      request.context_window, request.idle_timeout_ms / 1000.0,
                                      chain_draw_from_msg(request.draw) if request.HasField("draw") else None,
-                                     request.default_pool, request.draft_paused)
+                                     request.default_pool, worker_off(request.drafter))
         return cache_pb2.OpenSessionResponse(session_id=session.session_id, draft=session.draft)
 
     @grpc_errors
@@ -142,7 +143,7 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
 
     def _step(self, request: cache_pb2.StepRequest) -> cache_pb2.StepResponse:
         chain, outcome = self.sessions.step(request.session_id, correction_from_msg(request),
-                                            request.pause_draft)
+                                            worker_off(request.drafter))
         reply = chain_to_msg(chain, outcome)
         with contextlib.suppress(NotFound):  # closed since: its counters are in its record
             session = self.sessions.get(request.session_id)

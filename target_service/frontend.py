@@ -30,6 +30,7 @@ from card.engine.loading.models import LoadedModel
 from card.engine.shared.config import (
     ChainPolicy,
     GenerationRequest,
+    Mode,
     SamplingParams,
     StopParams,
     TreeParams,
@@ -37,12 +38,11 @@ from card.engine.shared.config import (
     VerifyPolicy,
 )
 from card.engine.shared.errors import InvalidArgument, NotFound, ResourceExhausted, Unavailable
-from card.engine.target.chain_source import ChainSource, NoDraft
-from card.engine.target.drafter_choice import DrafterChoice
+from card.engine.target.chain_source import ChainSource, DraftKind, NoDraft
 from card.engine.target.generation import Generation, GenerationResult, check_prompt
 from card.engine.target.scheduler import Event
 from card.target_service import metrics
-from card.target_service.cache_link import CacheLink, CacheTarget
+from card.target_service.cache_link import CacheClient, CacheTarget
 from card.target_service.config import TargetConfig
 from card.target_service.engine_loop import EngineLoop
 from card.target_service.remote_card import RemoteCard
@@ -50,7 +50,7 @@ from card.v1 import cache_pb2_grpc
 
 log = logging.getLogger(__name__)
 
-MODES = ("card", "card-auto", "vanilla")
+SERVED_MODES = (Mode.CARD, Mode.CARD_AUTO, Mode.VANILLA)
 
 _NO_DEADLINE_S = 10 * 365 * 86400.0
 
@@ -80,8 +80,8 @@ class Running:
         return self.gen.result
 
     @property
-    def draft_name(self) -> str:
-        return self.source.draft_name if isinstance(self.source, RemoteCard) else ""
+    def serving_draft(self) -> str:
+        return self.source.serving_draft if isinstance(self.source, RemoteCard) else ""
 
     def next_event(self, deadline_s: float | None) -> Event:
         """The next event (blocking; without a sink). ``deadline_s``: seconds this request may
@@ -141,14 +141,14 @@ class Frontend:
         self.vocab_size = 0
         self.context_window = 0
         self.draining = False  # shutdown began: health says so, requests under way finish
-        self.link: CacheLink | None = None  # at ready: the sessions need the model's facts
+        self.link: CacheClient | None = None  # at ready: the sessions need the model's facts
 
     def ready(self, model: LoadedModel, loop: EngineLoop) -> None:
         self.vocab_size = int(getattr(model.model.config, "vocab_size", 0) or 0)
         # a generation's keys and values live in one KV slot: its rows bound the context
         self.context_window = min(model.context_window, loop.engine.pool.max_len)
         if self.cache is not None:
-            self.link = CacheLink(self.cache, CacheTarget(
+            self.link = CacheClient(self.cache, CacheTarget(
                 self.config.cache_addr or "", model.name, model.fingerprint, self.vocab_size,
                 self.context_window, step_timeout_s=self.config.step_timeout_ms / 1000.0,
                 default_pool=self.config.default_pool))
@@ -232,19 +232,18 @@ class Frontend:
         """Submit one generation. Events go to ``sink`` (called on the engine's thread) or,
         without one, to ``Running.next_event``; ``on_admit`` is called (on the engine's thread)
         once it has a KV slot or has ended. Its chain source opens when it is admitted."""
-        if mode not in MODES:
-            raise InvalidArgument(f"mode must be one of {', '.join(MODES)}, got {mode!r} "
-                                  "(sd runs in-process only: card-client generate --inprocess --mode sd)")
+        parsed = Mode.parse(mode, SERVED_MODES, " (sd runs in-process only: card-client generate "
+                            "--inprocess --mode sd)")
         model, loop = self.model, self.loop
         assert loop is not None
-        source = self._source(mode, draft, request)
+        source = self._source(parsed, draft, request)
         gen = Generation(request, source, eos_ids=model.eos_ids, decode=model.decode,
-                         context_window=self.context_window, mode=mode, model_name=model.name,
+                         context_window=self.context_window, mode=parsed.value, model_name=model.name,
                          vocab_size=model.model.get_input_embeddings().num_embeddings)
         return Running(gen, source, loop, sink, self.config.queue_timeout_s, on_admit)
 
-    def _source(self, mode: str, draft: str, request: GenerationRequest) -> ChainSource:
-        if mode == "vanilla":
+    def _source(self, mode: Mode, draft: str, request: GenerationRequest) -> ChainSource:
+        if mode is Mode.VANILLA:
             return NoDraft()
         if self.cache is None:
             if draft:
@@ -254,7 +253,8 @@ class Frontend:
         assert self.link is not None
         if draft:  # refused here, in one line, before it waits for a slot
             self.link.directory.check(draft, self.model.fingerprint, self.model.name)
-        # card-auto: the session's drafter (the cache's model-free lookup alone, or its worker)
-        # chosen by measured pace; a drawn chain needs the draft's distributions: its worker only
-        choice = DrafterChoice() if mode == "card-auto" and request.chain_draw is None else None
-        return RemoteCard(self.link, draft, request.chain, request.chain_draw, choice)
+        # card-auto: the engine's policy chooses between the cache's model-free lookup alone and its
+        # worker by measured pace; a drawn chain needs the draft's distributions: its worker only
+        auto = mode is Mode.CARD_AUTO and request.chain_draw is None
+        drafters = (DraftKind.LOOKUP, DraftKind.WORKER) if auto else (DraftKind.WORKER,)
+        return RemoteCard(self.link, draft, request.chain, request.chain_draw, drafters)

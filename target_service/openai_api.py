@@ -418,7 +418,7 @@ async def _serve(front: Frontend, body: _Common, gen_request: GenerationRequest,
     if running.result is None:  # cancelled: the client is gone, nobody reads this
         return error_response(499, "client closed the request")
     result = running.finished()
-    return shape.whole(result, running.draft_name)
+    return shape.whole(result, running.serving_draft)
 
 
 async def _cancel_on_disconnect(request: Request, running: Running) -> None:
@@ -456,7 +456,7 @@ async def _sse(running: Running, events: asyncio.Queue[Event], watcher: asyncio.
                 yield _data(last)
                 if include_usage:
                     yield _data({**shape.chunk(None, None), "choices": [],
-                                 "usage": usage(result.stats, running.draft_name),
+                                 "usage": usage(result.stats, running.serving_draft),
                                  "metrics": spec_metrics(result.stats)})
                 break
         yield "data: [DONE]\n\n"

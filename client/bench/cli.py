@@ -54,7 +54,7 @@ from card.engine.shared.config import (
     default_tree_params,
 )
 from card.engine.shared.errors import InvalidArgument
-from card.engine.target.controller import SPECULATION_MODES
+from card.engine.target.drafting_policy import SPECULATION_MODES
 
 EXIT_MISMATCH = 1
 

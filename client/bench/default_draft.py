@@ -30,7 +30,7 @@ from card.engine.inprocess.runner import InProcessRunner, RunnerConfig
 from card.engine.loading.draft_variants import truncate_layers
 from card.engine.loading.models import ModelConfig, load_model
 from card.engine.shared import kv_pool
-from card.engine.shared.config import GenerationRequest, StopParams
+from card.engine.shared.config import GenerationRequest, Mode, StopParams
 from card.engine.shared.kv_pool import Segment
 
 
@@ -139,10 +139,10 @@ def run_e2e(args: argparse.Namespace) -> dict:
     drafts = {name: dataclasses.replace(target, model=make_draft(target.model, name), name=name)
               for name in names}
     # vanilla on 1 thread is the control that separates the draft's gain from the thread split's
-    configs = {"vanilla": (None, RunnerConfig(mode="vanilla", target_threads=2)),
-               "vanilla-1t": (None, RunnerConfig(mode="vanilla", target_threads=1))}
+    configs = {"vanilla": (None, RunnerConfig(mode=Mode.VANILLA, target_threads=2)),
+               "vanilla-1t": (None, RunnerConfig(mode=Mode.VANILLA, target_threads=1))}
     for name, draft in drafts.items():
-        configs[name] = (draft, RunnerConfig(mode="card", target_threads=1, draft_threads=1))
+        configs[name] = (draft, RunnerConfig(mode=Mode.CARD, target_threads=1, draft_threads=1))
     texts = prompts(args.prompts, args.data_dir)
     stop = StopParams(max_new_tokens=args.tokens, ignore_eos=True)
     rows: dict[str, list[dict]] = {name: [] for name in configs}

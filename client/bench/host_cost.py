@@ -36,7 +36,7 @@ from card.client.options import DEFAULT_MODEL
 from card.engine.inprocess.runner import InProcessRunner, RunnerConfig
 from card.engine.loading.models import LoadedModel, ModelConfig, load_model
 from card.engine.shared import exact_attention, kv_pool
-from card.engine.shared.config import GenerationRequest, SamplingParams, StopParams
+from card.engine.shared.config import GenerationRequest, Mode, SamplingParams, StopParams
 from card.engine.target.scheduler import IterationTimes, TargetEngine
 
 
@@ -142,7 +142,7 @@ def main(target_model: str, target_dtype: str, draft_model: str | None, mode: st
         torch.set_num_threads(threads)
     target = load_model(ModelConfig(spec=target_model, dtype=target_dtype, exact=exact))
     draft = load_model(ModelConfig(spec=draft_model)) if mode == "card" and draft_model else None
-    runner = InProcessRunner(target, draft if mode == "card" else None, RunnerConfig(mode=mode))
+    runner = InProcessRunner(target, draft if mode == "card" else None, RunnerConfig(mode=Mode(mode)))
     levels = [int(c) for c in concurrency.split(",")]
     texts = data.load(dataset, max(levels)).prompts
     prompts = [target.encode_prompt(t) for t in texts]

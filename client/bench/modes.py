@@ -3,7 +3,7 @@
     vanilla, sd, card   the engine in this process (card.engine.inprocess.runner.InProcessRunner)
     card-ngram          card with the model-free n-gram drafter (card.engine.draft.ngram), no draft model
     card-cascade        card with the draft model and the n-gram statistics beneath it
-    card-auto           card choosing per session between card-ngram and card (PolicyCard)
+    card-auto           card choosing per session between card-ngram and card (the drafting policy)
     hf                  transformers' plain greedy ``model.generate`` (cross-check of vanilla)
     hf-assisted         transformers' assisted generation with the same draft, greedy
     hf-pld              transformers' prompt lookup decoding (``prompt_lookup_num_tokens``), greedy
@@ -42,6 +42,7 @@ from card.engine.shared.config import (
     TreeParams,
     VerifyPolicy,
 )
+from card.engine.shared.config import Mode as Decoding
 from card.engine.shared.errors import InvalidArgument
 from card.engine.shared.stats import GenerationStats
 
@@ -240,17 +241,19 @@ def build_mode(name: str, target: LoadedModel, draft: LoadedModel | None, s: Mod
     if name in NEEDS_DRAFT and draft is None:
         raise InvalidArgument(f"mode {name} needs a draft model")
     if name == "vanilla":
-        return EngineMode(name, target, None, RunnerConfig(mode="vanilla"), s.all_threads,
+        return EngineMode(name, target, None, RunnerConfig(mode=Decoding.VANILLA), s.all_threads,
                           ignore_eos=s.ignore_eos, sampling=s.sampling)
     if name == "sd":
-        return EngineMode(name, target, draft, RunnerConfig(mode="sd", gamma=s.gamma), s.all_threads,
+        return EngineMode(name, target, draft, RunnerConfig(mode=Decoding.SD, gamma=s.gamma), s.all_threads,
                           ignore_eos=s.ignore_eos, sampling=s.sampling)
     if name == "card":
         return build_card(name, target, draft, s)
-    if name in ("card-cascade", "card-auto"):
-        return build_card(name, target, draft, s, drafter=DrafterKind(name.removeprefix("card-")))
+    if name == "card-cascade":
+        return build_card(name, target, draft, s, drafter=DrafterKind.CASCADE)
+    if name == "card-auto":
+        return build_card(name, target, draft, s, mode=Decoding.CARD_AUTO)
     if name == "card-ngram":  # one Python thread drafts: the target keeps the one-model thread count
-        config = RunnerConfig(mode="card", tree=s.ngram_tree or s.tree, backoff=s.backoff,
+        config = RunnerConfig(mode=Decoding.CARD, tree=s.ngram_tree or s.tree, backoff=s.backoff,
                               speculation=s.speculation, drafter=DrafterKind.NGRAM,
                               ngram=s.ngram, target_threads=s.all_threads)
         return EngineMode(name, target, None, config, s.all_threads, ignore_eos=s.ignore_eos,
@@ -264,10 +267,10 @@ def build_mode(name: str, target: LoadedModel, draft: LoadedModel | None, s: Mod
 
 
 def build_card(name: str, target: LoadedModel, draft: LoadedModel, s: ModeSettings,
-               drafter: DrafterKind = DrafterKind.NEURAL) -> Mode:
+               drafter: DrafterKind = DrafterKind.NEURAL, mode: Decoding = Decoding.CARD) -> Mode:
     """In-process card with the settings' tree (also each ``--card-variant``, under its own name)."""
     # lending the draft's cores pays only where the target runs faster on more threads
-    config = RunnerConfig(mode="card", tree=s.tree, target_threads=s.target_threads,
+    config = RunnerConfig(mode=mode, tree=s.tree, target_threads=s.target_threads,
                           draft_threads=s.draft_threads, backoff=s.backoff, speculation=s.speculation,
                           lend_cores=s.all_threads > s.target_threads, drafter=drafter, ngram=s.ngram)
     return EngineMode(name, target, draft, config, s.target_threads, s.draft_threads, s.ignore_eos,
