@@ -131,6 +131,7 @@ class TargetEngine:
         source and gives its slot back. Between iterations only (the engine's thread)."""
         if gen in self.waiting:
             self.waiting.remove(gen)
+        self.policy.release(gen)
         return self._finish(gen)
 
     # ---- one iteration: admit, steer, plan, budget, forward, commit, observe -----------------
@@ -151,6 +152,9 @@ class TargetEngine:
             steps = [Stepped(p.gen, p.offered, len(p.tokens) - 1, p.committed, p.outcome)
                      for p in plan if p.decoding]
             self.policy.observe(steps, t2 - t0, clean)
+        for event in events:
+            if event.done:
+                self.policy.release(event.generation)
         return events
 
     def _plan(self, events: list[Event]) -> list[Planned]:
@@ -268,7 +272,6 @@ class TargetEngine:
         return event
 
     def _finish(self, gen: Generation) -> Event:
-        self.policy.release(gen)
         if gen in self.running:
             self.running.remove(gen)
         if gen.slot is not None:
