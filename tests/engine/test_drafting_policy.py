@@ -487,6 +487,6 @@ def test_calibration_steps_decode_alone_then_the_draft_starts_and_output_is_unch
         run = generate(model, card, prompt, max_new_tokens=budget, policy=policy)
         assert run.tokens == want
         assert run.result.stats.accepted_lengths[:5] == [1] * 5  # prefill + 4 plain steps: no chains
-        assert started[0] == len(prompt) + 5  # from the committed text, after the 4th step
+        assert started[0] == len(prompt) + 4  # from the text the session holds after the 4th step
         assert run.result.stats.draft_forwards > 0  # then the draft ran
         assert wait_until(lambda: worker.active_sessions == 0)
