@@ -84,8 +84,8 @@ class Session:
     last_active: float = field(default_factory=time.monotonic)  # open, last Step or keepalive
     idle_timeout_s: float = 0.0  # the target's (OpenSession); 0 = the cache's
     draft_refused: bool = False  # a worker dropped it (LayerMessage.dropped): no worker is tried again
-    # the target's speculation controller paused its drafting: no worker serves it, chains are
-    # empty, until a Step resumes it (StepRequest.pause_draft)
+    # the target's drafting policy has no worker draft for it (none, or the lookup alone): chains
+    # are the lookup's or empty, until a Step names the worker (StepRequest.drafter)
     paused: bool = False
     worker: Worker | None = None
     route: Route = ANY  # where its workers come from (draft_name resolved at open)
