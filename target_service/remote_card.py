@@ -160,7 +160,9 @@ class RemoteCard:
                 replies = [cache_pb2.StepResult()] * len(batch)  # malformed: each ends its session below
             for (i, _), reply in zip(batch, replies, strict=True):
                 results[i] = sources[i]._answer(reply, t0)
-        return results  # type: ignore[return-value]
+        answered = [r for r in results if r is not None]
+        assert len(answered) == len(sources)
+        return answered
 
     def _request(self, correction: Correction) -> cache_pb2.StepRequest | StepResult:
         """The Step to send for ``correction`` in this state, or the plain result without one."""
