@@ -138,23 +138,25 @@ class TargetEngine:
     def step(self) -> list[Event]:
         t0 = time.perf_counter()
         events = self._admit()
-        self.policy.steer(self.running)
-        plan = self._plan(events)
-        if plan:
-            self._budget(plan)
-            logits, model_s = self._forward(plan)
-            t1 = time.perf_counter()
-            self._commit(plan, logits, events)
-            t2 = time.perf_counter()
-            self.last = IterationTimes(t1 - t0 - model_s, model_s, t2 - t1,
-                                       sum(len(p.tokens) for p in plan), len(plan))
-            clean = all(p.decoding for p in plan) and not any(e.error is not None for e in events)
-            steps = [Stepped(p.gen, p.offered, len(p.tokens) - 1, p.committed, p.outcome)
-                     for p in plan if p.decoding]
-            self.policy.observe(steps, t2 - t0, clean)
-        for event in events:
-            if event.done:
-                self.policy.release(event.generation)
+        try:
+            self.policy.steer(self.running)
+            plan = self._plan(events)
+            if plan:
+                self._budget(plan)
+                logits, model_s = self._forward(plan)
+                t1 = time.perf_counter()
+                self._commit(plan, logits, events)
+                t2 = time.perf_counter()
+                self.last = IterationTimes(t1 - t0 - model_s, model_s, t2 - t1,
+                                           sum(len(p.tokens) for p in plan), len(plan))
+                clean = all(p.decoding for p in plan) and not any(e.error is not None for e in events)
+                steps = [Stepped(p.gen, p.offered, len(p.tokens) - 1, p.committed, p.outcome)
+                         for p in plan if p.decoding]
+                self.policy.observe(steps, t2 - t0, clean)
+        finally:  # the policy forgets the generations that ended (after their last step counted)
+            for event in events:
+                if event.done:
+                    self.policy.release(event.generation)
         return events
 
     def _plan(self, events: list[Event]) -> list[Planned]:
