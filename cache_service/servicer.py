@@ -31,6 +31,7 @@ from card.common.convert import (
     correction_from_msg,
     layer_from_msg,
     stats_from_msg,
+    worker_off,
 )
 from card.common.drafts import WORKER_ID_METADATA
 from card.common.status import grpc_errors, status_code
@@ -78,11 +79,6 @@ def pool_to_msg(name: str, workers: list[Worker], weight: float, counters: PoolC
     )
 
 
-def drafting_paused(request: cache_pb2.OpenSessionRequest | cache_pb2.StepRequest) -> bool:
-    """Whether the target paused the session's drafting: the one reader of these two fields."""
-    return request.pause_draft if isinstance(request, cache_pb2.StepRequest) else request.draft_paused
-
-
 class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
     def __init__(self, config: CacheConfig, store: MetadataStore, assignments: Assignments,
                  sessions: SessionTable, monitor: Monitor) -> None:
@@ -120,7 +116,7 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
                                      chain_policy_from_msg(request.chain), request.vocab_size,
                                      request.context_window, request.idle_timeout_ms / 1000.0,
                                      chain_draw_from_msg(request.draw) if request.HasField("draw") else None,
-                                     request.default_pool, drafting_paused(request))
+                                     request.default_pool, worker_off(request.drafter))
         return cache_pb2.OpenSessionResponse(session_id=session.session_id, draft=session.draft)
 
     @grpc_errors
@@ -143,7 +139,7 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
 
     def _step(self, request: cache_pb2.StepRequest) -> cache_pb2.StepResponse:
         chain, outcome = self.sessions.step(request.session_id, correction_from_msg(request),
-                                            drafting_paused(request))
+                                            worker_off(request.drafter))
         reply = chain_to_msg(chain, outcome)
         with contextlib.suppress(NotFound):  # closed since: its counters are in its record
             session = self.sessions.get(request.session_id)

@@ -17,6 +17,7 @@ from card.engine.shared.errors import InvalidArgument
 from card.engine.shared.session import StepResult
 from card.engine.shared.stats import GenerationStats
 from card.engine.shared.tree import Advance, Chain, Correction, Layer, Outcome, Proposal
+from card.engine.target.chain_source import DraftKind
 from card.engine.target.verify import TokenLogprob
 from card.v1 import cache_pb2, common_pb2, target_pb2
 
@@ -91,11 +92,24 @@ def layer_from_msg(msg: cache_pb2.LayerMessage) -> Layer:
 
 
 # ---- correction (target -> cache) and chain (cache -> target) ---------------------------------
-def correction_to_msg(session_id: str, correction: Correction, pause_draft: bool = False
+_DRAFTERS = {None: cache_pb2.DRAFTER_NONE, DraftKind.LOOKUP: cache_pb2.DRAFTER_LOOKUP,
+             DraftKind.WORKER: cache_pb2.DRAFTER_WORKER}
+
+
+def drafter_to_msg(kind: DraftKind | None) -> cache_pb2.Drafter:
+    return _DRAFTERS[kind]
+
+
+def worker_off(drafter: cache_pb2.Drafter) -> bool:
+    """The cache's side of ``Drafter``: no worker drafts for the session (none, or the lookup)."""
+    return drafter in (cache_pb2.DRAFTER_NONE, cache_pb2.DRAFTER_LOOKUP)
+
+
+def correction_to_msg(session_id: str, correction: Correction, drafter: DraftKind | None = DraftKind.WORKER
                       ) -> cache_pb2.StepRequest:
     return cache_pb2.StepRequest(
         session_id=session_id,
-        pause_draft=pause_draft,
+        drafter=_DRAFTERS[drafter],
         epoch=correction.epoch,
         accepted_tokens=ids_to_msg(correction.accepted_tokens),
         accepted_node_ids=ids_to_msg(correction.accepted_node_ids),

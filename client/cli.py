@@ -27,6 +27,7 @@ from card.engine.shared.config import (
     NGRAM,
     ChainPolicy,
     DrafterKind,
+    Mode,
     NgramConfig,
     SamplingParams,
     StopParams,
@@ -131,18 +132,15 @@ def generate(prompt: str, inprocess: bool, target_addr: str | None, api_key: str
     if draft_quantize is None:
         draft_quantize = DEFAULT_DRAFT.quantize if draft_model == DEFAULT_DRAFT.spec else "none"
     drafter = DrafterKind.from_flags(draft_model, cascade)
-    if mode == "card-auto":
-        if drafter is not DrafterKind.NEURAL:
-            raise click.UsageError("--mode card-auto chooses between model-free drafting and the draft "
-                                   "model: drop --draft-model ngram / --cascade")
-        drafter = DrafterKind.AUTO
-    else:
-        drafter.check_mode(mode)
+    if mode == Mode.CARD_AUTO.value and drafter is not DrafterKind.NEURAL:
+        raise click.UsageError("--mode card-auto chooses between model-free drafting and the draft "
+                               "model: drop --draft-model ngram / --cascade")
+    drafter.check_mode(Mode(mode))
     draft_shape = tuple(f"--{'tree-width' if f == 'width' else f.replace('_', '-')}"
                         for f in DRAFT_SHAPE if f in tree_flags)
     opts = GenerateOptions(
         prompt=prompt,
-        mode=mode,
+        mode=Mode(mode),
         target=ModelConfig(target_model, dtype, device, exact=exact),
         draft=ModelConfig(draft_model, dtype, device, draft_quantize),
         sampling=SamplingParams(temperature, top_k, top_p, seed),

@@ -10,6 +10,7 @@ from card.engine.loading.models import DEFAULT_MODEL, ModelConfig
 from card.engine.shared.config import (
     ChainPolicy,
     DrafterKind,
+    Mode,
     NgramConfig,
     SamplingParams,
     StopParams,
@@ -40,7 +41,7 @@ class GenerateOptions:
     the n-gram settings ``ngram`` (engine.shared.config.DrafterKind, parsed once from the flags)."""
 
     prompt: str
-    mode: str
+    mode: Mode
     target: ModelConfig
     draft: ModelConfig
     sampling: SamplingParams
@@ -70,17 +71,17 @@ class GenerateOptions:
                             base.window if self.loose_window is None else self.loose_window)
 
     def runner_config(self) -> RunnerConfig:
-        if self.mode == "vanilla":
-            return RunnerConfig(mode="vanilla", target_threads=self.target_threads or os.cpu_count() or 1)
+        if self.mode is Mode.VANILLA:
+            return RunnerConfig(mode=Mode.VANILLA, target_threads=self.target_threads or os.cpu_count() or 1)
         d: int | None  # None: the in-process drafter runs on the target's thread
         t, d = default_thread_split()
         if self.drafter is DrafterKind.NGRAM:  # the drafter is one Python thread: every core to the target
             t, d = os.cpu_count() or 1, None
         return RunnerConfig(
-            mode="card" if self.mode == "card-auto" else self.mode,  # in process: drafter auto
+            mode=self.mode,
             tree=self.tree,
             gamma=self.gamma,
-            target_threads=self.target_threads or (t if self.mode.startswith("card") else os.cpu_count()),
+            target_threads=self.target_threads or (os.cpu_count() if self.mode is Mode.SD else t),
             draft_threads=self.draft_threads or d,
             backoff=self.backoff,
             drafter=self.drafter,

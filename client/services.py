@@ -11,6 +11,7 @@ from card.client.remote import generate_remote
 from card.client.trio import LocalTrio
 from card.common.convert import verify_to_msg
 from card.common.tls import PLAINTEXT, TlsConfig
+from card.engine.shared.config import Mode
 from card.engine.shared.errors import InvalidArgument
 from card.engine.target.generation import GenerationResult
 
@@ -56,7 +57,7 @@ def generate_via_services(opts: GenerateOptions, target_addr: str | None,
 
 def _remote(opts: GenerateOptions, addr: str, on_text: Callable[[str], None] | None,
             tls: TlsConfig = PLAINTEXT, api_key: str | None = None) -> GenerationResult:
-    if opts.mode == "sd":
+    if opts.mode is Mode.SD:
         raise InvalidArgument("--mode sd (classic draft-then-verify) runs in-process only: add --inprocess")
     return generate_remote(
         addr,
@@ -65,7 +66,7 @@ def _remote(opts: GenerateOptions, addr: str, on_text: Callable[[str], None] | N
         sampling=opts.sampling,
         stop=opts.stop,
         draft=opts.draft_name,
-        mode=opts.mode,
+        mode=opts.mode.value,
         chain=opts.chain,
         on_text=on_text,
         tls=tls,

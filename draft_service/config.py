@@ -85,8 +85,6 @@ class DraftConfig:
             raise InvalidArgument(f"a pool name is 1-128 characters of A-Z a-z 0-9 . _ -, got {self.pool!r}")
         if self.drain_timeout_s < 0:
             raise InvalidArgument(f"the drain timeout must be >= 0, got {self.drain_timeout_s}")
-        if self.drafter is DrafterKind.AUTO:
-            raise InvalidArgument("a draft worker is one kind; auto chooses per session in process")
         if self.drafter.uses_ngram and self.ngram is None:
             raise InvalidArgument(f"a {self.drafter.value} draft needs its n-gram settings")
         if self.model_free:

@@ -3,7 +3,7 @@ who waits for them (nobody on the engine's thread).
 
     CacheTarget     what every session tells the cache, and the deadlines (built once, at ready)
     Breaker         stops opening sessions against a cache that keeps failing; probes it back
-    CacheLink       OpenSession as a future the engine polls, CloseSession fire-and-forget, both
+    CacheClient     OpenSession as a future the engine polls, CloseSession fire-and-forget, both
                     bounded in flight; the SessionKeeper's keepalives on their own thread
     DraftDirectory  a request that names a draft is checked here, at the edge, on its handler's
                     thread: refused before it waits for a KV slot, never on the engine's thread
@@ -26,12 +26,13 @@ from typing import Protocol
 
 import grpc
 
-from card.common.convert import chain_draw_to_msg, chain_policy_to_msg, stats_to_msg
+from card.common.convert import chain_draw_to_msg, chain_policy_to_msg, drafter_to_msg, stats_to_msg
 from card.common.drafts import DraftEntry, route_draft
 from card.common.status import error_from_rpc
 from card.common.tensors import ids_to_msg
 from card.engine.shared.config import ChainDraw, ChainPolicy
 from card.engine.shared.stats import GenerationStats
+from card.engine.target.chain_source import DraftKind
 from card.target_service import metrics
 from card.v1 import cache_pb2, cache_pb2_grpc
 
@@ -191,7 +192,7 @@ class SessionKeeper:
                           error_from_rpc(err, self.cache_addr))
 
 
-class CacheLink:
+class CacheClient:
     """One card-target's calls to its cache other than Step. ``max_in_flight`` bounds the opens
     and closes under way at once: past it an open waits for a later iteration and a close is left
     to the cache's idle timeout (counted), so a hung cache holds a bounded number of calls."""
@@ -219,19 +220,20 @@ class CacheLink:
             self._in_flight -= 1
             self._cv.notify_all()
 
-    def open_session(self, committed: list[int], draft: str, chain: ChainPolicy,
-                     draw: ChainDraw | None = None, paused: bool = False) -> grpc.Future | None:
+    def open_session(self, committed: list[int], requested_draft: str, chain: ChainPolicy,
+                     draw: ChainDraw | None = None, drafter: DraftKind | None = DraftKind.WORKER
+                     ) -> grpc.Future | None:
         """OpenSession at ``committed``, under way (None: too many calls in flight, try later);
-        ``draw``: the session's chains are drawn (verify rejection); ``paused``: no worker drafts
-        for it until a Step resumes it (the speculation controller has drafting paused)."""
+        ``draw``: the session's chains are drawn (verify rejection); ``drafter``: what drafts for
+        it (the drafting policy's choice; none or the lookup: no worker until a Step names it)."""
         if not self._take():
             return None
         t = self.target
         request = cache_pb2.OpenSessionRequest(
             prompt_ids=ids_to_msg(committed), vocab_size=t.vocab_size, context_window=t.context_window,
-            tokenizer_fingerprint=t.fingerprint, target_model=t.target_model, draft=draft,
+            tokenizer_fingerprint=t.fingerprint, target_model=t.target_model, draft=requested_draft,
             chain=chain_policy_to_msg(chain), idle_timeout_ms=round(t.idle_timeout_s * 1000),
-            default_pool=t.default_pool, draft_paused=paused)
+            default_pool=t.default_pool, drafter=drafter_to_msg(drafter))
         if draw is not None:
             request.draw.CopyFrom(chain_draw_to_msg(draw))
         future = self.stub.OpenSession.future(request, timeout=t.open_timeout_s)

@@ -10,7 +10,7 @@ from card.engine.loading.models import ModelConfig
 from card.engine.shared.config import Verify, VerifyPolicy
 from card.engine.shared.errors import InvalidArgument
 from card.engine.shared.kv_pool import check_sizing, pool_shape
-from card.engine.target.controller import SpeculationControl
+from card.engine.target.drafting_policy import DraftingConfig
 
 
 @dataclass(frozen=True)
@@ -36,7 +36,7 @@ class TargetConfig:
     max_model_len: int | None = None
     max_batch_tokens: int = 512
     adaptive_chains: bool = True
-    speculation: str = "auto"  # the speculation controller's mode (card.engine.target.controller)
+    speculation: str = "auto"  # the drafting policy's regime (card.engine.target.drafting_policy)
     default_max_new_tokens: int = 128
     step_timeout_ms: int = 1000
     shutdown_grace_s: float = 30.0  # SIGTERM: how long running generations get to finish
@@ -61,7 +61,7 @@ class TargetConfig:
     json_logs: bool = False
 
     def __post_init__(self) -> None:
-        SpeculationControl(mode=self.speculation)  # validates
+        DraftingConfig(speculation=self.speculation)  # validates
         if self.default_pool and not POOL_NAME.fullmatch(self.default_pool):
             raise InvalidArgument(f"--default-pool must be 1-128 characters of A-Z a-z 0-9 . _ -, got "
                                   f"{self.default_pool[:40]!r}")

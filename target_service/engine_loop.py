@@ -22,7 +22,8 @@ from collections.abc import Callable
 import torch
 
 from card.engine.shared.errors import ResourceExhausted, Unavailable
-from card.engine.target.controller import Decision, Regime, SpeculationControl, SpeculationController
+from card.engine.target.chain_source import DraftKind
+from card.engine.target.drafting_policy import Decision, DraftingConfig, DraftingPolicy, Regime
 from card.engine.target.generation import Generation
 from card.engine.target.scheduler import Event, TargetEngine
 from card.target_service import metrics
@@ -30,8 +31,8 @@ from card.target_service import metrics
 log = logging.getLogger(__name__)
 
 
-def speculation_controller(mode: str) -> SpeculationController:
-    """The engine's speculation controller, its decisions counted and logged."""
+def drafting_policy(speculation: str) -> DraftingPolicy:
+    """The engine's drafting policy, its decisions counted and logged."""
 
     def decided(d: Decision) -> None:
         metrics.SPECULATION_DECISIONS.labels(d.regime.value, d.why).inc()
@@ -44,7 +45,10 @@ def speculation_controller(mode: str) -> SpeculationController:
         log.info("speculation %s %s: %.1f tok/s speculating, %.1f tok/s plain", verdict, d.regime.value,
                  d.spec_rate, d.plain_rate)
 
-    return SpeculationController(SpeculationControl(mode=mode), on_decision=decided)
+    def switched(to: DraftKind) -> None:
+        metrics.DRAFTER_SWITCHES.labels(to.value).inc()
+
+    return DraftingPolicy(DraftingConfig(speculation=speculation), on_decision=decided, on_switch=switched)
 
 
 class EngineLoop:
@@ -67,9 +71,8 @@ class EngineLoop:
         metrics.KV_SLOTS_FREE.set_function(lambda: engine.pool.free_slots)
         metrics.WAITING.set_function(lambda: len(engine.waiting) + len(self._inbox))
         metrics.ACTIVE.set_function(lambda: len(engine.running))
-        metrics.SPECULATING.set_function(lambda: float(engine.controller.speculating))
-        metrics.DRAFTING_PAUSED.set_function(
-            lambda: sum(g.pausable and not g.drafting for g in list(engine.running)))
+        metrics.SPECULATING.set_function(lambda: float(engine.policy.speculating))
+        metrics.DRAFTING_PAUSED.set_function(engine.policy.paused)
         self._session_pauses = 0
 
     def start(self) -> None:
@@ -171,9 +174,9 @@ class EngineLoop:
                 metrics.ITERATION.labels("plan").observe(times.plan)
                 metrics.ITERATION.labels("forward").observe(times.forward)
                 metrics.ITERATION.labels("commit").observe(times.commit)
-            if engine.session_pauses != self._session_pauses:
-                metrics.SESSION_PAUSES.inc(engine.session_pauses - self._session_pauses)
-                self._session_pauses = engine.session_pauses
+            if (pauses := engine.policy.session_pauses) != self._session_pauses:
+                metrics.SESSION_PAUSES.inc(pauses - self._session_pauses)
+                self._session_pauses = pauses
             for event in events:
                 self._deliver(event)
             self._admitted()

@@ -19,14 +19,13 @@ import time
 from collections.abc import AsyncIterator, Iterator
 
 from card.engine.loading.models import LoadedModel
-from card.engine.shared.config import GenerationRequest
+from card.engine.shared.config import GenerationRequest, Mode
 from card.engine.shared.errors import NotFound, ResourceExhausted, Unavailable
-from card.engine.target.chain_source import ChainSource, NoDraft
-from card.engine.target.drafter_choice import DrafterChoice
+from card.engine.target.chain_source import ChainSource, DraftKind, NoDraft
 from card.engine.target.generation import Chunk, Generation, GenerationResult
 from card.engine.target.scheduler import Event
 from card.target_service import metrics
-from card.target_service.cache_link import CacheLink, CacheTarget
+from card.target_service.cache_link import CacheClient, CacheTarget
 from card.target_service.config import TargetConfig
 from card.target_service.engine_loop import EngineLoop
 from card.target_service.remote_card import RemoteCard
@@ -73,8 +72,8 @@ class Running:
         return self.gen.result
 
     @property
-    def draft_name(self) -> str:
-        return self.source.draft_name if isinstance(self.source, RemoteCard) else ""
+    def serving_draft(self) -> str:
+        return self.source.serving_draft if isinstance(self.source, RemoteCard) else ""
 
     def _wait_s(self, deadline_s: float | None) -> float:
         """How long it may still wait for a KV slot: the call's deadline, --queue-timeout-s."""
@@ -155,13 +154,13 @@ class Frontend:
         self._validator: Validator | None = None  # at ready: the model and the limits it sets
         self.loop: EngineLoop | None = None
         self.draining = False  # shutdown began: health says so, requests under way finish
-        self.link: CacheLink | None = None  # at ready: the sessions need the model's facts
+        self.link: CacheClient | None = None  # at ready: the sessions need the model's facts
 
     def ready(self, model: LoadedModel, loop: EngineLoop) -> None:
         # a generation's keys and values live in one KV slot: its rows bound the context
         limits = Validator(model, min(model.context_window, loop.engine.pool.max_len), self.config)
         if self.cache is not None:
-            self.link = CacheLink(self.cache, CacheTarget(
+            self.link = CacheClient(self.cache, CacheTarget(
                 self.config.cache_addr or "", model.name, model.fingerprint, limits.vocab_size,
                 limits.context_window, step_timeout_s=self.config.step_timeout_ms / 1000.0,
                 default_pool=self.config.default_pool))
@@ -195,12 +194,13 @@ class Frontend:
         assert loop is not None
         source = self._source(valid.mode, valid.draft, request)
         gen = Generation(request, source, eos_ids=model.eos_ids, decode=model.decode,
-                         context_window=self.validator.context_window, mode=valid.mode, model_name=model.name,
+                         context_window=self.validator.context_window, mode=valid.mode.value,
+                         model_name=model.name,
                          vocab_size=model.model.get_input_embeddings().num_embeddings)
         return Running(gen, source, loop, self.config.queue_timeout_s, aio)
 
-    def _source(self, mode: str, draft: str, request: GenerationRequest) -> ChainSource:
-        if mode == "vanilla":
+    def _source(self, mode: Mode, draft: str, request: GenerationRequest) -> ChainSource:
+        if mode is Mode.VANILLA:
             return NoDraft()
         if self.cache is None:
             if draft:
@@ -210,7 +210,8 @@ class Frontend:
         assert self.link is not None
         if draft:  # refused here, in one line, before it waits for a slot
             self.link.directory.check(draft, self.model.fingerprint, self.model.name)
-        # card-auto: the session's drafter (the cache's model-free lookup alone, or its worker)
-        # chosen by measured pace; a drawn chain needs the draft's distributions: its worker only
-        choice = DrafterChoice() if mode == "card-auto" and request.chain_draw is None else None
-        return RemoteCard(self.link, draft, request.chain, request.chain_draw, choice)
+        # card-auto: the engine's policy chooses between the cache's model-free lookup alone and its
+        # worker by measured pace; a drawn chain needs the draft's distributions: its worker only
+        auto = mode is Mode.CARD_AUTO and request.chain_draw is None
+        drafters = (DraftKind.LOOKUP, DraftKind.WORKER) if auto else (DraftKind.WORKER,)
+        return RemoteCard(self.link, draft, request.chain, request.chain_draw, drafters)

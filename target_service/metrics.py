@@ -49,7 +49,7 @@ LOOSE_KEPT = Counter("card_target_loose_kept_tokens_total",
 REJECTION_FALLBACKS = Counter("card_target_rejection_fallbacks_total",
                               "verify rejection chains that came without a usable draft distribution and "
                               "were verified exactly (a cache that does not draw chains)")
-# the speculation controller (card.engine.target.controller)
+# the drafting policy (card.engine.target.drafting_policy)
 SPECULATING = Gauge("card_target_speculating",
                     "1 while the engine speculates, 0 while every draft is paused (plain decoding pays more)")
 SPECULATION_DECISIONS = Counter("card_target_speculation_decisions_total",

@@ -258,7 +258,7 @@ async def _serve(front: Frontend, body: CompletionBody | ChatBody, request: Requ
         running.cancel()
     if running.result is None:  # cancelled: the client is gone, nobody reads this
         return error_response(499, "client closed the request")
-    return shape.whole(running.finished(), running.draft_name)
+    return shape.whole(running.finished(), running.serving_draft)
 
 
 async def _cancel_on_disconnect(request: Request, running: Running) -> None:

@@ -38,7 +38,7 @@ async def sse(running: Running, watcher: asyncio.Task[None], shape: Shape,
             yield _data(last)
             if include_usage:
                 yield _data({**shape.chunk(None, None), "choices": [],
-                             "usage": usage(result.stats, running.draft_name),
+                             "usage": usage(result.stats, running.serving_draft),
                              "metrics": spec_metrics(result.stats)})
         yield "data: [DONE]\n\n"
     finally:

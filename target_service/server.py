@@ -34,10 +34,10 @@ from card.common.tls import PLAINTEXT, TlsConfig
 from card.engine.loading.models import load_model
 from card.engine.shared.errors import Unavailable
 from card.engine.shared.kv_pool import KVPool
-from card.engine.target.controller import SPECULATION_MODES
+from card.engine.target.drafting_policy import SPECULATION_MODES
 from card.engine.target.scheduler import TargetEngine
 from card.target_service.config import TargetConfig
-from card.target_service.engine_loop import EngineLoop, speculation_controller
+from card.target_service.engine_loop import EngineLoop, drafting_policy
 from card.target_service.frontend import Frontend
 from card.target_service.openai_api import HttpServer, create_app
 from card.target_service.servicer import TargetServicer
@@ -123,7 +123,7 @@ def serve(config: TargetConfig) -> None:
     pool = KVPool(model.model, slots, max_len)
     log.info("KV cache: %d slots x %d tokens (%.2f GB)", slots, max_len, pool.nbytes / 2**30)
     engine = TargetEngine(model.model, pool, config.max_batch_tokens, adaptive=config.adaptive_chains,
-                          exact=model.exact, controller=speculation_controller(config.speculation))
+                          exact=model.exact, policy=drafting_policy(config.speculation))
     def engine_died(exc: BaseException) -> None:
         set_serving(health, False, [SERVICE_NAME])
 

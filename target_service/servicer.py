@@ -64,7 +64,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         yield target_pb2.GenerateResponse(final=target_pb2.Final(
             finish_reason=result.finish_reason, text=result.text,
             token_ids=ids_to_msg(result.token_ids), stats=stats_to_msg(result.stats),
-            draft=running.draft_name, logprobs=logprobs_to_msg(result.logprobs),
+            draft=running.serving_draft, logprobs=logprobs_to_msg(result.logprobs),
         ))
 
 

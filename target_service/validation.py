@@ -16,6 +16,7 @@ from card.engine.loading.models import LoadedModel
 from card.engine.shared.config import (
     ChainPolicy,
     GenerationRequest,
+    Mode,
     SamplingParams,
     StopParams,
     TreeParams,
@@ -26,7 +27,7 @@ from card.engine.shared.config import (
 from card.engine.shared.errors import InvalidArgument
 from card.target_service.config import TargetConfig
 
-MODES = ("card", "card-auto", "vanilla")
+SERVED_MODES = (Mode.CARD, Mode.CARD_AUTO, Mode.VANILLA)  # sd runs in process only
 
 Prompt = str | Sequence[dict] | Sequence[int]  # text, a conversation ({role, content}), token ids
 
@@ -37,7 +38,7 @@ class ValidRequest:
     with its budget, its sampling, stops, logprobs, chain and acceptance rule checked."""
 
     generation: GenerationRequest
-    mode: str = "card"
+    mode: Mode = Mode.CARD
     draft: str = ""  # a draft pool or worker the request names ("" = the cache's choice)
 
 
@@ -60,9 +61,8 @@ class Validator:
                  draft: str = "") -> ValidRequest:
         """``chat``: the chat template for text (None = the model's default; a conversation takes
         it unless False); ``verify`` with its FLy settings (the server's where None)."""
-        if mode not in MODES:
-            raise InvalidArgument(f"mode must be one of {', '.join(MODES)}, got {mode!r} "
-                                  "(sd runs in-process only: card-client generate --inprocess --mode sd)")
+        parsed = Mode.parse(mode, SERVED_MODES, " (sd runs in-process only: card-client generate "
+                            "--inprocess --mode sd)")
         policy = self._verify_policy(verify, entropy_threshold, window)
         if max_new_tokens is not None and max_new_tokens < 1:
             raise InvalidArgument(f"the token budget must be >= 1, got {max_new_tokens}")
@@ -74,7 +74,7 @@ class Validator:
         if budget.max_new_tokens > room:
             budget = dataclasses.replace(budget, max_new_tokens=room)
         request = GenerationRequest(tuple(ids), sampling, budget, chain, policy, logprobs)
-        return ValidRequest(request, mode, draft)
+        return ValidRequest(request, parsed, draft)
 
     def _verify_policy(self, mode: str, entropy_threshold: float | None, window: int | None) -> VerifyPolicy:
         """A request's acceptance rule, the server's FLy settings where it sets none; loose is

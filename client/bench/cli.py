@@ -56,7 +56,7 @@ from card.engine.shared.config import (
     default_tree_params,
 )
 from card.engine.shared.errors import InvalidArgument
-from card.engine.target.controller import SPECULATION_MODES
+from card.engine.target.drafting_policy import SPECULATION_MODES
 
 EXIT_MISMATCH = 1
 
@@ -153,12 +153,12 @@ def _in_process_modes(requested: Sequence[BenchMode], variants: Mapping[str, Tre
             raise InvalidArgument(f"mode {m} names no --card-variant {m.variant} "
                                   f"(the modes: {', '.join(MODE_NAMES)})")
     base = [VANILLA, *requested, *(BenchMode("card", DrafterKind.NEURAL, variant=v) for v in variants)]
-    if len(policies) > 1 and not any(m.decoder == "card" for m in base):
+    if len(policies) > 1 and not any(m.speculates for m in base):
         raise InvalidArgument("--verify with more than one rule compares card modes: add card to --modes")
     return list(dict.fromkeys(
         run for m in base
         for run in ([dataclasses.replace(m, verify=p.mode) for p in policies]
-                    if m.decoder == "card" and m.verify is Verify.EXACT else [m])))
+                    if m.speculates and m.verify is Verify.EXACT else [m])))
 
 
 _TREE_FIELDS = {f.name: f.type for f in dataclasses.fields(TreeParams)}

@@ -24,6 +24,7 @@ from pathlib import Path
 import click
 
 from card.client.bench.data import KNOWN, PACKAGED
+from card.engine.shared.config import Mode
 
 CODE_EDIT = Path("code_edit") / "code_edit.jsonl"
 FOLLOWUP = Path("mt_bench_followup") / "question.jsonl"
@@ -87,7 +88,7 @@ def main(answer_model: str, questions: int, max_new_tokens: int, out: Path) -> N
     click.echo(f"wrote {path}", err=True)
 
     model = load_model(ModelConfig(answer_model))
-    runner = InProcessRunner(model, None, RunnerConfig(mode="vanilla"))
+    runner = InProcessRunner(model, None, RunnerConfig(mode=Mode.VANILLA))
     path = out / FOLLOWUP
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("w", encoding="utf-8") as f:

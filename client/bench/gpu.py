@@ -29,11 +29,11 @@ import torch
 from card.engine.inprocess.runner import InProcessRunner, RunnerConfig
 from card.engine.loading.invariant import make_exact
 from card.engine.loading.models import LoadedModel
-from card.engine.shared.config import GenerationRequest, SamplingParams, StopParams, TreeParams
+from card.engine.shared.config import GenerationRequest, Mode, SamplingParams, StopParams, TreeParams
 from card.engine.shared.hf import CausalLM
 from card.engine.shared.kv_pool import KVPool, Segment, forward
 from card.engine.target.chain_source import NoDraft
-from card.engine.target.controller import SpeculationControl, SpeculationController
+from card.engine.target.drafting_policy import DraftingConfig, DraftingPolicy
 from card.engine.target.generation import Generation
 from card.engine.target.scheduler import TargetEngine
 
@@ -97,12 +97,12 @@ def _requests(n: int, vocab: int, new_tokens: int) -> list[GenerationRequest]:
 
 
 def serve_tok_s(target: torch.nn.Module, draft: torch.nn.Module | None, in_flight: int, exact: bool,
-                new_tokens: int, device: str, speculation: str | SpeculationController = "auto") -> dict:
+                new_tokens: int, device: str, speculation: str | DraftingPolicy = "auto") -> dict:
     """Tokens/s of ``in_flight`` requests run together to their end (card when ``draft``), the
-    engine's speculation controller in ``speculation`` mode (or that controller: a serving engine
-    keeps one for its life, and what it measured before)."""
-    controller = (speculation if isinstance(speculation, SpeculationController)
-                  else SpeculationController(SpeculationControl(mode=speculation)))
+    engine's drafting policy in ``speculation`` mode (or that policy: a serving engine keeps one
+    for its life, and what it measured before)."""
+    policy = (speculation if isinstance(speculation, DraftingPolicy)
+              else DraftingPolicy(DraftingConfig(speculation=speculation)))
     vocab = target.config.vocab_size
     requests = _requests(in_flight, vocab, new_tokens)
     runner = None
@@ -111,11 +111,11 @@ def serve_tok_s(target: torch.nn.Module, draft: torch.nn.Module | None, in_fligh
                   for m in (target, draft)]
         tree = TreeParams(width=4, max_depth=6, max_chain=6)
         runner = InProcessRunner(loaded[0], loaded[1], RunnerConfig(
-            mode="card", tree=tree, cache_device=device, backoff=False, draft_slots=max(in_flight, 1)))
+            mode=Mode.CARD, tree=tree, cache_device=device, backoff=False, draft_slots=max(in_flight, 1)))
     try:
         pool = KVPool(target, slots=in_flight, max_len=128 + new_tokens + 16)
         engine = TargetEngine(target, pool, exact=exact,
-                              controller=controller)
+                              policy=policy)
         gens = [runner.generation(r) if runner else
                 Generation(r, NoDraft(), eos_ids=frozenset(), decode=lambda ids: "", context_window=4096,
                            mode="vanilla", vocab_size=vocab) for r in requests]
@@ -135,7 +135,7 @@ def serve_tok_s(target: torch.nn.Module, draft: torch.nn.Module | None, in_fligh
     paused = sum(g.stats.drafting_paused_steps for g in gens)
     return {"tok_s": new / wall, "wall_s": wall, "new_tokens": new,
             "accepted_length": new / forwards if forwards else 0.0, "engine_forwards": engine.forwards,
-            "speculation": controller.config.mode, "paused_share": paused / forwards if forwards else 0.0}
+            "speculation": policy.config.speculation, "paused_share": paused / forwards if forwards else 0.0}
 
 
 @click.command()
@@ -162,7 +162,7 @@ def main(device: str, new_tokens: int, context: int, out: Path, small: bool, ker
     loads = tuple(int(n) for n in in_flight.split(","))
     modes = tuple(speculation.split(","))
     for mode in modes:
-        SpeculationControl(mode=mode)  # validates
+        DraftingConfig(speculation=mode)  # validates
     tshape, dshape = (TARGET, DRAFT) if not small else (
         dict(TARGET, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
              vocab_size=2048),
@@ -183,12 +183,12 @@ def main(device: str, new_tokens: int, context: int, out: Path, small: bool, ker
         for n in loads:
             report["serving"][f"{key}/vanilla/{n}"] = serve_tok_s(target, None, n, exact, new_tokens, device)
             for mode in modes:
-                controller = SpeculationController(SpeculationControl(mode=mode))
+                policy = DraftingPolicy(DraftingConfig(speculation=mode))
                 base_name = "card" if len(modes) == 1 else f"card-{mode}"
                 for r in range(rounds):
                     name = base_name + (f"-r{r + 1}" if rounds > 1 else "")
                     report["serving"][f"{key}/{name}/{n}"] = serve_tok_s(target, draft, n, exact, new_tokens,
-                                                                         device, controller)
+                                                                         device, policy)
         del target
     first = kernels.split(",")[0]
     base = {n: report["serving"][f"{first}/vanilla/{n}"]["tok_s"] for n in loads}

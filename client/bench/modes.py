@@ -3,7 +3,7 @@
     vanilla, sd, card   the engine in this process (card.engine.inprocess.runner.InProcessRunner)
     card-ngram          card with the model-free n-gram drafter (card.engine.draft.ngram), no draft model
     card-cascade        card with the draft model and the n-gram statistics beneath it
-    card-auto           card choosing per session between card-ngram and card (PolicyCard)
+    card-auto           card choosing per session between card-ngram and card (the drafting policy)
     card-NAME           card on the tree of ``--card-variant NAME:...``
     hf                  transformers' plain greedy ``model.generate`` (cross-check of vanilla)
     hf-assisted         transformers' assisted generation with the same draft, greedy
@@ -48,23 +48,24 @@ from card.engine.shared.config import (
     Verify,
     VerifyPolicy,
 )
+from card.engine.shared.config import Mode as Decoding
 from card.engine.shared.errors import InvalidArgument
 from card.engine.shared.kv_pool import KVPool, Segment, forward
 from card.engine.shared.stats import GenerationStats
 
-Decoder = Literal["vanilla", "sd", "card", "hf"]
+Decoder = Literal["vanilla", "sd", "card", "card-auto", "hf"]  # the engine's Mode, or transformers
 _NEURAL, _NGRAM = DrafterKind.NEURAL, DrafterKind.NGRAM
-_CASCADE, _AUTO = DrafterKind.CASCADE, DrafterKind.AUTO
+_CASCADE = DrafterKind.CASCADE
 # (decoder, drafter, through the services) of every named mode; hf: the draft model assists
 # (neural) or the prompt is looked up (ngram)
 _NAMES: dict[str, tuple[Decoder, DrafterKind | None, bool]] = {
     "vanilla": ("vanilla", None, False), "sd": ("sd", _NEURAL, False), "card": ("card", _NEURAL, False),
     "card-ngram": ("card", _NGRAM, False), "card-cascade": ("card", _CASCADE, False),
-    "card-auto": ("card", _AUTO, False),
+    "card-auto": ("card-auto", _NEURAL, False),
     "hf": ("hf", None, False), "hf-assisted": ("hf", _NEURAL, False), "hf-pld": ("hf", _NGRAM, False),
     "svc-vanilla": ("vanilla", None, True), "svc-card": ("card", _NEURAL, True),
     "svc-ngram": ("card", _NGRAM, True), "svc-cascade": ("card", _CASCADE, True),
-    "svc-auto": ("card", _AUTO, True),
+    "svc-auto": ("card-auto", _NEURAL, True),
 }
 _NAME_OF = {key: name for name, key in _NAMES.items()}
 MODE_NAMES = tuple(_NAMES)
@@ -92,7 +93,7 @@ class BenchMode:
                              or f"card-{self.variant}" in _NAMES):
             raise InvalidArgument(f"card-{self.variant} is no tree variant: a variant's NAME (letters, "
                                   f"digits, _ . -) other than {', '.join(_CARD_DRAFTERS)}")
-        if self.verify is not Verify.EXACT and self.decoder != "card":
+        if self.verify is not Verify.EXACT and not self.speculates:
             raise InvalidArgument(f"{_NAME_OF[key]}+{self.verify.value}: only card modes take an "
                                   "acceptance rule")
 
@@ -123,7 +124,12 @@ class BenchMode:
     @property
     def needs_draft(self) -> bool:
         """Runs the draft model in this process."""
-        return not self.services and self.drafter in (_NEURAL, _CASCADE, _AUTO)
+        return not self.services and self.drafter in (_NEURAL, _CASCADE)
+
+    @property
+    def speculates(self) -> bool:
+        """A card mode: the target verifies drafted chains (the drafting policy may pick the drafter)."""
+        return self.decoder in ("card", "card-auto")
 
 
 VANILLA = BenchMode("vanilla")  # the reference: speedups and exactness are measured against it
@@ -133,8 +139,7 @@ DEFAULT_SERVICE_MODES = (SVC_VANILLA, SVC_CARD)  # what --services adds beside i
 # The draft pool each speculating service mode names, in a trio card-bench starts: one trio serves
 # them all, the model-free and cascade workers beside the draft model's (card.client.bench.cli)
 # (svc-auto: mode card-auto, per request the cache's model-free lookup alone or the draft model's worker)
-SERVICE_POOLS = {_NEURAL: "bench-draft", _NGRAM: "bench-ngram", _CASCADE: "bench-cascade",
-                 _AUTO: "bench-draft"}
+SERVICE_POOLS = {_NEURAL: "bench-draft", _NGRAM: "bench-ngram", _CASCADE: "bench-cascade"}
 
 
 def service_request(mode: BenchMode, pools: Mapping[DrafterKind, str]) -> tuple[str, str | None]:
@@ -142,7 +147,7 @@ def service_request(mode: BenchMode, pools: Mapping[DrafterKind, str]) -> tuple[
     trio card-bench started, empty for a running target (its own routing)."""
     if mode.drafter is None:
         return "vanilla", None
-    return ("card-auto" if mode.drafter is _AUTO else "card"), pools.get(mode.drafter)
+    return mode.decoder, pools.get(mode.drafter)
 
 
 # hf-pld: candidate tokens per lookup (transformers' documented example uses 10; its matching
@@ -328,19 +333,20 @@ def build_mode(mode: BenchMode, target: LoadedModel, draft: LoadedModel | None, 
             raise InvalidArgument(f"mode {mode} runs transformers' greedy generate: drop it, or "
                                   "--temperature 0")
         return HFMode(mode, target, draft, s.all_threads, s.ignore_eos)
-    if mode.decoder != "card":
+    if not mode.speculates:
         return EngineMode(mode.name, target, draft if mode.needs_draft else None,
-                          RunnerConfig(mode=mode.decoder, gamma=s.gamma), s.all_threads,
+                          RunnerConfig(mode=Decoding(mode.decoder), gamma=s.gamma), s.all_threads,
                           ignore_eos=s.ignore_eos, sampling=s.sampling)
     verify = dataclasses.replace(s.verify, mode=mode.verify)
     if mode.drafter is _NGRAM:  # one Python thread drafts: the target keeps the one-model thread count
-        config = RunnerConfig(mode="card", tree=s.ngram_tree or s.tree, backoff=s.backoff,
+        config = RunnerConfig(mode=Decoding.CARD, tree=s.ngram_tree or s.tree, backoff=s.backoff,
                               speculation=s.speculation, drafter=_NGRAM, ngram=s.ngram,
                               target_threads=s.all_threads)
         return EngineMode(mode.name, target, None, config, s.all_threads, ignore_eos=s.ignore_eos,
                           sampling=s.sampling, verify=verify)
     # lending the draft's cores pays only where the target runs faster on more threads
-    config = RunnerConfig(mode="card", tree=s.variants[mode.variant] if mode.variant else s.tree,
+    tree = s.variants[mode.variant] if mode.variant else s.tree
+    config = RunnerConfig(mode=Decoding(mode.decoder), tree=tree,
                           target_threads=s.target_threads, draft_threads=s.draft_threads, backoff=s.backoff,
                           speculation=s.speculation, lend_cores=s.all_threads > s.target_threads,
                           drafter=mode.drafter or _NEURAL, ngram=s.ngram)

@@ -82,7 +82,7 @@ def summarize(records: list[dict]) -> list[dict]:
         # hits are the cache's verdicts; sd's drafter classifies too, but against a chain it
         # rebuilds after every correction, so its counts mean nothing and are not reported
         corrections = (sum(r["hits"] + r["secondary_hits"] + r["misses"] for r in rs)
-                       if mode.decoder == "card" else 0)
+                       if mode.speculates else 0)
         rtts = [x for r in rs for x in r["step_rtt_ms"]]
         rows.append({
             "dataset": dataset,
@@ -97,7 +97,7 @@ def summarize(records: list[dict]) -> list[dict]:
             "secondary_hit_rate": sum(r["secondary_hits"] for r in rs) / corrections if corrections else None,
             "target_idle_fraction": sum(r["target_idle_s"] for r in rs) / wall if wall > 0 else None,
             "draft_idle_fraction": (sum(r["draft_idle_s"] for r in rs) / wall
-                                    if wall > 0 and mode.decoder == "card" and not mode.services else None),
+                                    if wall > 0 and mode.speculates and not mode.services else None),
             "step_rtt_p50_ms": percentile(rtts, 50),
             "step_rtt_p99_ms": percentile(rtts, 99),
             # rejection keeps the target's distribution, not its seeded tokens: no token check
@@ -230,7 +230,7 @@ def write_chart(path: Path, rows: list[dict], records: list[dict], title: str) -
 
     datasets = list(dict.fromkeys(r["dataset"] for r in rows))
     modes = list(dict.fromkeys(r["mode"] for r in rows))
-    spec_modes = [m for m in modes if BenchMode.parse(m).decoder in ("sd", "card")]
+    spec_modes = [m for m in modes if BenchMode.parse(m).decoder in ("sd", "card", "card-auto")]
     fig, axes = plt.subplots(1, 2, figsize=(13, 4.8))
     ax = axes[0]
     width = 0.8 / max(len(modes), 1)

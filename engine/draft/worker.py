@@ -77,8 +77,6 @@ class DraftWorker:
                 **kwargs: object) -> DraftWorker:
         """The worker ``kind`` names (the one place a kind becomes a worker): ``model`` for neural
         and cascade, ``ngram_config`` (and the shared ``ngram`` table) for cascade and ngram."""
-        if kind is DrafterKind.AUTO:
-            raise InvalidArgument("auto chooses a drafter per session in process; a worker is one kind")
         if kind.needs_model and model is None:
             raise InvalidArgument(f"a {kind.value} draft worker needs a draft model")
         if kind.uses_ngram and ngram_config is None:

@@ -1,6 +1,7 @@
-"""Decoding modes in one process: ``vanilla``, ``sd`` and ``card`` over the same target loop.
+"""Decoding modes in one process: ``vanilla``, ``sd``, ``card`` and ``card-auto`` over the same
+target loop.
 
-    runner = InProcessRunner(target, draft, RunnerConfig(mode="card"))
+    runner = InProcessRunner(target, draft, RunnerConfig(mode=Mode.CARD))
     gen = runner.generation(GenerationRequest(prompt_ids, sampling, stop))
     for chunk in runner.stream(gen): print(chunk.text, end="")
     gen.result.stats                     # or, all at once: runner.run(request)
@@ -16,7 +17,7 @@ import torch
 
 from card.engine.draft.worker import DraftWorker
 from card.engine.inprocess.core_lending import CoreLender
-from card.engine.inprocess.sources import LocalCard, NgramCard, PolicyCard, SyncDraft
+from card.engine.inprocess.sources import AutoCard, LocalCard, NgramCard, SyncDraft
 from card.engine.loading.models import LoadedModel
 from card.engine.shared.config import (
     NGRAM_CHAIN,
@@ -24,6 +25,7 @@ from card.engine.shared.config import (
     ChainDraw,
     DrafterKind,
     GenerationRequest,
+    Mode,
     NgramConfig,
     TreeParams,
 )
@@ -32,11 +34,10 @@ from card.engine.shared.kv_pool import DEFAULT_MAX_MODEL_LEN
 from card.engine.shared.ngram_stats import NgramTable, shared_table
 from card.engine.shared.tree import Layer
 from card.engine.target.chain_source import ChainSource, NoDraft
-from card.engine.target.controller import SpeculationControl, SpeculationController
+from card.engine.target.drafting_policy import DraftingConfig, DraftingPolicy
 from card.engine.target.generation import Chunk, Generation, GenerationResult
 from card.engine.target.scheduler import finish_alone, run_alone
 
-MODES = ("vanilla", "sd", "card")
 _UNSET = object()
 
 
@@ -45,15 +46,15 @@ class RunnerConfig:
     """mode; tree shape (card); gamma (sd chain length); torch threads per model (None = all);
     cache_device for card's tree; lend_cores (card on the
     CPU: the target borrows the draft's threads while the draft idles, card.engine.inprocess.core_lending);
-    backoff (card: pause a draft that misses or slows the target, engine.inprocess.governor) and
-    calibration_steps (plain steps that open each generation to measure the target's pace alone,
-    against which drafting is judged; 0 turns that judgement off); drafter (card: what grows the
+    backoff (pause a draft that misses or slows the target: the drafting policy's pace rule) and
+    calibration_steps (card through the worker: plain steps that open each generation to measure
+    the target's pace alone, against which drafting is judged); drafter (card: what grows the
     trees, engine.shared.config.DrafterKind) and ngram (the n-gram settings of the kinds that
-    use them); speculation: the engine's speculation controller (card.engine.target.controller:
-    auto, always, never), one for the runner's life so what it measured serves every generation;
-    ``backoff=False`` makes it ``always``."""
+    use them); speculation: the drafting policy's regime (card.engine.target.drafting_policy:
+    auto, always, never), one policy for the runner's life so what it measured serves every
+    generation; ``backoff=False`` makes it ``always`` without the pace rule."""
 
-    mode: str = "card"
+    mode: Mode = Mode.CARD
     tree: TreeParams = field(default_factory=TreeParams)
     gamma: int = 4
     target_threads: int | None = None
@@ -68,9 +69,10 @@ class RunnerConfig:
     speculation: str = "auto"
 
     def __post_init__(self) -> None:
-        SpeculationControl(mode=self.speculation)  # validates
-        if self.mode not in MODES:
-            raise InvalidArgument(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")
+        self.policy()  # validates
+        if not isinstance(self.mode, Mode) or (self.mode is Mode.CARD_AUTO
+                                               and self.drafter is not DrafterKind.NEURAL):
+            raise InvalidArgument(f"mode must be a Mode (card-auto: the neural drafter), got {self.mode!r}")
         if not isinstance(self.drafter, DrafterKind):
             raise InvalidArgument(f"drafter must be a DrafterKind, got {self.drafter!r}")
         self.drafter.check_mode(self.mode)
@@ -80,6 +82,12 @@ class RunnerConfig:
             raise InvalidArgument(f"draft_slots must be >= 1, got {self.draft_slots}")
         if self.calibration_steps < 0:
             raise InvalidArgument(f"calibration_steps must be >= 0, got {self.calibration_steps}")
+
+    def policy(self) -> DraftingConfig:
+        """The drafting policy's settings (calibration: card through its worker only)."""
+        return DraftingConfig(speculation=self.speculation if self.backoff else "always",
+                              pace_rule=self.backoff,
+                              calibration=self.calibration_steps if self.mode is Mode.CARD else 0)
 
 
 def check_compatible(target: LoadedModel, draft: LoadedModel) -> None:
@@ -99,21 +107,20 @@ class InProcessRunner:
         self.worker: DraftWorker | None = None
         self._cards: weakref.WeakSet[LocalCard] = weakref.WeakSet()
         self._table: NgramTable | object | None = _UNSET
-        if config.mode != "vanilla" and config.drafter.needs_model:  # auto needs its draft model too
+        if config.mode is not Mode.VANILLA and config.drafter.needs_model:  # auto needs its draft model too
             if draft is None:
-                raise InvalidArgument(f"mode {config.mode} needs a draft model")
+                raise InvalidArgument(f"mode {config.mode.value} needs a draft model")
             check_compatible(target, draft)
         if config.target_threads:
             torch.set_num_threads(config.target_threads)
-        self.controller = SpeculationController(
-            SpeculationControl(mode=config.speculation if config.backoff else "always"))
+        self.policy = DraftingPolicy(config.policy())
 
     def _source(self, kv_len: int, draw: ChainDraw | None = None) -> ChainSource:
         """The chain source of one generation; ``draw``: its chains are drawn (rejection)."""
         cfg = self.config
-        if cfg.mode == "vanilla":
+        if cfg.mode is Mode.VANILLA:
             return NoDraft()
-        if cfg.mode == "sd":
+        if cfg.mode is Mode.SD:
             assert self.draft is not None
             return SyncDraft(self.draft.model, cfg.gamma, kv_len, draw)
         if cfg.drafter is DrafterKind.NGRAM:
@@ -123,8 +130,8 @@ class InProcessRunner:
             self.worker.start()
         source = self._new_card(draw)
         self._cards.add(source)
-        if cfg.drafter is DrafterKind.AUTO:
-            return PolicyCard(self._ngram_card(kv_len, draw), source)
+        if cfg.mode is Mode.CARD_AUTO:
+            return AutoCard(self._ngram_card(kv_len, draw), source)
         return source
 
     def _ngram_card(self, kv_len: int, draw: ChainDraw | None) -> NgramCard:
@@ -132,7 +139,7 @@ class InProcessRunner:
         # auto: the model-free drafter's own depth and chain beside the draft model's tree
         tree = cfg.tree if cfg.drafter is DrafterKind.NGRAM else cfg.tree.with_overrides(
             max_depth=NGRAM_DEPTH, max_chain=max(cfg.tree.max_chain, NGRAM_CHAIN))
-        return NgramCard(tree, self._vocab, cfg.ngram, self._ngram_table(), kv_len, cfg.backoff, draw)
+        return NgramCard(tree, self._vocab, cfg.ngram, self._ngram_table(), kv_len, draw)
 
     @property
     def _vocab(self) -> int:
@@ -149,7 +156,7 @@ class InProcessRunner:
     def _new_worker(self) -> DraftWorker:
         cfg = self.config
         window = self.target.context_window
-        kind = DrafterKind.NEURAL if cfg.drafter is DrafterKind.AUTO else cfg.drafter  # auto: its neural half
+        kind = cfg.drafter
         assert self.draft is not None
         # rows per slot: on the CPU the target's whole context window (a slot's pages are touched
         # only as far as its session writes, card.engine.shared.kv_pool); on an accelerator, where the
@@ -162,8 +169,7 @@ class InProcessRunner:
 
     def _new_card(self, draw: ChainDraw | None) -> LocalCard:
         cfg = self.config
-        return LocalCard(self.worker, cfg.tree, cfg.cache_device, lender=self._lender(),
-                         calibration_steps=cfg.calibration_steps, backoff=cfg.backoff, draw=draw)
+        return LocalCard(self.worker, cfg.tree, cfg.cache_device, lender=self._lender(), draw=draw)
 
     def _lender(self) -> CoreLender | None:
         cfg = self.config
@@ -186,18 +192,18 @@ class InProcessRunner:
             eos_ids=self.target.eos_ids,
             decode=self.target.decode,
             context_window=self.target.context_window,
-            mode=self.config.mode,
+            mode=self.config.mode.value,
             model_name=self.target.name,
             vocab_size=self._vocab,
         )
 
     def stream(self, gen: Generation) -> Iterator[Chunk]:
         """Run ``gen`` on the target model, yielding its chunks; ``gen.result`` is set at the end."""
-        return run_alone(self.target.model, gen, exact=self.target.exact, controller=self.controller)
+        return run_alone(self.target.model, gen, exact=self.target.exact, policy=self.policy)
 
     def run(self, request: GenerationRequest) -> GenerationResult:
         return finish_alone(self.target.model, self.generation(request), exact=self.target.exact,
-                            controller=self.controller)
+                            policy=self.policy)
 
     def close(self) -> None:
         if self.worker is not None:

@@ -1,27 +1,26 @@
 """Where the target's chains come from in one process: one engine.target.chain_source.ChainSource
-per decoding mode. Every card source is a CardSession (engine.shared.session, the one place a
-correction meets a tree) with a link to the draft that grows it:
+per decoding mode. Every card source is a ``DraftedCard``: a CardSession (engine.shared.session,
+the one place a correction meets a tree) per drafter it offers, each with the link to the draft
+that grows it, and the one verb ``draft_with`` the engine's DraftingPolicy steers it with:
 
     vanilla  NoDraft:     every chain is empty (engine.target.chain_source: the target side owns it)
     sd       SyncDraft:   classic draft-then-verify: after each correction the drafter grows a chain
                           of ``gamma`` tokens while the target waits (SyncLink)
-    card     LocalCard:   a DraftWorker thread grows the tree continuously (WorkerLink); the target
-                          queries and corrects it without waiting
+    card     LocalCard:   a DraftWorker thread grows the tree continuously (DraftThreadLink); the
+                          target queries and corrects it without waiting
     card     NgramCard:   the model-free drafter in the target's own thread (in-process
                           ``--draft-model ngram``, InlineLink): it grows a chain's worth of layers
                           in microseconds after each correction, so no chain is ever empty for
                           want of a thread switch
-    card     PolicyCard:  per session, whichever of NgramCard and LocalCard commits tokens faster
+    card     AutoCard:    both, the policy choosing per generation (card-auto)
 
-LocalCard and NgramCard are ``Governed``: engine.inprocess.governor pauses a draft that keeps missing or
-slows the target (the session then follows the corrections with an empty tree) and restarts it
-from the committed text later. The gRPC trio plugs in the same way (target_service's RemoteCard,
-the CardSession in the cache service).
+Stopped (``draft_with(None)``), a source's link stops and its session follows the corrections
+with an empty tree; started again, a new link drafts from the committed text. The gRPC trio plugs
+in the same way (target_service's RemoteCard, the CardSession in the cache service).
 """
 
 from __future__ import annotations
 
-import time
 import uuid
 from collections.abc import Callable, Sequence
 
@@ -31,14 +30,12 @@ from card.engine.draft.drafter import Drafter
 from card.engine.draft.ngram import NgramDrafter
 from card.engine.draft.worker import DraftWorker
 from card.engine.inprocess.core_lending import CoreLender
-from card.engine.inprocess.governor import Governor
 from card.engine.shared.config import ChainDraw, NgramConfig, TreeParams
 from card.engine.shared.ngram_stats import NgramTable
 from card.engine.shared.session import CardSession, DraftLink, StepResult
 from card.engine.shared.stats import GenerationStats
-from card.engine.shared.tree import Advance, Chain, Correction, Layer
-from card.engine.target.chain_source import SourceStats
-from card.engine.target.drafter_choice import MODEL_FREE, NEURAL, DrafterChoice
+from card.engine.shared.tree import Advance, Correction, Layer
+from card.engine.target.chain_source import DraftKind, SourceStats
 
 
 # ---- links: how a session reaches its draft ------------------------------------------------------
@@ -67,7 +64,7 @@ class SyncLink:
                 self.session.apply_layer(layer)
 
 
-class WorkerLink:
+class DraftThreadLink:
     """One draft session on a DraftWorker thread, under an id of its own: layers published for
     an id that is no longer the session's link (a stopped or restarted draft) are dropped.
     ``delivered``: a layer has arrived since it started. Its draft counters go to ``done`` when
@@ -120,15 +117,69 @@ class InlineLink(SyncLink):
 
 
 # ---- sources -------------------------------------------------------------------------------------
-def stop_drafting(session: CardSession) -> None:
-    """The engine's controller pauses a source's drafting (Pausable): its link stops now; the
-    tree still serves the correction in flight and empties after it."""
-    link = session.detach(keep_tree=True)
-    if link is not None:
-        link.stop()
+class DraftedCard:
+    """A card source over one CardSession per drafter it offers (``drafts``: each kind's session
+    and the factory of a new link to its draft). The active session follows the corrections;
+    ``draft_with`` stops its link (the tree still serves the correction in flight, then
+    empties), starts a new one from the committed text, or hands the generation to another
+    drafter's session at the next step (a new epoch: that session's own tree)."""
+
+    def __init__(self, drafts: dict[DraftKind, tuple[CardSession, Callable[[], DraftLink]]]) -> None:
+        self.drafts = drafts
+        self.drafters = tuple(drafts)
+        self.active = self.drafters[0]
+        self._kind: DraftKind | None = self.active  # what drafts now
+        self._handoff: DraftKind | None = None  # the session that takes over at the next step
+        self._committed: Sequence[int] = ()  # the generation's, read when a draft (re)starts
+        self._opened = False
+
+    @property
+    def session(self) -> CardSession:
+        return self.drafts[self.active][0]
+
+    def draft_with(self, kind: DraftKind | None) -> None:
+        if kind is self._kind:
+            return
+        self._kind, self._handoff = kind, None
+        if not self._opened:
+            self.active = kind or self.active
+            return
+        self._stop()
+        if kind is None or self.session.closed:
+            return
+        if kind is self.active:
+            self.session.attach(self.drafts[kind][1]())
+        else:
+            self._handoff = kind
+
+    def _stop(self) -> None:
+        link = self.session.detach(keep_tree=True)
+        if link is not None:
+            link.stop()
+
+    def open(self, committed: Sequence[int]) -> None:
+        self._committed, self._opened = committed, True
+        self.session.open(committed)
+        if self._kind is not None:
+            self.session.attach(self.drafts[self._kind][1]())
+
+    def step(self, correction: Correction) -> StepResult:
+        result = self.session.step(correction)
+        if self._handoff is None:
+            return result
+        self.active, self._handoff = self._handoff, None
+        session = self.session
+        session.open(self._committed, correction.epoch + 1)
+        session.attach(self.drafts[self.active][1]())
+        return StepResult(session.next_chain(), result.outcome)
+
+    def close(self, stats: GenerationStats) -> SourceStats:
+        for session, _ in self.drafts.values():
+            session.close()
+        return SourceStats()
 
 
-class SyncDraft:
+class SyncDraft(DraftedCard):
     """Classic speculative decoding: draft ``gamma`` tokens, then verify, in turn. ``tree``: grow
     this tree instead of one chain (draft-then-verify on a tree: deterministic, for tests)."""
 
@@ -137,138 +188,49 @@ class SyncDraft:
         self.gamma = gamma
         params = tree or TreeParams(width=1, branch=1, max_depth=gamma, max_chain=gamma, b_extension=False)
         self.drafter = Drafter(model, params, max_len=kv_len)
-        self.session = CardSession(params, draw=draw)
-        self._held = False  # the engine's speculation controller paused drafting (Pausable)
+        session = CardSession(params, draw=draw)
+        super().__init__({DraftKind.WORKER: (session, lambda: SyncLink(self.drafter, session))})
 
     def open(self, committed: Sequence[int]) -> None:
         self.drafter.forwards = 0
-        self.session.open(committed)
-        if not self._held:
-            self.session.attach(SyncLink(self.drafter, self.session))
-
-    def step(self, correction: Correction) -> StepResult:
-        return self.session.step(correction)
-
-    def pause_drafting(self) -> None:
-        self._held = True
-        stop_drafting(self.session)
-
-    def resume_drafting(self) -> None:
-        self._held = False
-        self.session.attach(SyncLink(self.drafter, self.session))
+        super().open(committed)
 
     def close(self, stats: GenerationStats) -> SourceStats:
-        done = SourceStats(draft_forwards=self.drafter.forwards)
-        self.session.close()
-        return done
+        super().close(stats)
+        return SourceStats(draft_forwards=self.drafter.forwards)
 
 
-class Governed:
-    """A card source whose draft the governor pauses and restarts (engine.inprocess.governor):
-    paused, the session follows the corrections with an empty tree and the target decodes
-    alone; restarted, a new link drafts from the committed text. ``calibration_steps`` plain
-    steps open each generation to measure the alone pace (0: draft from the first step, pace
-    rule off until a pause); ``backoff=False`` drafts throughout. Output never depends on it."""
-
-    def __init__(self, params: TreeParams, device: str = "cpu", calibration_steps: int = 0,
-                 backoff: bool = True, draw: ChainDraw | None = None) -> None:
-        self.params = params
-        self.session = CardSession(params, device, draw=draw)
-        self.governor = Governor(calibration_steps, enabled=backoff)
-        self._committed: Sequence[int] = ()  # the generation's, read when drafting (re)starts
-        self._done = SourceStats()  # draft counters of the links already stopped
-        self._held = False  # the engine's speculation controller paused drafting (Pausable)
-
-    def _new_link(self) -> DraftLink:
-        raise NotImplementedError
-
-    @property
-    def link(self) -> WorkerLink | InlineLink | None:
-        return self.session.link  # type: ignore[return-value]
-
-    @property
-    def tree(self):
-        return self.session.tree
-
-    def open(self, committed: Sequence[int]) -> None:
-        self._committed = committed
-        self._done = SourceStats()
-        self.session.open(committed)
-        if self.governor.open() and not self._held:
-            self.session.attach(self._new_link())
-
-    def pause_drafting(self) -> None:
-        """The engine's controller pauses drafting: the link stops now; the tree still serves
-        the correction in flight and empties after it."""
-        self._held = True
-        stop_drafting(self.session)
-
-    def resume_drafting(self) -> None:
-        """Draft again from the committed text, unless the governor's own pause runs on."""
-        self._held = False
-        if self.governor.drafting and self.link is None and not self.session.closed:
-            self.session.attach(self._new_link())
-
-    def step(self, correction: Correction) -> StepResult:
-        self.governor.timed(len(correction.accepted_tokens) + 1)
-        session = self.session
-        link = self.link
-        if link is None:  # paused (or calibrating): the target decodes alone
-            session.step(correction)
-            if not self._held and self.governor.resume():
-                session.attach(self._new_link())
-            return StepResult(session.next_chain())
-        delivered = link.delivered
-        result = session.step(correction)
-        if not self.governor.keep(result.outcome, delivered, len(correction.accepted_tokens)):
-            self._pause()
-            return StepResult(Chain(epoch=session.epoch), result.outcome)
-        return result
-
-    def _pause(self) -> None:
-        link = self.session.detach(keep_tree=False)
-        if link is not None:
-            link.stop()
-
-    def suspend(self) -> None:
-        """Stop drafting (PolicyCard hands the session to another drafter)."""
-        self._pause()
-
-    def resume(self, epoch: int) -> StepResult:
-        """Draft again from the committed text at ``epoch``."""
-        self.session.open(self._committed, epoch)
-        self.session.attach(self._new_link())
-        return StepResult(self.session.next_chain())
-
-    def close(self, stats: GenerationStats) -> SourceStats:
-        self.session.close()
-        return self._done
-
-
-class LocalCard(Governed):
+class LocalCard(DraftedCard):
     """CARD in one process: a draft worker thread and a local candidate tree. The worker's
     ``publish`` reaches the session through ``publish`` (the runner routes every layer to every
     card; each keeps its current link's). With ``lender``, the target borrows the worker's cores
     while it idles (engine.inprocess.core_lending)."""
 
     def __init__(self, worker: DraftWorker | None, params: TreeParams, device: str = "cpu",
-                 lender: CoreLender | None = None, calibration_steps: int = 0,
-                 backoff: bool = True, draw: ChainDraw | None = None) -> None:
-        super().__init__(params, device, calibration_steps, backoff, draw)
+                 lender: CoreLender | None = None, draw: ChainDraw | None = None) -> None:
         self.worker = worker
         self.lender = lender
+        self.params = params
+        self._done = SourceStats()  # draft counters of the links already stopped
+        session = CardSession(params, device, draw=draw)
+        super().__init__({DraftKind.WORKER: (session, lambda: self._link(session))})
 
-    def _new_link(self) -> WorkerLink:
+    def _link(self, session: CardSession) -> DraftThreadLink:
         assert self.worker is not None
-        return WorkerLink(self.worker, self.session, self._done)
+        return DraftThreadLink(self.worker, session, self._done)
+
+    @property
+    def link(self) -> DraftLink | None:
+        return self.drafts[DraftKind.WORKER][0].link
 
     def publish(self, session_id: str, layer: Layer) -> None:
         """The worker's publish callback."""
         link = self.link
-        if isinstance(link, WorkerLink) and link.session_id == session_id:
+        if isinstance(link, DraftThreadLink) and link.session_id == session_id:
             link.deliver(layer)
 
     def open(self, committed: Sequence[int]) -> None:
+        self._done = SourceStats()
         super().open(committed)
         if self.lender is not None:
             self.lender.attach()
@@ -276,10 +238,11 @@ class LocalCard(Governed):
     def close(self, stats: GenerationStats) -> SourceStats:
         if self.lender is not None:
             self.lender.detach()
-        return super().close(stats)
+        super().close(stats)
+        return self._done
 
 
-class NgramCard(Governed):
+class NgramCard(DraftedCard):
     """card with the model-free drafter (engine.draft.ngram) run inline: the same tree, scores
     and chain rules as card through a worker; only the thread differs. A worker thread would
     leave the chain that follows a miss empty (the tree restarts at the new root while the target
@@ -287,65 +250,34 @@ class NgramCard(Governed):
     milliseconds. ``shared`` is the runner's table, used by the target's thread alone."""
 
     def __init__(self, params: TreeParams, vocab_size: int, config: NgramConfig, shared: NgramTable | None,
-                 max_len: int, backoff: bool = True, draw: ChainDraw | None = None) -> None:
-        super().__init__(params, backoff=backoff, draw=draw)
+                 max_len: int, draw: ChainDraw | None = None) -> None:
+        self.params = params
         self.drafter = NgramDrafter(params, vocab_size, config, shared, max_len)
+        session = CardSession(params, draw=draw)
+        super().__init__({DraftKind.LOOKUP: (session, lambda: InlineLink(self.drafter, session,
+                                                                         params.max_chain))})
 
-    def _new_link(self) -> InlineLink:
-        return InlineLink(self.drafter, self.session, self.params.max_chain)
 
+class AutoCard(DraftedCard):
+    """card-auto in process: the inline model-free drafter (NgramCard) and the draft model's
+    worker (LocalCard: neural, or a cascade where the worker is one), each on its own session;
+    the engine's DraftingPolicy chooses per generation by measured pace. A switch restarts the
+    new drafter from the committed text at the next epoch; the output never depends on it."""
 
-class PolicyCard:
-    """The drafter that pays, per session (card.engine.target.drafter_choice): the model-free
-    drafter inline (NgramCard) or the draft model's worker (LocalCard: neural, or a cascade where
-    the worker is one), each with its own governor that pauses it (the target then decodes alone)
-    when its chains keep failing. A switch restarts the new drafter from the committed text at the
-    next epoch; the output never depends on any of this."""
-
-    def __init__(self, ngram: NgramCard, neural: LocalCard,
-                 clock: Callable[[], float] = time.perf_counter) -> None:
-        self.sources: dict[str, NgramCard | LocalCard] = {MODEL_FREE: ngram, NEURAL: neural}
-        self.clock = clock
-        self.choice = DrafterChoice(clock)
-        self._held = False  # the engine's speculation controller paused drafting (Pausable)
-
-    @property
-    def current(self) -> str:
-        return self.choice.current
-
-    @property
-    def switches(self) -> int:
-        return self.choice.switches
-
-    def pause_drafting(self) -> None:
-        self._held = True
-        self.sources[self.current].pause_drafting()
-
-    def resume_drafting(self) -> None:
-        self._held = False
-        self.sources[self.current].resume_drafting()
+    def __init__(self, ngram: NgramCard, neural: LocalCard) -> None:
+        self.parts = (ngram, neural)
+        super().__init__({**ngram.drafts, **neural.drafts})
 
     def open(self, committed: Sequence[int]) -> None:
-        self.choice = DrafterChoice(self.clock)
-        self.sources[NEURAL].open(committed)
-        self.sources[NEURAL].suspend()
-        self.sources[MODEL_FREE].open(committed)
-
-    def step(self, correction: Correction) -> StepResult:
-        if self._held:  # no drafter runs: nothing to time or judge
-            self.choice.untimed()
-            return self.sources[self.current].step(correction)
-        before = self.current
-        to = self.choice.step(len(correction.accepted_tokens) + 1)
-        if to is None:
-            return self.sources[self.current].step(correction)
-        self.sources[before].suspend()
-        return self.sources[to].resume(correction.epoch + 1)
+        self.parts[1]._done = SourceStats()
+        super().open(committed)
+        if self.parts[1].lender is not None:
+            self.parts[1].lender.attach()
 
     def close(self, stats: GenerationStats) -> SourceStats:
         done = SourceStats()
-        for source in self.sources.values():
-            part = source.close(stats)
-            done.draft_forwards += part.draft_forwards
-            done.draft_idle_s += part.draft_idle_s
+        for part in self.parts:
+            got = part.close(stats)
+            done.draft_forwards += got.draft_forwards
+            done.draft_idle_s += got.draft_idle_s
         return done

@@ -15,6 +15,30 @@ from card.engine.shared.errors import InvalidArgument
 NGRAM = "ngram"  # the draft "model" spec of the model-free drafter (--draft-model / card-draft --model)
 
 
+class Mode(enum.Enum):
+    """How a request decodes, parsed once where it enters (a flag, a request field):
+
+        vanilla    the target alone
+        sd         classic draft-then-verify (in process only)
+        card       the target verifies chains of a tree a draft grows beside it
+        card-auto  card, the drafter chosen per generation by measured pace: the model-free
+                   lookup or the draft worker (card.engine.target.drafting_policy)
+    """
+
+    VANILLA = "vanilla"
+    SD = "sd"
+    CARD = "card"
+    CARD_AUTO = "card-auto"
+
+    @classmethod
+    def parse(cls, value: str, allowed: tuple[Mode, ...] = (), hint: str = "") -> Mode:
+        """The mode ``value`` names, among ``allowed`` (all when empty); InvalidArgument else."""
+        names = [m.value for m in allowed or tuple(cls)]
+        if value not in names:
+            raise InvalidArgument(f"mode must be one of {', '.join(names)}, got {value!r}{hint}")
+        return cls(value)
+
+
 class DrafterKind(enum.Enum):
     """What grows card's trees, parsed once from the flags (``from_flags``) where a command reads
     them; everything downstream asks the kind.
@@ -22,13 +46,11 @@ class DrafterKind(enum.Enum):
         neural    a draft model (engine.draft.drafter)
         cascade   the draft model with the n-gram statistics beneath it (``--cascade ngram``)
         ngram     the n-gram statistics alone, no draft model (``--draft-model ngram``)
-        auto      in process, per session whichever of ngram and neural commits faster
     """
 
     NEURAL = "neural"
     CASCADE = "cascade"
     NGRAM = "ngram"
-    AUTO = "auto"
 
     @classmethod
     def from_flags(cls, model: str, cascade: str = "none") -> DrafterKind:
@@ -43,10 +65,10 @@ class DrafterKind(enum.Enum):
             return cls.NGRAM
         return cls.NEURAL if cascade == "none" else cls.CASCADE
 
-    def check_mode(self, mode: str) -> None:
+    def check_mode(self, mode: Mode) -> None:
         """Only card grows trees: any kind but a plain draft model needs mode card."""
-        if self is not DrafterKind.NEURAL and mode != "card":
-            raise InvalidArgument(f"the {self.value} drafter grows card's trees; mode {mode} has none")
+        if self is not DrafterKind.NEURAL and mode is not Mode.CARD:
+            raise InvalidArgument(f"the {self.value} drafter grows card's trees; mode {mode.value} has none")
 
     @property
     def needs_model(self) -> bool:

@@ -32,7 +32,7 @@ class GenerationStats:
     acceptance_histogram: list[int] = field(default_factory=list)
     # rejection: chains without a usable proposal, verified exactly instead (lossless still)
     rejection_fallbacks: int = 0
-    # the target's speculation controller (card.engine.target.controller): its mode, the steps this
+    # the target's drafting policy (card.engine.target.drafting_policy): its regime, the steps this
     # generation decoded with its drafting paused (plain decoding engine-wide, or its own chains
     # not paying) and how many times its drafting was paused
     speculation: str = ""

@@ -1,5 +1,10 @@
 """The contract between the target engine and wherever its chains come from.
 
+    drafters                  the DraftKinds it can draft with, the first the one it opens on
+                              (none: it never drafts)
+    draft_with(kind | None)   draft with ``kind`` from now on, or not at all (None); the engine's
+                              DraftingPolicy (card.engine.target.drafting_policy) says which,
+                              between iterations, and before ``open`` (it then opens so)
     open(committed)           the generation's committed sequence, at epoch 0
     step(correction) -> StepResult   apply the target's correction, return the next chain at once
     close(stats) -> SourceStats      end the session, given the target side's counters (a remote
@@ -19,11 +24,24 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Protocol, runtime_checkable
 
 from card.engine.shared.session import StepResult
 from card.engine.shared.stats import GenerationStats
 from card.engine.shared.tree import Chain, Correction
+
+
+class DraftKind(Enum):
+    """What drafts a generation's chains (the values are the metrics' labels).
+
+        LOOKUP  model-free: the text's own n-grams (the cache's lookup, the inline n-gram drafter);
+                no forward, no cores
+        WORKER  the draft model (or a cascade) on a draft worker
+    """
+
+    LOOKUP = "model-free"
+    WORKER = "neural"
 
 
 @dataclass
@@ -39,23 +57,16 @@ class SourceStats:
 
 
 class ChainSource(Protocol):
+    @property
+    def drafters(self) -> tuple[DraftKind, ...]: ...
+
+    def draft_with(self, kind: DraftKind | None) -> None: ...
+
     def open(self, committed: Sequence[int]) -> None: ...
 
     def step(self, correction: Correction) -> StepResult: ...
 
     def close(self, stats: GenerationStats) -> SourceStats: ...
-
-
-@runtime_checkable
-class Pausable(Protocol):
-    """A source whose draft the engine's speculation controller pauses and resumes
-    (card.engine.target.controller): paused, the draft stops spending compute on the generation
-    and every chain is empty; resumed, it drafts again from the committed text. Called between
-    iterations, before ``open`` too (the source then opens paused)."""
-
-    def pause_drafting(self) -> None: ...
-
-    def resume_drafting(self) -> None: ...
 
 
 @runtime_checkable
@@ -69,6 +80,11 @@ class BatchStepping(Protocol):
 
 class NoDraft:
     """Plain decoding: every chain is empty, the target decodes alone."""
+
+    drafters: tuple[DraftKind, ...] = ()
+
+    def draft_with(self, kind: DraftKind | None) -> None:
+        pass
 
     def open(self, committed: Sequence[int]) -> None:
         pass
@@ -84,7 +100,7 @@ def step_all(sources: Sequence[ChainSource], corrections: Sequence[Correction]
              ) -> list[StepResult | Exception]:
     """Step every source of one engine iteration. Sources of a ``BatchStepping`` kind go in one
     call per kind; a source that fails gets its exception in its place, the others their results."""
-    results: list[StepResult | Exception | None] = [None] * len(sources)
+    results: list[StepResult | Exception] = [StepResult(Chain())] * len(sources)
     kinds: dict[type, list[int]] = {}
     for i, source in enumerate(sources):
         kinds.setdefault(type(source), []).append(i)
@@ -103,4 +119,4 @@ def step_all(sources: Sequence[ChainSource], corrections: Sequence[Correction]
                 results[i] = sources[i].step(corrections[i])
             except Exception as exc:
                 results[i] = exc
-    return results  # type: ignore[return-value]
+    return results

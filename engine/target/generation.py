@@ -24,9 +24,7 @@ from card.engine.shared.config import GenerationRequest
 from card.engine.shared.errors import InvalidArgument
 from card.engine.shared.stats import GenerationStats
 from card.engine.shared.tree import Correction, Outcome, Proposal
-from card.engine.target.chain_source import ChainSource, Pausable, StepResult
-from card.engine.target.controller import SessionControl
-from card.engine.target.speculation import Acceptance
+from card.engine.target.chain_source import ChainSource, StepResult
 from card.engine.target.stopping import OutputTracker
 from card.engine.target.verify import TargetState, TokenLogprob
 
@@ -98,12 +96,6 @@ class Generation:
                                      verify=request.verify.effective(request.sampling).value)
         self.target = TargetState(request.prompt_ids, request.sampling, request.verify, request.logprobs)
         self.logprobs: list[TokenLogprob] = []  # of the tokens streamed so far, when asked for
-        self.acceptance = Acceptance()  # how often this generation's drafted tokens are accepted
-        # the speculation controller's: whether its draft may pause (its source is Pausable),
-        # whether it drafts now, and its own pauses (card.engine.target.controller)
-        self.pausable = isinstance(source, Pausable)
-        self.drafting = True
-        self.control = SessionControl()
         self._vocab = vocab_size or 2**62
         self.result: GenerationResult | None = None
         self.slot: int | None = None  # the engine's KV slot while it runs
@@ -205,7 +197,6 @@ class Generation:
             self.stats.prefill_s = time.perf_counter() - self._t0
             return self._commit([token], 1)
         n, token = self.target.accept(self._pending, logits, self._pending_q)
-        self.acceptance.observe(len(self._pending), n)
         self.stats.observe_step(len(self._pending), n)
         self._accepted, self._accepted_ids = tuple(self._pending[:n]), tuple(self._pending_ids[:n])
         return self._commit([*self._accepted, token], n + 1)

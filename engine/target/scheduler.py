@@ -1,17 +1,21 @@
 """The target engine: one loop owns the model; each iteration is one forward over every live
-generation (continuous batching, nano-vllm's shape).
+generation (continuous batching, nano-vllm's shape). An iteration has seven phases:
 
-    admit    waiting generations take a free KV slot (card.engine.shared.kv_pool.KVPool), in arrival order
+    admit    waiting generations take a free KV slot (card.engine.shared.kv_pool.KVPool), in
+             arrival order; the drafting policy tells each one's source what it opens with
+             (card.engine.target.drafting_policy), then the source opens
+    steer    the policy tells each running source whose drafting it changed after the last
+             iteration (``draft_with``: a drafter, or none)
     plan     each running generation gives its next input: a prefill chunk, or [t_next, *chain]
              after its chain source's step; steps first, then prefill chunks while the iteration
              has token budget (``max_batch_tokens``; the first input always goes)
-    budget   each chain is cut to what pays at this iteration's measured cost (card.engine.target.speculation)
+    budget   each chain is cut to what pays at this iteration's measured cost
+             (card.engine.target.speculation); a generation not drafting verifies none
     forward  one flattened forward over all of them (card.engine.shared.kv_pool.forward), timed
     commit   each generation absorbs its rows' logits and streams what it committed; finished
              ones close and give their slot back
-    control  the speculation controller (card.engine.target.controller) takes the iteration's
-             committed tokens and seconds; before the next plan, generations whose drafting it
-             switched off (engine-wide, or their own) are paused, those switched on resume
+    observe  the policy takes the iteration: each decoding generation's step (its own rules)
+             and the engine's committed tokens and seconds (the regime)
 
 Requests join and leave between iterations. A prompt is prefilled in chunks of ``prefill_chunk``
 tokens, so a long prompt does not stall everyone else's decoding; the chunk size is fixed (not a
@@ -31,10 +35,11 @@ from dataclasses import dataclass
 import torch
 
 from card.engine.shared.kv_pool import PREFILL_CHUNK, KVPool, Segment, forward
+from card.engine.shared.tree import Outcome
 from card.engine.target.chain_source import step_all
-from card.engine.target.controller import SpeculationControl, SpeculationController
+from card.engine.target.drafting_policy import DraftingConfig, DraftingPolicy, Stepped
 from card.engine.target.generation import Chunk, Generation, GenerationResult
-from card.engine.target.speculation import Acceptance, CostModel, chain_lengths
+from card.engine.target.speculation import CostModel, chain_lengths
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +57,7 @@ class Planned:
     rows: int = 0
     offered: int = 0  # chain tokens the source offered (a step), before the cost cut
     committed: int = 0  # tokens it committed (a step that went through)
+    outcome: Outcome | None = None  # the tree's verdict on the correction its source applied
 
 
 @dataclass(frozen=True)
@@ -86,15 +92,13 @@ class Event:
 class TargetEngine:
     def __init__(self, model: torch.nn.Module, pool: KVPool, max_batch_tokens: int = 2048,
                  prefill_chunk: int = PREFILL_CHUNK, adaptive: bool = True, exact: bool = True,
-                 controller: SpeculationController | None = None) -> None:
+                 policy: DraftingPolicy | None = None) -> None:
         self.model = model
         self.pool = pool
         self.adaptive = adaptive  # cut chains by measured cost (card.engine.target.speculation)
-        # whether speculation pays, engine-wide and per generation; without the measured-cost cut
-        # every chain is verified whole and nothing is paused (forwards depend on the draft alone)
-        self.controller = controller or SpeculationController(
-            SpeculationControl(mode="auto" if adaptive else "always"))
-        self.session_pauses = 0  # generations whose own drafting the controller paused
+        # whether each generation drafts, and with what; without the measured-cost cut every
+        # chain is verified whole and nothing is paused (forwards depend on the draft alone)
+        self.policy = policy or DraftingPolicy(DraftingConfig(speculation="auto" if adaptive else "always"))
         # decoding rows through card.engine.shared.exact_attention: a row's logits are the same
         # alone, in a chain or in any batch (False: the vendor SDPA, faster, outputs marked inexact)
         self.exact = exact
@@ -108,11 +112,11 @@ class TargetEngine:
 
     @classmethod
     def alone(cls, model: torch.nn.Module, kv_len: int, adaptive: bool = True, exact: bool = True,
-              controller: SpeculationController | None = None) -> TargetEngine:
-        """An engine of one slot of ``kv_len`` rows: one generation run by itself (``controller``:
+              policy: DraftingPolicy | None = None) -> TargetEngine:
+        """An engine of one slot of ``kv_len`` rows: one generation run by itself (``policy``:
         one that outlives it, so what it measured serves the next generation)."""
         return cls(model, KVPool(model, slots=1, max_len=max(kv_len, 2)), adaptive=adaptive, exact=exact,
-                   controller=controller)
+                   policy=policy)
 
     # ---- queue -------------------------------------------------------------------------------
     def add(self, gen: Generation) -> None:
@@ -127,67 +131,33 @@ class TargetEngine:
         source and gives its slot back. Between iterations only (the engine's thread)."""
         if gen in self.waiting:
             self.waiting.remove(gen)
+        self.policy.release(gen)
         return self._finish(gen)
 
-    # ---- one iteration: plan -> forward -> commit ---------------------------------------------
+    # ---- one iteration: admit, steer, plan, budget, forward, commit, observe -----------------
     def step(self) -> list[Event]:
         t0 = time.perf_counter()
         events = self._admit()
-        self._steer()
-        plan = self._plan(events)
-        if plan:
-            self._budget(plan)
-            logits, model_s = self._forward(plan)
-            t1 = time.perf_counter()
-            self._commit(plan, logits, events)
-            t2 = time.perf_counter()
-            self.last = IterationTimes(t1 - t0 - model_s, model_s, t2 - t1,
-                                       sum(len(p.tokens) for p in plan), len(plan))
-            self._control(plan, events, t2 - t0)
+        try:
+            self.policy.steer(self.running)
+            plan = self._plan(events)
+            if plan:
+                self._budget(plan)
+                logits, model_s = self._forward(plan)
+                t1 = time.perf_counter()
+                self._commit(plan, logits, events)
+                t2 = time.perf_counter()
+                self.last = IterationTimes(t1 - t0 - model_s, model_s, t2 - t1,
+                                           sum(len(p.tokens) for p in plan), len(plan))
+                clean = all(p.decoding for p in plan) and not any(e.error is not None for e in events)
+                steps = [Stepped(p.gen, p.offered, len(p.tokens) - 1, p.committed, p.outcome)
+                         for p in plan if p.decoding]
+                self.policy.observe(steps, t2 - t0, clean)
+        finally:  # the policy forgets the generations that ended (after their last step counted)
+            for event in events:
+                if event.done:
+                    self.policy.release(event.generation)
         return events
-
-    def _steer(self) -> None:
-        """Pause the drafting of generations the controller switched off, resume the others'
-        (a resumed one is judged afresh)."""
-        for gen in self.running:
-            if not gen.pausable or gen.drafting == self.controller.drafting(gen.control):
-                continue
-            gen.drafting = not gen.drafting
-            if gen.drafting:
-                gen.acceptance = Acceptance()
-                gen.source.resume_drafting()  # type: ignore[attr-defined]
-            else:
-                gen.stats.drafting_pauses += 1
-                gen.source.pause_drafting()  # type: ignore[attr-defined]
-
-    def _control(self, plan: list[Planned], events: list[Event], seconds: float) -> None:
-        """The controller takes the iteration: each drafting generation's step (its own pause),
-        each paused one's, and the engine's committed tokens in ``seconds`` (measured only when
-        no prefill chunk rode along and some generation could draft)."""
-        ctl = self.controller
-        batch = tokens = drafters = offering = 0
-        clean = not any(e.error is not None for e in events)
-        for p in plan:
-            if not p.decoding:
-                clean = False
-                continue
-            batch += 1
-            tokens += p.committed
-            gen = p.gen
-            if not gen.pausable:
-                continue
-            drafters += 1
-            if not gen.drafting:
-                gen.stats.drafting_paused_steps += 1
-                if ctl.speculating:
-                    ctl.session_paused_step(gen.control)
-            else:
-                offering += p.offered > 0
-                if ctl.session_step(gen.control, p.offered, len(p.tokens) - 1, gen.acceptance.alpha,
-                                    gen.acceptance.chains >= 4):
-                    self.session_pauses += 1
-        drafting = sum(p.decoding and p.gen.pausable and p.gen.drafting for p in plan)
-        ctl.observe(batch if drafters else 0, tokens, seconds, clean, warm=2 * offering >= drafting)
 
     def _plan(self, events: list[Event]) -> list[Planned]:
         """Every running generation's input: decoding steps first (a token or a short chain each,
@@ -207,7 +177,7 @@ class TargetEngine:
             except Exception as exc:  # its source failed: this generation ends, the batch goes on
                 events.append(self._fail(gen, exc))
                 continue
-            plan.append(Planned(gen, list(tokens), start, decoding=True))
+            plan.append(Planned(gen, list(tokens), start, decoding=True, outcome=step.outcome))
             budget -= len(tokens)
         for gen in [g for g in self.running if g.prefilling]:
             if plan and budget < min(self.prefill_chunk, gen.prefill_left):
@@ -219,17 +189,18 @@ class TargetEngine:
 
     def _budget(self, plan: list[Planned]) -> None:
         """Cut each step's chain to what pays at this iteration's measured cost (``adaptive``);
-        a generation whose drafting is paused verifies none."""
+        a generation not drafting verifies none."""
         steps = [p for p in plan if p.decoding]
         for p in steps:
             p.offered = len(p.tokens) - 1
-            if not p.gen.drafting and p.offered:  # a chain in flight when its draft paused
+            d = self.policy.drafting(p.gen)
+            if d is not None and d.told is None and p.offered:  # a chain in flight when its draft stopped
                 p.tokens = p.gen.trim_chain(0)
         if not self.adaptive:
             return
         fixed = sum(len(p.tokens) for p in plan if not p.decoding) + len(steps)
         lengths = chain_lengths([len(p.tokens) - 1 for p in steps],
-                                [p.gen.acceptance.alpha for p in steps], fixed, self.cost.fit())
+                                [self.policy.alpha(p.gen) for p in steps], fixed, self.cost.fit())
         for p, length in zip(steps, lengths, strict=True):
             if length < len(p.tokens) - 1:
                 p.tokens = p.gen.trim_chain(length)
@@ -290,12 +261,7 @@ class TargetEngine:
             gen.stats.exact = self.exact
             self.running.append(gen)
             try:
-                if gen.pausable:
-                    gen.stats.speculation = self.controller.config.mode
-                    if not self.controller.drafting(gen.control):  # it opens paused
-                        gen.drafting = False
-                        gen.stats.drafting_pauses += 1
-                        gen.source.pause_drafting()  # type: ignore[attr-defined]
+                self.policy.admit(gen)
                 gen.open()
             except Exception as exc:
                 events.append(self._fail(gen, exc))
@@ -341,18 +307,18 @@ class TargetEngine:
 
 
 def run_alone(model: torch.nn.Module, gen: Generation, adaptive: bool = True,
-              exact: bool = True, controller: SpeculationController | None = None) -> Iterator[Chunk]:
+              exact: bool = True, policy: DraftingPolicy | None = None) -> Iterator[Chunk]:
     """Run ``gen`` by itself on ``model`` (an engine of one slot), yielding its chunks.
     ``adaptive=False`` verifies every chain whole (the measured-cost cut is off, and the
-    speculation controller pauses nothing): the forward count then depends on the draft alone,
-    not on how busy the machine is. ``controller``: one that outlives this generation."""
-    yield from TargetEngine.alone(model, gen.kv_len, adaptive, exact, controller).stream(gen)
+    drafting policy pauses nothing): the forward count then depends on the draft alone, not on
+    how busy the machine is. ``policy``: one that outlives this generation."""
+    yield from TargetEngine.alone(model, gen.kv_len, adaptive, exact, policy).stream(gen)
 
 
 def finish_alone(model: torch.nn.Module, gen: Generation, exact: bool = True,
-                 controller: SpeculationController | None = None) -> GenerationResult:
+                 policy: DraftingPolicy | None = None) -> GenerationResult:
     """Run ``gen`` by itself to its end; its result."""
-    for _ in run_alone(model, gen, exact=exact, controller=controller):
+    for _ in run_alone(model, gen, exact=exact, policy=policy):
         pass
     assert gen.result is not None
     return gen.result

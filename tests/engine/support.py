@@ -35,6 +35,7 @@ from card.engine.shared.ngram_stats import NgramTable
 from card.engine.shared.session import CardSession, StepResult
 from card.engine.shared.tree import Advance, Correction, Layer, TwoTierTree
 from card.engine.target.chain_source import ChainSource, NoDraft
+from card.engine.target.drafting_policy import DraftingPolicy
 from card.engine.target.generation import Chunk, Generation, GenerationResult
 from card.engine.target.scheduler import TargetEngine, run_alone
 from tests.tiny_models import sharpened, tiny_model
@@ -139,9 +140,11 @@ def generate(model: torch.nn.Module, source: ChainSource, prompt: Sequence[int],
              max_new_tokens: int, sampling: SamplingParams | None = None,
              stop: Sequence[str] = (), eos_ids: frozenset[int] = frozenset(), ignore_eos: bool = True,
              decode: Callable[[list[int]], str] = letters, context_window: int = 512,
-             adaptive: bool = False, verify: VerifyPolicy | None = None, logprobs: int | None = None) -> Run:
+             adaptive: bool = False, verify: VerifyPolicy | None = None, logprobs: int | None = None,
+             policy: DraftingPolicy | None = None) -> Run:
     """Run one generation alone. Chains are verified whole unless ``adaptive`` (the engine's
-    measured-cost cut reads the clock, so forward counts would follow the machine's load)."""
+    measured-cost cut reads the clock, so forward counts would follow the machine's load);
+    ``policy``: the engine's drafting policy (default: its own)."""
     request = GenerationRequest(
         tuple(prompt),
         sampling or SamplingParams(),
@@ -151,7 +154,7 @@ def generate(model: torch.nn.Module, source: ChainSource, prompt: Sequence[int],
     )
     gen = Generation(request, source, eos_ids=eos_ids, decode=decode, context_window=context_window,
                      mode="test", vocab_size=model.config.vocab_size)
-    chunks = list(run_alone(model, gen, adaptive))
+    chunks = list(run_alone(model, gen, adaptive, policy=policy))
     assert gen.result is not None
     # what was streamed is exactly the result, whatever the mode
     assert [t for c in chunks for t in c.token_ids] == gen.result.token_ids
@@ -201,7 +204,6 @@ class LockstepRunner(InProcessRunner):
             return super()._new_card(draw)
         cfg = self.config
         return LockstepCard(self.worker, cfg.tree, cfg.cache_device, lender=self._lender(),
-                            calibration_steps=cfg.calibration_steps, backoff=cfg.backoff,
                             depth=self.lockstep_depth, draw=draw)
 
 

@@ -9,7 +9,7 @@ import torch
 
 from card.engine.inprocess.runner import InProcessRunner, RunnerConfig
 from card.engine.loading.models import LoadedModel
-from card.engine.shared.config import GenerationRequest, SamplingParams, StopParams, TreeParams
+from card.engine.shared.config import GenerationRequest, Mode, SamplingParams, StopParams, TreeParams
 from card.engine.shared.kv_pool import PREFILL_CHUNK, KVPool
 from card.engine.target.chain_source import NoDraft
 from card.engine.target.generation import Generation
@@ -62,9 +62,10 @@ def test_card_batched_equals_alone_and_vanilla(sampled: bool) -> None:
     target = _loaded(target_model("llama", sharp=sampled))
     draft = _loaded(draft_model("llama", "perturbed", sharp=sampled))
     requests = _requests(6, seed=9, sampled=sampled)
-    vanilla = InProcessRunner(target, None, RunnerConfig(mode="vanilla"))
+    vanilla = InProcessRunner(target, None, RunnerConfig(mode=Mode.VANILLA))
     want = [vanilla.run(r).token_ids for r in requests]
-    runner = InProcessRunner(target, draft, RunnerConfig(mode="card", tree=TreeParams(width=2, max_depth=4),
+    runner = InProcessRunner(target, draft, RunnerConfig(mode=Mode.CARD,
+                                                         tree=TreeParams(width=2, max_depth=4),
                                                          backoff=False))
     try:
         engine = TargetEngine(target.model, KVPool(target.model, slots=4, max_len=512))

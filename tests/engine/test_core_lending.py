@@ -10,7 +10,7 @@ from card.engine.inprocess.core_lending import CoreLender
 from card.engine.inprocess.runner import InProcessRunner, RunnerConfig
 from card.engine.loading.cpu_linear import pack_linears
 from card.engine.loading.models import LoadedModel
-from card.engine.shared.config import GenerationRequest, StopParams, TreeParams
+from card.engine.shared.config import GenerationRequest, Mode, StopParams, TreeParams
 from card.engine.shared.tree import Advance, Outcome
 from card.engine.target.scheduler import finish_alone
 from tests.engine.support import LetterTokenizer, LockstepRunner, prompt_cases, wait_until
@@ -64,8 +64,8 @@ def test_card_with_core_lending_equals_vanilla() -> None:
     draft = loaded(packed(0, perturb=0.02))
     # lockstep at max depth: the worker fills the tree, then idles while the target verifies
     tree = TreeParams(width=1, branch=3, max_depth=2, max_chain=2)
-    vanilla = InProcessRunner(target, None, RunnerConfig(mode="vanilla", target_threads=1))
-    card = LockstepRunner(target, draft, RunnerConfig(mode="card", tree=tree, target_threads=1,
+    vanilla = InProcessRunner(target, None, RunnerConfig(mode=Mode.VANILLA, target_threads=1))
+    card = LockstepRunner(target, draft, RunnerConfig(mode=Mode.CARD, tree=tree, target_threads=1,
                                                       draft_threads=1), lockstep_depth=2)
     try:
         borrowed = 0

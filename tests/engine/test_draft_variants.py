@@ -9,7 +9,7 @@ from card.engine.inprocess.runner import InProcessRunner, RunnerConfig
 from card.engine.loading.draft_variants import truncate_layers
 from card.engine.loading.models import LoadedModel, ModelConfig, load_model
 from card.engine.shared import kv_pool
-from card.engine.shared.config import GenerationRequest, StopParams, TreeParams
+from card.engine.shared.config import GenerationRequest, Mode, StopParams, TreeParams
 from card.engine.shared.errors import InvalidArgument
 from card.engine.shared.kv_pool import KVPool, Segment
 from tests.tiny_models import save_tiny_checkpoint, tiny_model
@@ -79,8 +79,8 @@ def test_greedy_output_with_a_truncated_draft_equals_vanilla(mode):
 
     request = GenerationRequest((5, 17, 3, 42), stop=StopParams(max_new_tokens=40, ignore_eos=True))
     outputs = {}
-    for name, cfg in {"vanilla": RunnerConfig(mode="vanilla"),
-                      mode: RunnerConfig(mode=mode, tree=TreeParams(width=3, max_depth=5))}.items():
+    for name, cfg in {"vanilla": RunnerConfig(mode=Mode.VANILLA),
+                      mode: RunnerConfig(mode=Mode(mode), tree=TreeParams(width=3, max_depth=5))}.items():
         runner = InProcessRunner(loaded(target, "target"), loaded(draft, "L2"), cfg)
         try:
             gen = runner.generation(request)

@@ -12,7 +12,7 @@ import torch
 from card.engine.inprocess.runner import InProcessRunner, RunnerConfig, check_compatible
 from card.engine.loading.fingerprint import tokenizer_fingerprint
 from card.engine.loading.models import LoadedModel, ModelConfig, load_model, load_tokenizer
-from card.engine.shared.config import GenerationRequest, SamplingParams, StopParams, TreeParams
+from card.engine.shared.config import GenerationRequest, Mode, SamplingParams, StopParams, TreeParams
 from card.engine.shared.errors import (
     Aborted,
     CardError,
@@ -54,7 +54,7 @@ def test_empty_prompt(models) -> None:
         Generation(GenerationRequest(()), NoDraft(), eos_ids=frozenset(),
                    decode=letters, context_window=512, mode="vanilla")
     with pytest.raises(InvalidArgument, match="prompt is empty"):
-        InProcessRunner(target, None, RunnerConfig(mode="vanilla")).generation(GenerationRequest(()))
+        InProcessRunner(target, None, RunnerConfig(mode=Mode.VANILLA)).generation(GenerationRequest(()))
     with pytest.raises(InvalidArgument, match="prompt is empty"):
         target.encode_prompt("", chat=False)
 
@@ -62,7 +62,7 @@ def test_empty_prompt(models) -> None:
 def test_prompt_longer_than_the_context_window(models) -> None:
     target, _, _ = models
     window = target.context_window
-    runner = InProcessRunner(target, None, RunnerConfig(mode="vanilla"))
+    runner = InProcessRunner(target, None, RunnerConfig(mode=Mode.VANILLA))
     for length in (window, window + 100):
         with pytest.raises(InvalidArgument) as info:
             runner.generation(GenerationRequest(tuple([5] * length)))
@@ -91,7 +91,7 @@ def test_draft_with_another_tokenizer_is_refused_naming_both_models(models) -> N
     assert target.fingerprint in message and foreign.fingerprint in message
     for mode in ("card", "sd"):
         with pytest.raises(FailedPrecondition):
-            InProcessRunner(target, foreign, RunnerConfig(mode=mode))
+            InProcessRunner(target, foreign, RunnerConfig(mode=Mode(mode)))
 
 
 def test_tiny_checkpoint_shares_smollm2_fingerprint(models, smollm2_gguf) -> None:
@@ -104,7 +104,7 @@ def test_tiny_checkpoint_shares_smollm2_fingerprint(models, smollm2_gguf) -> Non
 def test_modes_need_a_draft(models) -> None:
     target, _, _ = models
     with pytest.raises(InvalidArgument, match="needs a draft"):
-        InProcessRunner(target, None, RunnerConfig(mode="card"))
+        InProcessRunner(target, None, RunnerConfig(mode=Mode.CARD))
 
 
 # ---- model specs ---------------------------------------------------------------------------------

@@ -18,7 +18,7 @@ from card.engine.inprocess.runner import InProcessRunner, RunnerConfig
 from card.engine.loading.cpu_linear import PackedLinear, can_pack
 from card.engine.loading.invariant import FixedTiles, make_exact, probe
 from card.engine.loading.models import LoadedModel, ModelConfig, load_model
-from card.engine.shared.config import GenerationRequest, SamplingParams, StopParams, TreeParams
+from card.engine.shared.config import GenerationRequest, Mode, SamplingParams, StopParams, TreeParams
 from card.engine.shared.exact_attention import (
     KV_BLOCK,
     RowPlan,
@@ -273,7 +273,8 @@ def test_many_in_flight_equal_alone(dtype: torch.dtype, sampled: bool) -> None:
     assert [batched[i] for i in range(len(requests))] == alone, "vanilla in flight"
 
     runner = InProcessRunner(_loaded(target), _loaded(draft),
-                             RunnerConfig(mode="card", tree=TreeParams(width=2, max_depth=4), backoff=False))
+                             RunnerConfig(mode=Mode.CARD, tree=TreeParams(width=2, max_depth=4),
+                                          backoff=False))
     try:
         engine = TargetEngine(target, KVPool(target, slots=4, max_len=256))
         gens = [runner.generation(r) for r in requests]
@@ -315,8 +316,8 @@ def _smollm2_in_flight(gguf: Path, exact: bool) -> tuple[int, int]:
     engine = TargetEngine(model, KVPool(model, slots=8, max_len=512), exact=exact)
     batched = run_batched(engine, [plain(r) for r in requests], join_every=1)
     vanilla = sum(batched[i] == alone[i] for i in range(8))
-    runner = InProcessRunner(target, target, RunnerConfig(mode="card", tree=TreeParams(width=2, max_depth=4),
-                                                          backoff=False))
+    config = RunnerConfig(mode=Mode.CARD, tree=TreeParams(width=2, max_depth=4), backoff=False)
+    runner = InProcessRunner(target, target, config)
     try:
         engine = TargetEngine(model, KVPool(model, slots=8, max_len=512), exact=exact)
         gens = [runner.generation(r) for r in requests]

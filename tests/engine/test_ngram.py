@@ -13,11 +13,12 @@ import torch
 
 from card.engine.draft.ngram import NgramDrafter
 from card.engine.draft.worker import DraftWorker
-from card.engine.inprocess.sources import NgramCard, PolicyCard
+from card.engine.inprocess.sources import AutoCard, NgramCard
 from card.engine.shared.config import NgramConfig, SamplingParams, TreeParams
 from card.engine.shared.ngram_stats import NgramTable, Proposer, top_followers
 from card.engine.shared.tree import Advance, Outcome, TwoTierTree
-from card.engine.target.chain_source import NoDraft
+from card.engine.target.chain_source import DraftKind, NoDraft
+from card.engine.target.drafting_policy import DraftingConfig, DraftingPolicy
 from tests.engine.support import (
     VOCAB,
     DraftSession,
@@ -246,20 +247,20 @@ def test_inline_ngram_card_equals_vanilla(kind: str, sampling: SamplingParams) -
 @pytest.mark.parametrize("sampling", [SamplingParams(), SamplingParams(temperature=0.9, top_k=20, seed=9)],
                          ids=["greedy", "seeded"])
 def test_policy_card_switching_drafters_equals_vanilla(sampling: SamplingParams) -> None:
-    """PolicyCard (drafter auto) tries the model-free drafter, then the draft model, and switches
-    between them mid-generation: every output equals vanilla, and switches happened."""
+    """AutoCard (card-auto) tries the model-free drafter, then the draft model, and the drafting
+    policy switches between them mid-generation: every output equals vanilla, and switches happened."""
     kind = "llama"
     target = target_model(kind, sharp=True)
     cfg = NgramConfig(max_order=3, min_order=1, table_mb=1.0)
     params = TreeParams(width=3, branch=3, max_depth=8, max_chain=4)
-    switches = 0
+    switched: list[DraftKind] = []
     with card_source(draft_model(kind, "perturbed", sharp=True), params) as neural:
         for prompt, budget in repetitive_cases(6, seed=5):
             budget += 40  # long enough for a trial of each drafter and a decision
             want = generate(target, NoDraft(), prompt, max_new_tokens=budget, sampling=sampling).tokens
             ngram = NgramCard(params.with_overrides(max_depth=24), VOCAB, cfg, None, 512)
-            policy = PolicyCard(ngram, neural)
-            run = generate(target, policy, prompt, max_new_tokens=budget, sampling=sampling)
+            policy = DraftingPolicy(DraftingConfig(speculation="always"), on_switch=switched.append)
+            run = generate(target, AutoCard(ngram, neural), prompt, max_new_tokens=budget, sampling=sampling,
+                           policy=policy)
             assert run.tokens == want, f"prompt {prompt}"
-            switches += policy.switches
-    assert switches >= 6
+    assert len(switched) >= 6

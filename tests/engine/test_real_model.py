@@ -12,7 +12,7 @@ import torch
 
 from card.engine.inprocess.runner import InProcessRunner, RunnerConfig
 from card.engine.loading.models import LoadedModel, ModelConfig, load_model
-from card.engine.shared.config import GenerationRequest, StopParams, TreeParams
+from card.engine.shared.config import GenerationRequest, Mode, StopParams, TreeParams
 from tests.engine.support import LockstepRunner, wait_until
 
 pytestmark = pytest.mark.slow
@@ -33,7 +33,7 @@ def int8_draft(smollm2_gguf) -> LoadedModel:
 
 @pytest.fixture(scope="module")
 def vanilla(target: LoadedModel) -> dict[str, list[int]]:
-    runner = InProcessRunner(target, None, RunnerConfig(mode="vanilla"))
+    runner = InProcessRunner(target, None, RunnerConfig(mode=Mode.VANILLA))
     out = {}
     for prompt in PROMPTS:
         result = runner.run(request(target, prompt))
@@ -74,7 +74,7 @@ def test_card_and_sd_equal_vanilla(target: LoadedModel, int8_draft: LoadedModel,
     draft = int8_draft if draft_kind == "int8" else target
     # a same-size draft cannot outrun the target asynchronously; lockstep makes its tree count
     lockstep = 3 if (mode, draft_kind) == ("card", "same") else 0
-    config = RunnerConfig(mode=mode, tree=TreeParams(width=4), gamma=4)
+    config = RunnerConfig(mode=Mode(mode), tree=TreeParams(width=4), gamma=4)
     runner = LockstepRunner(target, draft, config, lockstep_depth=lockstep)
     try:
         forwards = hits = 0

@@ -13,7 +13,7 @@ from card.engine.draft.worker import DraftWorker
 from card.engine.inprocess.runner import InProcessRunner, RunnerConfig
 from card.engine.inprocess.sources import LocalCard
 from card.engine.loading.models import ModelConfig, load_model
-from card.engine.shared.config import GenerationRequest, StopParams, TreeParams
+from card.engine.shared.config import GenerationRequest, Mode, StopParams, TreeParams
 from card.engine.shared.tree import Advance, Layer, Outcome
 from card.engine.target.chain_source import NoDraft
 from card.engine.target.generation import Generation
@@ -153,10 +153,10 @@ def test_runner_card_and_sd_equal_vanilla_and_leak_nothing(tiny_checkpoints) -> 
     prompts = [target.encode_prompt(p, chat=c) for p, c in [("Hello there", True), ("a", False)]]
     requests = [GenerationRequest(tuple(p), stop=StopParams(max_new_tokens=12, ignore_eos=True))
                 for p in prompts]
-    vanilla = InProcessRunner(target, None, RunnerConfig(mode="vanilla"))
+    vanilla = InProcessRunner(target, None, RunnerConfig(mode=Mode.VANILLA))
     want = [vanilla.run(r).token_ids for r in requests]
     for mode in ("card", "sd"):
-        runner = LockstepRunner(target, draft, RunnerConfig(mode=mode, tree=PARAMS), lockstep_depth=2)
+        runner = LockstepRunner(target, draft, RunnerConfig(mode=Mode(mode), tree=PARAMS), lockstep_depth=2)
         try:
             assert [runner.run(r).token_ids for r in requests] == want
             if mode == "card":  # the runner's one worker served every session and kept nothing

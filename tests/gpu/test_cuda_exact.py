@@ -22,7 +22,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 from card.engine.inprocess.runner import InProcessRunner, RunnerConfig
 from card.engine.loading.invariant import make_exact
 from card.engine.loading.models import LoadedModel
-from card.engine.shared.config import GenerationRequest, SamplingParams, StopParams, TreeParams
+from card.engine.shared.config import GenerationRequest, Mode, SamplingParams, StopParams, TreeParams
 from card.engine.shared.kv_pool import KVPool
 from card.engine.target.chain_source import NoDraft
 from card.engine.target.generation import Generation
@@ -116,7 +116,7 @@ def test_in_flight_equal_alone(target, draft, in_flight: int, sampled: bool) -> 
     assert [batched[i] for i in range(n)] == alone, "plain decoding in flight"
 
     runner = InProcessRunner(_loaded(target), _loaded(draft),
-                             RunnerConfig(mode="card", tree=TreeParams(width=4, max_depth=6, max_chain=6),
+                             RunnerConfig(mode=Mode.CARD, tree=TreeParams(width=4, max_depth=6, max_chain=6),
                                           cache_device=DEVICE, backoff=False))
     try:
         if in_flight == 1:

@@ -13,7 +13,7 @@ import torch
 
 from card.engine.inprocess.runner import InProcessRunner, RunnerConfig
 from card.engine.loading.models import LoadedModel, ModelConfig, load_model
-from card.engine.shared.config import GenerationRequest, SamplingParams, StopParams
+from card.engine.shared.config import GenerationRequest, Mode, SamplingParams, StopParams
 from card.engine.target.generation import GenerationResult
 
 Reference = Callable[[str | Sequence[int], SamplingParams, StopParams], GenerationResult]
@@ -32,7 +32,7 @@ def torch_threads(n: int) -> Iterator[None]:
 
 def vanilla_reference(model: LoadedModel) -> Reference:
     """In-process plain decoding of the target model: what every trio output must equal."""
-    runner = InProcessRunner(model, None, RunnerConfig(mode="vanilla"))
+    runner = InProcessRunner(model, None, RunnerConfig(mode=Mode.VANILLA))
 
     def run(prompt: str | Sequence[int], sampling: SamplingParams, stop: StopParams) -> GenerationResult:
         ids = model.encode_prompt(prompt) if isinstance(prompt, str) else list(prompt)

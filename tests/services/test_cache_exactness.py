@@ -31,7 +31,7 @@ TREE = TreeParams(width=3, max_depth=5, max_chain=6)
 PROMPT = [5, 17, 42, 8, 61, 3]
 
 
-class WorkerLink:
+class RegisteredWorker:
     """A real DraftWorker registered with the cache: commands in, layers out, over gRPC."""
 
     def __init__(self, addr: str, name: str, model: torch.nn.Module) -> None:
@@ -129,7 +129,7 @@ def test_output_equals_vanilla(cache: Cache, target_model: torch.nn.Module, samp
     draft_model = {"self": target_model, "perturbed": tiny_model(seed=0, perturb=0.05),
                    "unrelated": tiny_model(seed=3)}[draft]
     vanilla = generate(target_model, NoDraft(), sampling)
-    link = WorkerLink(cache.addr, "w", draft_model)
+    link = RegisteredWorker(cache.addr, "w", draft_model)
     try:
         card = generate(target_model, CacheSource(cache.target), sampling)
     finally:
@@ -144,14 +144,14 @@ def test_output_equals_vanilla(cache: Cache, target_model: torch.nn.Module, samp
 
 def test_worker_leaves_and_another_joins_mid_generation(cache: Cache, target_model: torch.nn.Module) -> None:
     vanilla = generate(target_model, NoDraft(), SamplingParams(), n=60)
-    links: list[WorkerLink] = [WorkerLink(cache.addr, "first", target_model)]
+    links: list[RegisteredWorker] = [RegisteredWorker(cache.addr, "first", target_model)]
 
     def leave() -> None:
         links[0].leave()
         wait_for(lambda: not cache.target.status().drafts, what="the first worker to be gone")
 
     def join() -> None:
-        links.append(WorkerLink(cache.addr, "second", target_model))
+        links.append(RegisteredWorker(cache.addr, "second", target_model))
 
     source = CacheSource(cache.target, on_step=[(5, leave), (12, join)])
     try:

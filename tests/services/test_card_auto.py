@@ -1,6 +1,6 @@
 """card-auto through the trio, started as a user starts it: per request, the cache's model-free
 lookup alone (the worker paused) or the draft pool's worker, whichever commits faster
-(card.engine.target.drafter_choice). Tiny float64 checkpoints sharing the SmolLM2 tokenizer.
+(card.engine.target.drafting_policy). Tiny float64 checkpoints sharing the SmolLM2 tokenizer.
 
 - the output is plain decoding's token for token, through every switch;
 - both drafters served the request (the target counts its switches; the cache paused and resumed

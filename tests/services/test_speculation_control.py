@@ -1,4 +1,4 @@
-"""The speculation controller through the trio, started as a user starts it (the default
+"""The drafting policy's regime and pauses through the trio, started as a user starts it (the default
 ``--speculation auto``, and ``never``): tiny float64 checkpoints sharing the SmolLM2 tokenizer.
 
 A draft whose chains the target rejects ("junk": another seed):

@@ -13,7 +13,7 @@ from prometheus_client import REGISTRY
 
 from card.engine.shared.stats import GenerationStats
 from card.engine.shared.tree import NO_NODE, Correction, Outcome
-from card.target_service.cache_link import CacheLink, CacheTarget
+from card.target_service.cache_link import CacheClient, CacheTarget
 from card.target_service.remote_card import RemoteCard
 from card.v1 import cache_pb2_grpc
 from tests.services.cache_helpers import (
@@ -41,7 +41,7 @@ def _catch_ups() -> float:
 def test_a_late_open_catches_up_with_the_text_committed_meanwhile(cache: Cache) -> None:
     draft = cache.draft("d0")
     with grpc.insecure_channel(cache.addr) as ch:
-        link = CacheLink(cache_pb2_grpc.CacheServiceStub(ch),
+        link = CacheClient(cache_pb2_grpc.CacheServiceStub(ch),
                          CacheTarget(cache.addr, "target-model", FP_A, vocab_size=1000))
         committed = [1, 2, 3]
         source = RemoteCard(link)

@@ -1,5 +1,6 @@
 from card.v1 import common_pb2 as _common_pb2
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
@@ -7,8 +8,19 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class Drafter(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    DRAFTER_UNSPECIFIED: _ClassVar[Drafter]
+    DRAFTER_NONE: _ClassVar[Drafter]
+    DRAFTER_LOOKUP: _ClassVar[Drafter]
+    DRAFTER_WORKER: _ClassVar[Drafter]
+DRAFTER_UNSPECIFIED: Drafter
+DRAFTER_NONE: Drafter
+DRAFTER_LOOKUP: Drafter
+DRAFTER_WORKER: Drafter
+
 class OpenSessionRequest(_message.Message):
-    __slots__ = ("prompt_ids", "tokenizer_fingerprint", "target_model", "draft", "chain", "vocab_size", "context_window", "idle_timeout_ms", "draw", "default_pool", "draft_paused")
+    __slots__ = ("prompt_ids", "tokenizer_fingerprint", "target_model", "draft", "chain", "vocab_size", "context_window", "idle_timeout_ms", "draw", "default_pool", "drafter")
     PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     TARGET_MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -19,7 +31,7 @@ class OpenSessionRequest(_message.Message):
     IDLE_TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
     DRAW_FIELD_NUMBER: _ClassVar[int]
     DEFAULT_POOL_FIELD_NUMBER: _ClassVar[int]
-    DRAFT_PAUSED_FIELD_NUMBER: _ClassVar[int]
+    DRAFTER_FIELD_NUMBER: _ClassVar[int]
     prompt_ids: _common_pb2.Tensor
     tokenizer_fingerprint: str
     target_model: str
@@ -30,8 +42,8 @@ class OpenSessionRequest(_message.Message):
     idle_timeout_ms: int
     draw: ChainDraw
     default_pool: str
-    draft_paused: bool
-    def __init__(self, prompt_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., tokenizer_fingerprint: _Optional[str] = ..., target_model: _Optional[str] = ..., draft: _Optional[str] = ..., chain: _Optional[_Union[_common_pb2.ChainPolicy, _Mapping]] = ..., vocab_size: _Optional[int] = ..., context_window: _Optional[int] = ..., idle_timeout_ms: _Optional[int] = ..., draw: _Optional[_Union[ChainDraw, _Mapping]] = ..., default_pool: _Optional[str] = ..., draft_paused: _Optional[bool] = ...) -> None: ...
+    drafter: Drafter
+    def __init__(self, prompt_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., tokenizer_fingerprint: _Optional[str] = ..., target_model: _Optional[str] = ..., draft: _Optional[str] = ..., chain: _Optional[_Union[_common_pb2.ChainPolicy, _Mapping]] = ..., vocab_size: _Optional[int] = ..., context_window: _Optional[int] = ..., idle_timeout_ms: _Optional[int] = ..., draw: _Optional[_Union[ChainDraw, _Mapping]] = ..., default_pool: _Optional[str] = ..., drafter: _Optional[_Union[Drafter, str]] = ...) -> None: ...
 
 class ChainDraw(_message.Message):
     __slots__ = ("temperature", "seed")
@@ -50,20 +62,20 @@ class OpenSessionResponse(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., draft: _Optional[str] = ...) -> None: ...
 
 class StepRequest(_message.Message):
-    __slots__ = ("session_id", "epoch", "accepted_tokens", "accepted_node_ids", "next_token", "pause_draft")
+    __slots__ = ("session_id", "epoch", "accepted_tokens", "accepted_node_ids", "next_token", "drafter")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_NODE_IDS_FIELD_NUMBER: _ClassVar[int]
     NEXT_TOKEN_FIELD_NUMBER: _ClassVar[int]
-    PAUSE_DRAFT_FIELD_NUMBER: _ClassVar[int]
+    DRAFTER_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     epoch: int
     accepted_tokens: _common_pb2.Tensor
     accepted_node_ids: _common_pb2.Tensor
     next_token: int
-    pause_draft: bool
-    def __init__(self, session_id: _Optional[str] = ..., epoch: _Optional[int] = ..., accepted_tokens: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., accepted_node_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., next_token: _Optional[int] = ..., pause_draft: _Optional[bool] = ...) -> None: ...
+    drafter: Drafter
+    def __init__(self, session_id: _Optional[str] = ..., epoch: _Optional[int] = ..., accepted_tokens: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., accepted_node_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., next_token: _Optional[int] = ..., drafter: _Optional[_Union[Drafter, str]] = ...) -> None: ...
 
 class StepResponse(_message.Message):
     __slots__ = ("epoch", "chain_tokens", "chain_node_ids", "outcome", "draft_forwards", "draft_idle_s", "chain_q_tokens", "chain_q_probs", "draft")
