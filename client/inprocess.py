@@ -10,7 +10,7 @@ import click
 from card.client.options import GenerateOptions
 from card.engine.inprocess.runner import InProcessRunner
 from card.engine.loading.models import load_model
-from card.engine.shared.config import GenerationRequest
+from card.engine.shared.config import GenerationRequest, Mode
 from card.engine.target.generation import GenerationResult
 
 
@@ -20,7 +20,7 @@ def generate_inprocess(opts: GenerateOptions, on_text: Callable[[str], None] | N
     target = load_model(opts.target)
     prompt_ids = target.encode_prompt(opts.prompt, opts.chat)  # bad prompts fail before the draft loads
     draft = None
-    if config.mode != "vanilla" and config.drafter.needs_model:
+    if config.mode is not Mode.VANILLA and config.drafter.needs_model:
         _status(f"loading draft {opts.draft.label} ...")
         draft = load_model(opts.draft)
     runner = InProcessRunner(target, draft, config)

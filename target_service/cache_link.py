@@ -264,7 +264,7 @@ class CacheClient:
             self._done()
             if not f.cancelled() and f.exception() is not None:
                 log.info("CloseSession failed for session %s (the cache's idle timeout ends it): %s",
-                         session_id, error_from_rpc(f.exception(), self.target.cache_addr),  # type: ignore[arg-type]
+                         session_id, error_from_rpc(f.exception(), self.target.cache_addr),
                          extra={"session_id": session_id})
 
         future.add_done_callback(done)

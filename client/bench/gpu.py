@@ -96,7 +96,7 @@ def _requests(n: int, vocab: int, new_tokens: int) -> list[GenerationRequest]:
     return [GenerationRequest(p, SamplingParams(), stop) for p in prompts]
 
 
-def serve_tok_s(target: torch.nn.Module, draft: torch.nn.Module | None, in_flight: int, exact: bool,
+def serve_tok_s(target: CausalLM, draft: CausalLM | None, in_flight: int, exact: bool,
                 new_tokens: int, device: str, speculation: str | DraftingPolicy = "auto") -> dict:
     """Tokens/s of ``in_flight`` requests run together to their end (card when ``draft``), the
     engine's drafting policy in ``speculation`` mode (or that policy: a serving engine keeps one

@@ -38,8 +38,6 @@ from card.engine.target.drafting_policy import DraftingConfig, DraftingPolicy
 from card.engine.target.generation import Chunk, Generation, GenerationResult
 from card.engine.target.scheduler import finish_alone, run_alone
 
-_UNSET = object()
-
 
 @dataclass(frozen=True)
 class RunnerConfig:
@@ -106,7 +104,8 @@ class InProcessRunner:
         self.config = config
         self.worker: DraftWorker | None = None
         self._cards: weakref.WeakSet[LocalCard] = weakref.WeakSet()
-        self._table: NgramTable | object | None = _UNSET
+        self._table: NgramTable | None = None
+        self._table_built = False
         if config.mode is not Mode.VANILLA and config.drafter.needs_model:  # auto needs its draft model too
             if draft is None:
                 raise InvalidArgument(f"mode {config.mode.value} needs a draft model")
@@ -128,7 +127,7 @@ class InProcessRunner:
         if self.worker is None:
             self.worker = self._new_worker()
             self.worker.start()
-        source = self._new_card(draw)
+        source = self._new_card(self.worker, draw)
         self._cards.add(source)
         if cfg.mode is Mode.CARD_AUTO:
             return AutoCard(self._ngram_card(kv_len, draw), source)
@@ -148,9 +147,10 @@ class InProcessRunner:
     def _ngram_table(self) -> NgramTable | None:
         """The runner's one shared n-gram table (cascade: its worker's), warmed with the target's
         tokenizer; built on first use."""
-        if self._table is _UNSET:
+        if not self._table_built:
             encode = lambda text: self.target.tokenizer(text)["input_ids"]  # noqa: E731
             self._table = shared_table(self._vocab, self.config.ngram, encode)
+            self._table_built = True  # None is a built table too: --ngram-table-mb 0
         return self._table
 
     def _new_worker(self) -> DraftWorker:
@@ -167,11 +167,11 @@ class InProcessRunner:
                                    threads=cfg.draft_threads, name=self.draft.name, ngram_config=cfg.ngram,
                                    ngram=self._ngram_table() if kind.uses_ngram else None)
 
-    def _new_card(self, draw: ChainDraw | None) -> LocalCard:
+    def _new_card(self, worker: DraftWorker, draw: ChainDraw | None) -> LocalCard:
         cfg = self.config
-        return LocalCard(self.worker, cfg.tree, cfg.cache_device, lender=self._lender(), draw=draw)
+        return LocalCard(worker, cfg.tree, cfg.cache_device, lender=self._lender(worker), draw=draw)
 
-    def _lender(self) -> CoreLender | None:
+    def _lender(self, worker: DraftWorker) -> CoreLender | None:
         cfg = self.config
         if self.draft is None or cfg.drafter is DrafterKind.NGRAM:
             return None  # a model-free drafter holds no cores worth lending
@@ -179,7 +179,7 @@ class InProcessRunner:
         if not (cfg.lend_cores and cfg.draft_threads and on_cpu):
             return None
         own = cfg.target_threads or torch.get_num_threads()
-        return CoreLender(self.target.model, own, cfg.draft_threads, self.worker.idle)
+        return CoreLender(self.target.model, own, cfg.draft_threads, worker.idle)
 
     def _publish(self, session_id: str, layer: Layer) -> None:
         for card in list(self._cards):

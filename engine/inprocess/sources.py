@@ -43,7 +43,7 @@ class SyncLink:
     """A Drafter run in the caller's thread: every start or advance grows the tree to its
     ``max_depth`` before returning (the target waits: classic speculative decoding)."""
 
-    def __init__(self, drafter: Drafter, session: CardSession) -> None:
+    def __init__(self, drafter: Drafter | NgramDrafter, session: CardSession) -> None:
         self.drafter = drafter
         self.session = session
 
@@ -59,6 +59,7 @@ class SyncLink:
         self.drafter.release()
 
     def _grow(self) -> None:
+        assert isinstance(self.drafter, Drafter)  # InlineLink grows its NgramDrafter itself
         while (layers := self.drafter.grow()) is not None:
             for layer in layers:
                 self.session.apply_layer(layer)
@@ -102,6 +103,7 @@ class InlineLink(SyncLink):
 
     def __init__(self, drafter: NgramDrafter, session: CardSession, depth: int) -> None:
         super().__init__(drafter, session)
+        self.ngram = drafter
         self.depth = depth
         self.delivered = False
 
@@ -110,8 +112,8 @@ class InlineLink(SyncLink):
         super().start(committed, epoch, draw)
 
     def _grow(self) -> None:
-        depth = self.drafter.tree.sizes().depth
-        while depth < self.depth and (layer := self.drafter.plan()) is not None:
+        depth = self.ngram.tree.sizes().depth
+        while depth < self.depth and (layer := self.ngram.plan()) is not None:
             depth += 1
             self.delivered = self.session.apply_layer(layer) or self.delivered
 

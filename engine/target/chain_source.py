@@ -25,7 +25,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Protocol, runtime_checkable
+from typing import Protocol, cast, runtime_checkable
 
 from card.engine.shared.session import StepResult
 from card.engine.shared.stats import GenerationStats
@@ -107,7 +107,9 @@ def step_all(sources: Sequence[ChainSource], corrections: Sequence[Correction]
     for kind, idx in kinds.items():
         if issubclass(kind, BatchStepping) and len(idx) > 1:
             try:
-                answers = kind.step_batch([sources[i] for i in idx], [corrections[i] for i in idx])
+                # every source of this kind is one (issubclass above): the list is of BatchStepping
+                batch = [cast(BatchStepping, sources[i]) for i in idx]
+                answers = kind.step_batch(batch, [corrections[i] for i in idx])
                 for i, result in zip(idx, answers, strict=True):
                     results[i] = result
             except Exception as exc:

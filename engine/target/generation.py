@@ -104,7 +104,9 @@ class Generation:
         self._pending: Sequence[int] = ()  # the prefill chunk or chain in flight
         self._pending_ids: Sequence[int] = ()
         self._pending_q: Proposal | None = None  # a drawn chain's distributions (rejection)
-        self._epoch, self._accepted, self._accepted_ids = 0, (), ()
+        self._epoch = 0
+        self._accepted: tuple[int, ...] = ()
+        self._accepted_ids: tuple[int, ...] = ()
 
     @property
     def kv_len(self) -> int:
@@ -172,7 +174,7 @@ class Generation:
         # a drawn chain cut by length is still a draw (no token was kept or cut by its value); one
         # cut at a bad token is not, and is verified exactly (lossless whatever the chain)
         drawn = chain.proposal is not None and bad is None
-        self._pending_q = chain.proposal.head(len(self._pending)) if drawn else None
+        self._pending_q = chain.proposal.head(len(self._pending)) if drawn and chain.proposal else None
         return [token, *self._pending], len(committed) - 1
 
     def trim_chain(self, length: int) -> list[int]:

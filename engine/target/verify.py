@@ -61,8 +61,8 @@ def token_logprobs(logits: torch.Tensor, tokens: Sequence[int], sampling: Sampli
         logp = torch.log_softmax(rows, dim=-1)
     else:
         logp = torch.log(torch.stack([filtered_probs(row, sampling) for row in rows]))
-    chosen = logp.gather(1, torch.tensor(list(tokens), dtype=torch.int64).view(-1, 1)).view(-1)
-    chosen = chosen.clamp(min=LOGPROB_FLOOR).tolist()
+    picked = logp.gather(1, torch.tensor(list(tokens), dtype=torch.int64).view(-1, 1)).view(-1)
+    chosen: list[float] = picked.clamp(min=LOGPROB_FLOOR).tolist()
     if not top:
         return [TokenLogprob(t, lp) for t, lp in zip(tokens, chosen, strict=True)]
     values, ids = torch.topk(logp, min(top, logp.shape[-1]), dim=-1)
