@@ -199,11 +199,11 @@ class LockstepRunner(InProcessRunner):
         super().__init__(*args, **kwargs)
         self.lockstep_depth = lockstep_depth
 
-    def _new_card(self, draw: ChainDraw | None) -> LocalCard:
+    def _new_card(self, worker: DraftWorker, draw: ChainDraw | None) -> LocalCard:
         if not self.lockstep_depth:
-            return super()._new_card(draw)
+            return super()._new_card(worker, draw)
         cfg = self.config
-        return LockstepCard(self.worker, cfg.tree, cfg.cache_device, lender=self._lender(),
+        return LockstepCard(worker, cfg.tree, cfg.cache_device, lender=self._lender(worker),
                             depth=self.lockstep_depth, draw=draw)
 
 
