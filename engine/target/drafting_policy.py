@@ -161,7 +161,7 @@ class Drafting:
     """One generation's drafting, as the policy last decided it."""
 
     drafters: tuple[DraftKind, ...]  # what its source drafts with, its first the one it opens on
-    current: DraftKind  # the drafter chosen (card-auto: by pace)
+    current: DraftKind | None  # the drafter chosen (card-auto: by pace); None: it cannot draft
     told: DraftKind | None = None  # what its source drafts with now (None: no drafting)
     paused_left: int = 0  # its steps until it drafts again (0: drafting)
     next_pause: int = 0
@@ -215,8 +215,13 @@ class DraftingPolicy:
         return self.regime is Regime.SPEC
 
     def drafting(self, gen: Generation) -> Drafting | None:
-        """``gen``'s drafting (None: its source cannot draft, or it is not running)."""
+        """``gen``'s drafting (None: it is not running)."""
         return self._gens.get(gen)
+
+    def stopped(self, gen: Generation) -> bool:
+        """Its source could draft and does not (a chain it offers is not verified)."""
+        d = self._gens.get(gen)
+        return d is not None and bool(d.drafters) and d.told is None
 
     def wanted(self, d: Drafting) -> DraftKind | None:
         """What a generation drafts with in the next iteration: why it does not is here."""
@@ -228,20 +233,20 @@ class DraftingPolicy:
 
     def paused(self) -> int:
         """Running generations that could draft and do not."""
-        return sum(d.told is None for d in list(self._gens.values()))
+        return sum(bool(d.drafters) and d.told is None for d in list(self._gens.values()))
 
     # ---- what the engine tells --------------------------------------------------------------
     def admit(self, gen: Generation) -> None:
         """A generation takes a KV slot: its source is told what it opens with."""
-        drafters = gen.source.drafters
+        drafters = tuple(gen.source.drafters or ())
+        c = self.config
+        d = Drafting(drafters, drafters[0] if drafters else None, useful=c.useful_start[0],
+                     trial_left=c.trial_steps, retry=c.retry_steps[0], next_pause=c.session_pause[0])
+        self._gens[gen] = d  # its acceptance serves the cost cut whatever its source
         if not drafters:
             return
-        c = self.config
-        d = Drafting(drafters, drafters[0], useful=c.useful_start[0], trial_left=c.trial_steps,
-                     retry=c.retry_steps[0], next_pause=c.session_pause[0])
         if c.pace_rule and d.current is DraftKind.WORKER:
             d.paused_left = c.calibration  # the alone pace first: the draft starts a few steps late
-        self._gens[gen] = d
         gen.stats.speculation = c.speculation
         self._tell(gen, d, self.wanted(d), opening=True)
 
@@ -252,7 +257,7 @@ class DraftingPolicy:
         """Before an iteration: each source whose drafting the policy changed is told."""
         for gen in running:
             d = self._gens.get(gen)
-            if d is not None and (want := self.wanted(d)) is not d.told:
+            if d is not None and d.drafters and (want := self.wanted(d)) is not d.told:
                 self._tell(gen, d, want)
 
     def _tell(self, gen: Generation, d: Drafting, kind: DraftKind | None, opening: bool = False) -> None:
@@ -278,6 +283,9 @@ class DraftingPolicy:
             d = self._gens.get(s.gen)
             if d is None:
                 continue
+            d.acceptance.observe(s.verified, s.committed - 1)
+            if not d.drafters:
+                continue
             drafters += 1
             if d.told is None:
                 s.gen.stats.drafting_paused_steps += 1
@@ -293,7 +301,6 @@ class DraftingPolicy:
         if d.last_at is not None:  # its previous step's end to this one's: one step of its own
             (d.alone if d.told is None else d.paced[d.told]).add(now - d.last_at, s.committed)
         d.last_at = now
-        d.acceptance.observe(s.verified, s.committed - 1)
         judged_before, accepted_before = d.last_offered > 0, d.last_accepted
         d.last_offered, d.last_accepted = s.offered, s.committed - 1
         if d.told is None:
@@ -329,6 +336,7 @@ class DraftingPolicy:
         d.trial_left -= 1
         if d.trial_left > 0:
             return
+        assert d.current is not None
         other = d.drafters[0] if d.current is d.drafters[1] else d.drafters[1]
         mine, theirs = d.paced[d.current], d.paced[other]
         if not d.on_trial or not theirs.steps:  # the keeper's time is up, or never tried

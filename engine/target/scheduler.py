@@ -193,8 +193,7 @@ class TargetEngine:
         steps = [p for p in plan if p.decoding]
         for p in steps:
             p.offered = len(p.tokens) - 1
-            d = self.policy.drafting(p.gen)
-            if d is not None and d.told is None and p.offered:  # a chain in flight when its draft stopped
+            if p.offered and self.policy.stopped(p.gen):  # a chain in flight when its draft stopped
                 p.tokens = p.gen.trim_chain(0)
         if not self.adaptive:
             return

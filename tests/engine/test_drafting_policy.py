@@ -185,7 +185,8 @@ def test_a_plain_regime_stops_every_draft_and_a_generation_opens_so() -> None:
     assert gen.stats.speculation == "never" and policy.paused() == 1
     untold = _gen(NoDraft())
     policy.admit(untold)
-    assert policy.drafting(untold) is None  # a source that cannot draft has nothing to steer
+    policy.steer([untold])
+    assert not policy.stopped(untold) and policy.paused() == 1  # a source that cannot draft is not steered
 
 
 # ---- a generation's acceptance --------------------------------------------------------------------
