@@ -49,7 +49,7 @@ log = logging.getLogger(__name__)
 
 def session_to_msg(session: Session) -> cache_pb2.SessionInfo:
     return cache_pb2.SessionInfo(
-        session_id=session.session_id, target_model=session.target_model, draft=session.draft,
+        session_id=session.session_id, target_model=session.target_model, draft=session.serving_draft,
         epoch=session.card.epoch, committed_tokens=len(session.card.committed),
         tree_nodes=len(session.card.tree),
     )
@@ -117,7 +117,7 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
                                      request.context_window, request.idle_timeout_ms / 1000.0,
                                      chain_draw_from_msg(request.draw) if request.HasField("draw") else None,
                                      request.default_pool, worker_off(request.drafter))
-        return cache_pb2.OpenSessionResponse(session_id=session.session_id, draft=session.draft)
+        return cache_pb2.OpenSessionResponse(session_id=session.session_id, draft=session.serving_draft)
 
     @grpc_errors
     def Step(self, request: cache_pb2.StepRequest, context: grpc.ServicerContext) -> cache_pb2.StepResponse:
@@ -144,7 +144,7 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
         with contextlib.suppress(NotFound):  # closed since: its counters are in its record
             session = self.sessions.get(request.session_id)
             reply.draft_forwards, reply.draft_idle_s = session.seat.totals()
-            reply.draft = session.draft
+            reply.draft = session.serving_draft
         return reply
 
     @grpc_errors

@@ -53,7 +53,7 @@ log = logging.getLogger(__name__)
 class Session:
     session_id: str
     target_model: str
-    draft_name: str  # the draft the target asked for (a pool or a worker); "" = any matching worker
+    requested_draft: str  # the draft the target asked for (a pool or a worker); "" = any matching worker
     seat: Seat  # its place in the Assignments: the worker serving it, its CardSession
     prompt_tokens: int
     vocab_size: int = 0  # the target's (OpenSession); layers' tokens must lie below it
@@ -80,7 +80,7 @@ class Session:
         return self.card.lock
 
     @property
-    def draft(self) -> str:
+    def serving_draft(self) -> str:
         """Name of the worker serving the session now; "" when none does."""
         worker = self.seat.worker
         return worker.name if worker else ""
@@ -90,7 +90,7 @@ class Session:
         card, params = self.card, self.card.params
         return {
             "status": "live", "target_model": self.target_model, "fingerprint": self.seat.fingerprint,
-            "draft_requested": self.draft_name, "draft": self.draft,
+            "draft_requested": self.requested_draft, "draft": self.serving_draft,
             "prompt_tokens": self.prompt_tokens, "committed_tokens": len(card.committed),
             "epoch": card.epoch, "tree_nodes": len(card.tree), "max_chain": params.max_chain,
             "min_path_prob": params.min_path_prob, "b_extension": int(params.b_extension),
@@ -175,7 +175,7 @@ class SessionTable:
         # no Redis write here: the monitor writes the live record of a session that outlives a round
         metrics.SESSIONS_OPEN.inc()
         log.info("session %s opened (%d prompt tokens, draft %s)", session.session_id, len(prompt_ids),
-                 session.draft or "none", extra={"session_id": session.session_id})
+                 session.serving_draft or "none", extra={"session_id": session.session_id})
         return session
 
     def step(self, session_id: str, correction: Correction,
