@@ -179,20 +179,21 @@ class SessionTable:
         return session
 
     def step(self, session_id: str, correction: Correction,
-             pause_draft: bool = False) -> tuple[Chain, Outcome]:
+             worker_off: bool = False) -> tuple[Chain, Outcome]:
         """Apply the target's correction and return the next chain; never waits for a draft.
-        ``pause_draft``: the session's drafting is paused (its worker stops and its tree empties;
-        the chain is the session's model-free lookup, empty without one); a Step without it
-        resumes a paused session (a worker starts from the whole text)."""
+        ``worker_off``: the target's drafting policy has no worker draft for the session now
+        (``StepRequest.drafter`` none or lookup: its worker stops and its tree empties; the chain
+        is the session's model-free lookup, empty without one); a Step naming the worker resumes
+        it (a worker starts from the whole text)."""
         t0 = time.perf_counter()
         session = self.get(session_id)
         with session.lock:
             if session.card.closed:
                 raise NotFound(f"session {session_id!r} is closed")
             result = session.card.step(correction)  # Aborted on a stale epoch
-        if pause_draft != session.seat.paused:
-            self.assignments.pause(session.seat, pause_draft)
-            if pause_draft:  # the tree is gone: what the session's own text suggests, if anything
+        if worker_off != session.seat.paused:
+            self.assignments.pause(session.seat, worker_off)
+            if worker_off:  # the tree is gone: what the session's own text suggests, if anything
                 with session.lock:
                     chain, looked_up = session.card.offer()
                 result = StepResult(chain, result.outcome, looked_up)
