@@ -17,6 +17,7 @@ import pytest
 from card.client.remote import generate_remote
 from card.client.trio import LocalTrio
 from card.engine.shared.config import SamplingParams, StopParams
+from card.engine.target.drafting_policy import DraftingConfig
 from tests.services.e2e_support import float64_reference, labelled, metric, scrape
 from tests.tiny_models import save_tiny_checkpoint
 
@@ -65,7 +66,10 @@ def test_the_controller_pauses_a_draft_that_does_not_pay(checkpoints, redis_serv
     assert metric(target, "card_target_drafting_paused_generations") == 0  # none in flight now
     pauses = labelled(cache, "card_cache_draft_pauses_total", action="pause")
     if speculation == "auto":
-        assert stats.drafting_pauses >= 1 and stats.drafting_paused_steps > stats.target_forwards // 3
+        # at least one whole first pause: how many more follow depends on how often the junk draft
+        # offers a chain at all (a miss restarts it; an empty chain is no verdict), i.e. on timing
+        assert stats.drafting_pauses >= 1
+        assert stats.drafting_paused_steps >= DraftingConfig().session_pause[0]
         assert pauses >= 1  # the worker was told to stop, not only ignored
     elif speculation == "always":
         assert stats.drafting_pauses == 0 and stats.drafting_paused_steps == 0 and pauses == 0
