@@ -32,6 +32,7 @@ from card.engine.shared.config import (
 from card.engine.shared.errors import FailedPrecondition, InvalidArgument
 from card.engine.shared.kv_pool import DEFAULT_MAX_MODEL_LEN
 from card.engine.shared.ngram_stats import NgramTable, shared_table
+from card.engine.shared.static_step import STEP_MODES
 from card.engine.shared.tree import Layer
 from card.engine.target.chain_source import ChainSource, NoDraft
 from card.engine.target.drafting_policy import DraftingConfig, DraftingPolicy
@@ -65,6 +66,7 @@ class RunnerConfig:
     drafter: DrafterKind = DrafterKind.NEURAL
     ngram: NgramConfig = field(default_factory=NgramConfig)
     speculation: str = "auto"
+    decode_step: str = "eager"  # the target's decoding step (card.engine.shared.static_step)
 
     def __post_init__(self) -> None:
         self.policy()  # validates
@@ -76,6 +78,9 @@ class RunnerConfig:
         self.drafter.check_mode(self.mode)
         if self.gamma < 1:
             raise InvalidArgument(f"gamma must be >= 1, got {self.gamma}")
+        if self.decode_step not in STEP_MODES:
+            raise InvalidArgument(f"decode_step must be one of {', '.join(STEP_MODES)}, "
+                                  f"got {self.decode_step!r}")
         if self.draft_slots < 1:
             raise InvalidArgument(f"draft_slots must be >= 1, got {self.draft_slots}")
         if self.calibration_steps < 0:
@@ -199,11 +204,12 @@ class InProcessRunner:
 
     def stream(self, gen: Generation) -> Iterator[Chunk]:
         """Run ``gen`` on the target model, yielding its chunks; ``gen.result`` is set at the end."""
-        return run_alone(self.target.model, gen, exact=self.target.exact, policy=self.policy)
+        return run_alone(self.target.model, gen, exact=self.target.exact, policy=self.policy,
+                         decode_step=self.config.decode_step)
 
     def run(self, request: GenerationRequest) -> GenerationResult:
         return finish_alone(self.target.model, self.generation(request), exact=self.target.exact,
-                            policy=self.policy)
+                            policy=self.policy, decode_step=self.config.decode_step)
 
     def close(self) -> None:
         if self.worker is not None:

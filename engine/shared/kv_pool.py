@@ -87,7 +87,9 @@ class KVPool:
         dtype = _kv_dtype(model)
         layers = range(cfg.num_hidden_layers)
         # whole KV_BLOCKs per slot: exact attention reads a row's span, rounded up to a block
-        shape = (slots, kv_heads, span(max_len - 1), head_dim)
+        # one slot more than sessions get: the scratch slot, where a static step's ghost rows write
+        # (card.engine.shared.static_step); zeroed, so whatever reads it reads finite values
+        shape = (slots + 1, kv_heads, span(max_len - 1), head_dim)
         # torch.empty on the CPU: pages become resident only when a session first writes them, so
         # a generous max_len costs address space, not memory. No query reads an unwritten row
         # unmasked (exact attention zeroes the junk rows of its span first). Zeros elsewhere: a
@@ -95,7 +97,10 @@ class KVPool:
         alloc = torch.empty if param.device.type == "cpu" else torch.zeros
         self.keys = [alloc(shape, dtype=dtype, device=param.device) for _ in layers]
         self.values = [alloc(shape, dtype=dtype, device=param.device) for _ in layers]
+        for t in (*self.keys, *self.values):
+            t[slots].zero_()
         self.slots = slots
+        self.scratch = slots
         self.max_len = max_len
         self.device = param.device
         heads = cfg.num_attention_heads
@@ -234,17 +239,20 @@ def _causal(seg: Segment, device: torch.device) -> torch.Tensor:
 
 def _slot_attention(module: CausalLM, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                     attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
-                    card_batch: _Batch | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
+                    card_batch: Any = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
     """Attention per session over its own slot; any other forward (a plain HF call on the same
     model object, a reference in the tests) takes transformers' SDPA path unchanged."""
     if card_batch is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, **kwargs)
-    pool, layer = card_batch.pool, module.layer_idx
+    layer = module.layer_idx
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    if getattr(card_batch, "static", False):  # a static step (card.engine.shared.static_step)
+        return card_batch.attend(layer, query, scale), None
+    pool = card_batch.pool
     keys, values = pool.keys[layer], pool.values[layer]
     out = query.new_empty(1, query.shape[2], query.shape[1], query.shape[3])  # [1, T, heads, dim]
     gqa = query.shape[1] != keys.shape[1]
-    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     planned = card_batch.row_plan
     if planned is not None:  # every exact segment at once
         planned.attend(query[0], keys, values, scale, out[0])

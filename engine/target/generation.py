@@ -187,9 +187,10 @@ class Generation:
             self._pending_q = self._pending_q.head(length)
         return [self.target.committed[-1], *self._pending]
 
-    def absorb(self, logits: torch.Tensor) -> Chunk | None:
+    def absorb(self, logits: torch.Tensor, picks: Sequence[int] | None = None) -> Chunk | None:
         """Take this generation's logits of the forward (all rows of a step; the last row of a
-        prompt's last chunk; none of an earlier chunk); the chunk it commits, if any."""
+        prompt's last chunk; none of an earlier chunk), and a step's rows' argmax where the
+        device computed it; the chunk it commits, if any."""
         self.target.forwards += 1
         if self.prefilling:
             self._prefilled += len(self._pending)
@@ -198,7 +199,7 @@ class Generation:
             token = self.target.first(logits[-1])
             self.stats.prefill_s = time.perf_counter() - self._t0
             return self._commit([token], 1)
-        n, token = self.target.accept(self._pending, logits, self._pending_q)
+        n, token = self.target.accept(self._pending, logits, self._pending_q, picks)
         self.stats.observe_step(len(self._pending), n)
         self._accepted, self._accepted_ids = tuple(self._pending[:n]), tuple(self._pending_ids[:n])
         return self._commit([*self._accepted, token], n + 1)

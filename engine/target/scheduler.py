@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import torch
 
 from card.engine.shared.kv_pool import PREFILL_CHUNK, KVPool, Segment, forward
+from card.engine.shared.static_step import DecodeRows, StaticStep, static_step_for
 from card.engine.shared.tree import Outcome
 from card.engine.target.chain_source import step_all
 from card.engine.target.drafting_policy import DraftingConfig, DraftingPolicy, Stepped
@@ -58,6 +59,7 @@ class Planned:
     offered: int = 0  # chain tokens the source offered (a step), before the cost cut
     committed: int = 0  # tokens it committed (a step that went through)
     outcome: Outcome | None = None  # the tree's verdict on the correction its source applied
+    picks: list[int] | None = None  # its rows' argmax, computed on the device (a static step)
 
 
 @dataclass(frozen=True)
@@ -92,9 +94,12 @@ class Event:
 class TargetEngine:
     def __init__(self, model: torch.nn.Module, pool: KVPool, max_batch_tokens: int = 2048,
                  prefill_chunk: int = PREFILL_CHUNK, adaptive: bool = True, exact: bool = True,
-                 policy: DraftingPolicy | None = None) -> None:
+                 policy: DraftingPolicy | None = None, decode_step: str = "eager") -> None:
         self.model = model
         self.pool = pool
+        # decoding rows at static shapes (card.engine.shared.static_step), or None: every input
+        # through the eager forward. Prefill chunks always take the eager forward
+        self.static: StaticStep | None = static_step_for(model, pool, decode_step)
         self.adaptive = adaptive  # cut chains by measured cost (card.engine.target.speculation)
         # whether each generation drafts, and with what; without the measured-cost cut every
         # chain is verified whole and nothing is paused (forwards depend on the draft alone)
@@ -112,11 +117,11 @@ class TargetEngine:
 
     @classmethod
     def alone(cls, model: torch.nn.Module, kv_len: int, adaptive: bool = True, exact: bool = True,
-              policy: DraftingPolicy | None = None) -> TargetEngine:
+              policy: DraftingPolicy | None = None, decode_step: str = "eager") -> TargetEngine:
         """An engine of one slot of ``kv_len`` rows: one generation run by itself (``policy``:
         one that outlives it, so what it measured serves the next generation)."""
         return cls(model, KVPool(model, slots=1, max_len=max(kv_len, 2)), adaptive=adaptive, exact=exact,
-                   policy=policy)
+                   policy=policy, decode_step=decode_step)
 
     # ---- queue -------------------------------------------------------------------------------
     def add(self, gen: Generation) -> None:
@@ -195,6 +200,8 @@ class TargetEngine:
             p.offered = len(p.tokens) - 1
             if p.offered and self.policy.stopped(p.gen):  # a chain in flight when its draft stopped
                 p.tokens = p.gen.trim_chain(0)
+        if self.static is not None:
+            self._fit_rows(steps, self.static.max_rows)
         if not self.adaptive:
             return
         fixed = sum(len(p.tokens) for p in plan if not p.decoding) + len(steps)
@@ -203,6 +210,19 @@ class TargetEngine:
         for p, length in zip(steps, lengths, strict=True):
             if length < len(p.tokens) - 1:
                 p.tokens = p.gen.trim_chain(length)
+
+    @staticmethod
+    def _fit_rows(steps: list[Planned], max_rows: int) -> None:
+        """Cut the longest chains until every decoding row fits the static step's largest bucket
+        (a shorter chain changes the speed, never the tokens)."""
+        excess = sum(len(p.tokens) for p in steps) - max_rows
+        while excess > 0:
+            longest = max(steps, key=lambda p: len(p.tokens))
+            cut = min(excess, len(longest.tokens) - 1)
+            if cut <= 0:  # one row each already: the bucket holds every session (StaticStep)
+                raise RuntimeError(f"{len(steps)} decoding rows exceed the static step's {max_rows}")
+            longest.tokens = longest.gen.trim_chain(len(longest.tokens) - 1 - cut)
+            excess -= cut
 
     def _forward(self, plan: list[Planned]) -> tuple[torch.Tensor, float]:
         """One flattened forward over every input: the logits of the rows that need them, in
@@ -220,12 +240,47 @@ class TargetEngine:
             offset += len(p.tokens)
         flat = torch.tensor([t for p in plan for t in p.tokens], dtype=torch.int64)  # [sum n_i]
         t0 = time.perf_counter()
-        logits = forward(self.model, self.pool, segments, flat,
-                         torch.cat(rows) if rows else torch.empty(0, dtype=torch.int64))  # [sum rows_i, V]
+        if self.static is None:
+            wanted = torch.cat(rows) if rows else torch.empty(0, dtype=torch.int64)
+            logits = forward(self.model, self.pool, segments, flat, wanted)  # [sum rows_i, V]
+        else:
+            logits = self._forward_static(plan)
         seconds = time.perf_counter() - t0
         self.cost.observe(flat.numel(), seconds)
         self.forwards += 1
         return logits, seconds
+
+    def _forward_static(self, plan: list[Planned]) -> torch.Tensor:
+        """Decoding rows through the static step, prefill chunks through the eager forward; the
+        logits in plan order, as ``forward`` gives them. Each decoding generation also gets its
+        rows' argmax (``Planned.picks``), read from the device once for the whole step."""
+        assert self.static is not None
+        steps = [p for p in plan if p.decoding]
+        chunks = [p for p in plan if not p.decoding]
+        parts: dict[int, torch.Tensor] = {}
+        if steps:
+            out = self.static.run([DecodeRows(p.gen.slot or 0, p.start, p.tokens) for p in steps])
+            picks = out.picks.tolist()
+            first = 0
+            for p in steps:
+                parts[id(p)] = out.logits[first:first + p.rows]
+                p.picks = picks[first:first + p.rows]
+                first += p.rows
+        if chunks:
+            segments = [Segment(p.gen.slot or 0, p.start, len(p.tokens)) for p in chunks]
+            flat = torch.tensor([t for p in chunks for t in p.tokens], dtype=torch.int64)
+            rows, offset = [], 0
+            for p in chunks:
+                if p.rows:
+                    rows.append(offset + len(p.tokens) - 1)
+                offset += len(p.tokens)
+            logits = forward(self.model, self.pool, segments, flat, torch.tensor(rows, dtype=torch.int64))
+            first = 0
+            for p in chunks:
+                parts[id(p)] = logits[first:first + p.rows]
+                first += p.rows
+        return torch.cat([parts[id(p)] for p in plan if p.rows]) if any(p.rows for p in plan) else \
+            torch.empty(0, 0)
 
     def _commit(self, plan: list[Planned], logits: torch.Tensor, events: list[Event]) -> None:
         """Each generation absorbs its rows' logits and streams what it committed; finished ones
@@ -235,7 +290,7 @@ class TargetEngine:
             mine = logits[first:first + p.rows]
             first += p.rows
             try:
-                chunk = p.gen.absorb(mine)
+                chunk = p.gen.absorb(mine, p.picks)
             except Exception as exc:
                 events.append(self._fail(p.gen, exc))
                 continue
@@ -306,18 +361,19 @@ class TargetEngine:
 
 
 def run_alone(model: torch.nn.Module, gen: Generation, adaptive: bool = True,
-              exact: bool = True, policy: DraftingPolicy | None = None) -> Iterator[Chunk]:
+              exact: bool = True, policy: DraftingPolicy | None = None,
+              decode_step: str = "eager") -> Iterator[Chunk]:
     """Run ``gen`` by itself on ``model`` (an engine of one slot), yielding its chunks.
     ``adaptive=False`` verifies every chain whole (the measured-cost cut is off, and the
     drafting policy pauses nothing): the forward count then depends on the draft alone, not on
     how busy the machine is. ``policy``: one that outlives this generation."""
-    yield from TargetEngine.alone(model, gen.kv_len, adaptive, exact, policy).stream(gen)
+    yield from TargetEngine.alone(model, gen.kv_len, adaptive, exact, policy, decode_step).stream(gen)
 
 
 def finish_alone(model: torch.nn.Module, gen: Generation, exact: bool = True,
-                 policy: DraftingPolicy | None = None) -> GenerationResult:
+                 policy: DraftingPolicy | None = None, decode_step: str = "eager") -> GenerationResult:
     """Run ``gen`` by itself to its end; its result."""
-    for _ in run_alone(model, gen, exact=exact, policy=policy):
+    for _ in run_alone(model, gen, exact=exact, policy=policy, decode_step=decode_step):
         pass
     assert gen.result is not None
     return gen.result

@@ -120,6 +120,7 @@ class TargetState:
         self.loose_kept = 0  # drafted tokens kept that were not the target's own (loose only)
         self.fallbacks = 0  # rejection: chains verified exactly for want of a usable proposal
         self._logprobs: list[TokenLogprob] = []
+        self._picked: Sequence[int] | None = None  # the current step's device argmax, if any
 
     def first(self, logits: torch.Tensor) -> int:
         """Commit the first new token from the prompt's last logits [V]; returns it."""
@@ -129,10 +130,11 @@ class TargetState:
         return token
 
     def accept(self, chain: Sequence[int], logits: torch.Tensor,
-               proposal: Proposal | None = None) -> tuple[int, int]:
+               proposal: Proposal | None = None, picks: Sequence[int] | None = None) -> tuple[int, int]:
         """Judge ``chain`` given the logits [1 + len(chain), V] of ``[next_token, *chain]`` (and,
-        drawn, the distributions its tokens were drawn from); returns (accepted count, new next
-        token)."""
+        drawn, the distributions its tokens were drawn from; ``picks``: the rows' argmax where the
+        device computed it); returns (accepted count, new next token)."""
+        self._picked = picks
         if self.verify.mode is Verify.LOOSE and len(chain) > self.verify.window:
             accepted, token = self._loose(chain, logits)
         elif self.verify.mode is Verify.REJECTION and not self.sampling.greedy and chain:
@@ -157,7 +159,7 @@ class TargetState:
     def _exact(self, chain: Sequence[int], logits: torch.Tensor) -> tuple[int, int]:
         start = len(self.committed) - 1  # position of the next token
         if self.sampling.greedy:
-            picks = torch.argmax(logits, dim=-1).tolist()
+            picks = self._argmax(logits)
             accepted = 0
             while accepted < len(chain) and picks[accepted] == chain[accepted]:
                 accepted += 1
@@ -199,9 +201,17 @@ class TargetState:
         self.loose_kept += sum(1 for j in range(accepted) if not match[j])
         return accepted, picks[accepted]
 
+    def _argmax(self, logits: torch.Tensor) -> list[int]:
+        """Each row's argmax: the device's where the step computed them (one read for the whole
+        step), else read off the logits here."""
+        picked = self._picked
+        if picked is not None and len(picked) == logits.shape[0]:
+            return list(picked)
+        return torch.argmax(logits, dim=-1).tolist()
+
     def _picks(self, logits: torch.Tensor) -> list[int]:
         if self.sampling.greedy:
-            return torch.argmax(logits, dim=-1).tolist()
+            return self._argmax(logits)
         start = len(self.committed) - 1
         return [select_token(logits[j], start + 1 + j, self.sampling) for j in range(logits.shape[0])]
 

@@ -1,0 +1,219 @@
+"""The static decoding step (card.engine.shared.static_step): ghost rows and buckets change no
+live row's bits; a row's logits are the same alone, in a chain, beside other sessions and at any
+key span; the engine on it keeps every exactness promise; it compiles as one graph per shape."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from card.engine.inprocess.runner import InProcessRunner, RunnerConfig
+from card.engine.loading.invariant import make_exact
+from card.engine.loading.models import LoadedModel
+from card.engine.shared.config import GenerationRequest, Mode, SamplingParams, StopParams, TreeParams
+from card.engine.shared.kv_pool import KVPool
+from card.engine.shared.static_step import (
+    DecodeRows,
+    StaticStep,
+    block_attention,
+    row_bucket,
+    span_blocks,
+    static_step_for,
+)
+from card.engine.target.chain_source import NoDraft
+from card.engine.target.generation import Generation
+from card.engine.target.scheduler import TargetEngine, finish_alone
+from tests.engine.support import (
+    LetterTokenizer,
+    draft_model,
+    letters,
+    prompt_cases,
+    run_batched,
+    target_model,
+)
+from tests.tiny_models import tiny_model
+
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def _model(dtype: torch.dtype, prepack: bool = True) -> torch.nn.Module:
+    model = tiny_model("qwen2", dtype=dtype, hidden=64, layers=2, vocab=97)
+    make_exact(model, exact=True, prepack=prepack)
+    return model
+
+
+def _step(model: torch.nn.Module, slots: int = 4, max_len: int = 300, rows: int = 64) -> StaticStep:
+    pool = KVPool(model, slots=slots, max_len=max_len)
+    for slot in range(slots):
+        pool.ready(slot, 0, pool.keys[0].shape[2])  # no junk memory: every row finite
+    return StaticStep(model, pool, rows)
+
+
+def _tokens(n: int, seed: int) -> list[int]:
+    return torch.randint(0, 97, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def test_buckets_and_spans() -> None:
+    assert [row_bucket(n) for n in (1, 2, 3, 5, 9, 17, 100, 256)] == [1, 2, 4, 8, 16, 32, 128, 256]
+    with pytest.raises(ValueError):
+        row_bucket(257)
+    assert [span_blocks(p, 8) for p in (0, 63, 64, 127, 128, 200, 511, 1000)] == [1, 1, 2, 2, 4, 4, 8, 8]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_padded_step_equals_plain_decoding_at_every_bucket(dtype: torch.dtype) -> None:
+    """A chain's rows, padded with ghosts to each bucket and beside a session further on (a longer
+    key span), give the bits of the same rows decoded one at a time."""
+    step = _step(_model(dtype))
+    for start in (0, 60, 130):
+        tokens = _tokens(8, start)
+        alone = [step.run([DecodeRows(0, start + j, tokens[j:j + 1])]) for j in range(8)]
+        alone_logits = [a.logits[0].clone() for a in alone]
+        alone_picks = [int(a.picks[0]) for a in alone]
+        for bucket in step.buckets:
+            chain = min(bucket, 8)
+            sessions = [DecodeRows(0, start, tokens[:chain])]
+            if bucket > chain:
+                sessions.append(DecodeRows(1, 250, tokens[:1]))
+            out = step.run(sessions, bucket)
+            for j in range(chain):
+                assert torch.equal(out.logits[j], alone_logits[j]), (start, bucket, j)
+                assert int(out.picks[j]) == alone_picks[j]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_ghost_rows_never_touch_a_session(dtype: torch.dtype) -> None:
+    """Ghosts write the scratch slot only; negative control: ghosts whose write is not redirected
+    (the scratch slot made a live session's) corrupt that session, and the next step shows it."""
+    model = _model(dtype)
+
+    def second_step(redirect: bool) -> torch.Tensor:
+        step = _step(model)
+        prompt = _tokens(8, 1)
+        step.run([DecodeRows(0, 0, prompt)], bucket=8)  # session 0: rows 0-7, no ghost
+        keys = [k[0, :, :8].clone() for k in step.pool.keys]
+        if not redirect:
+            step.pool.scratch = 0  # ghosts now write row 0 of session 0's slot
+        step.run([DecodeRows(1, 0, [7])], bucket=64)  # session 1 and 63 ghosts
+        touched = any(not torch.equal(k[0, :, :8], before) for k, before in zip(step.pool.keys, keys,
+                                                                                strict=True))
+        assert touched is not redirect
+        step.pool.scratch = step.pool.slots
+        return step.run([DecodeRows(0, 8, [5])]).logits[0].clone()
+
+    assert not torch.equal(second_step(redirect=False), second_step(redirect=True))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_block_attention_matches_sdpa(dtype: torch.dtype) -> None:
+    """The block-tree attention computes attention: within tolerance of SDPA at 1-4 key blocks."""
+    gen = torch.Generator().manual_seed(0)
+    slots, kv_heads, group, dim, rows = 3, 2, 3, 16, 256
+    keys = torch.randn(slots, kv_heads, rows, dim, generator=gen).to(dtype)
+    values = torch.randn(slots, kv_heads, rows, dim, generator=gen).to(dtype)
+    positions = torch.tensor([0, 5, 63, 64, 130, 255])
+    slot_of = torch.tensor([0, 1, 2, 0, 1, 2])
+    query = torch.randn(kv_heads * group, len(positions), dim, generator=gen).to(dtype)
+    out = block_attention(query, keys, values, slot_of, positions, blocks=4, scaling=dim ** -0.5)
+    for r, (s, p) in enumerate(zip(slot_of.tolist(), positions.tolist(), strict=True)):
+        k = keys[s, :, :p + 1].repeat_interleave(group, dim=0)
+        v = values[s, :, :p + 1].repeat_interleave(group, dim=0)
+        q = query[:, r:r + 1].float()
+        ref = torch.nn.functional.scaled_dot_product_attention(q, k.float(), v.float())
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(out[r].float(), ref[:, 0], atol=tol, rtol=tol)
+    # a longer span than needed (masked blocks past the pool included) changes no bit
+    for blocks in (8, 16):
+        assert torch.equal(block_attention(query, keys, values, slot_of, positions, blocks, dim ** -0.5), out)
+
+
+def test_probe_passes_here_and_catches_a_variant_step() -> None:
+    """The start-up probe passes on this CPU, and fails a step whose rows depend on the bucket
+    (negative control: attention that adds a term growing with the row count)."""
+    step = _step(_model(torch.float32))
+    assert step.probe() is None
+    original = step.batch.attend
+
+    def variant(layer: int, query: torch.Tensor, scaling: float) -> torch.Tensor:
+        return original(layer, query, scaling) + 1e-3 * step.batch.rows
+    step.batch.attend = variant  # type: ignore[method-assign]
+    assert step.probe() is not None
+
+
+def _gen(model: torch.nn.Module, r: GenerationRequest) -> Generation:
+    return Generation(r, NoDraft(), eos_ids=frozenset(), decode=letters, context_window=512,
+                      mode="vanilla", vocab_size=model.config.vocab_size)
+
+
+@pytest.mark.parametrize("sampled", [False, True])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_engine_on_the_static_step_batched_equals_alone(dtype: torch.dtype, sampled: bool) -> None:
+    model = _model(dtype)
+    cases = prompt_cases(6, seed=4, max_prompt=300, max_new=30)
+    requests = [GenerationRequest(tuple(p), SamplingParams(0.8, seed=i) if sampled else SamplingParams(),
+                                  StopParams(max_new_tokens=b, ignore_eos=True))
+                for i, (p, b) in enumerate(cases)]
+    alone = [finish_alone(model, _gen(model, r), decode_step="static").token_ids for r in requests]
+    engine = TargetEngine(model, KVPool(model, slots=3, max_len=512), max_batch_tokens=300,
+                          decode_step="static")
+    assert engine.static is not None
+    batched = run_batched(engine, [_gen(model, r) for r in requests], join_every=2)
+    assert [batched[i] for i in range(len(requests))] == alone
+
+
+@pytest.mark.parametrize("sampled", [False, True])
+def test_card_on_the_static_step_equals_vanilla(sampled: bool) -> None:
+    model = target_model("qwen2", sharp=sampled)
+    target = LoadedModel("tiny", model, LetterTokenizer(), "fp", frozenset(), 512)
+    # the draft: the target's weights, so a chain that arrives in time is kept (whatever rides the step)
+    draft = LoadedModel("draft", draft_model("qwen2", "self", sharp=sampled), LetterTokenizer(), "fp",
+                        frozenset(), 512)
+    cases = prompt_cases(4, seed=2, max_prompt=80, max_new=30)
+    requests = [GenerationRequest(tuple(p), SamplingParams(0.8, seed=i) if sampled else SamplingParams(),
+                                  StopParams(max_new_tokens=b, ignore_eos=True))
+                for i, (p, b) in enumerate(cases)]
+    vanilla = InProcessRunner(target, None, RunnerConfig(mode=Mode.VANILLA, decode_step="static"))
+    want = [vanilla.run(r).token_ids for r in requests]
+    card = RunnerConfig(mode=Mode.CARD, tree=TreeParams(width=2, max_depth=4), backoff=False,
+                        decode_step="static")
+    runner = InProcessRunner(target, draft, card)
+    try:
+        got = [runner.run(r) for r in requests]
+    finally:
+        runner.close()
+    assert [g.token_ids for g in got] == want
+    assert any(n > 1 for g in got for n in g.stats.accepted_lengths)  # drafted tokens were kept
+
+
+def test_decode_step_modes() -> None:
+    model = _model(torch.float32)
+    pool = KVPool(model, slots=2, max_len=128)
+    assert static_step_for(model, pool, "eager") is None
+    assert static_step_for(model, pool, "auto") is None  # the CPU: eager pays more today
+    assert isinstance(static_step_for(model, pool, "static"), StaticStep)
+    with pytest.raises(ValueError):
+        static_step_for(model, pool, "fast")
+    with pytest.raises(ValueError):
+        StaticStep(model, pool, 8, mode="graphs")  # no CUDA here
+
+
+def test_static_step_compiles_as_one_graph_per_shape() -> None:
+    """fullgraph=True: no graph break; after warm-up, three buckets replay without recompiling
+    (dynamo's counters), and the compiled rows keep their bits across buckets."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    from card.engine.shared import static_step
+
+    torch._dynamo.reset()
+    counters.clear()
+    step = _step(_model(torch.float32, prepack=False), rows=16)
+    step._fn = torch.compile(static_step.decode_forward, fullgraph=True, dynamic=False, backend="aot_eager")
+    tokens = _tokens(4, 3)
+    first = {b: step.run([DecodeRows(0, 10, tokens[:min(b, 4)])], b).logits[:1].clone() for b in (1, 4, 16)}
+    graphs = counters["stats"]["unique_graphs"]
+    assert graphs == 3
+    again = {b: step.run([DecodeRows(0, 10, tokens[:min(b, 4)])], b).logits[:1].clone() for b in (1, 4, 16)}
+    assert counters["stats"]["unique_graphs"] == graphs  # no recompile
+    assert all(torch.equal(first[b], again[b]) for b in first)
+    assert torch.equal(first[1], first[4]) and torch.equal(first[1], first[16])
