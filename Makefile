@@ -47,8 +47,9 @@ typecheck:
 		exit $${PIPESTATUS[0]}
 
 # On a machine with an NVIDIA GPU: exactness in bf16 at real sizes (1-32 in flight, plain and card),
-# then forward cost against rows and tokens/s, exact on and off (docs/engine.md, "Exact on every
-# device"). Writes gpu-check.json; prints the device beside every figure.
+# then forward cost against rows and tokens/s, exact on and off, each as a share of the memory-bandwidth
+# roofline and beside transformers' compiled static-cache generate on the same weights (docs/engine.md,
+# "Exact on every device"). Writes gpu-check.json; prints the device beside every figure.
 gpu-check: setup
 	$(BIN)/python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'gpu-check: no CUDA device')"
 	$(BIN)/python -m pytest -q tests/gpu -p no:cacheprovider

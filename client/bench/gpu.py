@@ -9,6 +9,15 @@ forward cost does not depend on the weights, and no weights can be downloaded wh
               target engine (card: draft worker on the same GPU), exact on and off; every figure
               is also a ratio to plain decoding (the first of ``--kernels``) in the same run; card
               under each ``--speculation`` mode asked for
+    roofline  each serving figure as a fraction of the device's memory-bandwidth limit: the
+              target's weights read once per engine forward plus every live session's KV cache,
+              over the measured time, over the bandwidth (``--bandwidth-gbs``, else a table of
+              known devices, else a measured device-to-device copy; the JSON says which)
+    peer      Hugging Face transformers' own ``generate`` on a plain copy of the same random
+              target (SDPA attention, no card patches): greedy, static cache, ``torch.compile``
+              (eager static cache, with the error recorded, where compiling fails); the same
+              prompts at each in-flight count as one batch; compile seconds apart; every serving
+              figure is also a ratio to it (``vs_peer``)
 
 Random-weight drafts agree with the target at chance level, so card figures here measure what
 speculation costs, not what a trained pair gains (accepted length is printed beside them). The
@@ -20,6 +29,8 @@ JSON goes to ``--out``; a table to stdout.
 from __future__ import annotations
 
 import json
+import math
+import re
 import time
 from pathlib import Path
 
@@ -43,9 +54,25 @@ DRAFT = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_
              num_key_value_heads=2, vocab_size=151936)
 ROWS = (1, 2, 4, 8, 16, 32, 64, 128)
 IN_FLIGHT = (1, 4, 8, 32)
+PROMPT_TOKENS = 128
+# Peak memory bandwidth (bytes/s, the vendors' spec sheets) by torch.cuda.get_device_name(); first
+# match wins. A100 80GB PCIe (1.935e12) and H100 NVL match none on purpose: they are measured.
+BANDWIDTH = (
+    (r"H200", "H200", 4.8e12),
+    (r"H100.*PCIe", "H100 PCIe", 2.0e12),
+    (r"H100.*(HBM3|SXM)", "H100 SXM", 3.35e12),
+    (r"A100.*SXM.*80GB", "A100 80GB SXM", 2.04e12),
+    (r"A100.*40GB", "A100 40GB", 1.555e12),
+    (r"L40S", "L40S", 8.64e11),
+    (r"\bL4\b", "L4", 3.0e11),
+    (r"\bA10\b", "A10", 6.0e11),
+    (r"RTX 4090", "RTX 4090", 1.008e12),
+)
 
 
-def random_qwen(shape: dict, seed: int, device: str, exact: bool) -> CausalLM:
+def plain_qwen(shape: dict, seed: int, device: str) -> CausalLM:
+    """A Qwen2 of ``shape`` with random bf16 weights (the same weights for the same seed), SDPA
+    attention, nothing of card's applied."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(seed)
@@ -53,8 +80,77 @@ def random_qwen(shape: dict, seed: int, device: str, exact: bool) -> CausalLM:
     with torch.device(device):
         model: CausalLM = Qwen2ForCausalLM(config)
         model = model.to(torch.bfloat16).eval()
+    model.set_attn_implementation("sdpa")  # the default today; said, so the peer's attention is known
+    return model
+
+
+def random_qwen(shape: dict, seed: int, device: str, exact: bool) -> CausalLM:
+    model = plain_qwen(shape, seed, device)
     make_exact(model, exact=exact)
     return model
+
+
+def read_bytes(shape: dict) -> dict:
+    """Bytes one forward of the target at ``shape`` reads at least: its weights (every parameter once:
+    a tied embedding is the LM head, read whole once; an untied input embedding is left out, a step
+    reads only its tokens' rows of it) and, per token of a session's history, its KV cache. Taken on
+    the meta device: make_exact repacks the linears, so the engine's model no longer shows them."""
+    model = plain_qwen(shape, 0, "meta")
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())  # a tied tensor comes once
+    embed, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
+    if embed is not head:
+        weights -= embed.numel() * embed.element_size()
+    c = model.config
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    kv = 2 * c.num_hidden_layers * c.num_key_value_heads * head_dim * head.element_size()  # K and V
+    return {"weight_bytes": weights, "kv_bytes_per_token": kv}
+
+
+def copy_bandwidth(device: str, size: int, repeats: int = 5) -> float:
+    """Bytes/s of a copy of ``size`` bytes within ``device`` (each byte read once and written once),
+    best of ``repeats``; timed with CUDA events on a GPU."""
+    src = torch.ones(size, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # first touch of the pages, kernel selection
+    best = math.inf
+    for _ in range(repeats):
+        if device.startswith("cuda"):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            dst.copy_(src)
+            end.record()
+            end.synchronize()
+            seconds = start.elapsed_time(end) / 1e3
+        else:
+            t0 = time.perf_counter()
+            dst.copy_(src)
+            seconds = time.perf_counter() - t0
+        best = min(best, seconds)
+    return 2 * size / best
+
+
+def bandwidth(device: str, name: str, override_gbs: float | None) -> dict:
+    """The device's memory bandwidth and where the figure comes from."""
+    if override_gbs is not None:
+        return {"bytes_per_s": override_gbs * 1e9, "source": "--bandwidth-gbs"}
+    if device.startswith("cuda"):
+        for pattern, label, peak in BANDWIDTH:
+            if re.search(pattern, name, re.IGNORECASE):
+                return {"bytes_per_s": peak, "source": f"table: {label} spec sheet"}
+    size = 1 << 30 if device.startswith("cuda") else 64 << 20
+    return {"bytes_per_s": copy_bandwidth(device, size),
+            "source": f"measured: copy of {size >> 20} MiB within {device}, best of 5"}
+
+
+def roofline(forwards: int, session_forwards: list[int], session_new: list[int], seconds: float,
+             sizes: dict, peak: float) -> dict:
+    """The share of ``peak`` bytes/s a run reached if each forward read the weights once and each
+    session's part of it read that session's KV cache, its history taken at its mean over the run
+    (the prompt and half the new tokens)."""
+    kv_tokens = sum(f * (PROMPT_TOKENS + n / 2) for f, n in zip(session_forwards, session_new, strict=True))
+    read = forwards * sizes["weight_bytes"] + kv_tokens * sizes["kv_bytes_per_token"]
+    return {"roofline": read / seconds / peak, "bytes_per_step": read / forwards,
+            "step_ms": seconds / forwards * 1e3}
 
 
 class _Ids:
@@ -92,7 +188,7 @@ def forward_ms(model: CausalLM, rows: int, exact: bool, context: int, device: st
 def _requests(n: int, vocab: int, new_tokens: int) -> list[GenerationRequest]:
     gen = torch.Generator().manual_seed(7)
     stop = StopParams(max_new_tokens=new_tokens, ignore_eos=True)
-    prompts = [tuple(torch.randint(0, vocab, (128,), generator=gen).tolist()) for _ in range(n)]
+    prompts = [tuple(torch.randint(0, vocab, (PROMPT_TOKENS,), generator=gen).tolist()) for _ in range(n)]
     return [GenerationRequest(p, SamplingParams(), stop) for p in prompts]
 
 
@@ -113,7 +209,7 @@ def serve_tok_s(target: CausalLM, draft: CausalLM | None, in_flight: int, exact:
         runner = InProcessRunner(loaded[0], loaded[1], RunnerConfig(
             mode=Mode.CARD, tree=tree, cache_device=device, backoff=False, draft_slots=max(in_flight, 1)))
     try:
-        pool = KVPool(target, slots=in_flight, max_len=128 + new_tokens + 16)
+        pool = KVPool(target, slots=in_flight, max_len=PROMPT_TOKENS + new_tokens + 16)
         engine = TargetEngine(target, pool, exact=exact,
                               policy=policy)
         gens = [runner.generation(r) if runner else
@@ -135,7 +231,77 @@ def serve_tok_s(target: CausalLM, draft: CausalLM | None, in_flight: int, exact:
     paused = sum(g.stats.drafting_paused_steps for g in gens)
     return {"tok_s": new / wall, "wall_s": wall, "new_tokens": new,
             "accepted_length": new / forwards if forwards else 0.0, "engine_forwards": engine.forwards,
-            "speculation": policy.config.speculation, "paused_share": paused / forwards if forwards else 0.0}
+            "speculation": policy.config.speculation, "paused_share": paused / forwards if forwards else 0.0,
+            "session_forwards": [g.stats.target_forwards for g in gens],
+            "session_new_tokens": [g.stats.new_tokens for g in gens]}
+
+
+def peer_tok_s(model: CausalLM, in_flight: int, new_tokens: int, device: str, compiled: bool) -> dict:
+    """Tokens/s of transformers' ``generate`` on ``in_flight`` prompts (those of the serving runs) as one
+    batch: greedy, static cache, the decode forward compiled by generate itself (``compile_config``:
+    torch.compile, reduce-overhead, fullgraph) or eager. A first call of the same shapes compiles (and
+    captures the CUDA graphs) before the timed one."""
+    from transformers import CompileConfig
+
+    prompts = [list(r.prompt_ids) for r in _requests(in_flight, model.config.vocab_size, new_tokens)]
+    ids = torch.tensor(prompts, device=device)
+    kwargs: dict = dict(attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, do_sample=False,
+                        cache_implementation="static", pad_token_id=0, eos_token_id=None)
+    if compiled:
+        config = CompileConfig(fullgraph=True, mode="reduce-overhead")
+        # generate compiles on its own only on accelerators; this flag (there for tests) lets the CPU
+        # smoke run take the same path
+        if not device.startswith("cuda"):
+            config._compile_all_devices = True  # type: ignore[assignment]  # typed None, read as a flag
+        kwargs["compile_config"] = config
+    else:
+        kwargs["disable_compile"] = True
+    seconds = []
+    for _ in range(2):
+        _sync(device)
+        t0 = time.perf_counter()
+        out = model.generate(ids, **kwargs)
+        _sync(device)
+        seconds.append(time.perf_counter() - t0)
+    if out.shape != (in_flight, PROMPT_TOKENS + new_tokens):
+        raise RuntimeError(f"transformers generated {tuple(out.shape)}, not {in_flight} x {new_tokens} new")
+    warmup, wall = seconds
+    return {"tok_s": in_flight * new_tokens / wall, "wall_s": wall, "new_tokens": in_flight * new_tokens,
+            "warmup_s": warmup, "compile_s": max(0.0, warmup - wall), "compiled": compiled,
+            "forwards": new_tokens}
+
+
+def run_peer(shape: dict, loads: tuple[int, ...], new_tokens: int, device: str, compiled: bool) -> dict:
+    """The peer at every in-flight count that fits in memory, on a fresh plain model (the target's
+    seed, so the target's weights). A compile failure is recorded and the rest runs eager."""
+    import transformers
+
+    model = plain_qwen(shape, 0, device)
+    how = "static cache, torch.compile(mode='reduce-overhead', fullgraph=True)"
+    peer: dict = {"what": f"transformers {transformers.__version__} generate, greedy, "
+                          + (how if compiled else "static cache, eager"),
+                  "attention": model.config._attn_implementation, "compile_error": None, "batches": {}}
+    for n in loads:
+        try:
+            try:
+                row = peer_tok_s(model, n, new_tokens, device, compiled)
+            except torch.cuda.OutOfMemoryError:
+                raise
+            except Exception as exc:  # whatever torch.compile raises on this device: run eager, say why
+                if not compiled:
+                    raise
+                peer["compile_error"] = f"{type(exc).__name__}: {exc}"[:2000]
+                peer["what"] = (f"transformers {transformers.__version__} generate, greedy, static cache, "
+                                f"eager (torch.compile failed at {n} in flight)")
+                compiled = False
+                torch._dynamo.reset()
+                row = peer_tok_s(model, n, new_tokens, device, compiled)
+        except torch.cuda.OutOfMemoryError:
+            row = {"skipped": "out of memory"}
+            torch.cuda.empty_cache()
+        peer["batches"][n] = row
+    del model
+    return peer
 
 
 @click.command()
@@ -156,9 +322,16 @@ def serve_tok_s(target: CausalLM, draft: CausalLM | None, in_flight: int, exact:
 @click.option("--rounds", default=1, show_default=True, type=int,
               help="serve each card load this many times with one controller (a serving engine keeps "
                    "its controller: round 2 on shows what it has learned)")
+@click.option("--bandwidth-gbs", type=float, default=None,
+              help="the device's memory bandwidth in GB/s for the roofline (default: a table of known "
+                   "GPUs, else measured with a copy)")
+@click.option("--peer/--no-peer", default=True, show_default=True,
+              help="run transformers' generate (static cache) on the same target beside ours")
+@click.option("--peer-compile/--peer-eager", default=True, show_default=True,
+              help="torch.compile the peer's decode forward (as transformers recommends) or not")
 def main(device: str, new_tokens: int, context: int, out: Path, small: bool, kernels: str, in_flight: str,
-         speculation: str, rounds: int) -> None:
-    """Forward cost against rows, and serving tokens/s, exact on and off."""
+         speculation: str, rounds: int, bandwidth_gbs: float | None, peer: bool, peer_compile: bool) -> None:
+    """Forward cost against rows, and serving tokens/s, exact on and off, beside transformers."""
     loads = tuple(int(n) for n in in_flight.split(","))
     modes = tuple(speculation.split(","))
     for mode in modes:
@@ -169,8 +342,11 @@ def main(device: str, new_tokens: int, context: int, out: Path, small: bool, ker
         dict(DRAFT, hidden_size=128, intermediate_size=256, num_hidden_layers=1, num_attention_heads=2,
              vocab_size=2048))
     gpu = torch.cuda.get_device_name(device) if device.startswith("cuda") else "cpu"
+    sizes = read_bytes(tshape)
+    limit = bandwidth(device, gpu, bandwidth_gbs)
     report: dict = {"device": gpu, "torch": torch.__version__, "target_shape": tshape,
-                    "draft_shape": dshape, "forward_ms": {}, "serving": {}}
+                    "draft_shape": dshape, "forward_ms": {}, "serving": {},
+                    "bandwidth": limit, "read_bytes": dict(sizes, prompt_tokens=PROMPT_TOKENS)}
     draft = random_qwen(dshape, 1, device, exact=False)
     for key in kernels.split(","):
         if key not in ("exact", "vendor"):
@@ -190,18 +366,57 @@ def main(device: str, new_tokens: int, context: int, out: Path, small: bool, ker
                     report["serving"][f"{key}/{name}/{n}"] = serve_tok_s(target, draft, n, exact, new_tokens,
                                                                          device, policy)
         del target
+    del draft
+    peer_rows: dict = {}  # in flight -> the peer's figures, where it ran
+    if peer:
+        report["peer"] = run_peer(tshape, loads, new_tokens, device, peer_compile)
+        peer_rows = {n: row for n, row in report["peer"]["batches"].items() if "tok_s" in row}
+    for n, row in peer_rows.items():
+        row.update(roofline(row["forwards"], [row["forwards"]] * n, [new_tokens] * n, row["wall_s"], sizes,
+                            limit["bytes_per_s"]))
+        row["ours_vs_peer"] = {k: report["serving"][f"{k}/vanilla/{n}"]["tok_s"] / row["tok_s"]
+                               for k in kernels.split(",")}  # plain decoding with each kernel set
     first = kernels.split(",")[0]
     base = {n: report["serving"][f"{first}/vanilla/{n}"]["tok_s"] for n in loads}
     for key, row in report["serving"].items():
-        row["vs_vanilla"] = row["tok_s"] / base[int(key.rsplit("/", 1)[1])]
+        n = int(key.rsplit("/", 1)[1])
+        row["vs_vanilla"] = row["tok_s"] / base[n]
+        row["vs_peer"] = row["tok_s"] / peer_rows[n]["tok_s"] if n in peer_rows else None
+        row.update(roofline(row["engine_forwards"], row["session_forwards"], row["session_new_tokens"],
+                            row["wall_s"], sizes, limit["bytes_per_s"]))
     out.write_text(json.dumps(report, indent=2))
-    click.echo(f"device: {gpu}")
+    print_table(report, out)
+
+
+def print_table(report: dict, out: Path) -> None:
+    """The report as text, the device on every line that carries a figure."""
+    at = f"[{report['device']}]"
+    limit = report["bandwidth"]
+    click.echo(f"device: {report['device']}")
+    click.echo(f"bandwidth {limit['bytes_per_s'] / 1e9:.0f} GB/s ({limit['source']}); target reads "
+               f"{report['read_bytes']['weight_bytes'] / 1e9:.3f} GB of weights a forward, "
+               f"{report['read_bytes']['kv_bytes_per_token']} B of KV a token of history  {at}")
     click.echo("rows  " + "  ".join(f"{r:>7}" for r in ROWS))
     for key, times in report["forward_ms"].items():
-        click.echo(f"{key:<6}" + "  ".join(f"{times[r]:7.2f}" for r in ROWS) + "  ms")
+        click.echo(f"{key:<6}" + "  ".join(f"{times[r]:7.2f}" for r in ROWS) + f"  ms  {at}")
     for key, row in report["serving"].items():
-        click.echo(f"{key:<24} {row['tok_s']:9.1f} tok/s  x{row['vs_vanilla']:.2f}  "
-                   f"acc {row['accepted_length']:.2f}  paused {row['paused_share']:.0%}")
+        vs_peer = f"x{row['vs_peer']:.2f} peer" if row["vs_peer"] is not None else "-"
+        click.echo(f"{key:<24} {row['tok_s']:9.1f} tok/s  x{row['vs_vanilla']:.2f}  {vs_peer:<11} "
+                   f"roofline {row['roofline']:6.1%}  acc {row['accepted_length']:.2f}  "
+                   f"paused {row['paused_share']:.0%}  {at}")
+    if "peer" in report:
+        peer = report["peer"]
+        click.echo(f"peer: {peer['what']}, {peer['attention']} attention")
+        if peer["compile_error"]:
+            click.echo(f"peer: torch.compile failed: {peer['compile_error'].splitlines()[0][:200]}")
+        for n, row in peer["batches"].items():
+            name = f"peer/{n}"
+            if "tok_s" not in row:
+                click.echo(f"{name:<24} skipped: {row['skipped']}  {at}")
+                continue
+            ours = "  ".join(f"{k}/vanilla x{r:.2f}" for k, r in row["ours_vs_peer"].items())
+            click.echo(f"{name:<24} {row['tok_s']:9.1f} tok/s  roofline {row['roofline']:6.1%}  "
+                       f"compile {row['compile_s']:.1f} s  ours: {ours}  {at}")
     click.echo(f"wrote {out}")
 
 
