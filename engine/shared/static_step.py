@@ -324,7 +324,7 @@ class StaticStep:
         leaves them free."""
         room = self.pool.keys[0].shape[2]
         positions = [p for p in positions if p + 8 < room] or [1]
-        slots = []
+        slots: list[int] = []
         try:
             for _ in range(2):
                 slot = self.pool.acquire()
