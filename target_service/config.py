@@ -10,6 +10,7 @@ from card.engine.loading.models import ModelConfig
 from card.engine.shared.config import Verify, VerifyPolicy
 from card.engine.shared.errors import InvalidArgument
 from card.engine.shared.kv_pool import check_sizing, pool_shape
+from card.engine.shared.static_step import STEP_MODES
 from card.engine.target.drafting_policy import DraftingConfig
 
 
@@ -37,6 +38,7 @@ class TargetConfig:
     max_batch_tokens: int = 512
     adaptive_chains: bool = True
     speculation: str = "auto"  # the drafting policy's regime (card.engine.target.drafting_policy)
+    decode_step: str = "auto"  # decoding rows at static shapes (card.engine.shared.static_step)
     default_max_new_tokens: int = 128
     step_timeout_ms: int = 1000
     shutdown_grace_s: float = 30.0  # SIGTERM: how long running generations get to finish
@@ -62,6 +64,9 @@ class TargetConfig:
 
     def __post_init__(self) -> None:
         DraftingConfig(speculation=self.speculation)  # validates
+        if self.decode_step not in STEP_MODES:
+            raise InvalidArgument(f"decode-step must be one of {', '.join(STEP_MODES)}, "
+                                  f"got {self.decode_step!r}")
         if self.default_pool and not POOL_NAME.fullmatch(self.default_pool):
             raise InvalidArgument(f"--default-pool must be 1-128 characters of A-Z a-z 0-9 . _ -, got "
                                   f"{self.default_pool[:40]!r}")

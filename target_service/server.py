@@ -34,6 +34,7 @@ from card.common.tls import PLAINTEXT, TlsConfig
 from card.engine.loading.models import load_model
 from card.engine.shared.errors import Unavailable
 from card.engine.shared.kv_pool import KVPool
+from card.engine.shared.static_step import STEP_MODES
 from card.engine.target.drafting_policy import SPECULATION_MODES
 from card.engine.target.scheduler import TargetEngine
 from card.target_service.config import TargetConfig
@@ -123,7 +124,8 @@ def serve(config: TargetConfig) -> None:
     pool = KVPool(model.model, slots, max_len)
     log.info("KV cache: %d slots x %d tokens (%.2f GB)", slots, max_len, pool.nbytes / 2**30)
     engine = TargetEngine(model.model, pool, config.max_batch_tokens, adaptive=config.adaptive_chains,
-                          exact=model.exact, policy=drafting_policy(config.speculation))
+                          exact=model.exact, policy=drafting_policy(config.speculation),
+                          decode_step=config.decode_step)
     def engine_died(exc: BaseException) -> None:
         set_serving(health, False, [SERVICE_NAME])
 
@@ -182,6 +184,12 @@ def serve(config: TargetConfig) -> None:
              "per second with and without drafting at the load it has (short probes) and pauses every "
              "draft where plain decoding is faster, and pauses a request's own draft while its chains "
              "are rejected; always: speculate throughout; never: plain decoding, every draft paused.")
+@option("--decode-step", type=click.Choice(STEP_MODES), default="auto", show_default=True,
+        help="How decoding rows run: eager (the flat eager forward); static (every step's rows in one "
+             "batch padded to a bucket, from preallocated buffers); compiled (that step through "
+             "torch.compile, one graph per bucket); graphs (CUDA graphs of it, CUDA only); auto: graphs "
+             "on CUDA, eager on the CPU. A static step is probed for bitwise invariance at start-up "
+             "and falls back to eager where the probe fails (docs/engine.md).")
 @option("--default-max-new-tokens", default=128, type=int)
 @option("--step-timeout-ms", default=1000, type=int, help="Deadline of each Step call to the cache.")
 @option("--shutdown-grace-s", default=30.0, type=float,

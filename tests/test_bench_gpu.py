@@ -15,7 +15,8 @@ from click.testing import CliRunner
 
 from card.client.bench import gpu
 
-SMOKE = ["--device", "cpu", "--small", "--new-tokens", "4", "--context", "16", "--speculation", "never"]
+SMOKE = ["--device", "cpu", "--small", "--new-tokens", "4", "--context", "16", "--speculation", "never",
+         "--decode-steps", "eager,static"]
 
 
 @pytest.mark.slow
@@ -29,8 +30,11 @@ def test_gpu_check_on_the_cpu_reports_roofline_and_peer(tmp_path):
     assert report["bandwidth"]["source"].startswith("measured")
     assert report["bandwidth"]["bytes_per_s"] > 0
     # the keys earlier runs wrote, with their meaning, and the new ones beside them
-    assert set(report["serving"]) == {f"{k}/{m}/{n}" for k in ("exact", "vendor") for m in ("vanilla", "card")
-                                      for n in (1, 2)}
+    assert set(report["serving"]) == {f"{k}{s}/{m}/{n}" for k in ("exact", "vendor") for s in ("", "+static")
+                                      for m in ("vanilla", "card") for n in (1, 2)}
+    for key, row in report["serving"].items():  # the step each ran with, and exact beside vendor
+        assert row["decode_step"] == ("static" if "+static" in key else "eager"), key
+        assert (row["vs_vendor"] > 0) if key.startswith("exact") else ("vs_vendor" not in row), key
     for key, row in report["serving"].items():
         assert row["tok_s"] > 0 and row["vs_vanilla"] > 0, key
         assert row["roofline"] > 0 and math.isfinite(row["roofline"]), key
@@ -47,7 +51,7 @@ def test_gpu_check_on_the_cpu_reports_roofline_and_peer(tmp_path):
         for kernels, ratio in row["ours_vs_peer"].items():
             assert ratio == pytest.approx(report["serving"][f"{kernels}/vanilla/{n}"]["tok_s"] / row["tok_s"])
     figures = [line for line in run.stdout.splitlines() if "tok/s" in line or line.endswith("ms  [cpu]")]
-    assert len(figures) == 8 + 2 + 2, run.stdout  # serving rows, peer rows, forward sweeps
+    assert len(figures) == 16 + 2 + 2, run.stdout  # serving rows (two steps), peer rows, forward sweeps
     assert all(line.endswith("[cpu]") for line in figures), run.stdout
 
 

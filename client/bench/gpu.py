@@ -43,6 +43,7 @@ from card.engine.loading.models import LoadedModel
 from card.engine.shared.config import GenerationRequest, Mode, SamplingParams, StopParams, TreeParams
 from card.engine.shared.hf import CausalLM
 from card.engine.shared.kv_pool import KVPool, Segment, forward
+from card.engine.shared.static_step import STEP_MODES
 from card.engine.target.chain_source import NoDraft
 from card.engine.target.drafting_policy import DraftingConfig, DraftingPolicy
 from card.engine.target.generation import Generation
@@ -193,10 +194,12 @@ def _requests(n: int, vocab: int, new_tokens: int) -> list[GenerationRequest]:
 
 
 def serve_tok_s(target: CausalLM, draft: CausalLM | None, in_flight: int, exact: bool,
-                new_tokens: int, device: str, speculation: str | DraftingPolicy = "auto") -> dict:
+                new_tokens: int, device: str, speculation: str | DraftingPolicy = "auto",
+                decode_step: str = "eager") -> dict:
     """Tokens/s of ``in_flight`` requests run together to their end (card when ``draft``), the
     engine's drafting policy in ``speculation`` mode (or that policy: a serving engine keeps one
-    for its life, and what it measured before)."""
+    for its life, and what it measured before); the target's decoding rows by ``decode_step``
+    (card.engine.shared.static_step)."""
     policy = (speculation if isinstance(speculation, DraftingPolicy)
               else DraftingPolicy(DraftingConfig(speculation=speculation)))
     vocab = target.config.vocab_size
@@ -210,8 +213,7 @@ def serve_tok_s(target: CausalLM, draft: CausalLM | None, in_flight: int, exact:
             mode=Mode.CARD, tree=tree, cache_device=device, backoff=False, draft_slots=max(in_flight, 1)))
     try:
         pool = KVPool(target, slots=in_flight, max_len=PROMPT_TOKENS + new_tokens + 16)
-        engine = TargetEngine(target, pool, exact=exact,
-                              policy=policy)
+        engine = TargetEngine(target, pool, exact=exact, policy=policy, decode_step=decode_step)
         gens = [runner.generation(r) if runner else
                 Generation(r, NoDraft(), eos_ids=frozenset(), decode=lambda ids: "", context_window=4096,
                            mode="vanilla", vocab_size=vocab) for r in requests]
@@ -233,7 +235,8 @@ def serve_tok_s(target: CausalLM, draft: CausalLM | None, in_flight: int, exact:
             "accepted_length": new / forwards if forwards else 0.0, "engine_forwards": engine.forwards,
             "speculation": policy.config.speculation, "paused_share": paused / forwards if forwards else 0.0,
             "session_forwards": [g.stats.target_forwards for g in gens],
-            "session_new_tokens": [g.stats.new_tokens for g in gens]}
+            "session_new_tokens": [g.stats.new_tokens for g in gens],
+            "decode_step": engine.static.mode if engine.static is not None else "eager"}
 
 
 def peer_tok_s(model: CausalLM, in_flight: int, new_tokens: int, device: str, compiled: bool) -> dict:
@@ -322,6 +325,10 @@ def run_peer(shape: dict, loads: tuple[int, ...], new_tokens: int, device: str, 
 @click.option("--rounds", default=1, show_default=True, type=int,
               help="serve each card load this many times with one controller (a serving engine keeps "
                    "its controller: round 2 on shows what it has learned)")
+@click.option("--decode-steps", default="eager,auto", show_default=True,
+              help="comma-separated target decoding steps to serve with (card.engine.shared.static_step: "
+                   "eager, static, compiled, graphs, auto). The first keeps the historical keys "
+                   "(exact/vanilla/8); the others are keyed kernel+step (exact+auto/vanilla/8)")
 @click.option("--bandwidth-gbs", type=float, default=None,
               help="the device's memory bandwidth in GB/s for the roofline (default: a table of known "
                    "GPUs, else measured with a copy)")
@@ -330,10 +337,15 @@ def run_peer(shape: dict, loads: tuple[int, ...], new_tokens: int, device: str, 
 @click.option("--peer-compile/--peer-eager", default=True, show_default=True,
               help="torch.compile the peer's decode forward (as transformers recommends) or not")
 def main(device: str, new_tokens: int, context: int, out: Path, small: bool, kernels: str, in_flight: str,
-         speculation: str, rounds: int, bandwidth_gbs: float | None, peer: bool, peer_compile: bool) -> None:
+         speculation: str, rounds: int, decode_steps: str, bandwidth_gbs: float | None, peer: bool,
+         peer_compile: bool) -> None:
     """Forward cost against rows, and serving tokens/s, exact on and off, beside transformers."""
     loads = tuple(int(n) for n in in_flight.split(","))
     modes = tuple(speculation.split(","))
+    steps = tuple(decode_steps.split(","))
+    for step in steps:
+        if step not in STEP_MODES:
+            raise click.BadParameter(f"decode steps are {', '.join(STEP_MODES)}, not {step!r}")
     for mode in modes:
         DraftingConfig(speculation=mode)  # validates
     tshape, dshape = (TARGET, DRAFT) if not small else (
@@ -354,17 +366,20 @@ def main(device: str, new_tokens: int, context: int, out: Path, small: bool, ker
         exact = key == "exact"
         target = random_qwen(tshape, 0, device, exact=exact)
         report["forward_ms"][key] = {r: forward_ms(target, r, exact, context, device) for r in ROWS}
-        for warm in (None, draft):  # first calls pay for kernel selection and allocator growth
-            serve_tok_s(target, warm, 2, exact, 4, device)
-        for n in loads:
-            report["serving"][f"{key}/vanilla/{n}"] = serve_tok_s(target, None, n, exact, new_tokens, device)
-            for mode in modes:
-                policy = DraftingPolicy(DraftingConfig(speculation=mode))
-                base_name = "card" if len(modes) == 1 else f"card-{mode}"
-                for r in range(rounds):
-                    name = base_name + (f"-r{r + 1}" if rounds > 1 else "")
-                    report["serving"][f"{key}/{name}/{n}"] = serve_tok_s(target, draft, n, exact, new_tokens,
-                                                                         device, policy)
+        for i, step in enumerate(steps):
+            at = key if i == 0 else f"{key}+{step}"
+            for warm in (None, draft):  # first calls pay for kernel selection and allocator growth
+                serve_tok_s(target, warm, 2, exact, 4, device, decode_step=step)
+            for n in loads:
+                report["serving"][f"{at}/vanilla/{n}"] = serve_tok_s(
+                    target, None, n, exact, new_tokens, device, decode_step=step)
+                for mode in modes:
+                    policy = DraftingPolicy(DraftingConfig(speculation=mode))
+                    base_name = "card" if len(modes) == 1 else f"card-{mode}"
+                    for r in range(rounds):
+                        name = base_name + (f"-r{r + 1}" if rounds > 1 else "")
+                        report["serving"][f"{at}/{name}/{n}"] = serve_tok_s(
+                            target, draft, n, exact, new_tokens, device, policy, decode_step=step)
         del target
     del draft
     peer_rows: dict = {}  # in flight -> the peer's figures, where it ran
@@ -381,6 +396,10 @@ def main(device: str, new_tokens: int, context: int, out: Path, small: bool, ker
     for key, row in report["serving"].items():
         n = int(key.rsplit("/", 1)[1])
         row["vs_vanilla"] = row["tok_s"] / base[n]
+        kernel_step = key.split("/", 1)[0]  # exact vs vendor on the same step: what invariance costs
+        if kernel_step.startswith("exact") and "vendor" in kernels.split(","):
+            vendor = report["serving"].get(key.replace("exact", "vendor", 1))
+            row["vs_vendor"] = row["tok_s"] / vendor["tok_s"] if vendor else None
         row["vs_peer"] = row["tok_s"] / peer_rows[n]["tok_s"] if n in peer_rows else None
         row.update(roofline(row["engine_forwards"], row["session_forwards"], row["session_new_tokens"],
                             row["wall_s"], sizes, limit["bytes_per_s"]))
@@ -401,9 +420,10 @@ def print_table(report: dict, out: Path) -> None:
         click.echo(f"{key:<6}" + "  ".join(f"{times[r]:7.2f}" for r in ROWS) + f"  ms  {at}")
     for key, row in report["serving"].items():
         vs_peer = f"x{row['vs_peer']:.2f} peer" if row["vs_peer"] is not None else "-"
-        click.echo(f"{key:<24} {row['tok_s']:9.1f} tok/s  x{row['vs_vanilla']:.2f}  {vs_peer:<11} "
-                   f"roofline {row['roofline']:6.1%}  acc {row['accepted_length']:.2f}  "
-                   f"paused {row['paused_share']:.0%}  {at}")
+        vs_vendor = f"x{row['vs_vendor']:.2f} vendor  " if row.get("vs_vendor") is not None else ""
+        click.echo(f"{key:<28} {row['tok_s']:9.1f} tok/s  x{row['vs_vanilla']:.2f}  {vs_peer:<11} "
+                   f"{vs_vendor}roofline {row['roofline']:6.1%}  acc {row['accepted_length']:.2f}  "
+                   f"paused {row['paused_share']:.0%}  step {row['decode_step']}  {at}")
     if "peer" in report:
         peer = report["peer"]
         click.echo(f"peer: {peer['what']}, {peer['attention']} attention")

@@ -368,7 +368,7 @@ def _allow_shapes(count: int) -> None:
 ROWS_PER_SLOT = 16  # a session's decoding rows the buckets are sized for: [t_next, *chain of <= 15]
 
 
-def static_step_for(model: CausalLM, pool: Any, mode: str) -> StaticStep | None:
+def static_step_for(model: CausalLM, pool: Any, mode: str, check: bool = True) -> StaticStep | None:
     """The engine's static step for ``--decode-step`` ``mode``, or None (the eager forward).
 
     eager     None
@@ -380,7 +380,8 @@ def static_step_for(model: CausalLM, pool: Any, mode: str) -> StaticStep | None:
 
     The step is probed at start-up (``StaticStep.probe``: every row alone and batched, at every
     bucket, bitwise); where the probe fails the engine keeps the eager forward. Either way one log
-    line says which, and why. The probe's verdict is kept on the model (one per mode)."""
+    line says which, and why. The probe's verdict is kept on the model (one per mode).
+    ``check=False`` (an engine whose outputs are marked inexact, --exact off) skips the probe."""
     if mode not in STEP_MODES:
         raise ValueError(f"decode step must be one of {', '.join(STEP_MODES)}, got {mode!r}")
     if mode == "auto":
@@ -388,9 +389,15 @@ def static_step_for(model: CausalLM, pool: Any, mode: str) -> StaticStep | None:
     if mode == "eager":
         return None
     step = StaticStep(model, pool, min(ROW_BUCKETS[-1], pool.slots * ROWS_PER_SLOT), mode)
+    if not check:
+        return step
     verdicts: dict[str, str | None] = model.__dict__.setdefault("_card_static_probe", {})
     if mode not in verdicts:
-        verdicts[mode] = step.probe()
+        try:
+            verdicts[mode] = step.probe()
+        except Exception as exc:  # a compiler or a capture that fails here: the eager forward serves
+            log.exception("the %s static step failed at start-up", mode)
+            verdicts[mode] = f"it failed: {type(exc).__name__}: {exc}"
         if verdicts[mode] is None:
             log.info("decode step: %s at static shapes, buckets %s (probe passed on %s)", mode,
                      ",".join(map(str, step.buckets)), pool.device)

@@ -99,7 +99,7 @@ class TargetEngine:
         self.pool = pool
         # decoding rows at static shapes (card.engine.shared.static_step), or None: every input
         # through the eager forward. Prefill chunks always take the eager forward
-        self.static: StaticStep | None = static_step_for(model, pool, decode_step)
+        self.static: StaticStep | None = static_step_for(model, pool, decode_step, check=exact)
         self.adaptive = adaptive  # cut chains by measured cost (card.engine.target.speculation)
         # whether each generation drafts, and with what; without the measured-cost cut every
         # chain is verified whole and nothing is paused (forwards depend on the draft alone)
