@@ -24,6 +24,7 @@ from card.engine.loading.invariant import make_exact
 from card.engine.loading.models import LoadedModel
 from card.engine.shared.config import GenerationRequest, Mode, SamplingParams, StopParams, TreeParams
 from card.engine.shared.kv_pool import KVPool
+from card.engine.shared.static_step import StaticStep
 from card.engine.target.chain_source import NoDraft
 from card.engine.target.generation import Generation
 from card.engine.target.scheduler import TargetEngine, finish_alone
@@ -43,6 +44,8 @@ QWEN_0_5B = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, 
 SMALL_TARGET = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
                     num_key_value_heads=2, vocab_size=1024)
 SMALL_DRAFT = dict(SMALL_TARGET, num_hidden_layers=1)
+# the target's static decoding step here: CUDA graphs on a GPU, the same step eagerly on the CPU
+STATIC = "graphs" if DEVICE.startswith("cuda") else "static"
 
 
 def qwen(shape: dict, seed: int, exact: bool = True, dtype: torch.dtype = torch.bfloat16) -> torch.nn.Module:
@@ -103,26 +106,37 @@ def test_vendor_kernels_change_the_chain_logits_on_the_device() -> None:
     assert not chain_logits_equal_steps(model, exact=False)
 
 
+def test_static_step_probe_passes_on_the_device(target) -> None:
+    """Every bucket's rows, beside a session further on and ghost rows, equal plain decoding's
+    bits on the device (card.engine.shared.static_step.StaticStep.probe), captured or compiled."""
+    step = StaticStep(target, KVPool(target, slots=4, max_len=512), 64, mode=STATIC)
+    assert step.probe() is None
+
+
+@pytest.mark.parametrize("decode_step", ["eager", STATIC])
 @pytest.mark.parametrize("sampled", [False, True])
 @pytest.mark.parametrize("in_flight", [1, 4, 8, 32])
-def test_in_flight_equal_alone(target, draft, in_flight: int, sampled: bool) -> None:
+def test_in_flight_equal_alone(target, draft, in_flight: int, sampled: bool, decode_step: str) -> None:
     n = max(in_flight, 4)
     requests = _requests(n, _vocab(target), sampled)
-    alone = [finish_alone(target, _plain(target, r)).token_ids for r in requests]
+    alone = [finish_alone(target, _plain(target, r), decode_step=decode_step).token_ids for r in requests]
 
-    engine = TargetEngine(target, KVPool(target, slots=in_flight, max_len=512))
+    engine = TargetEngine(target, KVPool(target, slots=in_flight, max_len=512), decode_step=decode_step)
+    assert (engine.static is not None) is (decode_step != "eager"), "the static step's probe failed here"
     batched = run_batched(engine, [_plain(target, r) for r in requests], join_every=2) if in_flight > 1 \
-        else {i: finish_alone(target, _plain(target, r)).token_ids for i, r in enumerate(requests)}
+        else {i: finish_alone(target, _plain(target, r), decode_step=decode_step).token_ids
+              for i, r in enumerate(requests)}
     assert [batched[i] for i in range(n)] == alone, "plain decoding in flight"
 
     runner = InProcessRunner(_loaded(target), _loaded(draft),
                              RunnerConfig(mode=Mode.CARD, tree=TreeParams(width=4, max_depth=6, max_chain=6),
-                                          cache_device=DEVICE, backoff=False))
+                                          cache_device=DEVICE, backoff=False, decode_step=decode_step))
     try:
         if in_flight == 1:
             got = {i: runner.run(r).token_ids for i, r in enumerate(requests)}
         else:
-            engine = TargetEngine(target, KVPool(target, slots=in_flight, max_len=512))
+            pool = KVPool(target, slots=in_flight, max_len=512)
+            engine = TargetEngine(target, pool, decode_step=decode_step)
             got = run_batched(engine, [runner.generation(r) for r in requests], join_every=2)
         assert [got[i] for i in range(n)] == alone, "card in flight"
     finally:
