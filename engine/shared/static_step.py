@@ -288,7 +288,9 @@ class StaticStep:
                 decode_forward(self.model, self.batch)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._mempool()):
+        # thread_local: a draft worker on the same GPU keeps launching from its own thread while
+        # a shape is captured mid-serving ("global" would make its calls fail the capture)
+        with torch.cuda.graph(graph, pool=self._mempool(), capture_error_mode="thread_local"):
             logits, picks = decode_forward(self.model, self.batch)
         return graph, logits, picks
 
