@@ -2,7 +2,15 @@
 
 from __future__ import annotations
 
+import os
+import shutil
 from pathlib import Path
+
+# Triton kernels (card.engine.shared.triton_attention) run in Triton's interpreter where there is no
+# NVIDIA GPU. Set before anything imports triton: its own library functions are decorated at import
+# (torch may import it early), and the interpreter only runs functions decorated under it.
+if shutil.which("nvidia-smi") is None:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest
 

@@ -44,6 +44,9 @@ from card.engine.shared.hf import CausalLM
 log = logging.getLogger(__name__)
 
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+# decoding attention of the static step: triton (one kernel per layer, card.engine.shared.triton_attention),
+# blocks (the block tree in torch ops, any device), auto (triton on CUDA where Triton imports)
+ATTENTIONS = ("auto", "triton", "blocks")
 STEP_MODES = ("eager", "static", "compiled", "graphs", "auto")
 
 
@@ -116,6 +119,8 @@ class StaticBatch:
         self._host = torch.zeros(3, max_rows, dtype=torch.int64, pin_memory=pin)
         self.rows = 0  # the bucket of the step being run (set by StaticStep)
         self.blocks = 1
+        # the Triton decoding attention (StaticStep's ``attention``), or None: the block tree
+        self.kernel: Callable[..., torch.Tensor] | None = None
 
     def fill(self, sessions: Sequence[DecodeRows], bucket: int) -> int:
         """Write the sessions' rows, then ghosts up to ``bucket``, into the buffers; returns the
@@ -149,11 +154,14 @@ class StaticBatch:
         return key, value
 
     def attend(self, layer: int, query: torch.Tensor, scaling: float) -> torch.Tensor:
-        """``query`` [1, heads, rows, dim] -> [1, rows, heads, dim]: each row over the first
-        ``blocks`` key blocks of its slot, causal by position (the module docstring)."""
-        return block_attention(query[0], self.pool.keys[layer], self.pool.values[layer],
-                               self.slots[:self.rows], self.positions[:self.rows], self.blocks,
-                               scaling)[None]
+        """``query`` [1, heads, rows, dim] -> [1, rows, heads, dim]: each row over its slot's keys,
+        causal by position: one Triton kernel (card.engine.shared.triton_attention) or the block
+        tree over ``blocks`` key blocks (the module docstring)."""
+        keys, values = self.pool.keys[layer], self.pool.values[layer]
+        slots, positions = self.slots[:self.rows], self.positions[:self.rows]
+        if self.kernel is not None:
+            return self.kernel(query[0], keys, values, slots, positions, scaling)[None]
+        return block_attention(query[0], keys, values, slots, positions, self.blocks, scaling)[None]
 
 
 def block_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor,
@@ -198,6 +206,18 @@ def block_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
     return out.to(query.dtype).reshape(R, heads, dim)
 
 
+def _attention_for(attention: str, device: torch.device, head_dim: int) -> str:
+    if attention != "auto":
+        return attention
+    if device.type != "cuda" or head_dim & (head_dim - 1):
+        return "blocks"
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return "blocks"
+    return "triton"
+
+
 def _finite(m: torch.Tensor) -> torch.Tensor:
     """A block maximum to subtract: -inf (nothing visible) becomes 0, so exp(-inf - 0) = 0."""
     return torch.where(torch.isinf(m), torch.zeros_like(m), m)
@@ -230,9 +250,12 @@ class StaticStep:
                   (``warm`` captures the shapes a configuration reaches at start-up)
     """
 
-    def __init__(self, model: CausalLM, pool: Any, max_rows: int, mode: str = "static") -> None:
+    def __init__(self, model: CausalLM, pool: Any, max_rows: int, mode: str = "static",
+                 attention: str = "auto") -> None:
         if mode not in ("static", "compiled", "graphs"):
             raise ValueError(f"unknown static step mode {mode!r}")
+        if attention not in ATTENTIONS:
+            raise ValueError(f"attention must be one of {', '.join(ATTENTIONS)}, got {attention!r}")
         if mode == "graphs" and pool.device.type != "cuda":
             raise ValueError("CUDA graphs need a CUDA device")
         self.model = model
@@ -240,6 +263,11 @@ class StaticStep:
         self.mode = mode
         self.buckets = row_buckets(max_rows)
         self.batch = StaticBatch(pool, self.buckets[-1])
+        self.attention = _attention_for(attention, pool.device, pool.keys[0].shape[-1])
+        if self.attention == "triton":
+            from card.engine.shared.triton_attention import decode_attention
+
+            self.batch.kernel = decode_attention
         self.max_blocks = _pow2(pool.keys[0].shape[2] // KV_BLOCK)
         self._fn: Callable[[CausalLM, StaticBatch], tuple[torch.Tensor, torch.Tensor]] = decode_forward
         if mode == "compiled":
@@ -401,8 +429,8 @@ def static_step_for(model: CausalLM, pool: Any, mode: str, check: bool = True) -
             log.exception("the %s static step failed at start-up", mode)
             verdicts[mode] = f"it failed: {type(exc).__name__}: {exc}"
         if verdicts[mode] is None:
-            log.info("decode step: %s at static shapes, buckets %s (probe passed on %s)", mode,
-                     ",".join(map(str, step.buckets)), pool.device)
+            log.info("decode step: %s at static shapes, buckets %s, %s attention (probe passed on %s)",
+                     mode, ",".join(map(str, step.buckets)), step.attention, pool.device)
         else:
             log.warning("decode step: eager; the %s static step is not invariant on %s (%s)", mode,
                         pool.device, verdicts[mode])

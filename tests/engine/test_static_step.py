@@ -217,3 +217,29 @@ def test_static_step_compiles_as_one_graph_per_shape() -> None:
     assert counters["stats"]["unique_graphs"] == graphs  # no recompile
     assert all(torch.equal(first[b], again[b]) for b in first)
     assert torch.equal(first[1], first[4]) and torch.equal(first[1], first[16])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_engine_on_the_triton_attention_batched_equals_alone(dtype: torch.dtype) -> None:
+    """The static step with the Triton decoding attention (the GPU's; here through Triton's
+    interpreter): the probe passes, and a batch of generations equals each alone."""
+    model = _model(dtype)
+    pool = KVPool(model, slots=3, max_len=200)
+    step = StaticStep(model, pool, 32, attention="triton")
+    assert step.attention == "triton" and step.probe() is None
+    cases = prompt_cases(4, seed=6, max_prompt=70, max_new=12)
+    requests = [GenerationRequest(tuple(p), SamplingParams(), StopParams(max_new_tokens=b, ignore_eos=True))
+                for p, b in cases]
+    alone = []
+    for r in requests:
+        engine = TargetEngine(model, KVPool(model, slots=1, max_len=200))
+        engine.static = StaticStep(model, engine.pool, 16, attention="triton")
+        gen = _gen(model, r)
+        for _ in engine.stream(gen):
+            pass
+        assert gen.result is not None
+        alone.append(gen.result.token_ids)
+    engine = TargetEngine(model, pool)
+    engine.static = step
+    batched = run_batched(engine, [_gen(model, r) for r in requests], join_every=2)
+    assert [batched[i] for i in range(len(requests))] == alone
