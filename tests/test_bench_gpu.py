@@ -51,7 +51,8 @@ def test_gpu_check_on_the_cpu_reports_roofline_and_peer(tmp_path):
         for kernels, ratio in row["ours_vs_peer"].items():
             assert ratio == pytest.approx(report["serving"][f"{kernels}/vanilla/{n}"]["tok_s"] / row["tok_s"])
     figures = [line for line in run.stdout.splitlines() if "tok/s" in line or line.endswith("ms  [cpu]")]
-    assert len(figures) == 16 + 2 + 2, run.stdout  # serving rows (two steps), peer rows, forward sweeps
+    assert set(report["forward_ms"]) == {"exact", "exact+static", "vendor", "vendor+static"}
+    assert len(figures) == 16 + 2 + 4, run.stdout  # serving rows (two steps), peer rows, forward sweeps
     assert all(line.endswith("[cpu]") for line in figures), run.stdout
 
 

@@ -43,7 +43,7 @@ from card.engine.loading.models import LoadedModel
 from card.engine.shared.config import GenerationRequest, Mode, SamplingParams, StopParams, TreeParams
 from card.engine.shared.hf import CausalLM
 from card.engine.shared.kv_pool import KVPool, Segment, forward
-from card.engine.shared.static_step import STEP_MODES
+from card.engine.shared.static_step import STEP_MODES, DecodeRows, StaticStep
 from card.engine.target.chain_source import NoDraft
 from card.engine.target.drafting_policy import DraftingConfig, DraftingPolicy
 from card.engine.target.generation import Generation
@@ -167,23 +167,37 @@ def _sync(device: str) -> None:
 
 
 def forward_ms(model: CausalLM, rows: int, exact: bool, context: int, device: str,
-               repeats: int = 20) -> float:
-    """Median ms of one forward of ``rows`` decoding rows at ``context`` tokens of history."""
+               repeats: int = 20, decode_step: str = "eager") -> float:
+    """Median ms of one forward of ``rows`` decoding rows at ``context`` tokens of history: the
+    eager forward, or the target's static step in ``decode_step`` mode (its first runs compile or
+    capture the shape, outside the timing)."""
     sessions = max(1, rows // 8)
     per = rows // sessions
     pool = KVPool(model, slots=sessions, max_len=context + per + 1)
     segments = [Segment(s, context, per, exact=exact) for s in range(sessions)]
     tokens = torch.randint(0, model.config.vocab_size, (sessions * per,))
     logit_rows = torch.arange(sessions * per)
+    step = None if decode_step == "eager" else StaticStep(model, pool, rows, decode_step)
+    chains = [DecodeRows(s, context, tokens[s * per:(s + 1) * per].tolist()) for s in range(sessions)]
     times = []
     for i in range(repeats + 3):
         _sync(device)
         t0 = time.perf_counter()
-        forward(model, pool, segments, tokens, logit_rows)
+        if step is None:
+            forward(model, pool, segments, tokens, logit_rows)
+        else:
+            step.run(chains).picks.tolist()  # the one read a serving step makes
         _sync(device)
         if i >= 3:
             times.append((time.perf_counter() - t0) * 1e3)
     return sorted(times)[len(times) // 2]
+
+
+def _resolved(step: str, device: str) -> str:
+    """What ``--decode-step`` ``step`` runs on ``device`` (auto: graphs on CUDA, eager elsewhere)."""
+    if step != "auto":
+        return step
+    return "graphs" if device.startswith("cuda") else "eager"
 
 
 def _requests(n: int, vocab: int, new_tokens: int) -> list[GenerationRequest]:
@@ -366,6 +380,11 @@ def main(device: str, new_tokens: int, context: int, out: Path, small: bool, ker
         exact = key == "exact"
         target = random_qwen(tshape, 0, device, exact=exact)
         report["forward_ms"][key] = {r: forward_ms(target, r, exact, context, device) for r in ROWS}
+        for step in steps[1:]:  # the static step's cost against rows, beside the eager forward's
+            resolved = _resolved(step, device)
+            if resolved != "eager":
+                report["forward_ms"][f"{key}+{step}"] = {
+                    r: forward_ms(target, r, exact, context, device, decode_step=resolved) for r in ROWS}
         for i, step in enumerate(steps):
             at = key if i == 0 else f"{key}+{step}"
             for warm in (None, draft):  # first calls pay for kernel selection and allocator growth
