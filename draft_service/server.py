@@ -51,6 +51,7 @@ from card.engine.loading.models import QUANTIZE, load_model, load_tokenizer
 from card.engine.shared.config import NGRAM
 from card.engine.shared.kv_pool import KVPool
 from card.engine.shared.ngram_stats import shared_table
+from card.engine.shared.torch_threads import on_passing_thread
 
 log = logging.getLogger("draft_service")
 
@@ -69,9 +70,11 @@ def serve(config: DraftConfig) -> None:
     warn_if_cleartext(config.cache_addr, config.draft_token, config.tls, "draft")
     print(f"card-draft listening on {config.host}:{port}", flush=True)
     start_metrics_server(config.metrics_port, config.metrics_host)
-    if config.threads:
-        torch.set_num_threads(config.threads)
-    link = CacheLink(config, lambda *callbacks: build_worker(config, *callbacks),
+    threads = config.threads or torch.get_num_threads()  # the draft forwards'; the main thread's default
+    # this long-lived thread never runs torch in parallel: an OpenMP pool of its own would slow
+    # the worker thread's forwards (card.engine.shared.torch_threads)
+    link = CacheLink(config, lambda *callbacks: on_passing_thread(lambda: build_worker(config, *callbacks),
+                                                                  threads, name="load-draft"),
                      on_serving=lambda serving: set_serving(health, serving))
     link.start()
     def shut_down() -> None:  # drain first: its sessions move to other workers, none is lost

@@ -22,6 +22,7 @@ from collections.abc import Callable
 import torch
 
 from card.engine.shared.errors import ResourceExhausted, Unavailable
+from card.engine.shared.torch_threads import name_os_thread
 from card.engine.target.chain_source import DraftKind
 from card.engine.target.drafting_policy import Decision, DraftingConfig, DraftingPolicy, Regime
 from card.engine.target.generation import Generation
@@ -52,10 +53,18 @@ def drafting_policy(speculation: str) -> DraftingPolicy:
 
 
 class EngineLoop:
+    """``threads``: torch intra-op threads of the engine's thread; None: those of the thread that
+    builds the loop (card-target's main thread: --threads, or torch's default, the machine's cores)."""
+
     def __init__(self, engine: TargetEngine, threads: int | None = None, max_waiting: int | None = None,
                  on_death: Callable[[BaseException], None] | None = None) -> None:
         self.engine = engine
-        self.threads = threads
+        # torch's count is per thread, and a thread that never sets its own takes the process-wide
+        # value of the moment it first runs an op in parallel (its first forward, at the first
+        # request): resolved now and set by the engine's thread itself, so nothing another thread
+        # does to torch's setting in between decides how many cores the forwards get
+        self.threads = threads or torch.get_num_threads()
+        self._threads_now = 0  # what the engine's thread last read back (the gauge's value)
         self.max_waiting = max_waiting
         self.on_death = on_death
         self._cv = threading.Condition()
@@ -83,6 +92,12 @@ class EngineLoop:
             self._stopping = True
             self._cv.notify()
         self._thread.join(timeout_s)
+
+    @property
+    def forward_threads(self) -> int:
+        """The torch thread count the engine's thread read back in itself last (0 before it ran):
+        what its forwards run on, card_target_engine_threads."""
+        return self._threads_now
 
     @property
     def alive(self) -> bool:
@@ -124,6 +139,7 @@ class EngineLoop:
 
     # ---- the engine's thread -----------------------------------------------------------------
     def _run(self) -> None:
+        name_os_thread(self._thread.name)  # its OpenMP workers, started by it, take the name too
         try:
             self._loop()
         except BaseException as exc:  # a bug: nothing must wait for this thread any more
@@ -144,8 +160,9 @@ class EngineLoop:
                 self.on_death(exc)
 
     def _loop(self) -> None:
-        if self.threads:
-            torch.set_num_threads(self.threads)  # per thread: this one runs every forward
+        torch.set_num_threads(self.threads)  # per thread: this one runs every forward
+        self._observe_threads()
+        log.info("the engine's thread runs its forwards on %d torch thread(s)", self._threads_now)
         engine = self.engine
         while True:
             with self._cv:
@@ -160,6 +177,7 @@ class EngineLoop:
             for gen in cancels:
                 if gen.result is None:
                     self._deliver(engine.cancel(gen))
+            self._observe_threads()
             try:
                 events = engine.step()
             except Exception as exc:  # the forward itself failed: every generation in it ends
@@ -184,6 +202,14 @@ class EngineLoop:
             inbox, self._inbox = self._inbox, []
         for gen in [*engine.running, *engine.waiting, *inbox]:  # shutdown: nothing is left half-open
             self._deliver(engine.cancel(gen))
+
+    def _observe_threads(self) -> None:
+        """Publish the torch thread count this thread's next forward runs on (read here: another
+        thread's torch.get_num_threads() says nothing about this one's)."""
+        threads = torch.get_num_threads()
+        if threads != self._threads_now:
+            self._threads_now = threads
+            metrics.ENGINE_THREADS.set(threads)
 
     def _admitted(self) -> None:
         """Tell the fronts waiting on admission which of their generations got a slot (or ended)."""

@@ -40,6 +40,9 @@ DRAFTER_SWITCHES = Counter("card_target_drafter_switches_total",
                            "card-auto sessions switched to a drafter (model-free: the cache's lookup alone, "
                            "its worker paused; neural: its worker)", ["drafter"])
 ENGINE_ALIVE = Gauge("card_target_engine_alive", "1 while the engine's thread runs, 0 once it died")
+ENGINE_THREADS = Gauge("card_target_engine_threads",
+                       "torch intra-op threads the engine's thread runs its forwards on, read in that "
+                       "thread (torch's count is per thread: --threads, or torch's default)")
 # vLLM's spec-decode counters, by the same names' meaning: drafted tokens verified, and kept
 DRAFT_TOKENS = Counter("card_target_spec_decode_draft_tokens_total", "Drafted tokens the target verified")
 ACCEPTED_DRAFT_TOKENS = Counter("card_target_spec_decode_accepted_tokens_total",

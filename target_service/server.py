@@ -31,10 +31,11 @@ from card.common.serving import (
     start_metrics_server,
 )
 from card.common.tls import PLAINTEXT, TlsConfig
-from card.engine.loading.models import load_model
+from card.engine.loading.models import LoadedModel, load_model
 from card.engine.shared.errors import Unavailable
 from card.engine.shared.kv_pool import KVPool
 from card.engine.shared.static_step import STEP_MODES
+from card.engine.shared.torch_threads import on_passing_thread
 from card.engine.target.drafting_policy import SPECULATION_MODES
 from card.engine.target.scheduler import TargetEngine
 from card.target_service.config import TargetConfig
@@ -78,6 +79,22 @@ def warn_if_open(config: TargetConfig) -> None:
                         "in clear (%s)", what, host, flag)
 
 
+def load_engine(config: TargetConfig) -> tuple[LoadedModel, TargetEngine]:
+    """The target model and the engine over its KV cache (on the thread whose torch threads the
+    probes of an exact forward check)."""
+    log.info("loading target model %s", config.model.label)
+    model = load_model(config.model)
+    log.info("loaded %s (tokenizer %s, context window %d, exact forward %s)", model.name, model.fingerprint,
+             model.context_window, "on" if model.exact else "off: outputs may change with the load")
+    slots, max_len = config.kv_shape(model.context_window, KVPool.bytes_per_token(model.model))
+    pool = KVPool(model.model, slots, max_len)
+    log.info("KV cache: %d slots x %d tokens (%.2f GB)", slots, max_len, pool.nbytes / 2**30)
+    engine = TargetEngine(model.model, pool, config.max_batch_tokens, adaptive=config.adaptive_chains,
+                          exact=model.exact, policy=drafting_policy(config.speculation),
+                          decode_step=config.decode_step)
+    return model, engine
+
+
 def serve(config: TargetConfig) -> None:
     # every streaming Generate holds a server thread, waiting ones too; health and Info need some
     server, port = create_server(f"{config.host}:{config.port}", max_workers=4 * config.max_batch_size + 16,
@@ -107,12 +124,10 @@ def serve(config: TargetConfig) -> None:
                  "TLS" if config.http_tls.serves else "plaintext")
         print(f"card-target http listening on {config.http_host}:{http.port}", flush=True)
     start_metrics_server(config.metrics_port, config.metrics_host)
-    if config.threads:
-        torch.set_num_threads(config.threads)
-    log.info("loading target model %s", config.model.label)
-    model = load_model(config.model)
-    log.info("loaded %s (tokenizer %s, context window %d, exact forward %s)", model.name, model.fingerprint,
-             model.context_window, "on" if model.exact else "off: outputs may change with the load")
+    threads = config.threads or torch.get_num_threads()  # the forwards' count; the main thread's default
+    # this long-lived thread never runs torch in parallel: an OpenMP pool of its own would slow
+    # the engine thread's forwards (card.engine.shared.torch_threads)
+    model, engine = on_passing_thread(lambda: load_engine(config), threads, name="load-target")
     if config.cache_addr:
         try:
             wait_serving(config.cache_addr, timeout_s=5.0, tls=config.tls)
@@ -120,16 +135,11 @@ def serve(config: TargetConfig) -> None:
             log.warning("%s; serving plain decoding until it answers", exc)
     else:
         log.warning("no cache service configured (--cache / CARD_TARGET_CACHE_ADDR): plain decoding only")
-    slots, max_len = config.kv_shape(model.context_window, KVPool.bytes_per_token(model.model))
-    pool = KVPool(model.model, slots, max_len)
-    log.info("KV cache: %d slots x %d tokens (%.2f GB)", slots, max_len, pool.nbytes / 2**30)
-    engine = TargetEngine(model.model, pool, config.max_batch_tokens, adaptive=config.adaptive_chains,
-                          exact=model.exact, policy=drafting_policy(config.speculation),
-                          decode_step=config.decode_step)
+
     def engine_died(exc: BaseException) -> None:
         set_serving(health, False, [SERVICE_NAME])
 
-    loop = EngineLoop(engine, threads=config.threads, max_waiting=config.max_waiting, on_death=engine_died)
+    loop = EngineLoop(engine, threads=threads, max_waiting=config.max_waiting, on_death=engine_died)
     loop.start()
     front.ready(model, loop)
     set_serving(health, True, [SERVICE_NAME])

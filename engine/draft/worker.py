@@ -43,6 +43,7 @@ from card.engine.shared.errors import CardError, InvalidArgument, ResourceExhaus
 from card.engine.shared.hf import CausalLM
 from card.engine.shared.kv_pool import KVPool
 from card.engine.shared.ngram_stats import NgramTable
+from card.engine.shared.torch_threads import name_os_thread
 from card.engine.shared.tree import Advance, Layer
 
 log = logging.getLogger(__name__)
@@ -229,6 +230,7 @@ class DraftWorker:
             s.drafter.release()
 
     def _run(self) -> None:
+        name_os_thread(f"draft-{self.name}")  # its OpenMP workers, started by it, take the name too
         if self.threads:
             torch.set_num_threads(self.threads)
         while self._running:
