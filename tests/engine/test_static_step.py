@@ -243,3 +243,27 @@ def test_engine_on_the_triton_attention_batched_equals_alone(dtype: torch.dtype)
     engine.static = step
     batched = run_batched(engine, [_gen(model, r) for r in requests], join_every=2)
     assert [batched[i] for i in range(len(requests))] == alone
+
+
+@pytest.mark.parametrize("attention", ["blocks", "triton"])
+def test_static_step_computes_what_the_eager_forward_does(attention: str) -> None:
+    """Same model, same history: the static step's logits are the eager forward's within rounding
+    (a step that replayed stale buffers or attended the wrong rows would be far off)."""
+    from card.engine.shared.kv_pool import Segment, forward
+
+    model = _model(torch.float32)
+    step = _step(model, rows=16)
+    step.batch.kernel = None
+    if attention == "triton":
+        from card.engine.shared.triton_attention import decode_attention
+
+        step.batch.kernel = decode_attention
+    prompt, chain = _tokens(90, 8), _tokens(5, 9)
+    for slot in (0, 1):  # the same prompt in two slots: one continues eagerly, one statically
+        forward(model, step.pool, [Segment(slot, 0, len(prompt))], torch.tensor(prompt),
+                torch.empty(0, dtype=torch.long))
+    eager = forward(model, step.pool, [Segment(0, 90, len(chain), exact=True)], torch.tensor(chain),
+                    torch.arange(len(chain)))
+    static = step.run([DecodeRows(1, 90, chain)]).logits
+    torch.testing.assert_close(static, eager, atol=1e-4, rtol=1e-4)
+    assert not torch.allclose(static[1:], eager[:-1], atol=1e-2)  # the rows are really compared

@@ -23,8 +23,8 @@ from card.engine.inprocess.runner import InProcessRunner, RunnerConfig
 from card.engine.loading.invariant import make_exact
 from card.engine.loading.models import LoadedModel
 from card.engine.shared.config import GenerationRequest, Mode, SamplingParams, StopParams, TreeParams
-from card.engine.shared.kv_pool import KVPool
-from card.engine.shared.static_step import StaticStep
+from card.engine.shared.kv_pool import KVPool, Segment, forward
+from card.engine.shared.static_step import DecodeRows, StaticStep
 from card.engine.target.chain_source import NoDraft
 from card.engine.target.generation import Generation
 from card.engine.target.scheduler import TargetEngine, finish_alone
@@ -111,6 +111,15 @@ def test_static_step_probe_passes_on_the_device(target) -> None:
     bits on the device (card.engine.shared.static_step.StaticStep.probe), captured or compiled."""
     step = StaticStep(target, KVPool(target, slots=4, max_len=512), 64, mode=STATIC)
     assert step.probe() is None
+    # and it computes what the eager forward does (a replay of stale buffers would be far off)
+    gen = torch.Generator().manual_seed(4)
+    prompt = torch.randint(0, _vocab(target), (90,), generator=gen)
+    chain = torch.randint(0, _vocab(target), (5,), generator=gen)
+    for slot in (0, 1):
+        forward(target, step.pool, [Segment(slot, 0, 90)], prompt, torch.empty(0, dtype=torch.long))
+    eager = forward(target, step.pool, [Segment(0, 90, 5, exact=True)], chain, torch.arange(5))
+    static = step.run([DecodeRows(1, 90, chain.tolist())]).logits
+    assert (static.float() - eager.float()).abs().max() < 0.1 * eager.float().abs().max()
 
 
 @pytest.mark.parametrize("decode_step", ["eager", STATIC])
