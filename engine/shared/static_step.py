@@ -286,7 +286,8 @@ class StaticStep:
         rows = sum(len(s.tokens) for s in sessions)
         bucket = max(row_bucket(rows, self.buckets), bucket or 1)
         furthest = max(s.start + len(s.tokens) - 1 for s in sessions)
-        blocks = span_blocks(furthest, self.max_blocks)
+        # the Triton kernel walks each row's own blocks: one shape (one graph) per bucket
+        blocks = span_blocks(furthest, self.max_blocks) if self.attention == "blocks" else 1
         for s in sessions:  # key rows the span reads must be finite (card.engine.shared.kv_pool)
             end = s.start + len(s.tokens)
             self.pool.ready(s.slot, end, min(blocks * KV_BLOCK, self.pool.keys[0].shape[2]))
@@ -331,7 +332,8 @@ class StaticStep:
         """Run (compile or capture) every (bucket, span) shape up to ``max_position`` (None: the
         pool's rows) on the scratch slot; returns how many shapes."""
         last = (self.pool.keys[0].shape[2] - 1) if max_position is None else max_position
-        spans = sorted({span_blocks(p, self.max_blocks) for p in range(0, last + 1, KV_BLOCK)})
+        spans = (sorted({span_blocks(p, self.max_blocks) for p in range(0, last + 1, KV_BLOCK)})
+                 if self.attention == "blocks" else [1])  # the Triton kernel: one shape per bucket
         for blocks in spans:
             for bucket in self.buckets:
                 self._run_scratch(bucket, blocks)

@@ -267,3 +267,13 @@ def test_static_step_computes_what_the_eager_forward_does(attention: str) -> Non
     static = step.run([DecodeRows(1, 90, chain)]).logits
     torch.testing.assert_close(static, eager, atol=1e-4, rtol=1e-4)
     assert not torch.allclose(static[1:], eager[:-1], atol=1e-2)  # the rows are really compared
+
+
+def test_warm_runs_every_reachable_shape_on_the_scratch_slot() -> None:
+    """``warm`` runs each (bucket, span) a configuration reaches, ghosts only: sessions untouched."""
+    step = _step(_model(torch.float32), rows=8)
+    before = [k[:step.pool.slots].clone() for k in step.pool.keys]
+    assert step.warm(max_position=200) == len(step.buckets) * 3  # spans of 1, 2 and 4 blocks
+    assert all(torch.equal(k[:step.pool.slots], b) for k, b in zip(step.pool.keys, before, strict=True))
+    step.attention = "triton"  # one shape per bucket: the kernel walks each row's own blocks
+    assert step.warm(max_position=200) == len(step.buckets)
