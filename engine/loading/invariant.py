@@ -42,16 +42,24 @@ PROBE_ROWS = (1, 2, 3, 9, 40)
 
 class FixedTiles(torch.nn.Module):
     """``inner`` applied to rows in tiles of exactly ``tile`` rows (the last one zero-padded):
-    every call of ``inner`` has one shape, so a row's result cannot depend on how many rows came."""
+    every call of ``inner`` has one shape, so a row's result cannot depend on how many rows came.
 
-    def __init__(self, inner: torch.nn.Module, tile: int = TILE_ROWS) -> None:
+    ``direct``: row counts ``inner`` takes in one call instead, because a probe on this device
+    showed each row's result at those counts (and at ``tile``, which the tiles use) bitwise equal
+    to the row alone: the static step's buckets, one launch per linear (``probe_direct``)."""
+
+    def __init__(self, inner: torch.nn.Module, tile: int = TILE_ROWS,
+                 direct: frozenset[int] = frozenset()) -> None:
         super().__init__()
         self.inner = inner
         self.tile = tile
+        self.direct = direct
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., width] -> [..., out]
         rows = x.reshape(-1, x.shape[-1])
         n = rows.shape[0]
+        if n in self.direct:
+            return self.inner(x)
         padded = -(-n // self.tile) * self.tile
         if padded != n:
             rows = torch.cat([rows, rows.new_zeros(padded - n, rows.shape[1])])
@@ -73,13 +81,22 @@ def make_exact(model: torch.nn.Module, exact: bool = True, prepack: bool = True)
         return "oneDNN-packed linears" if packed else "vendor kernels"
     tiled: set[str] = set()
     tile = CPU_TILE_ROWS if device.type == "cpu" else TILE_ROWS
+    direct: set[str] = set()
+    if device.type == "cuda":  # split-K in reduced precision would make a row's sum depend on M
+        torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
+        torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = False
     for layers in _row_wise_layers(model).values():
         if device.type == "cuda" or not probe(layers[0]):
             tiled.add(type(layers[0]).__name__)
-            _wrap(model, {id(layer) for layer in layers}, tile)
+            rows = probe_direct(layers[0], tile) if device.type == "cuda" else frozenset()
+            if rows:
+                direct.add(type(layers[0]).__name__)
+            _wrap(model, {id(layer) for layer in layers}, tile, rows)
     how = "oneDNN-packed linears" if packed else "vendor row-wise kernels"
     if tiled:
         how += f"; fixed {tile}-row tiles for {', '.join(sorted(tiled))}"
+    if direct:
+        how += f" (one call at the static step's buckets for {', '.join(sorted(direct))}: probed)"
     log.info("exact forward on %s: %s", device, how)
     return how
 
@@ -110,6 +127,24 @@ def probe(layer: torch.nn.Module) -> bool:
     return True
 
 
+def probe_direct(layer: torch.nn.Module, tile: int) -> frozenset[int]:
+    """The static step's row buckets at which ``layer`` may run in one call: all of them, if every
+    row of a forward of each bucket's rows (and of ``tile`` rows, the tiles' one shape) is bitwise
+    the row alone; else none (the tiles stay)."""
+    from card.engine.shared.static_step import ROW_BUCKETS
+
+    param = next(layer.parameters())
+    gen = torch.Generator().manual_seed(1)
+    rows = max(*ROW_BUCKETS, tile)
+    x = torch.randn(1, rows, _width(layer), generator=gen).to(param.device, param.dtype)
+    with torch.inference_mode():
+        alone = torch.cat([layer(x[:, i:i + 1]) for i in range(rows)], dim=1)
+        for m in sorted({*ROW_BUCKETS, tile}):
+            if not torch.equal(layer(x[:, :m]), alone[:, :m]):
+                return frozenset()
+    return frozenset(ROW_BUCKETS) | {tile}
+
+
 def _row_wise_layers(model: torch.nn.Module) -> dict[tuple, list[torch.nn.Module]]:
     """The row-wise layers (linears, packed or not, and RMSNorms) grouped by kind and shape: a
     kernel's path depends on the shape, so each group is probed on its own."""
@@ -122,13 +157,13 @@ def _row_wise_layers(model: torch.nn.Module) -> dict[tuple, list[torch.nn.Module
     return groups
 
 
-def _wrap(model: torch.nn.Module, chosen: set[int], tile: int) -> None:
+def _wrap(model: torch.nn.Module, chosen: set[int], tile: int, direct: frozenset[int] = frozenset()) -> None:
     for parent in list(model.modules()):
         if isinstance(parent, FixedTiles):
             continue
         for name, child in list(parent.named_children()):
             if id(child) in chosen:
-                setattr(parent, name, FixedTiles(child, tile))
+                setattr(parent, name, FixedTiles(child, tile, direct))
 
 
 def _width(layer: CausalLM) -> int:  # a Linear, or a layer with ``weight`` [.., in]

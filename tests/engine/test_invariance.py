@@ -16,7 +16,7 @@ import torch
 
 from card.engine.inprocess.runner import InProcessRunner, RunnerConfig
 from card.engine.loading.cpu_linear import PackedLinear, can_pack
-from card.engine.loading.invariant import FixedTiles, make_exact, probe
+from card.engine.loading.invariant import FixedTiles, make_exact, probe, probe_direct
 from card.engine.loading.models import LoadedModel, ModelConfig, load_model
 from card.engine.shared.config import GenerationRequest, Mode, SamplingParams, StopParams, TreeParams
 from card.engine.shared.exact_attention import (
@@ -344,3 +344,33 @@ def test_smollm2_bfloat16_eight_in_flight_differ_on_the_vendor_kernels(smollm2_g
     this project's CPU VM), so there is no control to run."""
     vendor_vanilla, vendor_card = _smollm2_in_flight(smollm2_gguf, exact=False)
     assert vendor_vanilla < 8 or vendor_card < 8
+
+
+class _RowCountLeaks(torch.nn.Module):
+    """A row-wise layer whose result depends on how many rows came (negative control)."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(width))
+        self.calls: list[int] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls.append(x.reshape(-1, x.shape[-1]).shape[0])
+        return x * self.weight + 1e-3 * x.reshape(-1, x.shape[-1]).shape[0]
+
+
+def test_direct_calls_at_the_buckets_only_where_probed_invariant() -> None:
+    """probe_direct lets a row-wise layer take the static step's buckets in one call only if each
+    row is then the row alone (an RMSNorm here is; a layer that leaks the row count is not), and
+    FixedTiles then calls it directly at those counts, in tiles otherwise."""
+    norm = tiny_model("qwen2", dtype=torch.float32).model.norm
+    rows = probe_direct(norm, 64)
+    assert {1, 2, 4, 8, 64, 256} <= rows
+    leaky = _RowCountLeaks(32)
+    assert probe_direct(leaky, 64) == frozenset()
+    tiles = FixedTiles(leaky, 64, frozenset({1, 2, 4, 8, 64}))
+    x = torch.randn(1, 8, 32)
+    leaky.calls.clear()
+    tiles(x)
+    tiles(x[:, :3])
+    assert leaky.calls == [8, 64]  # a bucket in one call; 3 rows padded to a tile
