@@ -420,6 +420,10 @@ def static_step_for(model: CausalLM, pool: Any, mode: str, check: bool = True) -
         mode = "graphs" if pool.device.type == "cuda" else "eager"
     if mode == "eager":
         return None
+    if pool.slots > ROW_BUCKETS[-1]:  # one row each would overflow the largest bucket
+        log.warning("decode step: eager; %d KV slots exceed the static step's %d rows", pool.slots,
+                    ROW_BUCKETS[-1])
+        return None
     step = StaticStep(model, pool, min(ROW_BUCKETS[-1], pool.slots * ROWS_PER_SLOT), mode)
     if not check:
         return step
