@@ -7,10 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from card.engine.inprocess.runner import InProcessRunner, RunnerConfig
 from card.engine.loading.invariant import make_exact
-from card.engine.loading.models import LoadedModel
-from card.engine.shared.config import GenerationRequest, Mode, SamplingParams, StopParams, TreeParams
+from card.engine.shared.config import GenerationRequest, SamplingParams, StopParams, TreeParams
 from card.engine.shared.kv_pool import KVPool
 from card.engine.shared.static_step import (
     DecodeRows,
@@ -22,15 +20,8 @@ from card.engine.shared.static_step import (
 )
 from card.engine.target.chain_source import NoDraft
 from card.engine.target.generation import Generation
-from card.engine.target.scheduler import TargetEngine, finish_alone
-from tests.engine.support import (
-    LetterTokenizer,
-    draft_model,
-    letters,
-    prompt_cases,
-    run_batched,
-    target_model,
-)
+from card.engine.target.scheduler import TargetEngine, finish_alone, run_alone
+from tests.engine.support import card_source, letters, prompt_cases, run_batched, target_model
 from tests.tiny_models import tiny_model
 
 DTYPES = [torch.float32, torch.bfloat16]
@@ -163,26 +154,24 @@ def test_engine_on_the_static_step_batched_equals_alone(dtype: torch.dtype, samp
 
 @pytest.mark.parametrize("sampled", [False, True])
 def test_card_on_the_static_step_equals_vanilla(sampled: bool) -> None:
+    """card through the static step equals plain decoding through it, greedy and seeded; the draft
+    is the target itself in lockstep (its chains are ready at every step, whatever the machine's
+    load), so chains are verified and kept."""
     model = target_model("qwen2", sharp=sampled)
-    target = LoadedModel("tiny", model, LetterTokenizer(), "fp", frozenset(), 512)
-    # the draft: the target's weights, so a chain that arrives in time is kept (whatever rides the step)
-    draft = LoadedModel("draft", draft_model("qwen2", "self", sharp=sampled), LetterTokenizer(), "fp",
-                        frozenset(), 512)
-    cases = prompt_cases(4, seed=2, max_prompt=80, max_new=30)
-    requests = [GenerationRequest(tuple(p), SamplingParams(0.8, seed=i) if sampled else SamplingParams(),
-                                  StopParams(max_new_tokens=b, ignore_eos=True))
-                for i, (p, b) in enumerate(cases)]
-    vanilla = InProcessRunner(target, None, RunnerConfig(mode=Mode.VANILLA, decode_step="static"))
-    want = [vanilla.run(r).token_ids for r in requests]
-    card = RunnerConfig(mode=Mode.CARD, tree=TreeParams(width=2, max_depth=4), backoff=False,
-                        decode_step="static")
-    runner = InProcessRunner(target, draft, card)
-    try:
-        got = [runner.run(r) for r in requests]
-    finally:
-        runner.close()
-    assert [g.token_ids for g in got] == want
-    assert any(n > 1 for g in got for n in g.stats.accepted_lengths)  # drafted tokens were kept
+    sampling = SamplingParams(0.8, seed=3) if sampled else SamplingParams()
+    kept = 0
+    with card_source(model, TreeParams(width=2, max_depth=5, max_chain=4), lockstep_depth=3) as card:
+        for prompt, budget in prompt_cases(4, seed=2, max_prompt=80, max_new=30):
+            stop = StopParams(max_new_tokens=budget, ignore_eos=True)
+            request = GenerationRequest(tuple(prompt), sampling, stop)
+            want = finish_alone(model, _gen(model, request), decode_step="static")
+            gen = Generation(request, card, eos_ids=frozenset(), decode=letters, context_window=512,
+                             mode="card", vocab_size=model.config.vocab_size)
+            for _ in run_alone(model, gen, adaptive=False, decode_step="static"):
+                pass
+            assert gen.result is not None and gen.result.token_ids == want.token_ids, prompt
+            kept += sum(n - 1 for n in gen.result.stats.accepted_lengths)
+    assert kept > 0  # drafted tokens were kept: a wrong one would have been seen
 
 
 def test_decode_step_modes() -> None:
@@ -277,3 +266,20 @@ def test_warm_runs_every_reachable_shape_on_the_scratch_slot() -> None:
     assert all(torch.equal(k[:step.pool.slots], b) for k, b in zip(step.pool.keys, before, strict=True))
     step.attention = "triton"  # one shape per bucket: the kernel walks each row's own blocks
     assert step.warm(max_position=200) == len(step.buckets)
+
+
+def test_the_in_process_runner_takes_the_decode_step() -> None:
+    from card.engine.inprocess.runner import InProcessRunner, RunnerConfig
+    from card.engine.loading.models import LoadedModel
+    from card.engine.shared.config import Mode
+    from card.engine.shared.errors import InvalidArgument
+    from tests.engine.support import LetterTokenizer
+
+    with pytest.raises(InvalidArgument):
+        RunnerConfig(mode=Mode.VANILLA, decode_step="fast")
+    model = _model(torch.float32)
+    request = GenerationRequest((5, 6, 7), SamplingParams(), StopParams(max_new_tokens=12, ignore_eos=True))
+    runner = InProcessRunner(LoadedModel("tiny", model, LetterTokenizer(), "fp", frozenset(), 512), None,
+                             RunnerConfig(mode=Mode.VANILLA, decode_step="static"))
+    got = runner.run(request)
+    assert got.token_ids == finish_alone(model, _gen(model, request), decode_step="static").token_ids
