@@ -225,62 +225,57 @@ class TargetEngine:
             excess -= cut
 
     def _forward(self, plan: list[Planned]) -> tuple[torch.Tensor, float]:
-        """One flattened forward over every input: the logits of the rows that need them, in
-        plan order (``Planned.rows`` of each), and the model's seconds."""
+        """One forward over every input: the logits of the rows that need them, in plan order
+        (``Planned.rows`` of each), and the model's seconds. Decoding rows go through the static
+        step where the engine has one (each also gets its rows' argmax, ``Planned.picks``, read
+        from the device once for the whole step), everything else through the eager forward."""
+        for p in plan:
+            assert p.gen.slot is not None
+            if p.decoding:  # every row of [t_next, *chain] is judged
+                p.rows = len(p.tokens)
+            elif p.start + len(p.tokens) == len(p.gen.request.prompt_ids):  # the prompt's last chunk
+                p.rows = 1
+        t0 = time.perf_counter()
+        if self.static is None:
+            logits = self._eager(plan)
+        else:
+            parts = self._static(plan)
+            eager = [p for p in plan if not p.decoding]
+            if eager:
+                logits, first = self._eager(eager), 0
+                for p in eager:
+                    parts[id(p)], first = logits[first:first + p.rows], first + p.rows
+            kept = [parts[id(p)] for p in plan if p.rows]
+            logits = torch.cat(kept) if kept else torch.empty(0, 0)
+        seconds = time.perf_counter() - t0
+        self.cost.observe(sum(len(p.tokens) for p in plan), seconds)
+        self.forwards += 1
+        return logits, seconds
+
+    def _eager(self, plan: list[Planned]) -> torch.Tensor:
+        """The flattened eager forward over ``plan``'s inputs: [sum of rows, V]."""
         segments, rows, offset = [], [], 0
         for p in plan:
             assert p.gen.slot is not None
             segments.append(Segment(p.gen.slot, p.start, len(p.tokens), exact=self.exact and p.decoding))
-            if p.decoding:  # every row of [t_next, *chain] is judged
-                p.rows = len(p.tokens)
-                rows.append(torch.arange(offset, offset + p.rows))
-            elif p.start + len(p.tokens) == len(p.gen.request.prompt_ids):  # the prompt's last chunk
-                p.rows = 1
-                rows.append(torch.tensor([offset + len(p.tokens) - 1]))
+            rows.append(torch.arange(offset + len(p.tokens) - p.rows, offset + len(p.tokens)))
             offset += len(p.tokens)
         flat = torch.tensor([t for p in plan for t in p.tokens], dtype=torch.int64)  # [sum n_i]
-        t0 = time.perf_counter()
-        if self.static is None:
-            wanted = torch.cat(rows) if rows else torch.empty(0, dtype=torch.int64)
-            logits = forward(self.model, self.pool, segments, flat, wanted)  # [sum rows_i, V]
-        else:
-            logits = self._forward_static(plan)
-        seconds = time.perf_counter() - t0
-        self.cost.observe(flat.numel(), seconds)
-        self.forwards += 1
-        return logits, seconds
+        return forward(self.model, self.pool, segments, flat, torch.cat(rows))  # [sum rows_i, V]
 
-    def _forward_static(self, plan: list[Planned]) -> torch.Tensor:
-        """Decoding rows through the static step, prefill chunks through the eager forward; the
-        logits in plan order, as ``forward`` gives them. Each decoding generation also gets its
-        rows' argmax (``Planned.picks``), read from the device once for the whole step."""
+    def _static(self, plan: list[Planned]) -> dict[int, torch.Tensor]:
+        """The decoding rows of ``plan`` through the static step: each one's logits, by id."""
         assert self.static is not None
         steps = [p for p in plan if p.decoding]
-        chunks = [p for p in plan if not p.decoding]
         parts: dict[int, torch.Tensor] = {}
-        if steps:
-            out = self.static.run([DecodeRows(p.gen.slot or 0, p.start, p.tokens) for p in steps])
-            picks = out.picks.tolist()
-            first = 0
-            for p in steps:
-                parts[id(p)] = out.logits[first:first + p.rows]
-                p.picks = picks[first:first + p.rows]
-                first += p.rows
-        if chunks:
-            segments = [Segment(p.gen.slot or 0, p.start, len(p.tokens)) for p in chunks]
-            flat = torch.tensor([t for p in chunks for t in p.tokens], dtype=torch.int64)
-            rows, offset = [], 0
-            for p in chunks:
-                if p.rows:
-                    rows.append(offset + len(p.tokens) - 1)
-                offset += len(p.tokens)
-            logits = forward(self.model, self.pool, segments, flat, torch.tensor(rows, dtype=torch.int64))
-            first = 0
-            for p in chunks:
-                parts[id(p)] = logits[first:first + p.rows]
-                first += p.rows
-        return torch.cat([parts[id(p)] for p in plan if p.rows]) if any(p.rows for p in plan) else \
-            torch.empty(0, 0)
+        if not steps:
+            return parts
+        out = self.static.run([DecodeRows(p.gen.slot or 0, p.start, p.tokens) for p in steps])
+        picks, first = out.picks.tolist(), 0
+        for p in steps:
+            parts[id(p)], p.picks = out.logits[first:first + p.rows], picks[first:first + p.rows]
+            first += p.rows
+        return parts
 
     def _commit(self, plan: list[Planned], logits: torch.Tensor, events: list[Event]) -> None:
         """Each generation absorbs its rows' logits and streams what it committed; finished ones
