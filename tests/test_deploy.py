@@ -18,6 +18,7 @@ with ``# my-overlay/kustomization.yaml``) are rendered and checked like the ship
 from __future__ import annotations
 
 import copy
+import functools
 import importlib
 import os
 import re
@@ -41,9 +42,11 @@ ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"
 K8S = DEPLOY / "k8s"
 BASE = K8S / "base"
-OVERLAYS = {"cpu": K8S / "overlays" / "cpu", "gpu": K8S / "overlays" / "gpu"}
+OVERLAYS = {"cpu": K8S / "overlays" / "cpu", "gpu": K8S / "overlays" / "gpu",
+            "hardened": K8S / "overlays" / "hardened"}
 CACHE_GPU = K8S / "components" / "cache-gpu"
 TLS = K8S / "components" / "tls"
+HARDENED = K8S / "components" / "hardened"
 POOL_COMPONENT = K8S / "components" / "draft-pool-qwen-05b-int8"
 POOL_LABEL = "card.ai/pool"
 DOCS = ROOT / "docs" / "deploy.md"
@@ -247,6 +250,8 @@ VARIANTS: dict[str, Variant] = {
     "cpu+pool": Variant((OVERLAYS["cpu"],), (POOL_COMPONENT,)),
     "gpu+pool": Variant((OVERLAYS["gpu"],), (POOL_COMPONENT,)),
     "gpu+pool+tls": Variant((OVERLAYS["gpu"],), (POOL_COMPONENT, TLS)),
+    "hardened": Variant((OVERLAYS["hardened"],)),
+    "gpu+pool+tls+hardened": Variant((OVERLAYS["gpu"],), (POOL_COMPONENT, TLS, HARDENED)),
     **docs_overlays(),
 }
 
@@ -347,14 +352,15 @@ def test_every_yaml_file_parses_into_kubernetes_objects(path: Path) -> None:
 
 def test_kustomizations_reference_existing_files_and_nothing_is_orphaned() -> None:
     kustomizations = sorted(K8S.rglob("kustomization.yaml"))
-    assert {p.parent for p in kustomizations} >= {BASE, CACHE_GPU, TLS, POOL_COMPONENT, *OVERLAYS.values()}
+    assert {p.parent for p in kustomizations} >= {BASE, CACHE_GPU, TLS, HARDENED, POOL_COMPONENT,
+                                                  *OVERLAYS.values()}
     referenced: set[Path] = set()
     for kfile in kustomizations:
         kust = yaml.safe_load(kfile.read_text())
         expected_kind = "Component" if kfile.parent.parent.name == "components" else "Kustomization"
         assert kust["kind"] == expected_kind, kfile
         for ref in [*kust.get("resources", []), *kust.get("components", []),
-                    *(p["path"] for p in kust.get("patches", []))]:
+                    *(p["path"] for p in kust.get("patches", []) if "path" in p)]:
             path = (kfile.parent / ref).resolve()
             assert path.exists(), f"{kfile}: {ref} does not exist"
             if path.is_dir():
@@ -485,6 +491,29 @@ def test_tls_component_serves_the_targets_http_port_as_https_too() -> None:
     assert ports["grpc"]["appProtocol"] == "grpc"
 
 
+@pytest.mark.parametrize("name", ["hardened", "gpu+pool+tls+hardened"])
+def test_hardened_requires_every_secret_and_opens_no_internet(name: str, tmp_path: Path) -> None:
+    """components/hardened: every credential a service reads from a Secret is required (a missing
+    Secret stops the pod instead of letting it serve open), TLS is on, the Hub is out of reach and
+    said to be (HF_HUB_OFFLINE); the same manifests without it keep every Secret optional."""
+    rendered = render_variant(name, tmp_path)
+    plain = render_variant(name.replace("+hardened", "").replace("hardened", "cpu+tls"), tmp_path / "plain")
+    for variant_, required in ((rendered, True), (plain, False)):
+        refs = [(c.script, v["name"], v["valueFrom"]["secretKeyRef"]) for c in card_containers(variant_)
+                for v in c.container.get("env", []) if "secretKeyRef" in v.get("valueFrom", {})]
+        scripts = {s for s, _, _ in refs}
+        assert scripts == {"card-cache", "card-target", "card-draft"}, scripts
+        for script, var, ref in refs:
+            assert ref.get("optional", False) is (not required), (script, var, ref)
+    drafts = [c for c in card_containers(rendered) if c.script == "card-draft"]
+    assert len(drafts) == (2 if "pool" in name else 1)
+    for c in card_containers(rendered):
+        if c.script != "card-cache":
+            assert c.env.get("HF_HUB_OFFLINE") == "1", c.script
+        assert c.env.get(f"CARD_{c.script.removeprefix('card-').upper()}_TLS_CERT"), c.script
+    assert "card-model-download" not in {p["metadata"]["name"] for p in rendered.of_kind("NetworkPolicy")}
+
+
 def test_the_api_key_guards_every_port_the_targets_service_exposes(variant: tuple[str, Rendered]) -> None:
     """Users reach the target's Service on gRPC and HTTP; card-target checks --api-key on both, so
     the key (from its Secret) is all it takes, and the Service exposes nothing else (metrics and
@@ -499,36 +528,162 @@ def test_the_api_key_guards_every_port_the_targets_service_exposes(variant: tupl
     assert effective(command_for("card-target"), target.env, "--http-metrics").lower() in ("false", "0")
 
 
-def test_network_policies_let_only_targets_and_drafts_reach_the_cache(variant: tuple[str, Rendered]) -> None:
+# ---- network policy, evaluated ----------------------------------------------------------------
+NAMESPACE = "card"  # where the manifests are applied; a policy's bare podSelector means this one
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """A pod (or an address outside the cluster) as NetworkPolicy sees it."""
+
+    name: str
+    namespace: str
+    labels: tuple[tuple[str, str], ...] = ()
+    ports: tuple[tuple[str, int], ...] = ()  # (name, number) of its container ports
+    ip: str = "10.1.0.1"  # pod addresses sit in a private range (as a cluster's do)
+    in_cluster: bool = True
+
+    def port(self, port: str | int) -> int:
+        if isinstance(port, int):
+            return port
+        return dict(self.ports)[port]
+
+
+def _matches(selector: dict | None, labels: dict[str, str]) -> bool:
+    assert set(selector or {}) <= {"matchLabels"}, f"selector fields not evaluated here: {selector}"
+    return (selector or {}).get("matchLabels", {}).items() <= labels.items()
+
+
+def _peer_matches(peer: dict, who: Endpoint) -> bool:
+    if "ipBlock" in peer:
+        import ipaddress
+
+        block = peer["ipBlock"]
+        addr = ipaddress.ip_address(who.ip)
+        return (addr in ipaddress.ip_network(block["cidr"])
+                and not any(addr in ipaddress.ip_network(e) for e in block.get("except", [])))
+    if not who.in_cluster:
+        return False
+    ns_labels = {"kubernetes.io/metadata.name": who.namespace}
+    ns_ok = (_matches(peer["namespaceSelector"], ns_labels) if "namespaceSelector" in peer
+             else who.namespace == NAMESPACE)
+    return ns_ok and _matches(peer.get("podSelector"), dict(who.labels))
+
+
+def _port_matches(rule: dict, dst: Endpoint, port: int, protocol: str) -> bool:
+    if "ports" not in rule:
+        return True
+    for p in rule["ports"]:
+        if p.get("protocol", "TCP") != protocol:
+            continue
+        named = p["port"]
+        if isinstance(named, str):
+            if dict(dst.ports).get(named) == port:
+                return True
+        elif named == port:
+            return True
+    return False
+
+
+def policy_allows(policies: list[dict], src: Endpoint, dst: Endpoint, port: str | int,
+                  protocol: str = "TCP") -> bool:
+    """Whether a connection from ``src`` to ``dst``'s ``port`` is allowed: the egress policies that
+    select ``src`` and the ingress policies that select ``dst`` must each allow it (a pod no policy
+    of a direction selects is open in that direction), as the NetworkPolicy API defines."""
+    number = dst.port(port)
+
+    def side(direction: str, pod: Endpoint, peer: Endpoint) -> bool:
+        if not pod.in_cluster or pod.namespace != NAMESPACE:
+            return True  # outside the manifests: no policy of ours applies
+        chosen = [p for p in policies if direction in p["spec"]["policyTypes"]
+                  and _matches(p["spec"]["podSelector"], dict(pod.labels))]
+        if not chosen:
+            return True
+        key, peers = ("egress", "to") if direction == "Egress" else ("ingress", "from")
+        return any(_port_matches(rule, dst, number, protocol)
+                   and (peers not in rule or any(_peer_matches(x, peer) for x in rule[peers]))
+                   for p in chosen for rule in p["spec"].get(key, []))
+
+    return side("Egress", src, dst) and side("Ingress", dst, src)
+
+
+def pods_of(rendered: Rendered) -> dict[str, Endpoint]:
+    out = {}
+    for dep in rendered.of_kind("Deployment"):
+        template = dep["spec"]["template"]
+        ports = tuple((p["name"], p["containerPort"]) for c in template["spec"]["containers"]
+                      for p in c.get("ports", []) if "name" in p)
+        out[dep["metadata"]["name"]] = Endpoint(dep["metadata"]["name"], NAMESPACE,
+                                                tuple(template["metadata"]["labels"].items()), ports)
+    return out
+
+
+USER = Endpoint("user", "somewhere-else", (("app", "anything"),))
+PROMETHEUS = Endpoint("prometheus", "monitoring", (("app", "prometheus"),))
+NEIGHBOUR = Endpoint("neighbour", NAMESPACE, (("app", "neighbour"),))  # another app in the namespace
+KUBE_DNS = Endpoint("kube-dns", "kube-system", (("k8s-app", "kube-dns"),), (("dns", 53),))
+HUB = Endpoint("huggingface.co", "", ip="18.239.50.80", in_cluster=False)
+
+
+def test_network_policies_deny_by_default_and_allow_only_the_services_links(
+        variant: tuple[str, Rendered]) -> None:
+    """Evaluated as the NetworkPolicy API defines it: users reach only the target's two ports; the
+    cache's gRPC port only targets and drafts; Redis only the cache; a draft (which sees every prompt
+    and output) reaches the cache and DNS and nothing else; metrics only the monitoring namespace;
+    the internet only pods labelled as downloading a Hub model, never a pod through that rule."""
     _, rendered = variant
-    pods = {d["metadata"]["name"]: d["spec"]["template"] for d in rendered.of_kind("Deployment")}
-    policies = {p["metadata"]["name"]: p for p in rendered.of_kind("NetworkPolicy")}
-    assert set(policies) == {"card-cache", "card-redis", "card-draft"}
+    policies = rendered.of_kind("NetworkPolicy")
+    pods = pods_of(rendered)
+    target, cache, redis = pods["card-target"], pods["card-cache"], pods["card-redis"]
+    drafts = [p for p in pods.values() if dict(p.labels).get("app.kubernetes.io/component") == "draft"]
+    assert drafts
+    allowed = functools.partial(policy_allows, policies)
+    for pod in pods.values():  # every pod of ours is default-deny in both directions
+        chosen = [p for p in policies if _matches(p["spec"]["podSelector"], dict(pod.labels))]
+        assert {t for p in chosen for t in p["spec"]["policyTypes"]} == {"Ingress", "Egress"}, pod.name
+        assert allowed(pod, KUBE_DNS, 53, "UDP") and allowed(pod, KUBE_DNS, 53, "TCP"), pod.name
+        named = dict(pod.ports)
+        if "health" in named:  # probes come from the pod's node, which no policy can block
+            assert not allowed(NEIGHBOUR, pod, "health") and not allowed(USER, pod, "health"), pod.name
+        if "metrics" in named:
+            assert allowed(PROMETHEUS, pod, "metrics"), pod.name
+            assert not allowed(USER, pod, "metrics") and not allowed(NEIGHBOUR, pod, "metrics"), pod.name
+            assert allowed(PROMETHEUS, pod, "grpc") == (pod is target), pod.name  # the front door
+        downloads = any(p["metadata"]["name"] == "card-model-download" for p in policies)  # hardened: none
+        hub = dict(pod.labels).get("card.ai/model-source") == "hub" and downloads
+        assert allowed(pod, HUB, 443) == hub, pod.name
+        for other in pods.values():  # the download rule opens the internet, not the cluster
+            for port_name, _ in other.ports:
+                ok = ((pod is target and other is cache and port_name == "grpc")
+                      or (pod in drafts and other is cache and port_name == "grpc")
+                      or (pod is cache and other is redis and port_name == "redis"))
+                assert allowed(pod, other, port_name) == ok, (pod.name, other.name, port_name)
+    for port_name in ("grpc", "http"):
+        assert allowed(USER, target, port_name) and allowed(NEIGHBOUR, target, port_name)
+    for pod in (cache, redis, *drafts):
+        for port_name, _ in pod.ports:
+            assert not allowed(USER, pod, port_name), (pod.name, port_name)
+    assert any(dict(p.labels).get("card.ai/model-source") == "hub" for p in pods.values()) == (
+        any(c.env.get("CARD_TARGET_MODEL", c.env.get("CARD_DRAFT_MODEL", "default")) != "default"
+            for c in card_containers(rendered) if c.script != "card-cache")), (
+        "a pod whose model is a Hub id carries card.ai/model-source=hub (and only such a pod)")
 
-    def selected(selector: dict) -> set[str]:
-        want = selector["matchLabels"].items()
-        return {n for n, t in pods.items() if want <= t["metadata"]["labels"].items()}
 
-    drafts = {c.deployment["metadata"]["name"] for c in card_containers(rendered) if c.script == "card-draft"}
-    for name, policy in policies.items():
-        chosen = selected(policy["spec"]["podSelector"])
-        # the drafts' policy covers every pool's pods; the others, their one Deployment
-        assert chosen == (drafts if name == "card-draft" else {name}), (name, chosen)
-        assert policy["spec"]["policyTypes"] == ["Ingress"]
-        for pod in chosen:
-            named = {p["name"] for c in pods[pod]["spec"]["containers"] for p in c.get("ports", [])}
-            for rule in policy["spec"]["ingress"]:
-                assert {p["port"] for p in rule["ports"]} <= named, f"{name}: a port {pod} does not have"
-    sources = {(tuple(sorted(p["port"] for p in r["ports"])),
-                frozenset(n for f in r.get("from", [{"podSelector": {"matchLabels": {}}}])
-                          for n in selected(f["podSelector"])))
-               for r in policies["card-cache"]["spec"]["ingress"]}
-    assert (("grpc",), frozenset({"card-target", *drafts})) in sources
-    assert all("grpc" not in ports or who == {"card-target", *drafts} for ports, who in sources)
-    (redis_rule,) = policies["card-redis"]["spec"]["ingress"]
-    assert {n for f in redis_rule["from"] for n in selected(f["podSelector"])} == {"card-cache"}
-    assert all("from" not in r and {p["port"] for p in r["ports"]} == {"metrics", "health"}
-               for r in policies["card-draft"]["spec"]["ingress"])
+def test_the_policy_evaluator_sees_an_open_door() -> None:
+    """Negative control: a policy that lets the namespace reach the cache, or a draft reach
+    anything, is caught by the same evaluation."""
+    rendered = render(OVERLAYS["cpu"])
+    pods = pods_of(rendered)
+    policies = rendered.of_kind("NetworkPolicy")
+    assert not policy_allows(policies, NEIGHBOUR, pods["card-cache"], "grpc")
+    assert not policy_allows(policies, pods["card-draft"], HUB, 443)
+    leaky = copy.deepcopy(policies)
+    cache_policy = next(p for p in leaky if p["metadata"]["name"] == "card-cache")
+    cache_policy["spec"]["ingress"].append({"ports": [{"port": "grpc"}]})
+    draft_policy = next(p for p in leaky if p["metadata"]["name"] == "card-draft")
+    draft_policy["spec"]["egress"].append({"to": [{"ipBlock": {"cidr": "0.0.0.0/0"}}]})
+    assert policy_allows(leaky, NEIGHBOUR, pods["card-cache"], "grpc")
+    assert policy_allows(leaky, pods["card-draft"], HUB, 443)
 
 
 def test_metrics_port_matches_container_port_and_scrape_annotations(variant: tuple[str, Rendered]) -> None:
@@ -601,6 +756,7 @@ def test_resources_grace_periods_and_security(variant: tuple[str, Rendered]) -> 
         name = dep["metadata"]["name"]
         assert spec.get("terminationGracePeriodSeconds", 0) >= 10, f"{name}: grace period"
         assert spec["securityContext"]["runAsNonRoot"] is True, name
+        assert spec.get("automountServiceAccountToken") is False, f"{name}: no pod calls the Kubernetes API"
         for container in spec["containers"]:
             res = container["resources"]
             for section in ("requests", "limits"):
