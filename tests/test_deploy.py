@@ -47,12 +47,15 @@ OVERLAYS = {"cpu": K8S / "overlays" / "cpu", "gpu": K8S / "overlays" / "gpu",
 CACHE_GPU = K8S / "components" / "cache-gpu"
 TLS = K8S / "components" / "tls"
 HARDENED = K8S / "components" / "hardened"
+PODMONITOR = K8S / "components" / "podmonitor"
+KEDA = K8S / "components" / "autoscale-keda"
 POOL_COMPONENT = K8S / "components" / "draft-pool-qwen-05b-int8"
 POOL_LABEL = "card.ai/pool"
 DOCS = ROOT / "docs" / "deploy.md"
 IMAGE = "card-serving"
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
 SCRIPTS: dict[str, str] = PYPROJECT["project"]["scripts"]
+VERSION: str = PYPROJECT["project"]["version"]
 SERVICE_SCRIPTS = ("card-cache", "card-target", "card-draft")
 # Read by the engine itself (engine/loading/embedded.py), not by a click option; the image sets them.
 ENGINE_ENVVARS = frozenset({"CARD_MODELS_DIR", "CARD_DEFAULT_MODEL_FIND_LINKS"})
@@ -252,6 +255,7 @@ VARIANTS: dict[str, Variant] = {
     "gpu+pool+tls": Variant((OVERLAYS["gpu"],), (POOL_COMPONENT, TLS)),
     "hardened": Variant((OVERLAYS["hardened"],)),
     "gpu+pool+tls+hardened": Variant((OVERLAYS["gpu"],), (POOL_COMPONENT, TLS, HARDENED)),
+    "cpu+pool+podmonitor+keda": Variant((OVERLAYS["cpu"],), (POOL_COMPONENT, PODMONITOR, KEDA)),
     **docs_overlays(),
 }
 
@@ -352,8 +356,8 @@ def test_every_yaml_file_parses_into_kubernetes_objects(path: Path) -> None:
 
 def test_kustomizations_reference_existing_files_and_nothing_is_orphaned() -> None:
     kustomizations = sorted(K8S.rglob("kustomization.yaml"))
-    assert {p.parent for p in kustomizations} >= {BASE, CACHE_GPU, TLS, HARDENED, POOL_COMPONENT,
-                                                  *OVERLAYS.values()}
+    assert {p.parent for p in kustomizations} >= {BASE, CACHE_GPU, TLS, HARDENED, PODMONITOR, KEDA,
+                                                  POOL_COMPONENT, *OVERLAYS.values()}
     referenced: set[Path] = set()
     for kfile in kustomizations:
         kust = yaml.safe_load(kfile.read_text())
@@ -499,8 +503,10 @@ def test_hardened_requires_every_secret_and_opens_no_internet(name: str, tmp_pat
     rendered = render_variant(name, tmp_path)
     plain = render_variant(name.replace("+hardened", "").replace("hardened", "cpu+tls"), tmp_path / "plain")
     for variant_, required in ((rendered, True), (plain, False)):
+        # the Hub token is for downloads, which the hardened overlay does not make
         refs = [(c.script, v["name"], v["valueFrom"]["secretKeyRef"]) for c in card_containers(variant_)
-                for v in c.container.get("env", []) if "secretKeyRef" in v.get("valueFrom", {})]
+                for v in c.container.get("env", []) if "secretKeyRef" in v.get("valueFrom", {})
+                and v["name"] != "HF_TOKEN"]
         scripts = {s for s, _, _ in refs}
         assert scripts == {"card-cache", "card-target", "card-draft"}, scripts
         for script, var, ref in refs:
@@ -512,6 +518,79 @@ def test_hardened_requires_every_secret_and_opens_no_internet(name: str, tmp_pat
             assert c.env.get("HF_HUB_OFFLINE") == "1", c.script
         assert c.env.get(f"CARD_{c.script.removeprefix('card-').upper()}_TLS_CERT"), c.script
     assert "card-model-download" not in {p["metadata"]["name"] for p in rendered.of_kind("NetworkPolicy")}
+
+
+def _selects(selector: dict, dep: dict) -> bool:
+    return selector["matchLabels"].items() <= dep["spec"]["template"]["metadata"]["labels"].items()
+
+
+def test_disruption_budgets_keep_a_worker_per_pool_and_the_cache_in_place(
+        variant: tuple[str, Rendered]) -> None:
+    """A node drain takes one worker of each pool at a time (each drains itself), never the cache
+    without an operator, one target at a time; every budget selects pods that exist."""
+    _, rendered = variant
+    budgets = rendered.of_kind("PodDisruptionBudget")
+    deployments = rendered.of_kind("Deployment")
+    for pdb in budgets:
+        assert any(_selects(pdb["spec"]["selector"], d) for d in deployments), pdb["metadata"]["name"]
+    for dep in deployments:
+        name = dep["metadata"]["name"]
+        mine = [p for p in budgets if _selects(p["spec"]["selector"], dep)]
+        if name == "card-redis":
+            assert not mine
+            continue
+        assert len(mine) == 1, f"{name}: {len(mine)} budgets"
+        want = 0 if name == "card-cache" else 1
+        assert mine[0]["spec"] == {**mine[0]["spec"], "maxUnavailable": want}, name
+        # a pool's budget selects that pool alone (a drain of one pool never counts another's pods)
+        others = [d for d in deployments if d is not dep and _selects(mine[0]["spec"]["selector"], d)]
+        assert not others, f"{name}'s budget also selects {[d['metadata']['name'] for d in others]}"
+
+
+def test_the_target_keeps_serving_while_endpoints_forget_it(variant: tuple[str, Rendered]) -> None:
+    """preStop pauses before SIGTERM (endpoint propagation), and the pause plus the target's own
+    shutdown grace fit in the pod's grace period, so the kubelet never kills a finishing target."""
+    _, rendered = variant
+    target = next(c for c in card_containers(rendered) if c.script == "card-target")
+    command = target.container["lifecycle"]["preStop"]["exec"]["command"]
+    assert command[0] == "sleep" and len(command) == 2
+    pause = int(command[1])
+    grace = float(effective(command_for("card-target"), target.env, "--shutdown-grace-s"))
+    assert pause >= 5 and pause + grace < target.pod["spec"]["terminationGracePeriodSeconds"]
+
+
+def _exported_metrics() -> set[str]:
+    """Every sample name the three services can export (their metric modules' collectors)."""
+    from prometheus_client import REGISTRY
+
+    for module in ("card.cache_service.metrics", "card.target_service.metrics", "card.draft_service.metrics"):
+        importlib.import_module(module)
+    names: set[str] = set()
+    for collector in list(REGISTRY._collector_to_names):  # the registry's one index of names
+        names |= set(REGISTRY._collector_to_names[collector])
+    return names
+
+
+def test_monitoring_components_name_what_the_services_export(tmp_path: Path) -> None:
+    """components/podmonitor scrapes the `metrics` port every card pod has; every metric
+    components/autoscale-keda's queries read is one a service exports, and each ScaledObject scales
+    a Deployment that exists (a renamed metric or Deployment fails here, not silently in KEDA)."""
+    rendered = render_variant("cpu+pool+podmonitor+keda", tmp_path)
+    (monitor,) = rendered.of_kind("PodMonitor")
+    ports = {p["port"] for p in monitor["spec"]["podMetricsEndpoints"]}
+    for c in card_containers(rendered):
+        assert _selects(monitor["spec"]["selector"], c.deployment)
+        assert all(c.port(p) for p in ports), c.script
+    exported = _exported_metrics()
+    scaled = rendered.of_kind("ScaledObject")
+    assert {s["spec"]["scaleTargetRef"]["name"] for s in scaled} == {"card-target", "card-draft"}
+    names = {d["metadata"]["name"] for d in rendered.of_kind("Deployment")}
+    for obj in scaled:
+        assert obj["spec"]["scaleTargetRef"]["name"] in names
+        for trigger in obj["spec"]["triggers"]:
+            used = set(re.findall(r"\b(card_[a-z_]+)", trigger["metadata"]["query"]))
+            assert used and used <= exported, f"{obj['metadata']['name']}: {used - exported} not exported"
+    assert "card_nonexistent_metric" not in exported  # the check can fail
 
 
 def test_the_api_key_guards_every_port_the_targets_service_exposes(variant: tuple[str, Rendered]) -> None:
@@ -895,7 +974,8 @@ def test_pool_component_adds_a_cpu_pool_run_like_the_base_draft(overlay: str, tm
     rendered = render_variant(f"{overlay}+pool", tmp_path / "pool")
     key = lambda o: (o["kind"], o["metadata"]["name"])  # noqa: E731
     added = {key(o) for o in rendered.objects} - {key(o) for o in plain.objects}
-    assert added == {("Deployment", "card-draft-qwen-05b-int8")}
+    assert added == {("Deployment", "card-draft-qwen-05b-int8"),
+                     ("PodDisruptionBudget", "card-draft-qwen-05b-int8")}
     for obj in plain.objects:
         assert rendered.get(obj["kind"], obj["metadata"]["name"]) == obj, f"{key(obj)} changed"
     pools = drafts_of(rendered)
@@ -916,7 +996,7 @@ def test_pool_component_adds_a_cpu_pool_run_like_the_base_draft(overlay: str, tm
     assert "nvidia.com/gpu" not in new.container["resources"]["limits"]
     assert "nodeSelector" not in new.pod["spec"]
     # added after the overlay's image transform: it names its tag itself (never :latest)
-    assert new.container["image"] == f"{IMAGE}:cpu"
+    assert new.container["image"] == f"{IMAGE}:{VERSION}-cpu"
     # another model, or the same one run otherwise (overlays/gpu: Qwen2.5-0.5B in bfloat16 on GPU)
     run = lambda c: [effective(card_draft, c.env, f) for f in ("--model", "--quantize", "--device")]  # noqa: E731
     assert run(new) != run(base)
@@ -964,7 +1044,7 @@ def test_cpu_overlay_runs_everything_on_cpu() -> None:
         assert device_of(rendered, script) == "cpu"
         assert gpus(rendered, script) == 0
     assert gpus(rendered, "card-draft") == 0
-    assert all(c.container["image"] == f"{IMAGE}:cpu" for c in card_containers(rendered))
+    assert all(c.container["image"] == f"{IMAGE}:{VERSION}-cpu" for c in card_containers(rendered))
     assert "nvidia.com" not in yaml.safe_dump(rendered.objects)
 
 
@@ -973,7 +1053,7 @@ def test_gpu_overlay_requests_gpus_and_selects_gpu_nodes(with_cache_gpu: bool) -
     rendered = render(OVERLAYS["gpu"], components=(CACHE_GPU,) if with_cache_gpu else ())
     on_gpu = ("card-target", "card-draft", *(("card-cache",) if with_cache_gpu else ()))
     for c in card_containers(rendered):
-        assert c.container["image"] == f"{IMAGE}:cuda"
+        assert c.container["image"] == f"{IMAGE}:{VERSION}-cuda"
         pod = c.pod["spec"]
         if c.script in on_gpu:
             assert gpus(rendered, c.script) == 1, c.script
