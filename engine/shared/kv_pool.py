@@ -88,7 +88,8 @@ class KVPool:
         layers = range(cfg.num_hidden_layers)
         # whole KV_BLOCKs per slot: exact attention reads a row's span, rounded up to a block
         # one slot more than sessions get: the scratch slot, where a static step's ghost rows write
-        # (card.engine.shared.static_step); zeroed, so whatever reads it reads finite values
+        # (card.engine.shared.static_step), zeroed by the step that uses it (zero_scratch); the
+        # budget (pool_shape) counts it
         shape = (slots + 1, kv_heads, span(max_len - 1), head_dim)
         # torch.empty on the CPU: pages become resident only when a session first writes them, so
         # a generous max_len costs address space, not memory. No query reads an unwritten row
@@ -97,16 +98,24 @@ class KVPool:
         alloc = torch.empty if param.device.type == "cpu" else torch.zeros
         self.keys = [alloc(shape, dtype=dtype, device=param.device) for _ in layers]
         self.values = [alloc(shape, dtype=dtype, device=param.device) for _ in layers]
-        for t in (*self.keys, *self.values):
-            t[slots].zero_()
         self.slots = slots
         self.scratch = slots
         self.max_len = max_len
         self.device = param.device
         heads = cfg.num_attention_heads
         self.batched_exact = batched_is_invariant(param.device, dtype, kv_heads, heads // kv_heads, head_dim)
+        self._scratch_zeroed = param.device.type != "cpu"  # torch.zeros above
         self._free = list(range(slots - 1, -1, -1))
         self._ready = [0] * slots  # per slot: rows below this hold finite values (KVPool.ready)
+
+    def zero_scratch(self) -> None:
+        """Zero the scratch slot (once): ghost rows read its keys and values under a mask, and a
+        masked NaN still poisons a softmax. Done by the static step that uses it, not at start-up:
+        on the CPU the pool is torch.empty, and an eager engine never makes these pages resident."""
+        if not self._scratch_zeroed:
+            for t in (*self.keys, *self.values):
+                t[self.scratch].zero_()
+            self._scratch_zeroed = True
 
     @staticmethod
     def bytes_per_token(model: CausalLM) -> int:
@@ -169,16 +178,19 @@ def pool_shape(max_slots: int, max_model_len: int | None, context_window: int, b
                kv_cache_gb: float | None, extra_rows: int = 0) -> tuple[int, int]:
     """(slots, tokens per slot): ``max_slots`` sequences of ``max_model_len`` tokens (None: the
     context window, at most DEFAULT_MAX_MODEL_LEN), fewer slots where ``kv_cache_gb`` (None = no
-    cap) holds fewer; each slot also holds ``extra_rows`` (a draft's tree)."""
+    cap) holds fewer, beside the pool's scratch slot; each slot also holds ``extra_rows`` (a
+    draft's tree)."""
     max_len = min(max_model_len or DEFAULT_MAX_MODEL_LEN, context_window)
     per_slot = bytes_per_token * (max_len + extra_rows)
     if kv_cache_gb is None:
         return max_slots, max_len
-    slots = min(int(kv_cache_gb * 2**30 // per_slot), max_slots)
+    # the pool holds one slot more than sequences get (KVPool's scratch slot, where a static
+    # step's padding rows write): the budget pays for it too, so the cache never outgrows it
+    slots = min(int(kv_cache_gb * 2**30 // per_slot) - 1, max_slots)
     if slots < 1:
         raise ResourceExhausted(
-            f"--kv-cache-gb {kv_cache_gb:g} holds no sequence of {max_len} tokens "
-            f"({per_slot / 2**30:.3f} GB each); raise it or lower --max-model-len")
+            f"--kv-cache-gb {kv_cache_gb:g} holds no sequence of {max_len} tokens beside the scratch "
+            f"slot ({per_slot / 2**30:.3f} GB each, two needed); raise it or lower --max-model-len")
     return slots, max_len
 
 

@@ -113,6 +113,7 @@ class StaticBatch:
         self.max_rows = max_rows
         self.tokens = torch.zeros(max_rows, dtype=torch.int64, device=dev)
         self.positions = torch.zeros(max_rows, dtype=torch.int64, device=dev)
+        pool.zero_scratch()
         self.slots = torch.full((max_rows,), pool.scratch, dtype=torch.int64, device=dev)
         # host staging: one copy per step; pinned where the device is a GPU (an async copy)
         pin = dev.type == "cuda"

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from card.engine.loading.invariant import make_exact
+from card.engine.shared import static_step
 from card.engine.shared.config import GenerationRequest, SamplingParams, StopParams, TreeParams
 from card.engine.shared.kv_pool import KVPool
 from card.engine.shared.static_step import (
@@ -192,8 +193,6 @@ def test_static_step_compiles_as_one_graph_per_shape() -> None:
     import torch._dynamo
     from torch._dynamo.utils import counters
 
-    from card.engine.shared import static_step
-
     torch._dynamo.reset()
     counters.clear()
     step = _step(_model(torch.float32, prepack=False), rows=16)
@@ -283,3 +282,30 @@ def test_the_in_process_runner_takes_the_decode_step() -> None:
                              RunnerConfig(mode=Mode.VANILLA, decode_step="static"))
     got = runner.run(request)
     assert got.token_ids == finish_alone(model, _gen(model, request), decode_step="static").token_ids
+
+
+def test_the_scratch_slot_is_zeroed_by_the_step_that_uses_it() -> None:
+    """On the CPU the pool is torch.empty and an eager engine never touches the scratch slot (no
+    resident pages); the static step zeroes it before its first ghost reads it, so every row of a
+    step is finite (a NaN anywhere in a captured step is a bug waiting for a kernel that mixes
+    rows). Negative control: over a NaN scratch slot that is not zeroed the ghosts' logits are NaN
+    (and the live rows' still equal, as the step never mixes rows)."""
+    model = _model(torch.float32)
+
+    def logits(zero: bool) -> torch.Tensor:
+        pool = KVPool(model, slots=2, max_len=300)
+        pool.ready(0, 0, pool.keys[0].shape[2])
+        for t in (*pool.keys, *pool.values):
+            t[pool.scratch].fill_(float("nan"))  # what torch.empty may hold
+        if not zero:
+            pool.zero_scratch = lambda: None  # type: ignore[method-assign]
+        step = StaticStep(model, pool, 8)
+        if zero:
+            assert all(bool((t[pool.scratch] == 0).all()) for t in (*pool.keys, *pool.values))
+        step.run([DecodeRows(0, 0, _tokens(3, 2))], bucket=4)
+        return static_step.decode_forward(model, step.batch)[0].clone()  # every row, ghosts too
+
+    zeroed, raw = logits(zero=True), logits(zero=False)
+    assert bool(torch.isfinite(zeroed).all())
+    assert not bool(torch.isfinite(raw[3]).any())  # the ghost row
+    assert torch.equal(zeroed[:3], raw[:3])
