@@ -9,7 +9,8 @@ real redis-server, card-target as a user starts it, real gRPC clients on loopbac
 - a slow Step holding one session's lock stalls neither OpenSession, Status nor the Steps of other
   sessions, and a CloseSession waiting for that lock holds no other lock meanwhile;
 - a draft that floods a session with full-size layers fills that tree to its bound, no further:
-  the excess is counted, and that session's Step and every other's stay fast.
+  the excess is counted, and that session's Step and every other's stay fast;
+- a cache that stops reading a draft's layers: the draft's queue of them stops at its bound.
 
 Every wait is bounded; each bound has its control (the same call within it goes through).
 """
@@ -30,7 +31,19 @@ from card.client.remote import build_request
 from card.common.channels import channel
 from card.common.convert import layer_to_msg
 from card.common.tensors import ids_from_msg
-from card.engine.shared.config import MAX_CHAIN, ChainPolicy, SamplingParams, StopParams
+from card.draft_service.config import DraftConfig
+from card.draft_service.link import MAX_QUEUED_LAYERS, CacheLink, _Connection
+from card.engine.draft.worker import DraftWorker
+from card.engine.loading.models import ModelConfig
+from card.engine.shared.config import (
+    MAX_CHAIN,
+    ChainPolicy,
+    DrafterKind,
+    NgramConfig,
+    SamplingParams,
+    StopParams,
+    TreeParams,
+)
 from card.engine.shared.tree import MAX_LAYER_NODES, MAX_TREE_NODES, NO_NODE, virtual_root_id
 from card.v1 import target_pb2, target_pb2_grpc
 from tests.engine.test_bounds import flat_layer
@@ -202,3 +215,28 @@ def test_generate_with_max_chain_a_million_is_refused_while_the_cache_answers(ta
         done.set()
         poller.join(TIMEOUT)
     assert max(status_s) < STATUS_BOUND_S, f"the cache's Status took up to {max(status_s):.2f}s"
+
+
+# ---- the draft worker's layer queue -----------------------------------------------------------------
+def test_a_cache_that_stops_reading_layers_never_grows_the_drafts_queue_past_its_bound() -> None:
+    """The layers waiting for the PublishLayers stream are at most MAX_QUEUED_LAYERS: past them a
+    layer is dropped and counted (its session goes on; the cache's tree only lacks it)."""
+    config = DraftConfig(cache_addr="127.0.0.1:1", model=ModelConfig("ngram"), name="stalled",
+                         drafter=DrafterKind.NGRAM, ngram=NgramConfig(table_mb=0.0), tokenizer="unused",
+                         capacity=2)
+
+    def build(publish, on_forward, on_drop):  # type: ignore[no-untyped-def]
+        return DraftWorker.of_kind(DrafterKind.NGRAM, None, TreeParams(), publish, ngram_config=config.ngram,
+                                   slots=2, max_len=256, vocab_size=1000, name=config.name), "fp"
+
+    link = CacheLink(config, build)  # never started: a registration whose stream takes nothing
+    conn = link._conn = _Connection("worker-1", 1.0)
+    link._sessions.add("s")
+    sample = lambda name: REGISTRY.get_sample_value(f"card_draft_layers_{name}_total") or 0.0  # noqa: E731
+    published, dropped = sample("published"), sample("dropped")
+    one = flat_layer([virtual_root_id(0)], [0])
+    for _ in range(MAX_QUEUED_LAYERS + 5):
+        link._publish("s", one)
+    assert conn.layers.qsize() == MAX_QUEUED_LAYERS
+    assert sample("published") - published == MAX_QUEUED_LAYERS  # control: those went in
+    assert sample("dropped") - dropped == 5
