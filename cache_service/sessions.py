@@ -202,12 +202,7 @@ class SessionTable:
         with session.lock:
             if session.card.closed:
                 raise NotFound(f"session {session_id!r} is closed")
-            room = (session.context_window or MAX_SESSION_TOKENS) - len(session.card.committed)
-            if len(correction.accepted_tokens) + 1 > room:  # before any work on them
-                raise InvalidArgument(
-                    f"the step commits {len(correction.accepted_tokens) + 1} tokens but the session's "
-                    f"text has room for {max(room, 0)} more (context window "
-                    f"{session.context_window or MAX_SESSION_TOKENS})")
+            self._check_grows(session, correction)
             result = session.card.step(correction)  # Aborted on a stale epoch
         if worker_off != session.seat.paused:
             self.assignments.pause(session.seat, worker_off)
@@ -234,6 +229,21 @@ class SessionTable:
         metrics.OUTCOMES.labels(result.outcome.value).inc()
         metrics.STEP_LATENCY.observe(time.perf_counter() - t0)
         return result.chain, result.outcome
+
+    @staticmethod
+    def _check_grows(session: Session, correction: Correction) -> None:
+        """InvalidArgument, before any work on it, for a correction that would grow the session's
+        text past the context window its target declared, or by a token outside its vocabulary."""
+        grown = len(correction.accepted_tokens) + 1
+        window = session.context_window or MAX_SESSION_TOKENS
+        room = window - len(session.card.committed)
+        if grown > room:
+            raise InvalidArgument(f"the step commits {grown} tokens but the session's text has room for "
+                                  f"{max(room, 0)} more (context window {window})")
+        vocab = session.vocab_size
+        tokens = (*correction.accepted_tokens, correction.next_token)
+        if min(tokens) < 0 or (vocab and max(tokens) >= vocab):
+            raise InvalidArgument(f"the step commits a token outside the vocabulary [0, {vocab or '...'})")
 
     def close(self, session_id: str, stats: GenerationStats | None = None,
               status: str = "finished") -> tuple[int, float]:

@@ -5,7 +5,8 @@ real redis-server, card-target as a user starts it, real gRPC clients on loopbac
   answering within 2 s; at the cap (MAX_CHAIN) the same request generates;
 - a raw cache client: OpenSession with ``max_chain`` 1,000,000 is refused; at the cap the
   model-free lookup of a repeating prompt stops at MAX_CHAIN tokens; a Step that would grow the
-  session's text past its context window is refused, and the session goes on;
+  session's text past its context window, or by a token outside its vocabulary, is refused, and
+  the session goes on;
 - a slow Step holding one session's lock stalls neither OpenSession, Status nor the Steps of other
   sessions, and a CloseSession waiting for that lock holds no other lock meanwhile;
 - a draft that floods a session with full-size layers fills that tree to its bound, no further:
@@ -83,7 +84,8 @@ def test_open_session_refuses_a_huge_max_chain_and_the_lookup_stops_at_the_cap(c
     assert timed(target.status) < STATUS_BOUND_S
 
 
-def test_a_step_past_the_context_window_is_refused_and_the_session_goes_on(cache: Cache) -> None:
+def test_a_step_past_the_context_window_or_the_vocabulary_is_refused(cache: Cache) -> None:
+    """...and the session goes on."""
     target = cache.target
     sid = target.open([1, 2, 3], vocab_size=100, context_window=16).session_id
     other = target.open([1, 2, 3], vocab_size=100, context_window=16).session_id
@@ -94,6 +96,9 @@ def test_a_step_past_the_context_window_is_refused_and_the_session_goes_on(cache
     assert target.step(other, 0, 9).chain.epoch == 1
     err = rpc_error(target.step, sid, 1, 9)  # 16 tokens already: no room for one more
     assert err.code() is grpc.StatusCode.INVALID_ARGUMENT
+    err = rpc_error(target.step, other, 1, 100)  # outside the vocabulary of 100
+    assert err.code() is grpc.StatusCode.INVALID_ARGUMENT and "vocabulary" in err.details()
+    assert target.step(other, 1, 99).chain.epoch == 2  # control: the session goes on
 
 
 def test_a_slow_step_stalls_no_other_session_and_a_close_waiting_for_it_holds_no_lock(cache: Cache) -> None:
