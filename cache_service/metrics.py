@@ -2,10 +2,43 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from typing import Any
 
 from prometheus_client import Counter, Gauge, Histogram
+
+# Label values that callers choose (pool names come from each draft's registration) are capped: a
+# series costs memory in this process and in every scrape, and a draft that registers under a new
+# pool name each time would grow them without bound. Past MAX_POOL_LABELS distinct pools, the
+# rest are counted together under OTHER, which no pool can be named (card.common.drafts.POOL_NAME).
+MAX_POOL_LABELS = 64
+OTHER = "(other)"
+LABELS_FOLDED = Counter("card_cache_metric_labels_folded",
+                        "Observations whose label value (a pool name) was counted under "
+                        f"'{OTHER}' because the label already had its most distinct values", ["label"])
+
+
+class LabelCap:
+    """The first ``limit`` distinct values of one label keep their name; later ones fold into
+    OTHER (and are counted in LABELS_FOLDED). Thread-safe; its lock is a leaf."""
+
+    def __init__(self, label: str, limit: int) -> None:
+        self.label = label
+        self.limit = limit
+        self._kept: set[str] = set()
+        self._lock = threading.Lock()
+
+    def __call__(self, value: str) -> str:
+        with self._lock:
+            if value in self._kept or (len(self._kept) < self.limit and value != OTHER):
+                self._kept.add(value)
+                return value
+        LABELS_FOLDED.labels(self.label).inc()
+        return OTHER
+
+
+POOL_LABEL = LabelCap("pool", MAX_POOL_LABELS)
 
 SESSIONS_OPEN = Gauge("card_cache_sessions_open", "Sessions currently open")
 STEPS = Counter("card_cache_steps", "Step calls answered (corrections applied)")
@@ -23,6 +56,12 @@ DRAFT_PAUSES = Counter("card_cache_draft_pauses", "Sessions whose drafting the t
 LAYERS = Counter("card_cache_layers_received", "Draft layers received (applied or dropped)")
 LAYERS_MALFORMED = Counter("card_cache_layers_malformed",
                            "Draft layers dropped because they could not be decoded (a draft bug)")
+TREE_DROPPED = Counter("card_cache_tree_entries_dropped",
+                       "Tree entries of draft layers dropped past a bound (card.engine.shared.tree): kind "
+                       "node or secondary; why session (a session's tree is full), worker (the trees of "
+                       "the worker's sessions are) or width (a parent's tier-B entries would pass the "
+                       "q-row width)",
+                       ["kind", "why"])
 DRAFTS = Gauge("card_cache_drafts_registered", "Draft workers registered")
 REDIS_UP = Gauge("card_cache_redis_up", "1 when the metadata store answers and takes writes")
 REDIS_OUT_OF_MEMORY = Gauge("card_cache_redis_out_of_memory",
@@ -54,11 +93,23 @@ POOL_WEIGHT = Gauge("card_cache_pool_weight", "The pool's share of unnamed sessi
 
 
 def set_pools(pools: dict[str, list[Any]], weight: Callable[[str], float]) -> None:
-    """The pool gauges from the registry's pools (Assignments.pools), stale pools removed."""
+    """The pool gauges from the registry's pools (Assignments.pools), stale pools removed; pools
+    past the label cap are summed under OTHER (their weight too)."""
     for gauge in (POOL_WORKERS, POOL_SESSIONS, POOL_WEIGHT):
         gauge.clear()
+    workers_by: dict[tuple[str, str], int] = {}
+    sessions_by: dict[str, int] = {}
+    weight_by: dict[str, float] = {}
     for pool, workers in pools.items():
+        label = POOL_LABEL(pool)
         for state in ("serving", "draining"):
-            POOL_WORKERS.labels(pool, state).set(sum((w.draining == (state == "draining")) for w in workers))
-        POOL_SESSIONS.labels(pool).set(sum(len(w.sessions) for w in workers))
-        POOL_WEIGHT.labels(pool).set(weight(pool))
+            n = sum((w.draining == (state == "draining")) for w in workers)
+            workers_by[label, state] = workers_by.get((label, state), 0) + n
+        sessions_by[label] = sessions_by.get(label, 0) + sum(len(w.sessions) for w in workers)
+        weight_by[label] = weight_by.get(label, 0.0) + weight(pool)
+    for (label, state), n in workers_by.items():
+        POOL_WORKERS.labels(label, state).set(n)
+    for label, n in sessions_by.items():
+        POOL_SESSIONS.labels(label).set(n)
+    for label, w in weight_by.items():
+        POOL_WEIGHT.labels(label).set(w)

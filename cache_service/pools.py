@@ -76,6 +76,7 @@ class PoolStats:
 
     def record(self, pool: str, chain_tokens: int, accepted: int, hit: bool, busy_s: float) -> None:
         """One Step of a session whose previous chain (``chain_tokens`` long) ``pool`` grew."""
+        pool = metrics.POOL_LABEL(pool)  # bounded: pools past the cap count together (metrics.OTHER)
         with self._lock:
             c = self._pools.setdefault(pool, PoolCounters())
             c.steps += 1

@@ -26,6 +26,8 @@ import logging
 import threading
 import time
 import uuid
+import weakref
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -42,9 +44,13 @@ from card.engine.shared.errors import InvalidArgument, NotFound, Unavailable
 from card.engine.shared.ngram_stats import PromptLookup
 from card.engine.shared.session import CardSession, StepResult
 from card.engine.shared.stats import GenerationStats
-from card.engine.shared.tree import Chain, Correction, Layer, Outcome
+from card.engine.shared.tree import WORKER_TREE_ENTRIES, Chain, Correction, Layer, Outcome, TreeBudget
 
 HITS = (Outcome.HIT, Outcome.SECONDARY_HIT)
+# A session's committed text at most, where its target did not say its context window: above any
+# model's context, so only a target that lies about its text meets it (each Step's accepted tokens
+# grow the text, and the model-free lookup reads it).
+MAX_SESSION_TOKENS = 1 << 20
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +63,7 @@ class Session:
     seat: Seat  # its place in the Assignments: the worker serving it, its CardSession
     prompt_tokens: int
     vocab_size: int = 0  # the target's (OpenSession); layers' tokens must lie below it
+    context_window: int = 0  # the target's (OpenSession); the committed text stays within it
     opened_unix: float = field(default_factory=time.time)
     last_active: float = field(default_factory=time.monotonic)  # open, last Step or keepalive
     idle_timeout_s: float = 0.0  # the target's (OpenSession); 0 = the cache's
@@ -115,6 +122,10 @@ class SessionTable:
         self.lock = threading.Lock()  # the dict of sessions, nothing else
         self.device = torch.device(config.device)
         self._sessions: dict[str, Session] = {}
+        # what the trees of each worker's sessions hold together (WORKER_TREE_ENTRIES): a budget
+        # lives while a session's tree refers to it, so the map forgets workers that serve none
+        self._budgets: weakref.WeakValueDictionary[str, TreeBudget] = weakref.WeakValueDictionary()
+        self._budgets_lock = threading.Lock()  # a leaf: nothing waits under it
         self.closing = False  # set by close_all at shutdown: no new sessions
 
     # ---- lookup -------------------------------------------------------------------------------
@@ -159,8 +170,8 @@ class SessionTable:
         if not fingerprint:
             raise InvalidArgument("tokenizer_fingerprint is required to match a draft to the target")
         params = chain.over(self.config.tree) if chain is not None else self.config.tree
-        route = self.assignments.route(draft, fingerprint, target_model or "the target",
-                                       self.pool_stats.names())
+        measured = [p for p in self.pool_stats.names() if p != metrics.OTHER]  # no pool is named so
+        route = self.assignments.route(draft, fingerprint, target_model or "the target", measured)
         # model-free chains from the session's own text where its tree holds nothing (a miss while
         # the draft restarts, no worker free): the target verifies something every step
         lookup = PromptLookup(vocab_size) if self.config.model_free_chains and vocab_size else None
@@ -169,7 +180,8 @@ class SessionTable:
         seat = Seat(uuid.uuid4().hex, fingerprint, card, route, default_pool, paused=paused)
         self.assignments.join(seat)  # ResourceExhausted: the worker it names is full
         session = Session(seat.session_id, target_model or "unknown", draft, seat, len(prompt_ids),
-                          vocab_size=vocab_size, idle_timeout_s=idle_timeout_s)
+                          vocab_size=vocab_size, context_window=context_window,
+                          idle_timeout_s=idle_timeout_s)
         with self.lock:
             self._sessions[session.session_id] = session
         # no Redis write here: the monitor writes the live record of a session that outlives a round
@@ -190,6 +202,7 @@ class SessionTable:
         with session.lock:
             if session.card.closed:
                 raise NotFound(f"session {session_id!r} is closed")
+            self._check_grows(session, correction)
             result = session.card.step(correction)  # Aborted on a stale epoch
         if worker_off != session.seat.paused:
             self.assignments.pause(session.seat, worker_off)
@@ -216,6 +229,21 @@ class SessionTable:
         metrics.OUTCOMES.labels(result.outcome.value).inc()
         metrics.STEP_LATENCY.observe(time.perf_counter() - t0)
         return result.chain, result.outcome
+
+    @staticmethod
+    def _check_grows(session: Session, correction: Correction) -> None:
+        """InvalidArgument, before any work on it, for a correction that would grow the session's
+        text past the context window its target declared, or by a token outside its vocabulary."""
+        grown = len(correction.accepted_tokens) + 1
+        window = session.context_window or MAX_SESSION_TOKENS
+        room = window - len(session.card.committed)
+        if grown > room:
+            raise InvalidArgument(f"the step commits {grown} tokens but the session's text has room for "
+                                  f"{max(room, 0)} more (context window {window})")
+        vocab = session.vocab_size
+        tokens = (*correction.accepted_tokens, correction.next_token)
+        if min(tokens) < 0 or (vocab and max(tokens) >= vocab):
+            raise InvalidArgument(f"the step commits a token outside the vocabulary [0, {vocab or '...'})")
 
     def close(self, session_id: str, stats: GenerationStats | None = None,
               status: str = "finished") -> tuple[int, float]:
@@ -298,11 +326,25 @@ class SessionTable:
         if session is None:
             return False
         layer.check(session.vocab_size)
+        budget = self._budget(worker_id)
         with session.lock:
-            if not session.seat.linked(worker_id) or not session.card.apply_layer(layer):
+            tree = session.card.tree
+            before = Counter(tree.dropped)
+            if not session.seat.linked(worker_id) or not session.card.apply_layer(layer, budget):
                 return False  # another worker serves it (or none), it is closed, or an old tree's
             session.seat.forwards, session.seat.idle_s = draft_forwards, draft_idle_s
+            dropped = tree.dropped - before
+        for (kind, why), n in dropped.items():  # past the session's or the worker's bound
+            metrics.TREE_DROPPED.labels(kind, why).inc(n)
         return True
+
+    def _budget(self, worker_id: str) -> TreeBudget:
+        """The tree budget of the sessions of worker ``worker_id``."""
+        with self._budgets_lock:
+            budget = self._budgets.get(worker_id)
+            if budget is None:
+                budget = self._budgets[worker_id] = TreeBudget(WORKER_TREE_ENTRIES)
+            return budget
 
     # ---- records ------------------------------------------------------------------------------
     def flush_records(self, everything: bool = False) -> int:

@@ -44,6 +44,12 @@ def channel(addr: str, token: str | None = None, tls: TlsConfig = PLAINTEXT) -> 
     return grpc.intercept_channel(ch, PresentToken(token)) if token else ch
 
 
+# Channels a RenewingChannel keeps open after TLS renewals, for calls that began on them; an older
+# one is closed (a renewal is a file change: cert-manager's come weeks apart, and a long stream on
+# a channel eight renewals old is reconnected by its owner, as after any broken link).
+MAX_RETIRED = 8
+
+
 class RenewingChannel(grpc.Channel):
     """A TLS channel whose credentials follow its files. gRPC reads a client's certificate, key and
     CA once per channel, and reconnects with them for the channel's life: after cert-manager renews
@@ -80,6 +86,10 @@ class RenewingChannel(grpc.Channel):
                                 "previous ones", self._addr, exc)
                     return self._current
                 self._retired.append(self._current)
+                if len(self._retired) > MAX_RETIRED:  # files touched in a loop must not pile up channels
+                    log.warning("closing a channel to %s retired %d TLS renewals ago (calls still on it "
+                                "end)", self._addr, MAX_RETIRED)
+                    self._retired.pop(0).close()
                 self._current, self._stamp = fresh, stamp
                 log.info("TLS files changed: calls to %s now use them (%s)", self._addr, self._tls.cert
                          or self._tls.ca)

@@ -17,7 +17,7 @@ import grpc
 
 from card.common.status import error_from_rpc
 from card.common.tls import TlsConfig
-from card.engine.shared.config import NgramConfig
+from card.engine.shared.config import MAX_CHAIN, MAX_TREE_DEPTH, NgramConfig
 from card.engine.shared.errors import CardError
 
 EXIT_USER_ERROR = 2
@@ -173,9 +173,9 @@ _TREE_FLAGS: dict[str, tuple[str, Any, str]] = {
               "K: primary nodes per draft layer (default: 3 on CPU, 4 on GPU)."),
     "branch": ("--branch", click.IntRange(0, 64),
                "k: secondary children kept per expanded node (default: 4 on CPU, K on GPU)."),
-    "max_depth": ("--max-depth", click.IntRange(min=1),
+    "max_depth": ("--max-depth", click.IntRange(1, MAX_TREE_DEPTH),
                   "Draft layers grown below the root before idling (default 8; model-free 24)."),
-    "max_chain": ("--max-chain", click.IntRange(min=0),
+    "max_chain": ("--max-chain", click.IntRange(0, MAX_CHAIN),
                   "Most drafted tokens verified per target forward (default: 6 on CPU, 8 on GPU; "
                   "model-free 12)."),
     "b_extension": ("--b-extension/--no-b-extension", None,

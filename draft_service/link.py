@@ -49,6 +49,10 @@ from card.v1 import cache_pb2, cache_pb2_grpc
 log = logging.getLogger(__name__)
 
 RPC_TIMEOUT_S = 5.0
+# Layers waiting for the PublishLayers stream: a cache that stops reading must not grow the worker's
+# memory. A layer past the bound is dropped and counted (the cache's tree lacks it; layers grown
+# under it are dropped there too; outputs never depend on a tree).
+MAX_QUEUED_LAYERS = 4096
 
 
 class _Connection:
@@ -57,7 +61,7 @@ class _Connection:
     def __init__(self, worker_id: str, interval_s: float) -> None:
         self.worker_id = worker_id
         self.interval_s = interval_s
-        self.layers: queue.Queue[cache_pb2.LayerMessage] = queue.Queue()
+        self.layers: queue.Queue[cache_pb2.LayerMessage] = queue.Queue(MAX_QUEUED_LAYERS)
         self.closed = threading.Event()
         self.beat = threading.Event()  # heartbeat now (a drain)
         self.commands: grpc.Call | None = None
@@ -351,8 +355,11 @@ class CacheLink:
                 self._emptied.notify_all()
             conn = self._conn
         if held and conn is not None and not conn.closed.is_set():
-            conn.layers.put(cache_pb2.LayerMessage(worker_id=conn.worker_id, session_id=session_id,
-                                                   dropped=True))
+            try:  # it frees a place in our capacity: worth a wait where layers fill the queue
+                conn.layers.put(cache_pb2.LayerMessage(worker_id=conn.worker_id, session_id=session_id,
+                                                       dropped=True), timeout=RPC_TIMEOUT_S)
+            except queue.Full:
+                self._lose(conn, "layers", "the layer stream took nothing for a while")
 
     # ---- layers (worker thread) --------------------------------------------------------------
     def _publish(self, session_id: str, layer: Layer) -> None:
@@ -362,6 +369,11 @@ class CacheLink:
             metrics.LAYERS_DROPPED.inc()
             return
         stats = self.worker.session_stats(session_id)
-        conn.layers.put(layer_to_msg(session_id, layer, conn.worker_id,
-                                     stats.forwards if stats else 0, stats.idle_s if stats else 0.0))
+        msg = layer_to_msg(session_id, layer, conn.worker_id, stats.forwards if stats else 0,
+                           stats.idle_s if stats else 0.0)
+        try:
+            conn.layers.put_nowait(msg)
+        except queue.Full:
+            metrics.LAYERS_DROPPED.inc()
+            return
         metrics.LAYERS.inc()

@@ -13,7 +13,8 @@ BATCH_SESSIONS = Counter("card_draft_batch_sessions",
 COMMANDS = Counter("card_draft_commands_total", "Commands received from the cache", ["kind"])
 LAYERS = Counter("card_draft_layers_published_total", "Layers published to the cache")
 LAYERS_DROPPED = Counter("card_draft_layers_dropped_total",
-                         "Layers not sent because their session had ended or the cache was away")
+                         "Layers not sent because their session had ended, the cache was away, or "
+                         "MAX_QUEUED_LAYERS already waited for the layer stream")
 REGISTRATIONS = Counter("card_draft_registrations_total", "Successful registrations with the cache")
 DISCONNECTS = Counter("card_draft_disconnects_total", "Times the link to the cache was lost")
 LINK_LOST = Counter("card_draft_link_lost_total",

@@ -19,7 +19,8 @@ class TargetConfig:
     """max_batch_size: most generations in one forward (KV slots, unless kv_cache_gb holds fewer).
     kv_cache_gb: memory for keys and values; None = max_batch_size slots. max_model_len: rows
     per slot (prompt + new tokens); None = the model's context window, at most 4096.
-    max_batch_tokens: tokens per forward beyond which prefill chunks wait for the next one.
+    max_batch_tokens: tokens per forward: decoding rows first (chains cut, longest first, to fit;
+        every generation keeps its next token), then prefill chunks while it lasts.
     adaptive_chains: cut chains each iteration to what pays at the measured cost of a row
     (card.engine.target.speculation); off verifies every chain the cache hands out. speculation:
     auto (speculate where it measurably pays, per load and per request), always, or never (every

@@ -185,7 +185,8 @@ def serve(config: TargetConfig) -> None:
 @option("--max-model-len", default=None, type=int,
         help="Tokens per KV slot, prompt + new tokens (default: the context window, at most 4096).")
 @option("--max-batch-tokens", default=512, type=int,
-        help="Tokens per forward past which waiting prefill chunks go in the next one.")
+        help="Tokens per forward: decoding rows count (the longest chains are cut to fit; every request "
+             "keeps its next token), and prefill chunks past it go in the next one.")
 @option("--adaptive-chains/--no-adaptive-chains", default=True,
         help="Cut each iteration's chains to what pays at the measured cost of a verified row and "
              "each request's acceptance; off: verify every chain the cache hands out.")

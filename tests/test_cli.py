@@ -125,7 +125,8 @@ def test_bad_sampling_values(models, flags, word):
     _assert_one_line_error(proc, "INVALID_ARGUMENT", word)
 
 
-@pytest.mark.parametrize("flags", [("--tree-width", "0"), ("--max-chain", "-1"), ("--min-path-prob", "2"),
+@pytest.mark.parametrize("flags", [("--tree-width", "0"), ("--max-chain", "-1"), ("--max-chain", "1000000"),
+                                   ("--max-depth", "100000"), ("--min-path-prob", "2"),
                                    ("--verify", "lossy")])
 def test_bad_flag_values_are_refused_as_flags(flags):
     """Flags that carry their ranges or choices (card.common.cli.tree_options, --verify): click

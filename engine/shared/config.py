@@ -166,14 +166,30 @@ class StopParams:
         object.__setattr__(self, "stop", stop)
 
 
+# The longest chain anything verifies, and the deepest tree anything grows: bounds on knobs that
+# callers set (a request's ChainPolicy, card-client --max-chain, the cache's OpenSession, the
+# flags), checked where TreeParams is built, so no path can walk or verify an unbounded chain (the
+# cache's model-free lookup loops max_chain times under a session's lock; the target verifies a
+# chain in one forward). Why 64: a chain's j-th token commits with probability alpha**j, and at
+# alpha = 0.9 (a long copy) the 64th does so one time in a thousand, while its row costs what a
+# row always costs; the defaults are 6 to 12 (NGRAM_CHAIN). 64 rows plus t_next also stay inside
+# the static step's 128-row bucket (card.engine.shared.static_step.ROW_BUCKETS), leaving the largest
+# (256) for the rest of the batch, and 64 is the loose window's bound (VerifyPolicy). The depth
+# bound is twice that: a tree deeper than two longest chains holds layers that no chain reaches
+# before a correction re-roots it (the model-free drafter's NGRAM_DEPTH is twice its chain, 24).
+MAX_CHAIN = 64
+MAX_TREE_DEPTH = 2 * MAX_CHAIN
+
+
 @dataclass(frozen=True)
 class TreeParams:
     """Shape of the draft tree and of the chains the target verifies.
 
     width:      K, primary nodes per layer (the tier C).
     branch:     k, children kept per expanded node (the tier B); 0 means ``width``.
-    max_depth:  layers grown below the root before the drafter idles until a correction.
-    max_chain:  most drafted tokens the target verifies in one forward.
+    max_depth:  layers grown below the root before the drafter idles until a correction (at most
+                MAX_TREE_DEPTH).
+    max_chain:  most drafted tokens the target verifies in one forward (at most MAX_CHAIN).
     b_extension: extend the chain by the best secondary-tier child of its last node.
     min_path_prob: cut the chain before the first token whose path score (the draft's
                 probability of the prefix up to it) is below this; 0 never cuts. A row pays when
@@ -193,10 +209,10 @@ class TreeParams:
             raise InvalidArgument(f"tree width K must be in [1, 64], got {self.width}")
         if not 0 <= self.branch <= 64:
             raise InvalidArgument(f"branch k must be in [0, 64], got {self.branch}")
-        if self.max_depth < 1:
-            raise InvalidArgument(f"max_depth must be >= 1, got {self.max_depth}")
-        if self.max_chain < 0:
-            raise InvalidArgument(f"max_chain must be >= 0, got {self.max_chain}")
+        if not 1 <= self.max_depth <= MAX_TREE_DEPTH:
+            raise InvalidArgument(f"max_depth must be in [1, {MAX_TREE_DEPTH}], got {self.max_depth}")
+        if not 0 <= self.max_chain <= MAX_CHAIN:
+            raise InvalidArgument(f"max_chain must be in [0, {MAX_CHAIN}], got {self.max_chain}")
         if not 0.0 <= self.min_path_prob <= 1.0:
             raise InvalidArgument(f"min_path_prob must be in [0, 1], got {self.min_path_prob}")
 

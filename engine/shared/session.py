@@ -38,7 +38,17 @@ from typing import Protocol
 import torch
 
 from card.engine.shared.config import ChainDraw, TreeParams
-from card.engine.shared.tree import NO_NODE, Advance, Chain, Correction, Layer, Outcome, TwoTierTree
+from card.engine.shared.tree import (
+    NO_NODE,
+    Advance,
+    Chain,
+    Correction,
+    Layer,
+    Outcome,
+    TreeBudget,
+    TreeLimits,
+    TwoTierTree,
+)
 
 
 class DraftLink(Protocol):
@@ -88,11 +98,12 @@ class CardSession:
     """``params``: the chain rule (max_chain, b_extension, min_path_prob) of this session;
     ``device``: where the tree's columns live; ``draw``: chains are drawn (config.ChainDraw);
     ``lookup``: model-free chains where the tree holds nothing (best-path chains only: a drawn
-    chain needs the distribution each token was drawn from)."""
+    chain needs the distribution each token was drawn from); ``limits``: what its tree holds at most
+    (a layer's excess is dropped and counted, ``tree.dropped``)."""
 
     def __init__(self, params: TreeParams, device: torch.device | str = "cpu",
                  link: DraftLink | None = None, draw: ChainDraw | None = None,
-                 lookup: Lookup | None = None) -> None:
+                 lookup: Lookup | None = None, limits: TreeLimits | None = None) -> None:
         self.params = params
         self.draw = draw
         self.lookup = lookup if draw is None else None
@@ -100,7 +111,7 @@ class CardSession:
         # its own stream, never the target's position-keyed uniforms (the rule needs the chain
         # independent of the target's coins)
         self._rng = random.Random(f"card-chain-draw:{draw.seed}") if draw is not None else None
-        self.tree = TwoTierTree(torch.device(device))
+        self.tree = TwoTierTree(torch.device(device), limits=limits or TreeLimits())
         self.committed: list[int] = []
         self.link = link
         self.restart_pending = False
@@ -162,13 +173,14 @@ class CardSession:
             self.looked_up += 1
             return Chain(tokens, (NO_NODE,) * len(tokens), self.epoch), True
 
-    def apply_layer(self, layer: Layer) -> bool:
+    def apply_layer(self, layer: Layer, budget: TreeBudget | None = None) -> bool:
         """Add a layer the draft grew; False when it was dropped whole (the session is closed,
-        or a restart is waiting and the layer belongs to the old tree)."""
+        or a restart is waiting and the layer belongs to the old tree). ``budget``: what the trees
+        of the draft's sessions hold together at most (the cache's, per worker)."""
         with self.lock:
             if self.closed or self.restart_pending:
                 return False
-            self.tree.apply_layer(layer)
+            self.tree.apply_layer(layer, budget)
             self.layers += 1
             self.lock.notify_all()
             return True

@@ -23,6 +23,8 @@ from __future__ import annotations
 import enum
 import math
 import random
+import threading
+from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
@@ -36,6 +38,19 @@ NO_NODE = -1
 MAX_LAYER_NODES = 1024
 MAX_LAYER_SECONDARY = 16384
 LOGP_SLACK = 1e-4  # a log-softmax can round a hair above 0
+# What one session's tree holds at most, whatever its draft publishes (a draft is not trusted with
+# a tree's size): every Step walks the whole tree in Python (best_chain, classify, drawn_chain),
+# ~2 us an entry, so these keep one session's Step near 10 ms, far below a target's 1 s StepBatch
+# deadline. An honest tree is far smaller: width (<= 64) x depth nodes, 32 on a GPU's default, 96
+# for the model-free drafter; k (<= 64) tier-B entries per expanded node. The q-row width bounds
+# the entries under one parent (the support of a drawn chain's proposal): TreeParams' bound on k.
+MAX_TREE_NODES = 4096
+MAX_TREE_SECONDARY = 4 * MAX_TREE_NODES
+MAX_Q_WIDTH = 64
+# Entries (nodes plus tier-B entries) the trees of one draft worker's sessions hold together in the
+# cache: a worker that publishes all it may fills its own sessions' trees (a dozen at the
+# per-session caps, hundreds of honest ones), never the cache's memory (~100 bytes an entry).
+WORKER_TREE_ENTRIES = 1 << 18
 
 
 def tier_b_probs(logps: list[float], temperature: float) -> list[float]:
@@ -130,6 +145,43 @@ class Layer:
 
 
 @dataclass(frozen=True)
+class TreeLimits:
+    """What one tree holds at most: tier-C ``nodes``, tier-B ``secondary`` entries, and entries
+    under one parent (``q_width``). The excess of a layer is dropped and counted (TwoTierTree.dropped)."""
+
+    nodes: int = MAX_TREE_NODES
+    secondary: int = MAX_TREE_SECONDARY
+    q_width: int = MAX_Q_WIDTH
+
+
+class TreeBudget:
+    """Entries (tier-C nodes plus tier-B entries) that several trees hold together at most: in the
+    cache, one draft worker's sessions. A tree takes from it before it grows and gives back what it
+    frees (re-root, reset). Thread-safe: its lock is a leaf (nothing waits under it)."""
+
+    def __init__(self, limit: int = WORKER_TREE_ENTRIES) -> None:
+        self.limit = limit
+        self.used = 0
+        self._lock = threading.Lock()
+
+    def take(self, n: int) -> int:
+        """Up to ``n`` entries, as many as are left; how many were granted."""
+        with self._lock:
+            granted = max(0, min(n, self.limit - self.used))
+            self.used += granted
+            return granted
+
+    def charge(self, n: int) -> None:
+        """``n`` entries a tree already holds (it moved here), over the limit if need be."""
+        with self._lock:
+            self.used += n
+
+    def give(self, n: int) -> None:
+        with self._lock:
+            self.used -= n
+
+
+@dataclass(frozen=True)
 class Proposal:
     """The draft distributions a drawn chain's tokens came from (engine.shared.config.ChainDraw):
     row i is the distribution token i was drawn from, sparse, padded with token -1 / prob 0.
@@ -218,13 +270,20 @@ class TreeSizes:
 
 @dataclass
 class TwoTierTree:
-    """Tiers C and B of one session, on ``device``."""
+    """Tiers C and B of one session, on ``device``. ``limits``: what it holds at most (None: no
+    bound, a drafter's own mirror, bounded by its TreeParams); ``dropped`` counts what layers
+    brought beyond them, by (kind, why): kind "node" or "secondary", why "session" (these
+    limits), "worker" (the TreeBudget a layer was applied with) or "width" (q_width)."""
 
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     epoch: int = 0
+    limits: TreeLimits | None = None
 
     def __post_init__(self) -> None:
         self.device = torch.device(self.device)
+        self.dropped: Counter[tuple[str, str]] = Counter()
+        self._budget: TreeBudget | None = None
+        self._charged = 0  # entries taken from _budget and not given back
         self.reset(self.epoch)
 
     # ---- state -------------------------------------------------------------------------------
@@ -245,6 +304,28 @@ class TwoTierTree:
         self.b_tokens = empty_i  # [M]
         self.b_logp = empty_f  # [M] local logp of the secondary child
         self._view: _HostView | None = None
+        self._settle()
+
+    @property
+    def entries(self) -> int:
+        """Nodes plus tier-B entries: what a TreeBudget counts."""
+        return int(self.ids.numel()) + int(self.b_tokens.numel())
+
+    def _settle(self) -> None:
+        """Give back to the budget what the tree no longer holds (after a re-root or a reset)."""
+        if self._budget is not None and self._charged > self.entries:
+            self._budget.give(self._charged - self.entries)
+            self._charged = self.entries
+
+    def _rebudget(self, budget: TreeBudget | None) -> None:
+        """Layers come with another budget now (another worker serves the session): what the tree
+        holds moves to it."""
+        if self._budget is not None:
+            self._budget.give(self._charged)
+        self._budget, self._charged = budget, 0
+        if budget is not None:
+            budget.charge(self.entries)
+            self._charged = self.entries
 
     def sizes(self) -> TreeSizes:
         depth = int(self.depth.max().item()) if self.ids.numel() else 0
@@ -271,17 +352,24 @@ class TwoTierTree:
         return pos, known[pos] == node_ids
 
     # ---- draft side --------------------------------------------------------------------------
-    def apply_layer(self, layer: Layer) -> torch.Tensor:
+    def apply_layer(self, layer: Layer, budget: TreeBudget | None = None) -> torch.Tensor:
         """Add a layer's nodes whose parent is still in the tree; returns the kept mask [N].
 
         Nodes under a pruned parent (a layer built before a correction arrived) are dropped, as
-        are ids already present (a layer delivered twice).
+        are ids already present (a layer delivered twice). Past the tree's ``limits`` and what
+        ``budget`` (shared with other trees) has left, the layer's excess is dropped and counted
+        in ``dropped``: its last nodes, and tier-B entries a whole parent at a time (a parent's
+        entries are the support of a drawn chain's proposal: a part of them would misstate q).
         """
+        if budget is not self._budget:
+            self._rebudget(budget)
         parent_ids = layer.parent_ids.to(self.device)
         node_ids = layer.node_ids.to(self.device)
         _, known_depth, known_path = self._known()
         prow, present = self.rows_of(parent_ids)
         keep = present & ~torch.isin(node_ids, self.ids) & (node_ids > self.root_id)
+        if self.limits is not None:
+            keep = self._cap_nodes(keep)
         if bool(keep.any()):
             local = layer.local_logp.to(self.device, torch.float32)[keep]
             self.ids = torch.cat([self.ids, node_ids[keep]])
@@ -300,12 +388,66 @@ class TwoTierTree:
         b_parents = layer.b_parent_ids.to(self.device)
         if b_parents.numel():
             _, b_present = self.rows_of(b_parents)
+            if self.limits is not None:
+                b_present = self._cap_secondary(b_parents, b_present)
             self.b_parents = torch.cat([self.b_parents, b_parents[b_present]])
             self.b_tokens = torch.cat([self.b_tokens, layer.b_tokens.to(self.device)[b_present]])
             self.b_logp = torch.cat(
                 [self.b_logp, layer.b_logp.to(self.device, torch.float32)[b_present]]
             )
         return keep
+
+    def _cap_nodes(self, keep: torch.Tensor) -> torch.Tensor:
+        """``keep`` cut to the nodes the limits and the budget leave room for (the layer's first)."""
+        assert self.limits is not None
+        rows = keep.nonzero().flatten()
+        allowed = min(rows.numel(), max(0, self.limits.nodes - len(self)))
+        self._drop("node", "session", rows.numel() - allowed)
+        if self._budget is not None and allowed:
+            granted = self._budget.take(allowed)
+            self._charged += granted
+            self._drop("node", "worker", allowed - granted)
+            allowed = granted
+        if allowed == rows.numel():
+            return keep
+        keep = keep.clone()
+        keep[rows[allowed:]] = False
+        return keep
+
+    def _cap_secondary(self, b_parents: torch.Tensor, present: torch.Tensor) -> torch.Tensor:
+        """``present`` cut to the tier-B entries the limits and the budget leave room for, whole
+        parents at a time: a parent whose entries would pass ``q_width`` gets none of this layer's,
+        and parents are taken in id order while the room lasts."""
+        assert self.limits is not None
+        candidates = b_parents[present]
+        if not candidates.numel():
+            return present
+        parents, inverse, counts = torch.unique(candidates, return_inverse=True, return_counts=True)
+        held = torch.sort(self.b_parents).values  # entries each parent already has
+        counts_held = (torch.searchsorted(held, parents, right=True) - torch.searchsorted(held, parents))
+        ok = counts + counts_held <= self.limits.q_width
+        self._drop("secondary", "width", int(counts[~ok].sum()))
+        sizes = torch.where(ok, counts, torch.zeros_like(counts))
+        room = max(0, self.limits.secondary - int(self.b_tokens.numel()))
+        fits = ok & (torch.cumsum(sizes, 0) <= room)
+        self._drop("secondary", "session", int(counts[ok & ~fits].sum()))
+        if self._budget is not None:
+            want = int(counts[fits].sum())
+            granted = self._budget.take(want)
+            sizes = torch.where(fits, counts, torch.zeros_like(counts))
+            within = fits & (torch.cumsum(sizes, 0) <= granted)
+            used = int(counts[within].sum())
+            self._budget.give(granted - used)
+            self._charged += used
+            self._drop("secondary", "worker", want - used)
+            fits = within
+        kept = present.clone()
+        kept[present] = fits[inverse]
+        return kept
+
+    def _drop(self, kind: str, why: str, n: int) -> None:
+        if n > 0:
+            self.dropped[kind, why] += n
 
     def _take(self, rows: torch.Tensor) -> None:
         self._view = None
@@ -436,10 +578,14 @@ class TwoTierTree:
         row = {nid: i for i, nid in enumerate(view.ids)}
         anchor = self.root_id
         resolved: list[int] = []
+        child: dict[tuple[int, int], int] | None = None  # (parent, token) -> its first node, on demand
         for nid, token in zip(accepted, correction.accepted_tokens, strict=True):
             if nid == NO_NODE:
-                children = zip(view.ids, view.parents, view.tokens, strict=True)
-                nid = next((i for i, p, t in children if p == anchor and t == token), NO_NODE)
+                if child is None:  # one pass over the tree, not one per token
+                    child = {}
+                    for i, p, t in zip(view.ids, view.parents, view.tokens, strict=True):
+                        child.setdefault((p, t), i)
+                nid = child.get((anchor, token), NO_NODE)
                 if nid == NO_NODE:  # left the tree: the rest of the path is no node's either
                     return Outcome.MISS, None, tuple(resolved) + (NO_NODE,) * (len(accepted) - len(resolved))
             else:
@@ -502,4 +648,5 @@ class TwoTierTree:
         self._view = None
         self.root_id = hit
         self.epoch = advance.epoch
+        self._settle()
         return rows

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from card.engine.shared.config import GenerationRequest
+from card.engine.shared.config import MAX_CHAIN, GenerationRequest
 from card.engine.shared.errors import InvalidArgument
 from card.engine.shared.stats import GenerationStats
 from card.engine.shared.tree import Correction, Outcome, Proposal
@@ -160,10 +160,12 @@ class Generation:
         self._count(step.outcome)
         chain = step.chain
         self._epoch = chain.epoch
-        # no point verifying past the token budget or the context window
+        # no point verifying past the token budget or the context window, and never past MAX_CHAIN
+        # whatever a source hands out (a remote cache is another process)
         room = min(
             self.request.stop.max_new_tokens - len(self.tracker.token_ids),
             self.context_window - len(committed),
+            MAX_CHAIN + 1,
         ) - 1
         tokens = chain.tokens[: max(room, 0)]
         # a chain comes from another process: a token outside the vocabulary (a broken or hostile

@@ -7,8 +7,9 @@ generation (continuous batching, nano-vllm's shape). An iteration has seven phas
     steer    the policy tells each running source whose drafting it changed after the last
              iteration (``draft_with``: a drafter, or none)
     plan     each running generation gives its next input: a prefill chunk, or [t_next, *chain]
-             after its chain source's step; steps first, then prefill chunks while the iteration
-             has token budget (``max_batch_tokens``; the first input always goes)
+             after its chain source's step; steps first, their chains cut (longest first) so that
+             their rows fit the iteration's token budget (``max_batch_tokens``; t_next always
+             goes), then prefill chunks while the budget lasts (the first input always goes)
     budget   each chain is cut to what pays at this iteration's measured cost
              (card.engine.target.speculation); a generation not drafting verifies none
     forward  one flattened forward over all of them (card.engine.shared.kv_pool.forward), timed
@@ -22,6 +23,10 @@ tokens, so a long prompt does not stall everyone else's decoding; the chunk size
 function of the load), so a generation's arithmetic is the same alone and in any batch.
 
 One generation failing (its source raised, its input was bad) ends that generation only.
+
+Decoding rows count against ``max_batch_tokens`` like prefill chunks: a long chain (up to
+MAX_CHAIN) is verified in one forward, and several of them must not make one iteration that
+stalls every generation's next token. Cutting a chain changes the speed, never an exact output.
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -182,8 +187,13 @@ class TargetEngine:
             except Exception as exc:  # its source failed: this generation ends, the batch goes on
                 events.append(self._fail(gen, exc))
                 continue
-            plan.append(Planned(gen, list(tokens), start, decoding=True, outcome=step.outcome))
-            budget -= len(tokens)
+            planned = Planned(gen, list(tokens), start, decoding=True, offered=len(tokens) - 1,
+                              outcome=step.outcome)
+            if planned.offered and self.policy.stopped(gen):  # a chain in flight when its draft stopped
+                planned.tokens = gen.trim_chain(0)
+            plan.append(planned)
+        fit_rows(plan, budget)  # decoding rows are tokens of this forward too
+        budget -= sum(len(p.tokens) for p in plan)
         for gen in [g for g in self.running if g.prefilling]:
             if plan and budget < min(self.prefill_chunk, gen.prefill_left):
                 continue
@@ -196,12 +206,9 @@ class TargetEngine:
         """Cut each step's chain to what pays at this iteration's measured cost (``adaptive``);
         a generation not drafting verifies none."""
         steps = [p for p in plan if p.decoding]
-        for p in steps:
-            p.offered = len(p.tokens) - 1
-            if p.offered and self.policy.stopped(p.gen):  # a chain in flight when its draft stopped
-                p.tokens = p.gen.trim_chain(0)
-        if self.static is not None:
-            self._fit_rows(steps, self.static.max_rows)
+        if self.static is not None and fit_rows(steps, self.static.max_rows):
+            # one row each always fits: the largest bucket holds every session (StaticStep)
+            raise RuntimeError(f"{len(steps)} decoding rows exceed the static step's {self.static.max_rows}")
         if not self.adaptive:
             return
         fixed = sum(len(p.tokens) for p in plan if not p.decoding) + len(steps)
@@ -210,19 +217,6 @@ class TargetEngine:
         for p, length in zip(steps, lengths, strict=True):
             if length < len(p.tokens) - 1:
                 p.tokens = p.gen.trim_chain(length)
-
-    @staticmethod
-    def _fit_rows(steps: list[Planned], max_rows: int) -> None:
-        """Cut the longest chains until every decoding row fits the static step's largest bucket
-        (a shorter chain changes the speed, never the tokens)."""
-        excess = sum(len(p.tokens) for p in steps) - max_rows
-        while excess > 0:
-            longest = max(steps, key=lambda p: len(p.tokens))
-            cut = min(excess, len(longest.tokens) - 1)
-            if cut <= 0:  # one row each already: the bucket holds every session (StaticStep)
-                raise RuntimeError(f"{len(steps)} decoding rows exceed the static step's {max_rows}")
-            longest.tokens = longest.gen.trim_chain(len(longest.tokens) - 1 - cut)
-            excess -= cut
 
     def _forward(self, plan: list[Planned]) -> tuple[torch.Tensor, float]:
         """One forward over every input: the logits of the rows that need them, in plan order
@@ -353,6 +347,43 @@ class TargetEngine:
         finally:
             if gen.result is None:
                 self.cancel(gen)
+
+
+def level_rows(rows: Sequence[int], limit: int) -> list[int]:
+    """``rows`` cut from the longest down (water-filling) until they sum to at most ``limit``,
+    none below one: the highest level c with sum(min(r, c)) <= limit, then one more row for the
+    first of those above it while rows are left. Where one row each is already past ``limit``,
+    one row each."""
+    if sum(rows) <= limit:
+        return list(rows)
+    lo, hi = 1, max(rows)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if sum(min(r, mid) for r in rows) <= limit:
+            lo = mid
+        else:
+            hi = mid - 1
+    out = [min(r, lo) for r in rows]
+    spare = limit - sum(out)
+    for i, r in enumerate(rows):
+        if spare <= 0:
+            break
+        if r > lo:
+            out[i] += 1
+            spare -= 1
+    return out
+
+
+def fit_rows(steps: Sequence[Planned], max_rows: int) -> int:
+    """Cut the decoding steps' chains, longest first, until their rows fit ``max_rows`` (a shorter
+    chain changes the speed, never the tokens); every step keeps its t_next row. Returns the rows
+    still over ``max_rows`` (0: they fit)."""
+    rows = [len(p.tokens) for p in steps]
+    fitted = level_rows(rows, max_rows)
+    for p, n, was in zip(steps, fitted, rows, strict=True):
+        if n < was:
+            p.tokens = p.gen.trim_chain(n - 1)
+    return max(0, sum(fitted) - max_rows)
 
 
 def run_alone(model: torch.nn.Module, gen: Generation, adaptive: bool = True,
