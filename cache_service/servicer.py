@@ -242,9 +242,10 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
                         log.warning("dropped %d malformed layer(s) from worker %s so far, latest for "
                                     "session %s: %s", malformed, msg.worker_id, msg.session_id, exc,
                                     extra={"session_id": msg.session_id})
-        except grpc.RpcError:  # the worker went away mid-stream: a peer leaving, not a bug
-            log.info("layer stream ended by its draft worker after %d layers (peer %s)", received,
-                     context.peer())
+        except grpc.RpcError:  # the worker went away mid-stream (a peer leaving, not a bug), or
+            # the cache ended the stream because the worker is gone (Assignments.gone)
+            log.info("layer stream of draft %s ended by %s after %d layers", worker.name,
+                     "the cache (the worker is gone)" if worker.closed else "the worker", received)
         finally:
             self.assignments.layer_stream_closed(worker, key)
         return cache_pb2.PublishLayersResponse(layers_received=received)
