@@ -3,8 +3,8 @@ the pause of a session's drafting, and "a worker is gone" (one path: its stream 
 heartbeats stopped, a successor took its name, the cache shuts down), behind one lock of its own.
 
 Decide, then follow. Every change is decided under ``Assignments._lock``, which guards the
-workers by id and name, the router, each worker's ``sessions`` / ``streaming`` / ``publishing`` /
-``draining``, and each seat's ``worker`` / ``paused`` / ``refused`` / ``closed``. Nothing under it
+workers by id and name, the router, each worker's ``sessions`` / ``streaming`` / ``layer_streams`` /
+``draining``, and each seat's ``worker`` / ``paused`` / ``refused_by`` / ``closed``. Nothing under it
 waits: no session's lock is taken there (only leaf locks: a command queue's, logging's). The seats
 whose worker changed are then brought to the decision (``_follow``) with the lock released, each
 under its session's own lock (``CardSession.lock``): the old worker's link is detached (and told
@@ -16,16 +16,17 @@ its session's lock, and delays only a caller whose decision moved that very sess
 
 from __future__ import annotations
 
+import heapq
 import logging
 import threading
 import time
 import uuid
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from card.cache_service import metrics
 from card.cache_service.pools import PoolRouter
-from card.cache_service.registry import MAX_LAYER_STREAMS, DraftRegistration, Worker
+from card.cache_service.registry import MAX_CAPACITY, MAX_LAYER_STREAMS, DraftRegistration, Worker
 from card.common.drafts import ANY, Route, route_draft
 from card.engine.shared.commands import AdvanceDraft, StartDraft, StopDraft
 from card.engine.shared.config import ChainDraw
@@ -56,7 +57,7 @@ class WorkerLink:
 @dataclass(eq=False)
 class Seat:
     """A session as the assignment sees it. ``worker`` (decided; ``card.link`` follows it),
-    ``paused``, ``refused`` and ``closed`` are written under Assignments' lock; the draft counters
+    ``paused``, ``refused_by`` and ``closed`` are written under Assignments' lock; the draft counters
     under the card's lock (the serving worker's, from its latest layer; and those of earlier ones)."""
 
     session_id: str
@@ -66,12 +67,26 @@ class Seat:
     default_pool: str = ""  # the target's --default-pool, for an unnamed session
     worker: Worker | None = None
     paused: bool = False  # the target paused its drafting: no worker until a Step resumes it
-    refused: bool = False  # a worker dropped it (LayerMessage.dropped): none is tried again
+    # workers that dropped it (LayerMessage.dropped), by id, and until when (time.monotonic()) they
+    # are not offered it again; other workers are at once (Assignments.dropped)
+    refused_by: dict[str, float] = field(default_factory=dict)
     closed: bool = False
     forwards: int = 0
     idle_s: float = 0.0
     forwards_done: int = 0
     idle_done: float = 0.0
+
+    @property
+    def refused(self) -> bool:
+        """A worker dropped it and its cooldown has not run out (the assignments' lock held)."""
+        now = time.monotonic()
+        return any(until > now for until in self.refused_by.values())
+
+    def refuses(self, now: float) -> frozenset[str]:
+        """The workers not to offer it now (the assignments' lock held); expired refusals go."""
+        for worker_id in [w for w, until in self.refused_by.items() if until <= now]:
+            del self.refused_by[worker_id]
+        return frozenset(self.refused_by)
 
     def linked(self, worker_id: str) -> bool:
         """The card drafts through ``worker_id`` now (the caller holds the card's lock)."""
@@ -85,15 +100,28 @@ class Seat:
 
 class Assignments:
     """Workers by id and by name, and the routing of sessions to them. Thread-safe; see the module
-    docstring for the lock. ``router`` splits unnamed sessions between pools (--pool-weights)."""
+    docstring for the lock. ``router`` splits unnamed sessions between pools (--pool-weights).
 
-    def __init__(self, max_workers: int = 1024, router: PoolRouter | None = None) -> None:
+    A draft is a guest: ``max_capacity`` caps the capacity a worker declares (card-cache
+    --max-draft-capacity; the least-loaded worker takes a new session, so a worker that claimed
+    4096 places would take nearly every session of its tokenizer), and ``drop_cooldown_s`` is how
+    long a worker that dropped a session is not offered it again (--drop-cooldown-s; other workers
+    are at once, and after the cooldown any is, so a dropped message never takes a session's draft
+    for its whole life)."""
+
+    def __init__(self, max_workers: int = 1024, router: PoolRouter | None = None,
+                 max_capacity: int = MAX_CAPACITY, drop_cooldown_s: float = 60.0) -> None:
         self._lock = threading.Lock()
         self.max_workers = max_workers
+        self.max_capacity = max_capacity
+        self.drop_cooldown_s = drop_cooldown_s
         self.router = router or PoolRouter()
         self._by_id: dict[str, Worker] = {}
         self._by_name: dict[str, Worker] = {}
         self._seats: dict[str, Seat] = {}
+        # seats whose refusal by a worker runs out then: (until, tie-break, seat); expire() re-seats them
+        self._cooling: list[tuple[float, int, Seat]] = []
+        self._drops = 0
 
     # ---- workers ------------------------------------------------------------------------------
     def register(self, reg: DraftRegistration, live_s: float) -> tuple[Worker, Worker | None]:
@@ -107,8 +135,9 @@ class Assignments:
         ResourceExhausted: ``max_workers`` are registered (each holds server threads for its
         streams, sized from this bound: card.cache_service.server).
         """
+        capacity = min(reg.capacity, self.max_capacity)  # what the draft says is a claim, not a right
         worker = Worker(worker_id=uuid.uuid4().hex, name=reg.name, model=reg.model,
-                        fingerprint=reg.fingerprint, capacity=reg.capacity, pool=reg.pool_or_model)
+                        fingerprint=reg.fingerprint, capacity=capacity, pool=reg.pool_or_model)
         with self._lock:
             old = self._by_name.get(reg.name)
             if old is None and len(self._by_id) >= self.max_workers:
@@ -126,6 +155,9 @@ class Assignments:
         self._count()
         log.info("draft %s registered (pool %s, model %s, capacity %d)", worker.name, worker.pool,
                  worker.model, worker.capacity, extra={"draft": worker.name, "worker_id": worker.worker_id})
+        if capacity < reg.capacity:
+            log.warning("draft %s declared capacity %d; it is given %d (card-cache --max-draft-capacity)",
+                        worker.name, reg.capacity, capacity, extra={"draft": worker.name})
         return worker, old
 
     def get(self, worker_id: str) -> Worker:
@@ -150,6 +182,7 @@ class Assignments:
             worker.close()
             orphans = self._evict(worker)
             changed = [*orphans, *self._rebalance()]
+        worker.end_layer_streams()  # a stream of nobody's would hold a server thread for nothing
         self._follow(changed)
         self._count()
         moved = sum(s.worker is not None for s in orphans)
@@ -158,10 +191,16 @@ class Assignments:
         return True
 
     def expire(self, max_age_s: float) -> None:
-        """Workers with no heartbeat for ``max_age_s`` are gone."""
+        """Workers with no heartbeat for ``max_age_s`` are gone; sessions whose refusal by a worker
+        that dropped them has run out may take a worker again (the monitor's tick)."""
         now = time.monotonic()
         with self._lock:
             expired = [w for w in self._by_id.values() if now - w.last_heartbeat > max_age_s]
+            due = []
+            while self._cooling and self._cooling[0][0] <= now:
+                due.append(heapq.heappop(self._cooling)[2])
+            changed = self._rebalance(dict.fromkeys(s for s in due if not s.closed))
+        self._follow(changed)
         for worker in expired:
             self.gone(worker, f"missed its heartbeats for {max_age_s:g}s; unregistered")
 
@@ -186,20 +225,25 @@ class Assignments:
         self._count()
         return worker
 
-    def open_layer_stream(self, worker_id: str) -> Worker:
-        """One more PublishLayers stream of the worker, at most MAX_LAYER_STREAMS at once: a
-        stream of nobody's would hold a server thread for nothing."""
+    def open_layer_stream(self, worker_id: str, cancel: Callable[[], object]) -> tuple[Worker, object]:
+        """One more PublishLayers stream of the worker (``cancel`` ends it), at most
+        MAX_LAYER_STREAMS at once, and none of a worker that is gone: a stream of nobody's would
+        hold a server thread for nothing. The stream ends with its worker (``gone`` cancels it).
+        Returns the worker and the stream's key (for ``layer_stream_closed``)."""
         worker = self.get(worker_id)
+        key = object()
         with self._lock:
-            if worker.publishing >= MAX_LAYER_STREAMS:
+            if self._by_id.get(worker.worker_id) is not worker or worker.closed:
+                raise NotFound(f"draft worker {worker.name} is gone (register again)")
+            if len(worker.layer_streams) >= MAX_LAYER_STREAMS:
                 raise ResourceExhausted(
-                    f"draft {worker.name} already has {worker.publishing} layer streams open")
-            worker.publishing += 1
-        return worker
+                    f"draft {worker.name} already has {len(worker.layer_streams)} layer streams open")
+            worker.layer_streams[key] = cancel
+        return worker, key
 
-    def layer_stream_closed(self, worker: Worker) -> None:
+    def layer_stream_closed(self, worker: Worker, key: object) -> None:
         with self._lock:
-            worker.publishing -= 1
+            worker.layer_streams.pop(key, None)
 
     def drain(self, name: str = "", pool: str = "", resume: bool = False) -> tuple[list[Worker], int]:
         """Mark the worker ``name``, or every worker of ``pool``, drained (or not, ``resume``): a
@@ -293,24 +337,37 @@ class Assignments:
 
     def dropped(self, session_id: str, worker_id: str) -> bool:
         """Worker ``worker_id`` gave the session up: free its place in the worker's capacity (a
-        waiting session may take it). The session goes on with the chains its tree still holds,
-        then without a draft; a worker that could not hold it once is not asked again. False when
-        the worker does not serve the session (anymore)."""
+        waiting session may take it). The session goes on with the chains its tree still holds and
+        is offered to another worker of its route at once; the worker that dropped it is not
+        offered it again for ``drop_cooldown_s`` (e.g. a prompt token outside its vocabulary: it
+        would drop it again), and any worker may take it after that (the monitor's tick): a
+        dropped message costs a session its draft for a cooldown, never for life. False when the
+        worker does not serve the session (anymore)."""
         with self._lock:
             seat = self._seats.get(session_id)
             worker = seat.worker if seat is not None else None
             if seat is None or worker is None or worker.worker_id != worker_id:
                 return False
-            seat.refused = True
+            until = time.monotonic() + self.drop_cooldown_s
+            seat.refused_by[worker_id] = until
+            self._drops += 1
+            heapq.heappush(self._cooling, (until, self._drops, seat))
             changed = self._unseat(seat)
         self._follow(changed)
-        log.warning("draft %s dropped session %s; it goes on without a draft", worker.name, session_id,
-                    extra={"session_id": session_id, "draft": worker.name})
+        log.warning("draft %s dropped session %s; %s", worker.name, session_id,
+                    f"draft {seat.worker.name} serves it now" if seat.worker is not None else
+                    f"it goes on without a draft until a worker can take it (not {worker.name} for "
+                    f"{self.drop_cooldown_s:g}s)", extra={"session_id": session_id, "draft": worker.name})
         return True
 
     def pick(self, fingerprint: str, route: Route = ANY, default_pool: str = "") -> Worker | None:
         with self._lock:
             return self._pick(fingerprint, route, default_pool)
+
+    def cooling(self) -> int:
+        """Refusals waiting to run out (a bound check: at most one per session and worker)."""
+        with self._lock:
+            return len(self._cooling)
 
     # ---- under the lock -----------------------------------------------------------------------
     def _evict(self, worker: Worker) -> list[Seat]:
@@ -332,28 +389,35 @@ class Assignments:
     def _rebalance(self, seats: Iterable[Seat] | None = None) -> list[Seat]:
         """Give each waiting seat (of ``seats``, default all) a worker where a matching one has room."""
         changed = []
+        now = time.monotonic()
         for seat in list(self._seats.values()) if seats is None else seats:
-            if seat.worker is None and not (seat.paused or seat.refused or seat.closed):
-                worker = self._pick(seat.fingerprint, seat.route, seat.default_pool)
+            if seat.worker is None and not (seat.paused or seat.closed):
+                worker = self._pick(seat.fingerprint, seat.route, seat.default_pool, seat.refuses(now))
                 if worker is not None:
                     worker.sessions.add(seat.session_id)
                     seat.worker = worker
                     changed.append(seat)
         return changed
 
-    def _pick(self, fingerprint: str, route: Route = ANY, default_pool: str = "") -> Worker | None:
+    def _pick(self, fingerprint: str, route: Route = ANY, default_pool: str = "",
+              refused: frozenset[str] = frozenset()) -> Worker | None:
         """The worker for a new or orphaned session, or None (it waits without speculation):
 
         - the route's worker while it can take it, else the least-loaded one of the route's pool;
         - unnamed: the least-loaded one of ``default_pool`` while it has room, else of the pool the
           router chooses among those with room.
 
-        Only workers whose command stream is open, not drained and not full are candidates.
+        Only workers whose command stream is open, not drained and not full are candidates, and
+        none of ``refused`` (those that dropped the session, within their cooldown). A named
+        worker is preferred only while it serves the route's pool (a successor under its name
+        from another pool is not the worker the request named).
         """
         preferred = self._by_name.get(route.worker) if route.worker else None
-        if preferred is not None and preferred.assignable and preferred.fingerprint == fingerprint:
+        if (preferred is not None and preferred.assignable and preferred.fingerprint == fingerprint
+                and preferred.worker_id not in refused and (not route.pool or preferred.pool == route.pool)):
             return preferred
-        candidates = [w for w in self._by_id.values() if w.assignable and w.fingerprint == fingerprint]
+        candidates = [w for w in self._by_id.values()
+                      if w.assignable and w.fingerprint == fingerprint and w.worker_id not in refused]
         if route.pool:
             candidates = [w for w in candidates if w.pool == route.pool]
         elif candidates:
@@ -382,8 +446,8 @@ class Assignments:
                     seat.forwards_done += seat.forwards
                     seat.idle_done += seat.idle_s
                     seat.forwards, seat.idle_s = 0, 0.0
-                    if not seat.refused:  # a worker that dropped it holds nothing of it
-                        link.stop()
+                    if not (isinstance(link, WorkerLink) and link.worker.worker_id in seat.refused_by):
+                        link.stop()  # (a worker that dropped it holds nothing of it)
                 if worker is not None:
                     card.attach(WorkerLink(worker, seat.session_id))
             if worker is not None:

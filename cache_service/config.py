@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from card.cache_service.registry import MAX_LAYER_STREAMS
-from card.common.drafts import parse_pool_weights
+from card.cache_service.registry import MAX_CAPACITY, MAX_LAYER_STREAMS
+from card.common.drafts import parse_pool_tokens, parse_pool_weights
 from card.common.tls import TlsConfig
 from card.engine.loading.devices import resolve_device
 from card.engine.shared.config import TreeParams, tree_params
@@ -35,6 +35,12 @@ class CacheConfig:
         heartbeats, Status); each registered draft gets its own threads for its streams on top
         (``server_threads``), so that no number of drafts can take these.
     max_drafts: most draft workers registered at once (RegisterDraft refuses more).
+    max_draft_capacity: most sessions one worker is given, whatever capacity it declares (a draft is
+        a guest: the least-loaded worker takes each new session, so a declared 4096 would win them all).
+    drop_cooldown_s: how long a worker that dropped a session is not offered it again (others are
+        at once; after it, any is).
+    pool_tokens: ((pool, token), ...): a worker registers into a listed pool only with its token,
+        and into no other pool; () = every pool open to the draft token's holders.
     pool_weights: how unnamed sessions split between pools ((pool, weight), ...; () = least loaded).
     model_free_chains: where a session's tree holds nothing to verify (right after a miss, while
         its draft restarts; no worker free), answer the Step with a model-free continuation of the
@@ -57,6 +63,9 @@ class CacheConfig:
     tree: TreeParams = field(default_factory=TreeParams)
     grpc_threads: int = 64
     max_drafts: int = 128
+    max_draft_capacity: int = 64
+    drop_cooldown_s: float = 60.0
+    pool_tokens: tuple[tuple[str, str], ...] = field(default=(), repr=False)
     pool_weights: tuple[tuple[str, float], ...] = ()
     model_free_chains: bool = True
     # who may call what (card.common.auth.CACHE_ROLES); None = that role's RPCs are open
@@ -69,13 +78,15 @@ class CacheConfig:
 
     @classmethod
     def from_options(cls, *, device: str, tree_flags: dict[str, Any], draft_token: str | None,
-                     target_token: str | None, pool_weights: str = "", **options: object) -> CacheConfig:
+                     target_token: str | None, pool_weights: str = "", pool_tokens: str | None = None,
+                     **options: object) -> CacheConfig:
         """The config of card-cache's flags (one keyword per flag; every other flag is a field).
         The cache sits with the target: its hardware says how long a chain pays to verify."""
         return cls(device=str(resolve_device(device)), tree=tree_params(device, **tree_flags),
                    health_check_interval_s=min(2.0, float(options.get("heartbeat_interval_s", 2.0))),  # type: ignore[arg-type]
                    draft_token=draft_token or None, target_token=target_token or None,
-                   pool_weights=parse_pool_weights(pool_weights), **options)  # type: ignore[arg-type]
+                   pool_weights=parse_pool_weights(pool_weights),
+                   pool_tokens=parse_pool_tokens(pool_tokens or ""), **options)  # type: ignore[arg-type]
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -92,6 +103,11 @@ class CacheConfig:
             raise InvalidArgument(f"grpc_threads must be >= 4, got {self.grpc_threads}")
         if not 1 <= self.max_drafts <= 4096:
             raise InvalidArgument(f"max_drafts must be in [1, 4096], got {self.max_drafts}")
+        if not 1 <= self.max_draft_capacity <= MAX_CAPACITY:
+            raise InvalidArgument(f"max_draft_capacity must be in [1, {MAX_CAPACITY}], "
+                                  f"got {self.max_draft_capacity}")
+        if not 0 <= self.drop_cooldown_s <= 86400:
+            raise InvalidArgument(f"drop_cooldown_s must be in [0, 86400], got {self.drop_cooldown_s}")
         if not self.redis_url.startswith(("redis://", "rediss://", "unix://", "memory://")):
             raise InvalidArgument(
                 f"redis URL must start with redis://, rediss://, unix:// or memory://, got {self.redis_url!r}"

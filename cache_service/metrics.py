@@ -44,6 +44,8 @@ SESSIONS_OPEN = Gauge("card_cache_sessions_open", "Sessions currently open")
 STEPS = Counter("card_cache_steps", "Step calls answered (corrections applied)")
 STEP_BATCHES = Counter("card_cache_step_batches",
                        "StepBatch calls (one per target iteration with several sessions)")
+STEP_ERRORS = Counter("card_cache_step_errors", "Steps of a StepBatch that failed with an unforeseen error "
+                      "(a bug): that session's step fails INTERNAL, the batch's others are answered")
 STEP_LATENCY = Histogram(
     "card_cache_step_latency_seconds", "Time to apply a correction and pick the next chain",
     buckets=(5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 1.0),

@@ -63,7 +63,7 @@ class DraftRegistration:
 
 @dataclass(eq=False)
 class Worker:
-    """One registration. ``sessions``, ``streaming``, ``publishing`` and ``draining`` are the
+    """One registration. ``sessions``, ``streaming``, ``layer_streams`` and ``draining`` are the
     Assignments' (guarded by its lock)."""
 
     worker_id: str
@@ -77,7 +77,9 @@ class Worker:
     last_heartbeat_unix: float = field(default_factory=time.time)
     sessions: set[str] = field(default_factory=set)
     streaming: bool = False  # a Commands stream is open
-    publishing: int = 0  # PublishLayers streams open
+    # the PublishLayers streams open, each by its key with the callable that ends it: they end with
+    # the worker (``end_layer_streams``), so that a registration that expired holds no server thread
+    layer_streams: dict[object, Callable[[], object]] = field(default_factory=dict)
     draining: bool = False  # drained (operator, or its own SIGTERM): no new session
     closed: bool = False
     commands: queue.Queue[DraftCommand | None] = field(init=False)
@@ -107,6 +109,19 @@ class Worker:
         self.closed = True
         with contextlib.suppress(queue.Full):  # its loop sees ``closed`` after the next command
             self.commands.put_nowait(None)
+
+    def end_layer_streams(self) -> int:
+        """Cancel every PublishLayers stream of this worker (it is gone); how many. Called without
+        the assignments' lock: a cancel takes gRPC's own (leaf) lock of that call."""
+        cancels = list(self.layer_streams.values())
+        for cancel in cancels:
+            cancel()
+        return len(cancels)
+
+    @property
+    def publishing(self) -> int:
+        """PublishLayers streams open."""
+        return len(self.layer_streams)
 
     @property
     def full(self) -> bool:

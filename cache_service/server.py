@@ -62,7 +62,9 @@ class CacheServer:
         # beyond the pool are refused by grpc, never queued behind streams that do not end
         self.grpc = make_server(config.server_threads, [auth], maximum_concurrent_rpcs=config.server_threads)
         self.health = add_health(self.grpc)
-        self.assignments = Assignments(max_workers=config.max_drafts, router=PoolRouter(config.pool_weights))
+        self.assignments = Assignments(
+            max_workers=config.max_drafts, router=PoolRouter(config.pool_weights),
+            max_capacity=config.max_draft_capacity, drop_cooldown_s=config.drop_cooldown_s)
         self.records = RecordWriter(store)
         self.sessions = SessionTable(config, store, self.assignments, self.records)
         self.monitor = Monitor(config, store, self.assignments, self.sessions, self._set_health)
@@ -149,6 +151,16 @@ def create_server(addr: str, config: CacheConfig, store: MetadataStore | None = 
              "of their own on top (three per registered draft), so no number of drafts can starve these.")
 @option("--max-drafts", type=int, default=128,
         help="Most draft workers registered at once; more are refused (RESOURCE_EXHAUSTED).")
+@option("--max-draft-capacity", type=int, default=64,
+        help="Most sessions one draft worker is given, whatever capacity it declares (the least-loaded "
+             "worker takes each new session: a draft that declared 4096 would take them all).")
+@option("--drop-cooldown-s", type=float, default=60.0,
+        help="A worker that dropped a session is not offered it again for this long; other workers are "
+             "at once, and any is after it.")
+@option("--pool-tokens", default=None,
+        help="Bind pools to credentials, 'POOL=TOKEN,...' (a Secret): a worker registers into a listed "
+             "pool only with its token (card-draft --pool-token) and into no other pool. Default: every "
+             "pool open to --draft-token's holders.")
 @option("--pool-weights", default="",
         help="Split unnamed sessions between draft pools by weight, e.g. 'stable=90,canary=10' (smooth "
              "round robin; pools left out take sessions only when no weighted pool has room). Default: the "

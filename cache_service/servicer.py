@@ -33,7 +33,7 @@ from card.common.convert import (
     stats_from_msg,
     worker_off,
 )
-from card.common.drafts import WORKER_ID_METADATA
+from card.common.drafts import POOL_TOKEN_METADATA, WORKER_ID_METADATA, check_pool_token
 from card.common.status import grpc_errors, status_code
 from card.common.tensors import ids_from_msg
 from card.engine.shared.errors import (
@@ -88,6 +88,7 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
         self.sessions = sessions
         self.monitor = monitor
         self._draft_records_failing = False
+        self._internal_errors = 0  # steps of a StepBatch that failed with an unforeseen error
 
     def _record_draft(self, worker: Worker) -> None:
         """The draft's Redis record, best effort: the in-process registry routes sessions, so a
@@ -135,6 +136,18 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
             except CardError as exc:  # this session's error; the others' steps stand
                 results.append(cache_pb2.StepResult(error=cache_pb2.StepError(
                     code=status_code(exc).value[0], message=str(exc))))
+            except Exception:  # a bug, or a tree a draft made that the code did not foresee: this
+                # session's step fails INTERNAL, the batch (every other session of the target) stands
+                self._internal_errors += 1
+                if self._internal_errors == 1 or self._internal_errors % 1000 == 0:
+                    log.exception("StepBatch: the step of session %s failed (%d such so far); the "
+                                  "batch's other steps are answered", step.session_id, self._internal_errors,
+                                  extra={"session_id": step.session_id})
+                metrics.STEP_ERRORS.inc()
+                results.append(cache_pb2.StepResult(error=cache_pb2.StepError(
+                    code=grpc.StatusCode.INTERNAL.value[0],
+                    message=f"the cache failed this session's step ({self._internal_errors} such); "
+                            "its other sessions' steps are answered")))
         return cache_pb2.StepBatchResponse(results=results)
 
     def _step(self, request: cache_pb2.StepRequest) -> cache_pb2.StepResponse:
@@ -160,6 +173,10 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
                       ) -> cache_pb2.RegisterDraftResponse:
         registration = DraftRegistration(request.name, request.model, request.tokenizer_fingerprint,
                                          request.capacity, request.pool)
+        # a pool bound to a credential (--pool-tokens) takes only workers that present it
+        check_pool_token(self.config.pool_tokens, registration.pool_or_model,
+                         next((str(v) for k, v in context.invocation_metadata() or ()
+                               if k == POOL_TOKEN_METADATA), ""))
         worker, _ = self.assignments.register(registration, self.config.worker_ttl_s)
         self._record_draft(worker)
         return cache_pb2.RegisterDraftResponse(worker_id=worker.worker_id,
@@ -200,10 +217,13 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
         if not worker_id:
             raise InvalidArgument(f"a layer stream must name its worker in the {WORKER_ID_METADATA!r} "
                                   f"metadata (a draft from before pools: upgrade it)")
-        worker = self.assignments.open_layer_stream(str(worker_id))
+        # ended by the cache when its worker goes (expired, replaced, its command stream ended)
+        worker, key = self.assignments.open_layer_stream(str(worker_id), context.cancel)
         received = malformed = 0
         try:
             for msg in request_iterator:
+                if worker.closed:  # gone meanwhile: its cancel is on its way; read no more
+                    break
                 received += 1
                 metrics.LAYERS.inc()
                 if msg.worker_id != worker.worker_id:  # one worker may not speak for another
@@ -222,11 +242,12 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
                         log.warning("dropped %d malformed layer(s) from worker %s so far, latest for "
                                     "session %s: %s", malformed, msg.worker_id, msg.session_id, exc,
                                     extra={"session_id": msg.session_id})
-        except grpc.RpcError:  # the worker went away mid-stream: a peer leaving, not a bug
-            log.info("layer stream ended by its draft worker after %d layers (peer %s)", received,
-                     context.peer())
+        except grpc.RpcError:  # the worker went away mid-stream (a peer leaving, not a bug), or
+            # the cache ended the stream because the worker is gone (Assignments.gone)
+            log.info("layer stream of draft %s ended by %s after %d layers", worker.name,
+                     "the cache (the worker is gone)" if worker.closed else "the worker", received)
         finally:
-            self.assignments.layer_stream_closed(worker)
+            self.assignments.layer_stream_closed(worker, key)
         return cache_pb2.PublishLayersResponse(layers_received=received)
 
     @grpc_errors

@@ -8,17 +8,23 @@ name (the session then prefers that worker and falls back to its pool), or nothi
 
 from __future__ import annotations
 
+import hmac
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from card.engine.shared.errors import FailedPrecondition, InvalidArgument, NotFound
+from card.engine.shared.errors import FailedPrecondition, InvalidArgument, NotFound, Unauthenticated
 
 POOL_NAME = re.compile(r"[A-Za-z0-9._-]{1,128}")
 # a PublishLayers stream names its worker in this metadata key, so that the cache can refuse a
 # stream of no registered worker before it holds a server thread for long
 WORKER_ID_METADATA = "card-worker-id"
 SAME_TOKENIZER = "a draft must share the target's tokenizer"
+# RegisterDraft carries the worker's pool token in this metadata key (card-draft --pool-token)
+# where the cache binds pools to credentials (card-cache --pool-tokens): a draft that holds the
+# draft token but not a pool's cannot serve in that pool, so it cannot take the sessions that
+# requests route to it by name
+POOL_TOKEN_METADATA = "card-pool-token"
 
 
 def pool_name(text: str) -> str:
@@ -103,3 +109,40 @@ def parse_pool_weights(text: str) -> tuple[tuple[str, float], ...]:
     if weights and not any(weights.values()):
         raise InvalidArgument("pool weights are all 0: no pool would take unnamed sessions")
     return tuple(weights.items())
+
+
+def parse_pool_tokens(text: str) -> tuple[tuple[str, str], ...]:
+    """``"stable=TOKEN1,canary=TOKEN2"`` -> (("stable", "TOKEN1"), ("canary", "TOKEN2")); "" -> ()
+    (pools open to every holder of the draft token). InvalidArgument on a bad pool name, an empty
+    token or one with whitespace, a repeated pool, or one token for two pools (then either pool's
+    worker could claim the other). The message never holds a token."""
+    tokens: dict[str, str] = {}
+    for item in filter(None, (part.strip() for part in (text or "").split(","))):
+        name, sep, token = item.partition("=")
+        name = name.strip()
+        if not sep or not POOL_NAME.fullmatch(name):
+            raise InvalidArgument(f"pool tokens are POOL=TOKEN,...; got an entry for {name[:40]!r}")
+        if not token or any(c.isspace() for c in token):
+            raise InvalidArgument(f"the token of pool {name!r} is empty or holds whitespace")
+        if name in tokens:
+            raise InvalidArgument(f"pool {name!r} has two tokens")
+        if token in tokens.values():
+            raise InvalidArgument(f"pool {name!r} shares its token with another pool: give each its own")
+        tokens[name] = token
+    return tuple(tokens.items())
+
+
+def check_pool_token(tokens: Iterable[tuple[str, str]], pool: str, presented: str) -> None:
+    """Unauthenticated unless a worker may register into ``pool`` with the token it ``presented``:
+    with no pool tokens every pool is open (the draft token alone guards the cache); with any, a
+    worker registers only into a listed pool, with that pool's token (compared in constant time)."""
+    table = dict(tokens)
+    if not table:
+        return
+    expected = table.get(pool)
+    if expected is None:
+        raise Unauthenticated(f"pool {pool!r} takes no workers: this cache binds pools to tokens "
+                              "(card-cache --pool-tokens) and lists no token for it")
+    if not hmac.compare_digest(presented.encode(), expected.encode()):
+        raise Unauthenticated(f"pool {pool!r} is bound to a token: register with its token "
+                              f"(card-draft --pool-token, metadata {POOL_TOKEN_METADATA!r})")

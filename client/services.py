@@ -51,6 +51,7 @@ def generate_via_services(opts: GenerateOptions, target_addr: str | None,
         device=opts.target.device,
         tree=opts.tree,
         exact=opts.target.exact,
+        extra_args={"target": ["--allow-rejection"]},  # its own draft: verify rejection as asked
     ) as trio:
         return _remote(opts, trio.target_addr, on_text)
 

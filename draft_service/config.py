@@ -61,6 +61,7 @@ class DraftConfig:
     kv_cache_gb: float | None = None
     threads: int | None = None
     draft_token: str | None = field(default=None, repr=False)  # presented to the cache (a secret)
+    pool_token: str | None = field(default=None, repr=False)  # its pool's, at RegisterDraft (a secret)
     tls: TlsConfig = field(default_factory=TlsConfig)  # dials the cache with it; serves the health port
     health_port: int | None = None  # plaintext grpc.health.v1 alone, for probes that cannot speak TLS
     host: str = "127.0.0.1"

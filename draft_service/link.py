@@ -36,7 +36,7 @@ import grpc
 
 from card.common.channels import channel
 from card.common.convert import command_from_msg, layer_to_msg
-from card.common.drafts import WORKER_ID_METADATA
+from card.common.drafts import POOL_TOKEN_METADATA, WORKER_ID_METADATA
 from card.common.status import error_from_rpc
 from card.draft_service import metrics
 from card.draft_service.config import DraftConfig
@@ -201,6 +201,8 @@ class CacheLink:
                     capacity=self.worker.slots, pool=cfg.pool,
                 ),
                 timeout=RPC_TIMEOUT_S,
+                # the pool's credential, where the cache binds pools to tokens (--pool-tokens)
+                metadata=((POOL_TOKEN_METADATA, cfg.pool_token),) if cfg.pool_token else None,
             )
             conn = _Connection(reply.worker_id, reply.heartbeat_interval_s or 5.0)
             with self._lock:

@@ -157,6 +157,9 @@ def build_worker(config: DraftConfig, publish: Publish, on_forward: Callable[[in
 @option("--draft-token", default=None,
         help="Present this token to the cache (authorization: Bearer), where card-cache requires one "
              "(its --draft-token).")
+@option("--pool-token", default=None,
+        help="Present this token for --pool at registration, where card-cache binds pools to tokens "
+             "(its --pool-tokens).")
 @option("--nice", default=10, type=click.IntRange(0, 19),
         help="Scheduling niceness of this process: a draft that shares cores with a target, its cache or "
              "their clients yields the CPU to them first (0: as they are).")

@@ -54,6 +54,10 @@ class TargetConfig:
     max_waiting: int = 64  # requests waiting for a KV slot; more are refused at once
     queue_timeout_s: float = 30.0  # how long a request waits for a KV slot before it is refused
     allow_loose: bool = True  # serve requests that ask for verify loose (lossy, by their choice)
+    # verify rejection trusts the draft's claims about q (docs/architecture.md, trust model): off,
+    # such requests are verified exactly (lossless whatever the draft); on, within the q floor
+    allow_rejection: bool = False
+    rejection_q_floor: float = 0.01
     loose_entropy_threshold: float = 0.3  # FLy's gate for loose requests that set none
     loose_window: int = 6  # FLy's deferred window for loose requests that set none
     api_key: str | None = field(default=None, repr=False)  # a secret: never in a log line; both ports
@@ -75,6 +79,7 @@ class TargetConfig:
             raise InvalidArgument(f"max-batch-size must be >= 1, got {self.max_batch_size}")
         check_sizing(self.kv_cache_gb, self.max_model_len)
         VerifyPolicy(Verify.LOOSE, self.loose_entropy_threshold, self.loose_window)  # refused here
+        VerifyPolicy(Verify.REJECTION, q_floor=self.rejection_q_floor)  # refused here
         if self.max_batch_tokens < 1:
             raise InvalidArgument(f"max-batch-tokens must be >= 1, got {self.max_batch_tokens}")
         if self.default_max_new_tokens < 1:

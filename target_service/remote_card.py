@@ -53,6 +53,7 @@ from card.engine.shared.errors import CardError, InvalidArgument
 from card.engine.shared.stats import GenerationStats
 from card.engine.shared.tree import NO_NODE, Chain, Correction
 from card.engine.target.chain_source import DraftKind, SourceStats, StepResult
+from card.engine.target.sampling import private_seed
 from card.target_service import metrics
 from card.target_service.cache_link import CACHE_TROUBLE, CacheClient
 from card.v1 import cache_pb2
@@ -94,7 +95,8 @@ class RemoteCard:
         self.cache_addr = client.target.cache_addr
         self.requested_draft = requested_draft
         self.chain = chain or ChainPolicy()
-        self.draw = draw
+        # the request's seed stays here: the cache and the draft get one of their own
+        self.draw = None if draw is None else ChainDraw(draw.temperature, private_seed())
         self.drafters = drafters
         self.step_timeout_s = client.target.step_timeout_s
         self.state = State.WAITING

@@ -233,6 +233,14 @@ def serve(config: TargetConfig) -> None:
 @option("--allow-loose/--no-allow-loose", default=True,
         help="Serve requests that ask for verify loose (FLy: lossy by the request's choice; its answer "
              "says so). Off: they are refused (INVALID_ARGUMENT / 400). Requests are exact unless they ask.")
+@option("--allow-rejection/--no-allow-rejection", default=False,
+        help="Serve verify rejection (speculative sampling) as asked; it trusts the draft's claimed "
+             "distributions, so a lying draft can skew sampled output, by at most a factor 1 + 2 / "
+             "--rejection-q-floor per token (docs/architecture.md). Off: such requests are verified "
+             "exactly (lossless whatever the draft; their stats say verify exact).")
+@option("--rejection-q-floor", default=0.01, type=float,
+        help="verify rejection: a drafted token whose claimed probability is below this is never kept "
+             "(the rule is rescaled to stay lossless); it bounds what a lying draft can do.")
 @option("--loose-entropy-threshold", default=0.3, type=float,
         help="verify loose: the target's top-3 entropy (nats) at or above which a drafted token it would "
              "not have chosen may be kept, for requests that set none (FLy's 0.3).")

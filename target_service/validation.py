@@ -78,14 +78,21 @@ class Validator:
 
     def _verify_policy(self, mode: str, entropy_threshold: float | None, window: int | None) -> VerifyPolicy:
         """A request's acceptance rule, the server's FLy settings where it sets none; loose is
-        refused when this server does not allow it (--no-allow-loose)."""
+        refused when this server does not allow it (--no-allow-loose); rejection is verified
+        exactly unless it allows it (--allow-rejection), and then with its q floor and coins no
+        draft can predict (engine.target.verify)."""
         verify = Verify.parse(mode)
         if verify is Verify.LOOSE and not self.config.allow_loose:
             raise InvalidArgument("verify loose (lossy) is not allowed on this server (--no-allow-loose); "
                                   "ask for verify exact")
         c = self.config
         threshold = c.loose_entropy_threshold if entropy_threshold is None else entropy_threshold
-        return VerifyPolicy(verify, threshold, c.loose_window if window is None else window)
+        window = c.loose_window if window is None else window
+        if verify is Verify.REJECTION:
+            if not c.allow_rejection:  # it would trust the draft with q (docs/architecture.md): exact
+                return VerifyPolicy(Verify.EXACT, threshold, window)  # is lossless whatever the draft
+            return VerifyPolicy(verify, threshold, window, q_floor=c.rejection_q_floor, secret_coins=True)
+        return VerifyPolicy(verify, threshold, window)
 
     def _prompt_ids(self, prompt: Prompt, chat: bool | None) -> list[int]:
         if isinstance(prompt, str):

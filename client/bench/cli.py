@@ -95,7 +95,8 @@ def _trio(target_model: str, draft_model: str, dtype: str, draft_quantize: str, 
         target_threads=settings.target_threads, draft_threads=settings.draft_threads, tree=tree,
         exact=settings.exact, ngram=settings.ngram,
         extra_args={"draft": ["--pool", SERVICE_POOLS[DrafterKind.NEURAL]],
-                    "target": ["--speculation", settings.speculation]},
+                    # its own drafts: rejection modes (+rejection) run as asked, not exactly
+                    "target": ["--speculation", settings.speculation, "--allow-rejection"]},
     ) as trio:
         more = []
         drafters = {m.drafter for m in modes}

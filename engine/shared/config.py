@@ -328,13 +328,25 @@ def check_logprobs(n: int | None) -> None:
 @dataclass(frozen=True)
 class VerifyPolicy:
     """The request's acceptance rule; the FLy thresholds matter to ``loose`` only (the paper's
-    defaults: top-3 entropy 0.3 nats, a window of 6 tokens)."""
+    defaults: top-3 entropy 0.3 nats, a window of 6 tokens).
+
+    ``q_floor`` and ``secret_coins`` matter to ``rejection`` only, and are the server's, not the
+    request's (card-target sets both; in process the draft is the caller's own): a drafted token
+    whose claimed q is below ``q_floor`` is never kept, and the rule is scaled so that the output
+    still follows p exactly (engine.target.verify); a draft that lies about q can then raise a
+    token's probability by at most a factor 1 + 2 / q_floor (0: the classic rule, no bound).
+    ``secret_coins``: the rule's coins come from a key drawn per request, not from the seed, so a
+    draft that knows or guesses the seed (0 for every unseeded request) cannot predict them."""
 
     mode: Verify = Verify.EXACT
     entropy_threshold: float = 0.3
     window: int = 6
+    q_floor: float = 0.0
+    secret_coins: bool = False
 
     def __post_init__(self) -> None:
+        if not (math.isfinite(self.q_floor) and 0.0 <= self.q_floor < 1.0):
+            raise InvalidArgument(f"the rejection q floor must be in [0, 1), got {self.q_floor}")
         if not (math.isfinite(self.entropy_threshold) and self.entropy_threshold >= 0):
             raise InvalidArgument(f"the loose entropy threshold must be a number >= 0, got "
                                   f"{self.entropy_threshold}")

@@ -547,6 +547,8 @@ class TwoTierTree:
                 pick = toks.index(drawn[cur])
             else:
                 pick = draw_index(probs, rng.random())
+            if probs[pick] <= 0.0:  # a draft's logp so far below its siblings' that q underflows
+                break  # to 0: no proposal divides by it (and log(0) would fail the whole step)
             token = toks[pick]
             tokens.append(token)
             rows.append((toks, probs))

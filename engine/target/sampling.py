@@ -7,6 +7,8 @@ both use the same number ``u(seed, t)``.
 
 from __future__ import annotations
 
+import secrets
+
 import torch
 
 from card.engine.shared.config import SamplingParams
@@ -28,6 +30,16 @@ def position_uniform(seed: int, position: int, stream: int = 0) -> float:
     key = _splitmix64(seed) if not stream else _splitmix64(_splitmix64(seed) ^ _splitmix64(stream))
     bits = _splitmix64(key ^ (position & _MASK64))
     return (bits >> 11) * (1.0 / (1 << 53))
+
+
+def private_seed() -> int:
+    """A seed for what leaves the target: a rejection session's ``ChainDraw`` goes to the cache and
+    its draft, which must not learn the request's seed (the target's coins are keyed by it, and
+    every unseeded request has seed 0). Drawn per session from the OS's generator, so it tells a
+    draft nothing, not even which requests share a seed; the draft only needs a generator that
+    the target's coins do not depend on. Never used for the target's own draws: seeded card still
+    draws what seeded vanilla draws."""
+    return secrets.randbits(63)
 
 
 def filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

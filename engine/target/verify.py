@@ -18,7 +18,9 @@ The acceptance rule is the request's ``VerifyPolicy``:
             rejection the token is drawn from max(0, p - q) with the position's own uniform
             (stream 0), after a whole chain from p as plain decoding draws it. Greedy requests,
             chains that were not drawn and proposals that do not hold up (another process
-            sent them) are verified exactly, which is lossless whatever the chain
+            sent them) are verified exactly, which is lossless whatever the chain.
+            With a floor f on q (VerifyPolicy.q_floor; card-target's --rejection-q-floor) the
+            draft's claims are bounded: see ``TargetState._rejection``
 
 Either way the target's own token after the kept prefix is committed too, so every step commits
 ``accepted + 1`` tokens, and logprobs (when asked) are read off the same rows.
@@ -26,6 +28,7 @@ Either way the target's own token after the kept prefix is committed too, so eve
 
 from __future__ import annotations
 
+import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -94,7 +97,8 @@ def proposal_holds(chain: Sequence[int], proposal: Proposal, vocab_size: int) ->
 
 def residual(p: torch.Tensor, tokens: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     """max(0, p - q) [V] for p [V] and a sparse q (``tokens``, ``q`` [w]); draw() normalises it.
-    After a rejection p(x) < q(x), so some mass is left; should rounding leave none, p itself."""
+    After a rejection p(x) < q(x) or some of q was floored, so some mass is left; should rounding
+    leave none, p itself."""
     left = p.clone().index_add_(0, tokens, -q.to(p.dtype)).clamp_(min=0)
     return left if float(left.sum()) > 0 else p
 
@@ -121,6 +125,9 @@ class TargetState:
         self.fallbacks = 0  # rejection: chains verified exactly for want of a usable proposal
         self._logprobs: list[TokenLogprob] = []
         self._picked: Sequence[int] | None = None  # the current step's device argmax, if any
+        # the rejection rule's coins and draws: keyed by the seed (reproducible), or, where the
+        # server says so, by a key drawn for this request that no draft can know or guess
+        self._coin_key = secrets.randbits(64) if self.verify.secret_coins else sampling.seed
 
     def first(self, logits: torch.Tensor) -> int:
         """Commit the first new token from the prompt's last logits [V]; returns it."""
@@ -173,18 +180,38 @@ class TargetState:
             return accepted, token
 
     def _rejection(self, chain: Sequence[int], logits: torch.Tensor, proposal: Proposal) -> tuple[int, int]:
+        """Speculative sampling with a floor f on the claimed q (``verify.q_floor``; 0: the
+        classic rule). At position j, with row q and drawn x, let m be the row's mass below f:
+
+        - q(x) < f: x is not kept; the token is drawn from p itself;
+        - else x is kept with probability (1 - m) * min(1, p(x) / q(x));
+        - after a rejection the token is drawn from norm(max(0, p - q')), q' = q with its
+          entries below f zeroed.
+
+        Honest (x ~ q): a token is kept with probability (1 - m) min(q', p), the rejections'
+        residual holds (1 - m) max(0, p - q') and the floored draws m p: p in all, exactly.
+        Lying (q and x chosen at will, the coins unknown): the keep path gives y at most
+        p(y) / q(x) <= p(y) / f, and the residual path at most p(y) / q(x) too (its mass is at
+        least m + (q(x) - p(x))+, and a rejection's probability at most that over q(x)); so no
+        token comes out with more than 2 p(y) / f (plus p(y) where the draft lets a plain draw
+        happen instead), and one the target's filters exclude never does."""
         start = len(self.committed) - 1  # position of the next token
-        seed = self.sampling.seed
+        key, floor = self._coin_key, self.verify.q_floor
         for j, token in enumerate(chain):
             position = start + 1 + j
             p = filtered_probs(logits[j], self.sampling)  # [V] float64
             support = proposal.tokens[j] >= 0
             toks, q = proposal.tokens[j][support], proposal.probs[j][support]
             q_x = float(q[toks == token].sum())
-            # keep x with probability min(1, p(x) / q(x)): the coin c is uniform on [0, 1)
-            if position_uniform(seed, position, stream=1) * q_x < float(p[token]):
+            u = position_uniform(key, position)
+            if q_x < floor:  # a claim the floor does not take: the target draws its own token
+                return j, draw(p, u)
+            low = q < floor
+            held = float(q[low].sum())  # m
+            # keep x with probability (1 - m) min(1, p(x) / q(x)): the coin c is uniform on [0, 1)
+            if position_uniform(key, position, stream=1) * q_x < (1.0 - held) * min(float(p[token]), q_x):
                 continue
-            return j, draw(residual(p, toks, q), position_uniform(seed, position))
+            return j, draw(residual(p, toks, q.masked_fill(low, 0.0)), u)
         return len(chain), select_token(logits[len(chain)], start + 1 + len(chain), self.sampling)
 
     def _loose(self, chain: Sequence[int], logits: torch.Tensor) -> tuple[int, int]:

@@ -46,7 +46,8 @@ def trio(redis_server, tmp_path_factory):
                      draft_threads=1, dtype="float64", log_dir=tmp_path_factory.mktemp("http-logs"),
                      redis_url=redis_server.url, metrics=True, http_port=0, start_timeout_s=240,
                      extra_args={"cache": ["--redis-prefix", prefix],
-                                 "target": ["--max-model-len", "480", "--api-key", KEY]})
+                                 "target": ["--max-model-len", "480", "--api-key", KEY,
+                                            "--allow-rejection"]})
     with trio:
         trio.prefix = prefix
         yield trio

@@ -152,3 +152,24 @@ def test_http_only_refusals_come_before_the_validation(validator: Validator, mod
     with pytest.raises(InvalidArgument, match="top_logprobs needs logprobs: true"):
         ChatBody(model=model.name, messages=[{"role": "user", "content": "x"}],
                  top_logprobs=2).valid(validator)
+
+
+def test_rejection_is_verified_exactly_unless_the_server_allows_it(model: LoadedModel) -> None:
+    """verify rejection trusts the draft with q (docs/architecture.md, trust model): card-target
+    verifies such requests exactly by default (no drawn chains, plain decoding's tokens, stats
+    saying exact); with --allow-rejection they get the rule with its q floor and secret coins."""
+    from card.engine.shared.config import ChainDraw, Verify, VerifyPolicy
+
+    sampled = SamplingParams(temperature=0.8, seed=3)
+    default = Validator(model, WINDOW, TargetConfig(model=ModelConfig("default")))
+    got = validate(default, verify="rejection", sampling=sampled).generation
+    assert got.verify == VerifyPolicy() and got.chain_draw is None
+    allowed = Validator(model, WINDOW, TargetConfig(model=ModelConfig("default"), allow_rejection=True,
+                                                    rejection_q_floor=0.02))
+    got = validate(allowed, verify="rejection", sampling=sampled).generation
+    assert got.verify == VerifyPolicy(Verify.REJECTION, q_floor=0.02, secret_coins=True)
+    assert got.chain_draw == ChainDraw(0.8, 3)  # the target's; the cache and draft get their own seed
+    assert validate(allowed, verify="exact", sampling=sampled).generation.verify == VerifyPolicy()
+    for floor in (-0.1, 1.0, float("nan")):
+        with pytest.raises(InvalidArgument, match="rejection q floor"):
+            TargetConfig(model=ModelConfig("default"), rejection_q_floor=floor)
