@@ -96,8 +96,10 @@ def test_keys_stay_under_the_prefix(redis_url: str, redis_prefix: str) -> None:
     s.incr({"n": 1})
     with redis.Redis.from_url(redis_url, decode_responses=True) as r:
         keys = sorted(r.scan_iter(f"{redis_prefix}*"))
-        assert keys == [f"{redis_prefix}draft:d", f"{redis_prefix}session:x", f"{redis_prefix}totals"]
+        assert keys == [f"{redis_prefix}{k}" for k in ("draft:d", "drafts", "live", "session:x", "totals")]
         assert 0 < r.ttl(f"{redis_prefix}session:x") <= 60
+        # the indexes expire with their newest member: nothing is left behind without a cache
+        assert 0 < r.ttl(f"{redis_prefix}live") <= 60 and 0 < r.ttl(f"{redis_prefix}drafts") <= 60
     s.close()
 
 
