@@ -115,6 +115,11 @@ class RecordWriter:
         self.written = self.failed = self.dropped = 0
         metrics.RECORDS_PENDING.set_function(self._queue.qsize)
 
+    @property
+    def pending(self) -> int:
+        """Records submitted and neither written nor given up yet (queued, or in hand)."""
+        return self._pending
+
     def start(self) -> None:
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="cache-records", daemon=True)
