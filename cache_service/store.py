@@ -82,7 +82,11 @@ def redact_url(url: str) -> str:
     if query:
         pairs = parse_qsl(query, keep_blank_values=True)
         query = urlencode([(k, "***" if k.lower() == "password" else v) for k, v in pairs], safe="*")
-    return urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
+    if "://" not in url:
+        return urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
+    # by hand: urlunsplit drops the empty authority of unix:///path
+    return (f"{parts.scheme}://{netloc}{parts.path}" + (f"?{query}" if query else "")
+            + (f"#{parts.fragment}" if parts.fragment else ""))
 
 
 def has_password(url: str) -> bool:
