@@ -22,6 +22,8 @@ class CacheConfig:
     redis_url: ``redis://...`` or ``memory://`` (in-process store, single machine only); a password
         goes in it, ``redis://:PASSWORD@host:port/db`` (never shown: ``store.redact_url``).
     allow_memory_fallback: use the in-process store when Redis is unreachable at startup.
+    require_redis: refuse to start while Redis is unreachable (False: start and serve; Redis's
+        health name says NOT_SERVING and records wait until it answers).
     device: where the trees live (resolved, never ``auto``), e.g. "cpu", "cuda:0".
     session_ttl_s: how long finished-session records stay in Redis (default an hour: they are for
         debugging; each is a bounded summary, so Redis holds about one per session of the last TTL).
@@ -51,6 +53,7 @@ class CacheConfig:
     redis_url: str = field(default="redis://127.0.0.1:6379/0", repr=False)
     redis_prefix: str = "card:"
     allow_memory_fallback: bool = False
+    require_redis: bool = True
     device: str = "cpu"
     metrics_port: int = 9092
     metrics_host: str = "127.0.0.1"

@@ -120,7 +120,8 @@ def create_server(addr: str, config: CacheConfig, store: MetadataStore | None = 
     and the in-process fallback is not allowed).
     """
     if store is None:
-        store = open_store(config.redis_url, config.redis_prefix, config.allow_memory_fallback)
+        store = open_store(config.redis_url, config.redis_prefix, config.allow_memory_fallback,
+                           config.require_redis)
     server = CacheServer(config, store)
     try:
         port = server.bind(addr)
@@ -141,6 +142,12 @@ def create_server(addr: str, config: CacheConfig, store: MetadataStore | None = 
 @option("--redis-prefix", default="card:", help="Prefix of every Redis key.")
 @option("--allow-memory-fallback", is_flag=True,
         help="Use the in-process store when Redis is unreachable at startup.")
+@option("--require-redis/--no-require-redis", default=True,
+        help="Refuse to start while Redis is unreachable (a clear error for a forgotten redis-server). "
+             "--no-require-redis (deploy/) starts and serves anyway: no request needs Redis, its health "
+             "name card.v1.CacheService.redis says NOT_SERVING and records wait until it answers, so a "
+             "cache restarted during a Redis outage serves instead of crash-looping. A refused password "
+             "stops the start either way.")
 @option("--device", default="auto", help="Where the trees live: auto (cuda if available), cpu, cuda, cuda:N.")
 @option("--metrics-port", type=int, default=9092, help="Prometheus /metrics port; 0 disables.")
 @option("--metrics-host", default="127.0.0.1",

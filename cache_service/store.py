@@ -207,12 +207,12 @@ class RedisStore:
         pipe.hset(key, mapping=_strs(fields))
         pipe.pexpire(key, _ttl_ms(ttl_s))
 
-    def _index(self, pipe: Any, index: str, member: str, ttl_s: float) -> None:
-        """``member`` into the sorted set ``index`` with its expiry as score; members already
+    def _index(self, pipe: Any, index: str, members: Iterable[str], ttl_s: float) -> None:
+        """``members`` into the sorted set ``index`` with their expiry as score; members already
         expired leave (the index never outgrows what lives), and the index itself lives as long
-        as its newest member."""
+        as its newest members."""
         now = _now_ms()
-        pipe.zadd(index, {member: now + _ttl_ms(ttl_s)})
+        pipe.zadd(index, dict.fromkeys(members, now + _ttl_ms(ttl_s)))
         pipe.zremrangebyscore(index, "-inf", now)
         pipe.pexpire(index, _ttl_ms(ttl_s))
 
@@ -220,7 +220,7 @@ class RedisStore:
         def run() -> None:
             pipe = self.client.pipeline(transaction=True)
             self._put(pipe, self._k("session", session_id), fields, ttl_s)
-            self._index(pipe, self._k("live"), session_id, ttl_s)
+            self._index(pipe, self._k("live"), [session_id], ttl_s)
             pipe.execute()
 
         self._call("put session", run)
@@ -285,7 +285,8 @@ class RedisStore:
             pipe = self.client.pipeline(transaction=True)
             for name, fields in drafts.items():
                 self._put(pipe, self._k("draft", name), fields, ttl_s)
-                self._index(pipe, self._k("drafts"), name, ttl_s)
+            if drafts:
+                self._index(pipe, self._k("drafts"), drafts, ttl_s)
             if gone:
                 pipe.delete(*[self._k("draft", name) for name in gone])
                 pipe.zrem(self._k("drafts"), *gone)
@@ -445,10 +446,13 @@ class MemoryStore:
         pass
 
 
-def open_store(url: str, prefix: str, allow_memory_fallback: bool = False) -> MetadataStore:
+def open_store(url: str, prefix: str, allow_memory_fallback: bool = False,
+               required: bool = True) -> MetadataStore:
     """Connect to ``url`` (or build the in-process store). Unauthenticated when Redis refuses
-    the URL's password or requires one it lacks (a setting to fix, never a reason to fall back);
-    Unavailable when Redis cannot be reached and the fallback is not allowed."""
+    the URL's password or requires one it lacks (a setting to fix, never a reason to fall back).
+    Redis unreachable: the in-process store with ``allow_memory_fallback``, else the Redis store
+    all the same when not ``required`` (it connects when Redis answers: the monitor reports it
+    meanwhile), else Unavailable."""
     if url == MEMORY_URL:
         log.warning("using the in-process metadata store (memory://): records are lost on exit and "
                     "not shared with other cache replicas; use Redis in production")
@@ -473,10 +477,14 @@ def open_store(url: str, prefix: str, allow_memory_fallback: bool = False) -> Me
         log.warning("redis at %s is unreachable; falling back to the in-process metadata store "
                     "(records are lost on exit)", shown)
         return MemoryStore(prefix)
+    if not required:
+        log.warning("redis at %s is unreachable; serving without it until it answers (--no-require-redis): "
+                    "records wait in a bounded queue, card.v1.CacheService.redis says NOT_SERVING", shown)
+        return RedisStore(url, prefix)
     raise Unavailable(
         f"redis at {shown} is unreachable. Start Redis (e.g. `redis-server`), point --redis-url / "
-        f"CARD_CACHE_REDIS_URL at it, or pass --allow-memory-fallback (CARD_CACHE_ALLOW_MEMORY_FALLBACK=1) "
-        f"to run with an in-process store"
+        f"CARD_CACHE_REDIS_URL at it, pass --allow-memory-fallback (CARD_CACHE_ALLOW_MEMORY_FALLBACK=1) "
+        f"to run with an in-process store, or --no-require-redis to serve until it answers"
     )
 
 

@@ -468,3 +468,32 @@ def _found(directory: DraftDirectory, name: str) -> bool:
         return False
     return True
 
+
+
+def test_a_cache_started_while_redis_is_down_serves_and_catches_up(redis_prefix: str) -> None:
+    """``--no-require-redis`` (deploy/): a cache (re)started during a Redis outage serves at once
+    (no crash loop), Redis's health name NOT_SERVING; once Redis answers, the records of the
+    sessions closed meanwhile are written. Without it (the default) the start is refused, one
+    line naming the fix."""
+    from tests.services.conftest import free_port
+
+    port = free_port()
+    url = f"redis://127.0.0.1:{port}/0"
+    with pytest.raises(Unavailable, match="--no-require-redis"):
+        create_server("127.0.0.1:0", make_config(url, redis_prefix))
+    cache = start_cache(make_config(url, redis_prefix, require_redis=False))
+    try:
+        assert health_status(cache.addr) == "SERVING" and store_health(cache) == "NOT_SERVING"
+        draft = cache.draft("early")
+        sid = cache.target.open(PROMPT).session_id
+        assert cache.target.step(sid, 0, 5) is not None
+        cache.target.close_session(sid, stats())
+        with running_redis(port) as late:
+            wait_for(lambda: store_health(cache) == "SERVING", what="Redis's health SERVING")
+            assert cache.server.records.flush(TIMEOUT)
+            with late.client() as r:
+                assert r.hget(f"{redis_prefix}finished:{sid}", "status") == "finished"
+                wait_for(lambda: r.hget(f"{redis_prefix}draft:early", "worker_id") == draft.worker_id,
+                         what="the draft's record")
+    finally:
+        cache.close()
