@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from card.cache_service.registry import MAX_CAPACITY, MAX_LAYER_STREAMS
+from card.cache_service.store import redact_url
 from card.common.drafts import parse_pool_tokens, parse_pool_weights
 from card.common.tls import TlsConfig
 from card.engine.loading.devices import resolve_device
@@ -18,8 +19,11 @@ class CacheConfig:
     """host/port: where gRPC listens (port 0 = OS-chosen). 127.0.0.1 by default so a local run
     is not exposed; containers and Kubernetes set CARD_CACHE_HOST=0.0.0.0.
 
-    redis_url: ``redis://...`` or ``memory://`` (in-process store, single machine only).
+    redis_url: ``redis://...`` or ``memory://`` (in-process store, single machine only); a password
+        goes in it, ``redis://:PASSWORD@host:port/db`` (never shown: ``store.redact_url``).
     allow_memory_fallback: use the in-process store when Redis is unreachable at startup.
+    require_redis: refuse to start while Redis is unreachable (False: start and serve; Redis's
+        health name says NOT_SERVING and records wait until it answers).
     device: where the trees live (resolved, never ``auto``), e.g. "cpu", "cuda:0".
     session_ttl_s: how long finished-session records stay in Redis (default an hour: they are for
         debugging; each is a bounded summary, so Redis holds about one per session of the last TTL).
@@ -27,7 +31,8 @@ class CacheConfig:
         abandoned (its target died without closing it); a target's own (OpenSession) is shorter,
         this caps it; 0 = no cap.
     heartbeat_interval_s: how often draft workers heartbeat; a worker expires after 3 missed.
-    health_check_interval_s: how often Redis is pinged (health follows it).
+    health_check_interval_s: how often Redis is probed (the health name ``card.v1.CacheService.redis``
+        follows it; the cache's own health does not).
     tree: its chain fields (max_chain, b_extension, min_path_prob) shape the chains handed to the
         target (card.engine.shared.tree.best_chain); a session's ChainPolicy goes over them. The tree's shape
         (width, branch, depth) is the draft workers' and unused here.
@@ -50,9 +55,11 @@ class CacheConfig:
 
     host: str = "127.0.0.1"
     port: int = 50052
-    redis_url: str = "redis://127.0.0.1:6379/0"
+    # may hold Redis's password (redis://:PASSWORD@host): never in a repr; store.redact_url to show it
+    redis_url: str = field(default="redis://127.0.0.1:6379/0", repr=False)
     redis_prefix: str = "card:"
     allow_memory_fallback: bool = False
+    require_redis: bool = True
     device: str = "cpu"
     metrics_port: int = 9092
     metrics_host: str = "127.0.0.1"
@@ -110,7 +117,8 @@ class CacheConfig:
             raise InvalidArgument(f"drop_cooldown_s must be in [0, 86400], got {self.drop_cooldown_s}")
         if not self.redis_url.startswith(("redis://", "rediss://", "unix://", "memory://")):
             raise InvalidArgument(
-                f"redis URL must start with redis://, rediss://, unix:// or memory://, got {self.redis_url!r}"
+                f"redis URL must start with redis://, rediss://, unix:// or memory://, got "
+                f"{redact_url(self.redis_url)!r}"
             )
 
     @property

@@ -74,6 +74,12 @@ RECORDS_FAILED = Counter("card_cache_records_failed",
 RECORDS_DROPPED = Counter("card_cache_records_dropped",
                           "Finished-session records dropped unwritten: the writer's queue was full")
 RECORDS_PENDING = Gauge("card_cache_records_pending", "Finished-session records queued for the store")
+RECORDS_EVICTED = Counter("card_cache_records_evicted",
+                          "Finished-session records the in-process store (memory://) let go before their TTL "
+                          "to stay within its bound")
+DRAFT_RECORDS_FAILED = Counter("card_cache_draft_records_failed",
+                               "Monitor rounds whose write of the draft records the store refused",
+                               ["reason"])
 
 # Draft pools (card.cache_service.pools): acceptance of each pool's chains, as this replica's
 # sessions measured it, so that two pools serving one target can be compared (a canary)

@@ -7,10 +7,16 @@ records hold in Redis (about one record per session of the last TTL).
 
 CloseSession builds the record and hands it to the cache's ``RecordWriter``: a bounded queue and
 one thread, which writes what is queued in batches (one Redis transaction each, totals summed). The
-caller never waits for Redis; when the queue is full the record is dropped and counted
-(``card_cache_records_dropped_total``). A write Redis refuses (down, out of memory) is
-counted by reason (``card_cache_records_failed_total``) without a log line per record: the
-monitor's probe turns health NOT_SERVING with one line naming the reason.
+caller never waits for Redis. While Redis is unreachable (down, stopped, restarting) the batch in
+hand is retried with backoff and the rest wait in the queue, so an outage shorter than the queue
+(``MAX_PENDING`` records: at 10 sessions/s, ~7 minutes) loses nothing; when the queue is full a
+record is dropped and counted (``card_cache_records_dropped_total``). A write Redis refuses for
+memory (``maxmemory`` under ``noeviction``) is not retried: those records are counted
+(``card_cache_records_failed_total{reason="out_of_memory"}``), without a log line per record:
+the monitor reports the store's state on its health name with one line naming the reason.
+
+A retried batch is written once: a transaction whose reply was lost (a timeout) may have landed,
+so before a retry the writer reads the first record's key, which only that transaction writes.
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ log = logging.getLogger(__name__)
 HIST_CAP = 32  # accepted lengths of HIST_CAP or more share the last bucket, "32+"
 MAX_PENDING = 4096  # finished records queued for the store; more are dropped (and counted)
 BATCH = 128  # records per Redis transaction
+RETRY_S = (0.25, 2.0)  # first and longest wait before writing a batch again to an unreachable store
 
 Fields = dict[str, str | int | float]
 
@@ -108,6 +115,11 @@ class RecordWriter:
         self.written = self.failed = self.dropped = 0
         metrics.RECORDS_PENDING.set_function(self._queue.qsize)
 
+    @property
+    def pending(self) -> int:
+        """Records submitted and neither written nor given up yet (queued, or in hand)."""
+        return self._pending
+
     def start(self) -> None:
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="cache-records", daemon=True)
@@ -151,32 +163,44 @@ class RecordWriter:
             self._thread.join(timeout_s)
             if self._thread.is_alive():
                 self._abandon.set()
-                left = self._queue.qsize()
                 log.warning("%d finished-session record(s) not written at shutdown: the store %s is slow "
-                            "or down", left, self.store.url)
+                            "or down (counted in card_cache_records_dropped_total)", self._pending,
+                            self.store.url)
             self._thread = None
 
     def _run(self) -> None:
+        held: list[FinishedRecord] = []  # a batch the store could not take yet
+        delay = RETRY_S[0]
         while True:
-            try:
-                batch = [self._queue.get(timeout=0.1)]
-            except queue.Empty:
-                if self._stop.is_set():
-                    return
-                continue
-            with contextlib.suppress(queue.Empty):
-                while len(batch) < BATCH:
-                    batch.append(self._queue.get_nowait())
+            retry = bool(held)
+            if held:
+                batch, held = held, []
+            else:
+                try:
+                    batch = [self._queue.get(timeout=0.1)]
+                except queue.Empty:
+                    if self._stop.is_set():
+                        return
+                    continue
+                with contextlib.suppress(queue.Empty):
+                    while len(batch) < BATCH:
+                        batch.append(self._queue.get_nowait())
             if self._abandon.is_set():
                 self.dropped += len(batch)
                 metrics.RECORDS_DROPPED.inc(len(batch))
-            else:
-                self._write(batch)
+            elif not self._write(batch, retry):
+                held = batch  # the store is unreachable: this batch again, after a wait
+                self._abandon.wait(delay)
+                delay = min(2 * delay, RETRY_S[1])
+                continue
+            delay = RETRY_S[0]
             with self._idle:
                 self._pending -= len(batch)
                 self._idle.notify_all()
 
-    def _write(self, batch: list[FinishedRecord]) -> None:
+    def _write(self, batch: list[FinishedRecord], retry: bool = False) -> bool:
+        """Write ``batch`` (``retry``: again); False when the store is unreachable (the batch is to
+        be tried again), True when it is written or given up (counted either way)."""
         totals: dict[str, float] = {}
         for record in batch:
             if record.guard is not None:
@@ -185,17 +209,22 @@ class RecordWriter:
             for name, value in record.totals.items():
                 totals[name] = totals.get(name, 0.0) + value
         try:
-            self.store.write_finished([(r.session_id, r.fields, r.ttl_s) for r in batch], totals)
+            if retry and self.store.finished_session(batch[0].session_id):
+                pass  # an earlier try landed, its reply did not: written once is enough
+            else:
+                self.store.write_finished([(r.session_id, r.fields, r.ttl_s) for r in batch], totals)
         except StoreFull as exc:  # the monitor's probe reports it (health, one line); count it here
             self._failed("out_of_memory", batch, exc)
-        except Unavailable as exc:
-            self._failed("unreachable", batch, exc)
+        except Unavailable as exc:  # unreachable (or refusing our password): kept, tried again
+            log.debug("%d finished-session record(s) wait for the store: %s", len(batch), exc)
+            return False
         except Exception:  # a bug: the thread must outlive it
             self._failed("error", batch, None)
             log.exception("%d finished-session record(s) not written", len(batch))
         else:
             self.written += len(batch)
             metrics.RECORDS_WRITTEN.inc(len(batch))
+        return True
 
     def _failed(self, reason: str, batch: list[FinishedRecord], exc: BaseException | None) -> None:
         self.failed += len(batch)

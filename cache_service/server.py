@@ -14,6 +14,8 @@ import logging
 import sys
 import threading
 
+from grpc_health.v1 import health_pb2
+
 from card.cache_service.assignment import Assignments
 from card.cache_service.config import CacheConfig
 from card.cache_service.monitor import Monitor
@@ -48,6 +50,9 @@ from card.v1 import cache_pb2, cache_pb2_grpc
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = cache_pb2.DESCRIPTOR.services_by_name["CacheService"].full_name
+# Redis's state, on a health name of its own: the cache's own ("" and SERVICE_NAME, which the probes
+# ask) does not follow Redis, which no request needs (card.cache_service.monitor)
+REDIS_HEALTH_NAME = f"{SERVICE_NAME}.redis"
 
 
 class CacheServer:
@@ -67,14 +72,15 @@ class CacheServer:
             max_capacity=config.max_draft_capacity, drop_cooldown_s=config.drop_cooldown_s)
         self.records = RecordWriter(store)
         self.sessions = SessionTable(config, store, self.assignments, self.records)
-        self.monitor = Monitor(config, store, self.assignments, self.sessions, self._set_health)
+        self.monitor = Monitor(config, store, self.assignments, self.sessions, self._set_store_health)
         self.servicer = CacheServicer(config, store, self.assignments, self.sessions, self.monitor)
         cache_pb2_grpc.add_CacheServiceServicer_to_server(self.servicer, self.grpc)
         self._stopped = False
 
-    def _set_health(self, serving: bool) -> None:
+    def _set_store_health(self, serving: bool) -> None:
         if not self._stopped:
-            set_serving(self.health, serving, [SERVICE_NAME])
+            self.health.set(REDIS_HEALTH_NAME, health_pb2.HealthCheckResponse.SERVING if serving
+                            else health_pb2.HealthCheckResponse.NOT_SERVING)
 
     def bind(self, addr: str) -> int:
         return bind(self.grpc, addr, self.config.tls)
@@ -84,6 +90,7 @@ class CacheServer:
         self.records.start()
         self.grpc.start()
         self.monitor.start()
+        set_serving(self.health, True, [SERVICE_NAME])  # whatever Redis does: it reports on its own name
 
     def shutdown_sessions(self) -> None:
         """Health NOT_SERVING, then end every session and draft stream cleanly (idempotent)."""
@@ -93,6 +100,8 @@ class CacheServer:
         self.health.enter_graceful_shutdown()
         self.monitor.stop()
         self.servicer.shutdown()
+        if self.monitor.store_up:  # the workers let go: their records go (one transaction)
+            self.monitor.write_drafts()
         self.records.stop(timeout_s=5.0)  # the sessions' final records, written while Redis answers
 
     def stop(self, grace: float | None) -> threading.Event:
@@ -113,7 +122,8 @@ def create_server(addr: str, config: CacheConfig, store: MetadataStore | None = 
     and the in-process fallback is not allowed).
     """
     if store is None:
-        store = open_store(config.redis_url, config.redis_prefix, config.allow_memory_fallback)
+        store = open_store(config.redis_url, config.redis_prefix, config.allow_memory_fallback,
+                           config.require_redis)
     server = CacheServer(config, store)
     try:
         port = server.bind(addr)
@@ -128,10 +138,18 @@ def create_server(addr: str, config: CacheConfig, store: MetadataStore | None = 
 @option("--host", default="127.0.0.1", help="Interface to listen on; 0.0.0.0 in containers / Kubernetes.")
 @option("--port", type=int, default=50052, help="gRPC port; 0 = OS-chosen.")
 @option("--redis-url", default="redis://127.0.0.1:6379/0",
-        help="Metadata store; memory:// = in-process (single machine, logs a warning).")
+        help="Metadata store (records for operators; no request waits on it); memory:// = in-process "
+             "(single machine, logs a warning). With a password: redis://:PASSWORD@HOST:PORT/DB (prefer the "
+             "variable, from a Secret: a command line is visible in ps); it is never logged.")
 @option("--redis-prefix", default="card:", help="Prefix of every Redis key.")
 @option("--allow-memory-fallback", is_flag=True,
         help="Use the in-process store when Redis is unreachable at startup.")
+@option("--require-redis/--no-require-redis", default=True,
+        help="Refuse to start while Redis is unreachable (a clear error for a forgotten redis-server). "
+             "--no-require-redis (deploy/) starts and serves anyway: no request needs Redis, its health "
+             "name card.v1.CacheService.redis says NOT_SERVING and records wait until it answers, so a "
+             "cache restarted during a Redis outage serves instead of crash-looping. A refused password "
+             "stops the start either way.")
 @option("--device", default="auto", help="Where the trees live: auto (cuda if available), cpu, cuda, cuda:N.")
 @option("--metrics-port", type=int, default=9092, help="Prometheus /metrics port; 0 disables.")
 @option("--metrics-host", default="127.0.0.1",

@@ -87,24 +87,7 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
         self.assignments = assignments
         self.sessions = sessions
         self.monitor = monitor
-        self._draft_records_failing = False
         self._internal_errors = 0  # steps of a StepBatch that failed with an unforeseen error
-
-    def _record_draft(self, worker: Worker) -> None:
-        """The draft's Redis record, best effort: the in-process registry routes sessions, so a
-        draft joins and stays while Redis is down or full (a rolled draft can always join); the
-        next heartbeat writes the record again. One log line per outage, not one per write."""
-        try:
-            self.store.put_draft(worker.name, worker.record(), self.config.worker_ttl_s)
-        except Unavailable as exc:
-            if not self._draft_records_failing:
-                log.warning("draft records not written to %s (drafts still register and route): %s",
-                            self.store.url, exc)
-            self._draft_records_failing = True
-            return
-        if self._draft_records_failing:
-            log.info("draft records are written to %s again", self.store.url)
-        self._draft_records_failing = False
 
     # ---- target -------------------------------------------------------------------------------
     @grpc_errors
@@ -178,7 +161,7 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
                          next((str(v) for k, v in context.invocation_metadata() or ()
                                if k == POOL_TOKEN_METADATA), ""))
         worker, _ = self.assignments.register(registration, self.config.worker_ttl_s)
-        self._record_draft(worker)
+        self.monitor.kick()  # its Redis record: the monitor's store loop writes it, no RPC waits on Redis
         return cache_pb2.RegisterDraftResponse(worker_id=worker.worker_id,
                                                heartbeat_interval_s=self.config.heartbeat_interval_s)
 
@@ -201,13 +184,7 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
                 yield command_to_msg(command)
         finally:
             if self.assignments.gone(worker, "closed its command stream; unregistered"):
-                self._delete_record(worker)
-
-    def _delete_record(self, worker: Worker) -> None:
-        try:
-            self.store.delete_draft(worker.name)
-        except Unavailable as exc:  # the key expires by itself
-            log.warning("draft record of %s not deleted: %s", worker.name, exc)
+                self.monitor.kick()  # its Redis record goes in the store loop's next round
 
     @grpc_errors
     def PublishLayers(self, request_iterator: Iterator[cache_pb2.LayerMessage],
@@ -254,8 +231,9 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
     def Heartbeat(self, request: cache_pb2.HeartbeatRequest, context: grpc.ServicerContext
                   ) -> cache_pb2.HeartbeatResponse:
         # draining: its SIGTERM: its sessions move to other workers, then it exits
-        worker = self.assignments.heartbeat(request.worker_id, request.draining)
-        self._record_draft(worker)
+        # no Redis here: the monitor's store loop refreshes every worker's record each round, so a
+        # slow or stopped Redis cannot make a heartbeat miss its deadline
+        self.assignments.heartbeat(request.worker_id, request.draining)
         return cache_pb2.HeartbeatResponse()
 
     # ---- operators ----------------------------------------------------------------------------
@@ -265,8 +243,7 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
         if bool(request.name) == bool(request.pool):
             raise InvalidArgument("drain names one worker or one pool (name or pool, not both)")
         workers, moved = self.assignments.drain(request.name, request.pool, request.resume)
-        for worker in workers:
-            self._record_draft(worker)
+        self.monitor.kick()
         return cache_pb2.DrainResponse(workers=[w.name for w in workers], sessions_moved=moved)
 
     @grpc_errors
@@ -287,9 +264,11 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
         if connected or self.monitor.out_of_memory:
             try:
                 totals = self.store.totals()
-                for rec in self.store.drafts():  # workers registered with other cache replicas
+                # workers registered with other cache replicas (this one's are in memory), read
+                # through the store's index of draft records: no keyspace SCAN
+                for rec in self.store.drafts():
                     name = rec.get("name", "")
-                    if name and name not in drafts:
+                    if name and name not in drafts and rec.get("cache") != self.monitor.instance:
                         drafts[name] = draft_record_to_msg(rec)
             except Unavailable:
                 connected = False
@@ -311,7 +290,6 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
         """End every session (stop commands to the drafts, final records) and every command stream."""
         started = time.perf_counter()
         self.sessions.close_all(status="shutdown")
-        for worker in self.assignments.workers():
-            if self.assignments.gone(worker, "is let go (the cache shuts down)"):
-                self._delete_record(worker)
+        for worker in self.assignments.workers():  # their records: CacheServer.shutdown_sessions
+            self.assignments.gone(worker, "is let go (the cache shuts down)")
         log.info("cache state released in %.3fs", time.perf_counter() - started)

@@ -298,40 +298,56 @@ class CacheClient:
 
 class DraftDirectory:
     """The draft pools and workers registered with the cache, as its Status last listed them (at
-    most ``max_age_s`` old; a name in neither is looked up again at once). A request that names a
-    draft is refused here, in one line, before it waits for a slot (card.common.drafts.route_draft);
-    when the cache does not answer, the request is not refused for it (the session's open decides,
-    and degrades to plain decoding)."""
+    most ``max_age_s`` old). A request that names a draft is refused here, in one line, before it
+    waits for a slot (card.common.drafts.route_draft); when the cache does not answer, the request
+    is not refused for it (the session's open decides, and degrades to plain decoding).
+
+    A name the listing lacks is looked up again only when the listing is ``recheck_s`` old or
+    more: a negative cache for unknown names, bounded by construction (it is the listing itself,
+    whatever names users send), so requests naming drafts that do not exist cost the cache at most
+    one Status per ``recheck_s`` per target, not one each. One lookup at a time: callers that need
+    a fresh listing while one is on its way wait for it (at most ``timeout_s``) and share it."""
 
     def __init__(self, stub: cache_pb2_grpc.CacheServiceStub, cache_addr: str, timeout_s: float = 1.0,
-                 max_age_s: float = 5.0) -> None:
+                 max_age_s: float = 5.0, recheck_s: float = 1.0) -> None:
         self.stub = stub
         self.cache_addr = cache_addr
         self.timeout_s = timeout_s
         self.max_age_s = max_age_s
-        self._lock = threading.Lock()
+        self.recheck_s = recheck_s
+        self._lock = threading.Lock()  # the listing below; held for no call
         self._entries: list[DraftEntry] = []
         self._pools: set[str] = set()  # every pool the cache lists (weighted ones too)
         self._at = -1e18
+        self._fetch = threading.Lock()  # one Status at a time (each bounded by timeout_s)
+        self.lookups = 0  # Status calls made (tests count them)
 
-    def _refresh(self) -> tuple[list[DraftEntry], set[str]] | None:
-        try:
-            status = self.stub.Status(cache_pb2.StatusRequest(), timeout=self.timeout_s)
-        except grpc.RpcError as err:
-            log.info("cannot list the cache's drafts: %s", error_from_rpc(err, self.cache_addr))
-            return None
-        entries = [DraftEntry(d.name, d.model, d.tokenizer_fingerprint, d.pool) for d in status.drafts]
-        pools = {p.name for p in status.pools} | {e.pool for e in entries}
-        with self._lock:
-            self._entries, self._pools, self._at = entries, pools, time.monotonic()
-        return entries, pools
+    def _refresh(self, older_than: float) -> tuple[list[DraftEntry], set[str]] | None:
+        """A listing newer than ``older_than`` (its monotonic time): the one another caller just
+        fetched, else a new one; None when the cache does not answer."""
+        with self._fetch:
+            with self._lock:
+                if self._at > older_than:
+                    return self._entries, self._pools
+            self.lookups += 1
+            try:
+                status = self.stub.Status(cache_pb2.StatusRequest(), timeout=self.timeout_s)
+            except grpc.RpcError as err:
+                log.info("cannot list the cache's drafts: %s", error_from_rpc(err, self.cache_addr))
+                return None
+            entries = [DraftEntry(d.name, d.model, d.tokenizer_fingerprint, d.pool) for d in status.drafts]
+            pools = {p.name for p in status.pools} | {e.pool for e in entries}
+            with self._lock:
+                self._entries, self._pools, self._at = entries, pools, time.monotonic()
+            return entries, pools
 
     def check(self, name: str, fingerprint: str, target_model: str) -> None:
         with self._lock:
-            fresh = time.monotonic() - self._at < self.max_age_s
-            entries, pools = self._entries, self._pools
-        if not fresh or (name not in pools and all(e.name != name for e in entries)):
-            listed = self._refresh()
+            at, entries, pools = self._at, self._entries, self._pools
+        age = time.monotonic() - at
+        known = name in pools or any(e.name == name for e in entries)
+        if age >= self.max_age_s or (not known and age >= self.recheck_s):
+            listed = self._refresh(at)
             if listed is None:
                 return
             entries, pools = listed

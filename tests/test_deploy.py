@@ -322,6 +322,14 @@ class CardContainer:
         return ports[0]
 
 
+def configmap_env(rendered: Rendered, container: dict) -> dict[str, str]:
+    """The variables a container's ConfigMaps give it (what is left where an optional Secret is absent)."""
+    env: dict[str, str] = {}
+    for source in container.get("envFrom", []):
+        env.update(rendered.get("ConfigMap", source["configMapRef"]["name"])["data"])
+    return env
+
+
 def card_containers(rendered: Rendered) -> list[CardContainer]:
     found = []
     for dep in rendered.of_kind("Deployment"):
@@ -810,7 +818,10 @@ def test_addresses_point_at_services_that_reach_the_right_process(variant: tuple
     cache = by_script["card-cache"]
     cache_cmd = command_for("card-cache")
     assert effective(cache_cmd, cache.env, "--host") in BIND_ALL, "the cache must listen on all interfaces"
-    redis_url = urlsplit(effective(cache_cmd, cache.env, "--redis-url"))
+    url = effective(cache_cmd, cache.env, "--redis-url")
+    if url.startswith("<from"):  # the Secret's (with the password; the operator's), else the ConfigMap's
+        url = effective(cache_cmd, configmap_env(rendered, cache.container), "--redis-url")
+    redis_url = urlsplit(url)
     assert redis_url.scheme == "redis" and redis_url.hostname and redis_url.port
     redis = service_address(rendered, redis_url.hostname, redis_url.port)
     assert redis["spec"]["selector"]["app.kubernetes.io/name"] == "card-redis"
@@ -826,6 +837,31 @@ def test_addresses_point_at_services_that_reach_the_right_process(variant: tuple
             f"{script} dials Service {host}, which does not select the cache")
         sp = next(p for p in svc["spec"]["ports"] if p["port"] == int(port))
         assert sp["targetPort"] in ("grpc", cache.port("grpc")), f"{script} reaches the cache on another port"
+
+
+def test_redis_password_comes_from_one_secret_and_never_in_arguments(variant: tuple[str, Rendered]) -> None:
+    """The cache's Redis URL and Redis's requirepass come from one Secret (card-redis: url holds
+    password); Redis reads the password on its standard input, not in its arguments (which ps
+    shows), and its probes authenticate; the eviction policy keeps Redis taking records when full."""
+    _, rendered = variant
+    (cache,) = [c for c in card_containers(rendered) if c.script == "card-cache"]
+    url = next(v for v in cache.container["env"] if v["name"] == "CARD_CACHE_REDIS_URL")
+    assert url["valueFrom"]["secretKeyRef"] == {"name": "card-redis", "key": "url", "optional": True}
+    # without the Secret the ConfigMap's URL is used: no password there
+    fallback = urlsplit(configmap_env(rendered, cache.container)["CARD_CACHE_REDIS_URL"])
+    assert fallback.password is None
+    redis = rendered.get("Deployment", "card-redis")["spec"]["template"]["spec"]["containers"][0]
+    env = {v["name"]: v["valueFrom"]["secretKeyRef"] for v in redis["env"]}
+    assert env == {n: {"name": "card-redis", "key": "password", "optional": True}
+                   for n in ("REDIS_PASSWORD", "REDISCLI_AUTH")}
+    script = redis["command"][2]
+    assert redis["command"][:2] == ["sh", "-c"]
+    assert "redis-server - " in script and "$REDIS_PASSWORD" in script
+    assert not any("requirepass" in a or "PASSWORD" in a for a in redis["args"])
+    args = redis["args"]
+    assert args[args.index("--maxmemory-policy") + 1] == "allkeys-lru" and "--maxmemory" in args
+    for kind in ("readinessProbe", "livenessProbe"):
+        assert redis[kind]["exec"]["command"] == ["redis-cli", "ping"]  # REDISCLI_AUTH authenticates it
 
 
 def test_resources_grace_periods_and_security(variant: tuple[str, Rendered]) -> None:

@@ -8,7 +8,7 @@ import socket
 import subprocess
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import pytest
@@ -28,10 +28,12 @@ def free_port() -> int:
 class RedisServer:
     port: int
     process: subprocess.Popen
+    password: str = ""  # its requirepass; in ``url`` when set
 
     @property
     def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
+        auth = f":{self.password}@" if self.password else ""
+        return f"redis://{auth}127.0.0.1:{self.port}/0"
 
     def client(self) -> redis.Redis:
         return redis.Redis.from_url(self.url, decode_responses=True)
@@ -51,17 +53,23 @@ def stop_process(proc: subprocess.Popen, grace_s: float) -> None:
             proc.wait(10)
 
 
-def start_redis(port: int | None = None, timeout_s: float = 10.0) -> RedisServer:
-    """Start ``redis-server`` without persistence on ``port`` (a free one by default); wait for PING."""
+def start_redis(port: int | None = None, timeout_s: float = 10.0, password: str = "",
+                args: Sequence[str] = ()) -> RedisServer:
+    """Start ``redis-server`` without persistence on ``port`` (a free one by default), with
+    ``requirepass`` when ``password`` is given (on its stdin, as deploy/k8s passes it, not in its
+    arguments) and any more ``args``; wait for PING."""
     binary = shutil.which("redis-server")
     if binary is None:
         pytest.fail("redis-server is not installed (apt-get install redis-server)")
     port = port or free_port()
     proc = subprocess.Popen(
-        [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        [binary, "-", "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", *args],
+        stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, text=True,
     )
-    server = RedisServer(port, proc)
+    assert proc.stdin is not None
+    proc.stdin.write(f'requirepass "{password}"\n' if password else "\n")
+    proc.stdin.close()
+    server = RedisServer(port, proc, password)
     client = server.client()
     deadline = time.monotonic() + timeout_s
     while True:
@@ -78,8 +86,9 @@ def start_redis(port: int | None = None, timeout_s: float = 10.0) -> RedisServer
 
 
 @contextlib.contextmanager
-def running_redis(port: int | None = None) -> Iterator[RedisServer]:
-    server = start_redis(port)
+def running_redis(port: int | None = None, password: str = "", args: Sequence[str] = ()
+                  ) -> Iterator[RedisServer]:
+    server = start_redis(port, 10.0, password, args)
     try:
         yield server
     finally:

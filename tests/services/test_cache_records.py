@@ -1,8 +1,9 @@
 """Session records stay bounded and off the session RPCs (real redis-server processes, real gRPC).
 
-Redis is run as deploy/ runs it, ``noeviction`` under a memory cap (here 20 MB): records must not
-fill it, a Redis that refuses writes for memory must show in the cache's health (one log line),
-and no OpenSession / CloseSession may wait on (or fail for) Redis.
+Redis is run under a memory cap (here 20 MB, ``noeviction``: the strictest policy; deploy/ runs
+``allkeys-lru``): records must not fill it, a Redis that refuses writes for memory must show on the
+cache's Redis health name (one log line) while the cache's own health stays SERVING, and no
+OpenSession / CloseSession may wait on (or fail for) Redis.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from prometheus_client import REGISTRY
 
 from card.cache_service.config import CacheConfig
 from card.cache_service.records import HIST_CAP, FinishedRecord, RecordWriter, accepted_length_hist
-from card.cache_service.server import SERVICE_NAME
+from card.cache_service.server import REDIS_HEALTH_NAME, SERVICE_NAME
 from card.cache_service.store import RedisStore
 from card.common.channels import health_status
 from card.common.convert import correction_to_msg, stats_to_msg
@@ -82,13 +83,15 @@ def back_lines(caplog: pytest.LogCaptureFixture) -> list[str]:
 
 
 def health(cache: Cache) -> str:
-    """The cache's health; the overall status and the service's agree (read twice while one flips)."""
-    for _ in range(50):
-        service, overall = health_status(cache.addr, SERVICE_NAME), health_status(cache.addr)
-        if service == overall:
-            return service
-        time.sleep(0.02)
-    raise AssertionError(f"health: the service says {service}, the server {overall}")
+    """The cache's own health: the overall status and the service's, which must agree."""
+    service, overall = health_status(cache.addr, SERVICE_NAME), health_status(cache.addr)
+    assert service == overall, f"health: the service says {service}, the server {overall}"
+    return service
+
+
+def store_health(cache: Cache) -> str:
+    """Redis's state as the cache reports it, on a health name of its own."""
+    return health_status(cache.addr, REDIS_HEALTH_NAME)
 
 
 @pytest.fixture
@@ -100,17 +103,16 @@ def capped() -> Iterator[RedisServer]:
 
 @pytest.mark.timeout(180)
 def assert_opens_or_not_serving(cache: Cache, caplog: pytest.LogCaptureFixture) -> str:
-    """The cache opens a session and says SERVING, or says NOT_SERVING with the reason logged
-    (once); never SERVING while OpenSession fails. Returns the opened session ("" if none)."""
-    state = health(cache)
+    """The cache is SERVING and opens a session, whatever Redis does; Redis's health name says
+    SERVING, or NOT_SERVING with the reason logged (once). Returns the opened session ("" if none)."""
+    state, store = health(cache), store_health(cache)
     try:
         opened, error = cache.target.open(PROMPT).session_id, ""
     except grpc.RpcError as err:
         opened, error = "", f"{err.code()}: {err.details()}"
-    if state == "SERVING":
-        assert opened, f"SERVING while OpenSession fails ({error})"
-    else:
-        assert state == "NOT_SERVING" and len(oom_lines(caplog)) == 1, (state, oom_lines(caplog))
+    assert state == "SERVING" and opened, f"{state}; OpenSession: {error or 'ok'}"
+    if store != "SERVING":
+        assert store == "NOT_SERVING" and len(oom_lines(caplog)) == 1, (store, oom_lines(caplog))
     return opened
 
 
@@ -150,7 +152,8 @@ def test_5000_short_sessions_do_not_fill_a_capped_redis(capped: RedisServer, red
             print(f"\n{SESSIONS} sessions in {elapsed:.1f}s: records written {writer.written}, failed "
                   f"{writer.failed}, dropped {writer.dropped}; Redis used_memory grew by {grown} bytes "
                   f"({grown / SESSIONS:.0f} per session)")
-            assert health(cache) == "SERVING" and opened and writer.failed == 0 and oom_lines(caplog) == []
+            assert store_health(cache) == "SERVING" and opened
+            assert writer.failed == 0 and oom_lines(caplog) == []
             assert grown < MAXMEMORY / 2
             with capped.client() as r:
                 assert len(list(r.scan_iter(f"{redis_prefix}finished:*", count=1000))) == writer.written
@@ -160,16 +163,16 @@ def test_5000_short_sessions_do_not_fill_a_capped_redis(capped: RedisServer, red
         cache.close()
 
 
-def test_redis_out_of_memory_turns_health_not_serving_with_one_line(capped: RedisServer, redis_prefix: str,
-                                                                    caplog: pytest.LogCaptureFixture) -> None:
+def test_redis_out_of_memory_turns_its_health_not_serving_with_one_line(
+        capped: RedisServer, redis_prefix: str, caplog: pytest.LogCaptureFixture) -> None:
     """Negative control: Redis filled to its cap by someone else. PING still answers, writes are
-    refused: the cache says NOT_SERVING with one log line naming the reason, keeps opening and
-    closing sessions (records are written in the background), and is SERVING again, with one
-    line, once the junk is gone."""
+    refused: the cache's Redis health name says NOT_SERVING with one log line naming the reason,
+    the cache itself stays SERVING and keeps opening and closing sessions (records are written in
+    the background), and Redis's name is SERVING again, with one line, once the junk is gone."""
     cache = start_cache(make_config(capped.url, redis_prefix))
     junk = f"{redis_prefix}junk"
     try:
-        assert health(cache) == "SERVING" and cache.target.status().redis_connected
+        assert health(cache) == store_health(cache) == "SERVING" and cache.target.status().redis_connected
         with caplog.at_level(logging.INFO), capped.client() as r:
             # a tiny command that makes a value as big as the cap: Redis stays past it (a big SET would
             # be refused whole, its argument counted in the client's buffer)
@@ -177,9 +180,10 @@ def test_redis_out_of_memory_turns_health_not_serving_with_one_line(capped: Redi
             with pytest.raises(redis.exceptions.OutOfMemoryError):  # every write is refused now
                 r.set(f"{redis_prefix}more", "y")
             assert r.ping()  # why PING alone cannot tell
-            wait_for(lambda: health(cache) == "NOT_SERVING", what="NOT_SERVING under OOM")
+            wait_for(lambda: store_health(cache) == "NOT_SERVING", what="Redis NOT_SERVING under OOM")
             wait_rounds(cache, 5)  # five more monitor rounds: still one line
             assert len(oom_lines(caplog)) == 1, oom_lines(caplog)
+            assert health(cache) == "SERVING"  # the cache serves on: readiness must not follow Redis
             status = cache.target.status()
             assert not status.redis_connected
             # sessions neither wait for nor fail on the refused writes
@@ -203,7 +207,7 @@ def test_redis_out_of_memory_turns_health_not_serving_with_one_line(capped: Redi
             assert len(oom_lines(caplog)) == 1 and back_lines(caplog) == []
 
             r.delete(junk)
-            wait_for(lambda: health(cache) == "SERVING", what="SERVING once writes succeed again")
+            wait_for(lambda: store_health(cache) == "SERVING", what="SERVING once writes succeed again")
             wait_rounds(cache, 3)  # more rounds with the store up: still one line each way
             assert len(back_lines(caplog)) == 1 and len(oom_lines(caplog)) == 1
             assert cache.target.status().redis_connected
@@ -218,7 +222,9 @@ def test_redis_out_of_memory_turns_health_not_serving_with_one_line(capped: Redi
 
 def test_sessions_do_not_wait_for_a_stopped_redis(redis_prefix: str) -> None:
     """Redis SIGSTOPped (it accepts connections and never answers): OpenSession, Step and
-    CloseSession answer within their deadlines all the same; health goes NOT_SERVING, and back."""
+    CloseSession answer within their deadlines all the same; Redis's health name goes NOT_SERVING,
+    and back, the cache's own stays SERVING; the records of the sessions closed meanwhile are
+    written once Redis answers again (they waited in the writer's queue)."""
     with running_redis() as own:
         cache = start_cache(make_config(own.url, redis_prefix))
         stopped = False
@@ -227,6 +233,7 @@ def test_sessions_do_not_wait_for_a_stopped_redis(redis_prefix: str) -> None:
             stopped = True
             deadline = 3.0  # the failure condition: a call that waits on Redis (1 s socket timeouts, retried)
             stub = cache.target.stub
+            closed: list[str] = []
             for i in range(5):
                 sid = stub.OpenSession(cache_pb2.OpenSessionRequest(
                     prompt_ids=ids_to_msg(PROMPT), tokenizer_fingerprint="fp-stop", target_model="t"),
@@ -235,17 +242,23 @@ def test_sessions_do_not_wait_for_a_stopped_redis(redis_prefix: str) -> None:
                 request = cache_pb2.CloseSessionRequest(session_id=sid)
                 request.stats.CopyFrom(stats_to_msg(short_answer_stats(random.Random(i))))
                 stub.CloseSession(request, timeout=deadline)
+                closed.append(sid)
                 if i == 0:
-                    wait_for(lambda: health(cache) == "NOT_SERVING", what="NOT_SERVING with Redis stopped")
+                    wait_for(lambda: store_health(cache) == "NOT_SERVING", what="Redis NOT_SERVING, stopped")
+                assert health(cache) == "SERVING"
             assert cache.server.sessions.sessions() == []
             os.kill(own.process.pid, signal.SIGCONT)
             stopped = False
-            wait_for(lambda: health(cache) == "SERVING", what="SERVING with Redis answering again")
+            wait_for(lambda: store_health(cache) == "SERVING", what="SERVING with Redis answering again")
             sid = cache.target.open(PROMPT).session_id
             cache.target.close_session(sid)
             assert cache.server.records.flush(TIMEOUT)
             with own.client() as r:
                 assert r.hget(f"{redis_prefix}finished:{sid}", "status") == "finished"
+                # nothing lost: the records closed while Redis was stopped, written once
+                assert [r.hget(f"{redis_prefix}finished:{s}", "status") for s in closed] == ["finished"] * 5
+                assert float(r.hget(f"{redis_prefix}totals", "sessions") or 0) == 6
+            assert cache.server.records.failed == cache.server.records.dropped == 0
         finally:
             if stopped:
                 os.kill(own.process.pid, signal.SIGCONT)
@@ -258,7 +271,8 @@ def test_sessions_open_and_close_with_no_redis_at_all(redis_prefix: str) -> None
         cache = start_cache(make_config(own.url, redis_prefix))
         try:
             own.stop()
-            wait_for(lambda: health(cache) == "NOT_SERVING", what="NOT_SERVING with Redis gone")
+            wait_for(lambda: store_health(cache) == "NOT_SERVING", what="NOT_SERVING with Redis gone")
+            assert health(cache) == "SERVING"
             done = threading.Event()
 
             def calls() -> None:

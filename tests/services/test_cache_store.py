@@ -8,7 +8,8 @@ from collections.abc import Iterator
 import pytest
 import redis
 
-from card.cache_service.store import MemoryStore, MetadataStore, RedisStore, StoreFull, open_store
+from card.cache_service.config import CacheConfig
+from card.cache_service.store import MemoryStore, MetadataStore, RedisStore, StoreFull, open_store, redact_url
 from card.engine.shared.errors import Unavailable
 from tests.services.conftest import free_port, running_redis
 
@@ -96,8 +97,10 @@ def test_keys_stay_under_the_prefix(redis_url: str, redis_prefix: str) -> None:
     s.incr({"n": 1})
     with redis.Redis.from_url(redis_url, decode_responses=True) as r:
         keys = sorted(r.scan_iter(f"{redis_prefix}*"))
-        assert keys == [f"{redis_prefix}draft:d", f"{redis_prefix}session:x", f"{redis_prefix}totals"]
+        assert keys == [f"{redis_prefix}{k}" for k in ("draft:d", "drafts", "live", "session:x", "totals")]
         assert 0 < r.ttl(f"{redis_prefix}session:x") <= 60
+        # the indexes expire with their newest member: nothing is left behind without a cache
+        assert 0 < r.ttl(f"{redis_prefix}live") <= 60 and 0 < r.ttl(f"{redis_prefix}drafts") <= 60
     s.close()
 
 
@@ -114,3 +117,31 @@ def test_unreachable_redis() -> None:
     with pytest.raises(Unavailable, match="unreachable") as info:
         s.probe(1.0)
     assert not isinstance(info.value, StoreFull)
+
+
+@pytest.mark.parametrize(("url", "shown"), [
+    ("redis://:s3cret@host:6379/0", "redis://:***@host:6379/0"),
+    ("redis://user:s3cret@host:6379/0", "redis://user:***@host:6379/0"),
+    ("redis://s3cret@host:6379/0", "redis://***@host:6379/0"),  # the slip for redis://:s3cret@host
+    ("rediss://:s3cret@host/0?ssl_cert_reqs=none", "rediss://:***@host/0?ssl_cert_reqs=none"),
+    ("unix:///run/redis.sock?db=0&password=s3cret", "unix:///run/redis.sock?db=0&password=***"),
+    ("redis://127.0.0.1:6379/0", "redis://127.0.0.1:6379/0"),
+])
+def test_the_password_never_shows(url: str, shown: str) -> None:
+    assert redact_url(url) == shown and "s3cret" not in repr(CacheConfig(redis_url=url))
+    assert RedisStore(url, "p:").url == shown
+
+
+def test_the_memory_store_is_bounded() -> None:
+    """memory:// keeps at most ``max_records`` finished records (the oldest go, counted) and lets
+    expired ones go as it writes: an hour of records cannot grow the cache without bound."""
+    s = MemoryStore("p:", max_records=100)
+    for i in range(250):
+        s.write_finished([(f"s{i}", {"status": "finished"}, 60)], {"sessions": 1})
+    assert s.evicted == 150 and s.finished_session("s149") == {} and s.finished_session("s150")
+    assert s.totals() == {"sessions": 250.0}
+    for i in range(10):
+        s.write_finished([(f"short{i}", {"status": "finished"}, 0.01)], {})
+    time.sleep(0.05)
+    s.write_finished([("last", {"status": "finished"}, 60)], {})
+    assert len(s._finished) <= 100 and s.finished_session("short0") == {}
