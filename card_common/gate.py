@@ -56,7 +56,7 @@ class _Timer:
     __slots__ = ("_fn", "_lock", "_state")
 
     def __init__(self, fn: Callable[[], None]) -> None:
-        self._fn = fn
+        self._fn: Callable[[], None] | None = fn
         self._lock = threading.Lock()
         self._state = 0  # 0 armed, 1 fired, 2 disarmed
 
@@ -64,9 +64,10 @@ class _Timer:
         with self._lock:
             if self._state:
                 return
-            self._state = 1
+            self._state, fn, self._fn = 1, self._fn, None
         try:
-            self._fn()
+            assert fn is not None
+            fn()
         except Exception:  # a deadline's action must not end the thread of every deadline
             log.exception("deadline action failed")
 
@@ -74,7 +75,9 @@ class _Timer:
         """True when the deadline had not fired (it never will now)."""
         with self._lock:
             if self._state == 0:
-                self._state = 2
+                # what the action holds (a call, a socket) is freed now, not when the heap gets to
+                # this entry: a gRPC call held past its end keeps its HTTP/2 stream counted
+                self._state, self._fn = 2, None
             return self._state == 2
 
 
@@ -199,6 +202,8 @@ class _FirstMessage:
             request = next(requests, None)
         finally:
             self._timer.disarm()
+            with self._lock:
+                self._context = None
         if request is None:  # half-closed without a message, or cancelled (then nobody listens)
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{method} takes exactly one request message "
                           f"(none arrived within {self.deadline_s:g}s)")

@@ -28,8 +28,10 @@ log = logging.getLogger(__name__)
 # What a client accepts from its peers, and sends (card.common.channels): the services it calls
 # are its own; each server takes less (``max_receive_bytes`` of make_server, sized per service).
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
-# Calls in flight on one connection; more wait in the client. The server-wide bound is the
-# budget of make_server: this only keeps one connection from taking all of it at once.
+# Calls at once on one connection: grpc refuses more (REFUSED_STREAM: the caller sees UNAVAILABLE;
+# grpc's clients do not wait for room). The server-wide bound is make_server's budget: this keeps
+# one connection from taking all of it, above what a legitimate one holds (a target: its Steps and
+# opens; a process of many drafts sharing one connection: three streams each).
 STREAMS_PER_CONNECTION = 256
 # How long a call of a method that takes one message may take to deliver it (card.common.gate):
 # a client sends it with its headers; 20 s carries the largest message a service takes over a

@@ -452,6 +452,33 @@ def test_past_its_budget_a_call_is_refused_at_once_and_a_silent_call_dies() -> N
         server.stop(0).wait()
 
 
+def test_a_finished_call_frees_its_stream_at_once() -> None:
+    """A gated call that has ended holds nothing (its message's deadline keeps no reference to
+    it): 300 calls one after another beside 100 open streams, on one connection that takes 256
+    at once, all pass. Held until their deadline, the ended calls would stay counted against the
+    connection's 256 streams, and grpc would refuse the later ones (REFUSED_STREAM)."""
+    release = threading.Event()
+
+    def stream(request: bytes, context: Any) -> Iterator[bytes]:
+        yield b"open"
+        release.wait(60)
+
+    server, addr = _held_server(400, first_message_s=20.0)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
+        "t.S", {"Open": grpc.unary_stream_rpc_method_handler(stream)}),))
+    server.start()
+    ch = own_channel(addr)
+    try:
+        streams = [ch.unary_stream("/t.S/Open")(b"x", timeout=60) for _ in range(100)]
+        assert {next(s) for s in streams} == {b"open"}
+        echo = ch.unary_unary("/t.T/Echo")
+        assert [code(lambda: echo(b"x", timeout=10)) for _ in range(300)] == [grpc.StatusCode.OK] * 300
+    finally:
+        release.set()
+        ch.close()
+        server.stop(0).wait()
+
+
 def test_negative_control_without_the_gate_a_call_queues_behind_silent_ones() -> None:
     server, addr = _held_server(4, first_message_s=1.0, bounded=False)
     server.start()
