@@ -78,6 +78,8 @@ class CacheConfig:
     # who may call what (card.common.auth.CACHE_ROLES); None = that role's RPCs are open
     draft_token: str | None = field(default=None, repr=False)
     target_token: str | None = field(default=None, repr=False)
+    # Drain, SetPoolWeights (and Status); None with a target token: refused (card.common.auth)
+    operator_token: str | None = field(default=None, repr=False)
     tls: TlsConfig = field(default_factory=TlsConfig)
     health_port: int | None = None  # plaintext grpc.health.v1 alone, for probes that cannot speak TLS
     log_level: str = "INFO"
@@ -85,14 +87,14 @@ class CacheConfig:
 
     @classmethod
     def from_options(cls, *, device: str, tree_flags: dict[str, Any], draft_token: str | None,
-                     target_token: str | None, pool_weights: str = "", pool_tokens: str | None = None,
-                     **options: object) -> CacheConfig:
+                     target_token: str | None, operator_token: str | None = None, pool_weights: str = "",
+                     pool_tokens: str | None = None, **options: object) -> CacheConfig:
         """The config of card-cache's flags (one keyword per flag; every other flag is a field).
         The cache sits with the target: its hardware says how long a chain pays to verify."""
         return cls(device=str(resolve_device(device)), tree=tree_params(device, **tree_flags),
                    health_check_interval_s=min(2.0, float(options.get("heartbeat_interval_s", 2.0))),  # type: ignore[arg-type]
                    draft_token=draft_token or None, target_token=target_token or None,
-                   pool_weights=parse_pool_weights(pool_weights),
+                   operator_token=operator_token or None, pool_weights=parse_pool_weights(pool_weights),
                    pool_tokens=parse_pool_tokens(pool_tokens or ""), **options)  # type: ignore[arg-type]
 
     def __post_init__(self) -> None:

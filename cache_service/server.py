@@ -24,7 +24,7 @@ from card.cache_service.records import RecordWriter
 from card.cache_service.servicer import CacheServicer
 from card.cache_service.sessions import SessionTable
 from card.cache_service.store import MetadataStore, open_store
-from card.common.auth import CACHE_ROLES, TokenAuth
+from card.common.auth import CACHE_ROLES, TokenAuth, cache_tokens
 from card.common.cli import (
     CHAIN_FIELDS,
     exit_on_error,
@@ -43,6 +43,7 @@ from card.common.serving import (
     setup_logging,
     start_health_port,
     start_metrics_server,
+    warn_open_port,
 )
 from card.engine.shared.errors import InvalidArgument, Unavailable
 from card.v1 import cache_pb2, cache_pb2_grpc
@@ -54,6 +55,11 @@ SERVICE_NAME = cache_pb2.DESCRIPTOR.services_by_name["CacheService"].full_name
 # ask) does not follow Redis, which no request needs (card.cache_service.monitor)
 REDIS_HEALTH_NAME = f"{SERVICE_NAME}.redis"
 
+# The largest message the cache takes: an OpenSession's prompt of a million int64 ids is 8 MiB, a
+# StepBatch of catch-ups less; a layer is at most MAX_LAYER_NODES + MAX_LAYER_SECONDARY entries
+# (< 0.5 MiB). Anything larger is refused (RESOURCE_EXHAUSTED) before it is parsed.
+MAX_RECEIVE_BYTES = 16 * 2**20
+
 
 class CacheServer:
     """The gRPC server with the cache's state and background threads (the monitor, the writer of
@@ -62,10 +68,13 @@ class CacheServer:
     def __init__(self, config: CacheConfig, store: MetadataStore) -> None:
         self.config = config
         self.store = store
-        auth = TokenAuth(CACHE_ROLES, {"draft": config.draft_token, "target": config.target_token})
+        tokens, closed = cache_tokens(config.draft_token, config.target_token, config.operator_token)
+        auth = TokenAuth(CACHE_ROLES, tokens, closed=closed)
         # streams beyond the registry's bound are refused by the servicer before they last; calls
-        # beyond the pool are refused by grpc, never queued behind streams that do not end
-        self.grpc = make_server(config.server_threads, [auth], maximum_concurrent_rpcs=config.server_threads)
+        # beyond the pool are refused at once (card.common.gate), never queued behind streams that
+        # do not end
+        self.grpc = make_server(config.server_threads, [auth], maximum_concurrent_rpcs=config.server_threads,
+                                max_receive_bytes=MAX_RECEIVE_BYTES)
         self.health = add_health(self.grpc)
         self.assignments = Assignments(
             max_workers=config.max_drafts, router=PoolRouter(config.pool_weights),
@@ -84,6 +93,22 @@ class CacheServer:
 
     def bind(self, addr: str) -> int:
         return bind(self.grpc, addr, self.config.tls)
+
+    def warn_if_open(self, port: int) -> None:
+        """One warning at start for each role whose calls this port serves without a token."""
+        c = self.config
+        if not c.target_token:
+            warn_open_port("cache's gRPC port", c.host, port, "--target-token",
+                           "open, step and close sessions, and read Status (every prompt's ids)")
+        if not c.draft_token:
+            warn_open_port("cache's gRPC port", c.host, port, "--draft-token",
+                           "register as a draft and write the trees that targets verify")
+        if not c.operator_token and not c.target_token:
+            warn_open_port("cache's gRPC port", c.host, port, "--operator-token",
+                           "drain draft workers and set pool weights")
+        elif not c.operator_token:
+            log.info("no --operator-token: Drain and SetPoolWeights are refused (Status takes the target "
+                     "token)")
 
     def start(self) -> None:
         self.sessions.retire_predecessors()  # before serving: every live record now is ours
@@ -192,8 +217,12 @@ def create_server(addr: str, config: CacheConfig, store: MetadataStore | None = 
         help="Drafts must present it (authorization: Bearer) to RegisterDraft, Commands, PublishLayers, "
              "Heartbeat; UNAUTHENTICATED otherwise (default: open).")
 @option("--target-token", default=None,
-        help="Targets and operators must present it to OpenSession, Step, StepBatch, CloseSession, Status "
+        help="Targets must present it to OpenSession, Step, StepBatch, CloseSession and Status "
              "(default: open).")
+@option("--operator-token", default=None,
+        help="Operators must present it to Drain and SetPoolWeights (card-client drafts drain / resume / "
+             "weights); Status takes it too. Unset while --target-token is set: those two are refused "
+             "(no target can drain); unset with no target token: open.")
 @tls_options("card-cache", dials=False)
 @logging_options
 def main(**options: object) -> None:
@@ -202,6 +231,7 @@ def main(**options: object) -> None:
     with exit_on_error("card-cache"):
         config = CacheConfig.from_options(**options)  # type: ignore[arg-type]
         server, bound = create_server(config.addr, config)
+        server.warn_if_open(bound)
         start_metrics_server(config.metrics_port, config.metrics_host)
         server.start()
         health_server, _ = start_health_port(server.health, config.host, config.health_port)

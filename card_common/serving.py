@@ -1,4 +1,5 @@
-"""What every service process shares: gRPC server options, health, metrics, logging, shutdown."""
+"""What every service process shares: gRPC servers and their bounds, health, metrics, logging,
+shutdown."""
 
 from __future__ import annotations
 
@@ -13,103 +14,76 @@ from concurrent import futures
 from typing import Any
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2_grpc
 
+from card.common.gate import HEALTH_CALLS, Gate
+from card.common.health import HANDSHAKE_TIMEOUT_MS, Health, HealthPort
+from card.common.health import set_serving as set_serving  # re-exported: every service sets it here
+from card.common.metrics_port import serve_metrics
 from card.common.tls import PLAINTEXT, TlsConfig
 from card.engine.shared.errors import InvalidArgument, Unavailable
 
 log = logging.getLogger(__name__)
 
+# What a client accepts from its peers, and sends (card.common.channels): the services it calls
+# are its own; each server takes less (``max_receive_bytes`` of make_server, sized per service).
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
-
-# Clients ping every 30 s (card.common.channels); the server must allow that or it answers with
-# GOAWAY "too_many_pings" and long-lived streams (draft commands) drop.
-SERVER_OPTIONS: tuple[tuple[str, Any], ...] = (
-    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.keepalive_time_ms", 30_000),
-    ("grpc.keepalive_timeout_ms", 10_000),
-    ("grpc.keepalive_permit_without_calls", 1),
-    ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
-    ("grpc.http2.max_pings_without_data", 0),
-    # gRPC enables SO_REUSEPORT by default: a second server on a taken port would silently share
-    # it; a port conflict must fail at startup instead
-    ("grpc.so_reuseport", 0),
-)
+# Calls at once on one connection: grpc refuses more (REFUSED_STREAM: the caller sees UNAVAILABLE;
+# grpc's clients do not wait for room). The server-wide bound is make_server's budget: this keeps
+# one connection from taking all of it, above what a legitimate one holds (a target: its Steps and
+# opens; a process of many drafts sharing one connection: three streams each).
+STREAMS_PER_CONNECTION = 256
+# How long a call of a method that takes one message may take to deliver it (card.common.gate):
+# a client sends it with its headers; 20 s carries the largest message a service takes over a
+# slow (a few Mbit/s) link. A silent caller's thread is freed then.
+FIRST_MESSAGE_S = 20.0
 
 
-class _Malformed:
-    """What a request that does not parse becomes (instead of grpc's INTERNAL and a traceback)."""
+def server_options(max_receive_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[str, Any]]:
+    """The options of every thread-pool server.
 
-    def __init__(self, error: BaseException) -> None:
-        self.error = error
-
-
-class RejectMalformed(grpc.ServerInterceptor):
-    """Answers a request message that does not parse with INVALID_ARGUMENT, and logs one line for
-    the first of each method and every 1000th after (grpc alone logs a full traceback per message
-    and answers INTERNAL: a fuzzer could fill the disk with logs)."""
-
-    def __init__(self) -> None:
-        self.seen: dict[str, int] = {}
-        self._lock = threading.Lock()
-
-    def _refuse(self, method: str, bad: _Malformed, context: grpc.ServicerContext) -> None:
-        with self._lock:
-            n = self.seen[method] = self.seen.get(method, 0) + 1
-        if n == 1 or n % 1000 == 0:
-            log.warning("malformed %s request(s) refused: %d so far (latest from %s: %s)", method, n,
-                        context.peer(), bad.error)
-        context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed request message: {bad.error}")
-
-    def intercept_service(self, continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler],
-                          details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler:
-        handler = continuation(details)
-        if handler is None or handler.request_deserializer is None:
-            return handler
-        parse, method = handler.request_deserializer, details.method
-
-        def safe(data: bytes) -> Any:
-            try:
-                return parse(data)
-            except Exception as exc:  # DecodeError, and anything else a parser can raise
-                return _Malformed(exc)
-
-        def checked(request: Any, context: grpc.ServicerContext) -> Any:
-            if isinstance(request, _Malformed):
-                self._refuse(method, request, context)
-            return request
-
-        def each(requests: Any, context: grpc.ServicerContext) -> Any:
-            for request in requests:
-                yield checked(request, context)
-
-        kw = {"request_deserializer": safe, "response_serializer": handler.response_serializer}
-        if handler.unary_unary:
-            fn_uu = handler.unary_unary
-            return grpc.unary_unary_rpc_method_handler(lambda r, c: fn_uu(checked(r, c), c), **kw)
-        if handler.unary_stream:
-            fn_us = handler.unary_stream
-
-            def unary_stream(request: Any, context: grpc.ServicerContext) -> Any:
-                yield from fn_us(checked(request, context), context)
-
-            return grpc.unary_stream_rpc_method_handler(unary_stream, **kw)
-        if handler.stream_unary:
-            fn_su = handler.stream_unary
-            return grpc.stream_unary_rpc_method_handler(lambda rs, c: fn_su(each(rs, c), c), **kw)
-        fn_ss = handler.stream_stream
-        return grpc.stream_stream_rpc_method_handler(lambda rs, c: fn_ss(each(rs, c), c), **kw)
+    No connection age: the drafts' Commands and PublishLayers streams live as long as their
+    registration, and a Generate stream as long as its generation; an age would cut them (grpc
+    ends a connection's streams when its grace is over). A silent call is ended by the first
+    message deadline instead (card.common.gate), and a connection that never finishes its
+    handshake after HANDSHAKE_TIMEOUT_MS."""
+    return [
+        ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+        ("grpc.max_receive_message_length", max_receive_bytes),
+        ("grpc.max_concurrent_streams", STREAMS_PER_CONNECTION),
+        ("grpc.server_handshake_timeout_ms", HANDSHAKE_TIMEOUT_MS),
+        # Clients ping every 30 s (card.common.channels); the server must allow that or it answers
+        # with GOAWAY "too_many_pings" and long-lived streams (draft commands) drop.
+        ("grpc.keepalive_time_ms", 30_000),
+        ("grpc.keepalive_timeout_ms", 10_000),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+        ("grpc.http2.max_pings_without_data", 0),
+        # gRPC enables SO_REUSEPORT by default: a second server on a taken port would silently share
+        # it; a port conflict must fail at startup instead
+        ("grpc.so_reuseport", 0),
+    ]
 
 
 def make_server(max_workers: int = 32, interceptors: Sequence[grpc.ServerInterceptor] = (),
-                maximum_concurrent_rpcs: int | None = None) -> grpc.Server:
-    """A thread-pool gRPC server with the shared options (and RejectMalformed innermost, so that
-    ``interceptors`` see parsed requests). Each open stream holds one thread; past
-    ``maximum_concurrent_rpcs`` a call is refused (RESOURCE_EXHAUSTED) instead of queued."""
-    return grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=list(SERVER_OPTIONS),
-                       interceptors=[*interceptors, RejectMalformed()],
-                       maximum_concurrent_rpcs=maximum_concurrent_rpcs)
+                maximum_concurrent_rpcs: int | None = None, *, max_receive_bytes: int = MAX_MESSAGE_BYTES,
+                first_message_s: float = FIRST_MESSAGE_S) -> grpc.Server:
+    """A thread-pool gRPC server with the shared options, every call through ``Gate`` (innermost,
+    after ``interceptors``: a call an interceptor refuses costs no budget and no thread).
+
+    Each open stream holds one thread. ``maximum_concurrent_rpcs``: service calls in flight (at
+    most ``max_workers``, so that each has a thread at once); past it a call is refused
+    (RESOURCE_EXHAUSTED) at once instead of queued. None: calls queue for a thread (tests).
+    grpc.health.v1 runs on threads of its own (card.common.gate)."""
+    if maximum_concurrent_rpcs is not None and maximum_concurrent_rpcs > max_workers:
+        raise ValueError(f"{maximum_concurrent_rpcs} calls in flight need as many threads, not {max_workers}")
+    gate = Gate(maximum_concurrent_rpcs, first_message_s)
+    # grpc's own count is the backstop of the gate's: the service's calls, the health calls and
+    # refusals under way (each ends at once)
+    backstop = None if maximum_concurrent_rpcs is None else maximum_concurrent_rpcs + HEALTH_CALLS + 64
+    return grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grpc"),
+                       options=server_options(max_receive_bytes), interceptors=[*interceptors, gate],
+                       maximum_concurrent_rpcs=backstop)
 
 
 def bind(server: grpc.Server, addr: str, tls: TlsConfig = PLAINTEXT) -> int:
@@ -126,49 +100,38 @@ def bind(server: grpc.Server, addr: str, tls: TlsConfig = PLAINTEXT) -> int:
 
 
 # ---- health ---------------------------------------------------------------------------------
-def add_health(server: grpc.Server) -> health.HealthServicer:
-    """Register grpc.health.v1 on ``server``; everything starts NOT_SERVING."""
-    servicer = health.HealthServicer(experimental_non_blocking=True)
+def add_health(server: grpc.Server) -> Health:
+    """Register grpc.health.v1 on ``server``; everything starts NOT_SERVING. The returned owner
+    of the statuses also feeds the process's health ports (``start_health_port``)."""
+    servicer = Health()
     health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
-    servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
     return servicer
 
 
-def start_health_port(servicer: health.HealthServicer, host: str, port: int | None
-                      ) -> tuple[grpc.Server | None, int]:
-    """Serve ``servicer`` alone, in plaintext, on ``host:port`` ((None, 0) when port is None): for
-    probes that cannot speak TLS (the kubelet's gRPC probe) when the service port does. It carries
-    no request data, only SERVING / NOT_SERVING. Returns the started server and its port."""
+def start_health_port(servicer: Health, host: str, port: int | None) -> tuple[HealthPort | None, int]:
+    """Serve ``servicer``'s statuses alone, in plaintext, on ``host:port`` ((None, 0) when port is
+    None): for probes that cannot speak TLS (the kubelet's gRPC probe) when the service port does.
+    It carries no request data, only SERVING / NOT_SERVING, and no caller can hold it
+    (card.common.health). Returns the started server and its port."""
     if port is None:
         return None, 0
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=list(SERVER_OPTIONS))
-    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
-    bound = bind(server, f"{host}:{port}")
-    server.start()
-    log.info("plaintext health on %s:%d", host, bound)
-    return server, bound
-
-
-def set_serving(servicer: health.HealthServicer, serving: bool, services: Sequence[str] = ()) -> None:
-    """Set the overall status ("") and each named service (e.g. "card.v1.CacheService")."""
-    status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
-    for name in ("", *services):
-        servicer.set(name, status)
+    server = HealthPort(servicer, host, port)
+    log.info("plaintext health on %s:%d", host, server.port)
+    return server, server.port
 
 
 # ---- metrics --------------------------------------------------------------------------------
 def start_metrics_server(port: int, addr: str = "127.0.0.1") -> int:
     """Serve Prometheus metrics over HTTP on ``addr:port`` (0 = disabled; loopback unless the
-    service's ``--metrics-host`` says otherwise); returns the port or 0.
+    service's ``--metrics-host`` says otherwise), bounded (card.common.metrics_port); returns
+    the port or 0.
 
     InvalidArgument when the port cannot be bound (e.g. a second local instance on the default).
     """
     if port == 0:
         return 0
-    from prometheus_client import start_http_server
-
     try:
-        start_http_server(port, addr=addr)
+        serve_metrics(addr, port)
     except OSError as exc:
         raise InvalidArgument(
             f"cannot serve metrics on {addr}:{port} ({exc.strerror or exc}); choose another metrics "
@@ -176,6 +139,12 @@ def start_metrics_server(port: int, addr: str = "127.0.0.1") -> int:
         ) from None
     log.info("metrics on http://%s:%d/metrics", addr, port)
     return port
+
+
+def warn_open_port(what: str, host: str, port: int, missing: str, allows: str) -> None:
+    """The one start-up warning for a port that serves without a token (``missing``: the flag)."""
+    log.warning("the %s on %s:%d serves without %s: anyone who reaches it can %s", what, host, port,
+                missing, allows)
 
 
 # ---- logging --------------------------------------------------------------------------------
@@ -232,9 +201,9 @@ def setup_logging(level: str = "INFO", json_logs: bool = False) -> None:
 
 
 # ---- shutdown -------------------------------------------------------------------------------
-def serve_until_signal(server: grpc.Server, on_shutdown: Callable[[], None], grace_s: float = 5.0,
-                       health_servicer: health.HealthServicer | None = None,
-                       health_server: grpc.Server | None = None) -> None:
+def serve_until_signal(server: grpc.Server | HealthPort, on_shutdown: Callable[[], None],
+                       grace_s: float = 5.0, health_servicer: Health | None = None,
+                       health_server: HealthPort | None = None) -> None:
     """Block until SIGTERM/SIGINT, then drain: NOT_SERVING, ``on_shutdown()``, ``server.stop(grace)``.
 
     Health flips first so load balancers and probes stop routing here while sessions end cleanly.

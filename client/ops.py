@@ -139,7 +139,7 @@ def _target_info(addr: str, tls: TlsConfig, api_key: str | None = None) -> str:
 
 def cache_status(addr: str, token: str | None = None, tls: TlsConfig = PLAINTEXT) -> cache_pb2.StatusResponse:
     """The cache's Status (registered drafts, live sessions, totals); CardError when it fails.
-    ``token``: the cache's target token, where it requires one."""
+    ``token``: the cache's operator or target token, where it requires one."""
     try:
         with channel(addr, token, tls) as ch:
             stub = cache_pb2_grpc.CacheServiceStub(ch)
@@ -169,12 +169,14 @@ def _totals_line(totals: dict[str, float]) -> str:
         show_default=True, help="Health address of one draft worker.")
 @option("--target-token", envvar="CARD_CLIENT_TARGET_TOKEN", default=None,
         help="The cache's target token, where card-cache requires one (--target-token).")
+@option("--operator-token", envvar="CARD_CLIENT_OPERATOR_TOKEN", default=None,
+        help="The cache's operator token (its --operator-token); presented instead of --target-token.")
 @option("--api-key", envvar="CARD_CLIENT_API_KEY", default=None,
         help="The target's key, where card-target requires one (its --api-key).")
 @tls_options("card-client", serves=False, envvar_prefix="CARD_CLIENT")
 @exit_on_error("card-client")
 def status(target_addr: str, cache_addr: str, draft_addr: str, target_token: str | None,
-           api_key: str | None, tls: TlsConfig) -> None:
+           operator_token: str | None, api_key: str | None, tls: TlsConfig) -> None:
     """Health of each service, registered drafts, live sessions and totals from the cache."""
     rows = []
     health = {name: _health(addr, tls) for name, addr in
@@ -184,7 +186,7 @@ def status(target_addr: str, cache_addr: str, draft_addr: str, target_token: str
     reply: cache_pb2.StatusResponse | None = None
     if health["cache"] != "unreachable":
         try:
-            reply = cache_status(cache_addr, target_token, tls)
+            reply = cache_status(cache_addr, operator_token or target_token, tls)
             cache_detail = (f"device {reply.cache_device}, redis "
                             f"{'connected' if reply.redis_connected else 'NOT connected'}, "
                             f"{len(reply.drafts)} draft(s), {len(reply.sessions)} live session(s)")
@@ -238,8 +240,12 @@ def _drafts_table(reply: cache_pb2.StatusResponse) -> str:
 
 def _cache_options(fn: Callable[..., None]) -> Callable[..., None]:
     fn = tls_options("card-client", serves=False, envvar_prefix="CARD_CLIENT")(fn)
+    fn = option("--operator-token", envvar="CARD_CLIENT_OPERATOR_TOKEN", default=None,
+                help="The cache's operator token, where card-cache requires one (its --operator-token): "
+                     "drain, resume and weights need it; the list takes it or --target-token.")(fn)
     fn = option("--target-token", envvar="CARD_CLIENT_TARGET_TOKEN", default=None,
-                help="The cache's target token, where card-cache requires one (--target-token).")(fn)
+                help="The cache's target token, where card-cache requires one (--target-token): enough "
+                     "to list the drafts, not to change them.")(fn)
     return option("--cache", "cache_addr", envvar="CARD_CLIENT_CACHE_ADDR", default=DEFAULT_CACHE_ADDR,
                   show_default=True)(fn)
 
@@ -248,23 +254,24 @@ def _cache_options(fn: Callable[..., None]) -> Callable[..., None]:
 @_cache_options
 @click.pass_context
 @exit_on_error("card-client")
-def drafts(ctx: click.Context, cache_addr: str, target_token: str | None, tls: TlsConfig) -> None:
+def drafts(ctx: click.Context, cache_addr: str, target_token: str | None, operator_token: str | None,
+           tls: TlsConfig) -> None:
     """Draft pools and workers registered with the cache service: each pool's workers, capacity,
     live sessions and acceptance (to compare two draft models serving the same target), then
     each worker. ``drain`` / ``resume`` take workers out of (and back into) service."""
     if ctx.invoked_subcommand is None:
-        reply = cache_status(cache_addr, target_token, tls)
+        reply = cache_status(cache_addr, operator_token or target_token, tls)
         click.echo(_pools_table(reply))
         click.echo("")
         click.echo(_drafts_table(reply))
 
 
-def _drain(cache_addr: str, target_token: str | None, tls: TlsConfig, name: str | None, pool: str | None,
+def _drain(cache_addr: str, operator_token: str | None, tls: TlsConfig, name: str | None, pool: str | None,
            resume: bool) -> None:
     if bool(name) == bool(pool):
         raise click.UsageError("give one worker NAME or --pool POOL")
     try:
-        with channel(cache_addr, target_token, tls) as ch:
+        with channel(cache_addr, operator_token, tls) as ch:
             reply = cache_pb2_grpc.CacheServiceStub(ch).Drain(
                 cache_pb2.DrainRequest(name=name or "", pool=pool or "", resume=resume),
                 timeout=RPC_TIMEOUT_S)
@@ -281,24 +288,25 @@ def _drain(cache_addr: str, target_token: str | None, tls: TlsConfig, name: str 
 @_cache_options
 @exit_on_error("card-client")
 def drain(name: str | None, pool: str | None, cache_addr: str, target_token: str | None,
-          tls: TlsConfig) -> None:
+          operator_token: str | None, tls: TlsConfig) -> None:
     """Stop giving sessions to worker NAME (or every worker of --pool) and move its live sessions
     to other workers, its pool's first; the process keeps running (before a rollout, or to compare
     pools). Output never changes: the target verifies every token."""
-    _drain(cache_addr, target_token, tls, name, pool, resume=False)
+    _drain(cache_addr, operator_token, tls, name, pool, resume=False)
 
 
 @drafts.command("weights")
 @click.argument("weights")
 @_cache_options
 @exit_on_error("card-client")
-def weights(weights: str, cache_addr: str, target_token: str | None, tls: TlsConfig) -> None:
+def weights(weights: str, cache_addr: str, target_token: str | None, operator_token: str | None,
+            tls: TlsConfig) -> None:
     """Split unnamed sessions between pools by WEIGHTS, e.g. 'stable=90,canary=10' ('' = the
     least-loaded worker of any pool). Takes effect at once for new sessions, without a restart;
     the cache's --pool-weights is what it starts with."""
     parsed = parse_pool_weights(weights)  # the cache checks them too; a typo fails here first
     try:
-        with channel(cache_addr, target_token, tls) as ch:
+        with channel(cache_addr, operator_token, tls) as ch:
             reply = cache_pb2_grpc.CacheServiceStub(ch).SetPoolWeights(
                 cache_pb2.PoolWeightsRequest(weights=dict(parsed)), timeout=RPC_TIMEOUT_S)
     except grpc.RpcError as err:
@@ -313,6 +321,6 @@ def weights(weights: str, cache_addr: str, target_token: str | None, tls: TlsCon
 @_cache_options
 @exit_on_error("card-client")
 def resume(name: str | None, pool: str | None, cache_addr: str, target_token: str | None,
-           tls: TlsConfig) -> None:
+           operator_token: str | None, tls: TlsConfig) -> None:
     """Undo a drain: worker NAME (or every worker of --pool) takes sessions again."""
-    _drain(cache_addr, target_token, tls, name, pool, resume=True)
+    _drain(cache_addr, operator_token, tls, name, pool, resume=True)

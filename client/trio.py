@@ -233,6 +233,7 @@ class LocalTrio:
     # the cache's tokens (card.common.auth), handed to the side that presents each; None = open
     draft_token: str | None = field(default=None, repr=False)
     target_token: str | None = field(default=None, repr=False)
+    operator_token: str | None = field(default=None, repr=False)  # Drain, SetPoolWeights (card-client drafts)
     # every gRPC link (card.common.tls): each service serves this certificate and dials with it
     tls: TlsConfig = PLAINTEXT
     start_timeout_s: float = 600.0
@@ -306,6 +307,7 @@ class LocalTrio:
                                            *self.extra_args.get("cache", ())],
                             env={"CARD_CACHE_DRAFT_TOKEN": self.draft_token,
                                  "CARD_CACHE_TARGET_TOKEN": self.target_token,
+                                 "CARD_CACHE_OPERATOR_TOKEN": self.operator_token,
                                  **tls_env("CARD_CACHE", self.tls)})
         self.cache_addr = cache.wait_listening(self.start_timeout_s)
         cache.wait_serving(self.start_timeout_s)

@@ -17,7 +17,6 @@ import os
 from collections.abc import Callable
 
 import click
-import grpc
 import torch
 
 from card.common.channels import warn_if_cleartext
@@ -31,10 +30,8 @@ from card.common.cli import (
     tls_options,
     tree_options,
 )
+from card.common.health import Health, HealthPort
 from card.common.serving import (
-    add_health,
-    bind,
-    make_server,
     serve_until_signal,
     set_serving,
     setup_logging,
@@ -56,16 +53,17 @@ from card.engine.shared.torch_threads import on_passing_thread
 log = logging.getLogger("draft_service")
 
 
-def create_server(addr: str, tls: TlsConfig = PLAINTEXT) -> tuple[grpc.Server, int]:
-    """A health-only gRPC server bound to ``addr`` ("host:port", port 0 = OS-chosen)."""
-    server = make_server(max_workers=4)
-    return server, bind(server, addr, tls)
+def create_server(host: str, port: int, tls: TlsConfig = PLAINTEXT) -> tuple[HealthPort, Health]:
+    """The draft's gRPC port: grpc.health.v1 alone, on ``host:port`` (port 0 = OS-chosen; the
+    bound one is ``.port``), started, everything NOT_SERVING; no caller can hold it
+    (card.common.health)."""
+    health = Health()
+    return HealthPort(health, host, port, tls), health
 
 
 def serve(config: DraftConfig) -> None:
-    server, port = create_server(f"{config.host}:{config.port}", config.tls)
-    health = add_health(server)
-    server.start()
+    server, health = create_server(config.host, config.port, config.tls)
+    port = server.port
     health_server, _ = start_health_port(health, config.host, config.health_port)
     warn_if_cleartext(config.cache_addr, config.draft_token, config.tls, "draft")
     print(f"card-draft listening on {config.host}:{port}", flush=True)

@@ -50,7 +50,7 @@ class TargetConfig:
     http_tls_cert: str | None = None  # HTTPS on the HTTP front (with http_tls_key); None: plain HTTP
     http_tls_key: str | None = None
     http_metrics: bool = True  # /metrics on the HTTP front (behind the API key when there is one)
-    max_body_mb: float = 4.0  # largest HTTP request body; larger ones get 413 before they are read
+    max_body_mb: float = 4.0  # largest HTTP body or gRPC message; larger ones are refused unread
     max_waiting: int = 64  # requests waiting for a KV slot; more are refused at once
     queue_timeout_s: float = 30.0  # how long a request waits for a KV slot before it is refused
     allow_loose: bool = True  # serve requests that ask for verify loose (lossy, by their choice)

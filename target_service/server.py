@@ -41,7 +41,7 @@ from card.engine.target.scheduler import TargetEngine
 from card.target_service.config import TargetConfig
 from card.target_service.engine_loop import EngineLoop, drafting_policy
 from card.target_service.frontend import Frontend
-from card.target_service.openai_api import HttpServer, create_app
+from card.target_service.openai_api import DEFAULT_MAX_BODY_BYTES, HttpServer, create_app
 from card.target_service.servicer import TargetServicer
 from card.v1 import cache_pb2_grpc, target_pb2_grpc
 
@@ -53,27 +53,44 @@ SERVICE_NAME = "card.v1.TargetService"
 API_KEY_HINT = "the API key (authorization: Bearer KEY; card-client --api-key / CARD_CLIENT_API_KEY)"
 
 
+# Threads of the gRPC front beyond its generations' (Info, health-free: card.common.gate runs
+# health on threads of its own): a call past the front's bound still finds one to be refused on.
+RESERVE_THREADS = 16
+
+
+def grpc_threads(config: TargetConfig) -> int:
+    """Every streaming Generate holds a thread, running or waiting for a KV slot: the most that
+    can (--max-batch-size + --max-waiting), and the reserve. No more calls than this are taken at
+    once: the next one is refused RESOURCE_EXHAUSTED at once, as the engine refuses past
+    --max-waiting, instead of queueing for a thread with no bound."""
+    return config.max_batch_size + config.max_waiting + RESERVE_THREADS
+
+
 def create_server(addr: str, max_workers: int = 16, tls: TlsConfig = PLAINTEXT,
-                  api_key: str | None = None) -> tuple[grpc.Server, int]:
-    """A gRPC server bound to ``addr`` ("host:port", port 0 = OS-chosen); not started. With
-    ``api_key``, Generate and Info answer UNAUTHENTICATED to a call without it (health stays open)."""
+                  api_key: str | None = None, max_receive_bytes: int = DEFAULT_MAX_BODY_BYTES
+                  ) -> tuple[grpc.Server, int]:
+    """A gRPC server bound to ``addr`` ("host:port", port 0 = OS-chosen); not started; at most
+    ``max_workers`` calls in flight, messages of at most ``max_receive_bytes``. With ``api_key``,
+    Generate and Info answer UNAUTHENTICATED to a call without it, before its message is read
+    (health stays open)."""
     auth = TokenAuth(TARGET_ROLES, {"user": api_key}, hints={"user": API_KEY_HINT})
-    server = make_server(max_workers=max_workers, interceptors=[auth])
+    server = make_server(max_workers=max_workers, interceptors=[auth], maximum_concurrent_rpcs=max_workers,
+                         max_receive_bytes=max_receive_bytes)
     return server, bind(server, addr, tls)
 
 
 def warn_if_open(config: TargetConfig) -> None:
-    """One warning at start for each port that listens beyond this machine without a key, or
-    whose key and prompts would cross the network in clear."""
+    """One warning at start for each port that serves without a key (on loopback too: every
+    local user reaches it), or whose key and prompts would cross the network in clear."""
     ports = [("gRPC", config.host, config.tls.serves, "--tls-cert")]
     if config.http_port is not None:
         ports.append(("HTTP", config.http_host, config.http_tls.serves, "--http-tls-cert"))
     for what, host, tls, flag in ports:
-        if host in LOOPBACK:
-            continue
         if not config.api_key:
             log.warning("the %s API listens on %s without --api-key: anyone who reaches it can generate "
                         "(set --api-key / CARD_TARGET_API_KEY)", what, host)
+        elif host in LOOPBACK:
+            continue
         elif not tls:
             log.warning("the %s API listens on %s without TLS: the API key and prompts cross the network "
                         "in clear (%s)", what, host, flag)
@@ -96,9 +113,9 @@ def load_engine(config: TargetConfig) -> tuple[LoadedModel, TargetEngine]:
 
 
 def serve(config: TargetConfig) -> None:
-    # every streaming Generate holds a server thread, waiting ones too; health and Info need some
-    server, port = create_server(f"{config.host}:{config.port}", max_workers=4 * config.max_batch_size + 16,
-                                 tls=config.tls, api_key=config.api_key)
+    server, port = create_server(f"{config.host}:{config.port}", max_workers=grpc_threads(config),
+                                 tls=config.tls, api_key=config.api_key,
+                                 max_receive_bytes=config.max_body_bytes)
     warn_if_open(config)
     health = add_health(server)
     cache_channel = None
@@ -224,7 +241,8 @@ def serve(config: TargetConfig) -> None:
         help="Also serve /metrics on the HTTP API (behind --api-key when one is set); the metrics port "
              "serves them either way.")
 @option("--max-body-mb", default=4.0, type=float,
-        help="Largest HTTP request body; a larger one is refused with 413 before it is read.")
+        help="Largest request: an HTTP body (a larger one is refused with 413 before it is read) or a gRPC "
+             "message (RESOURCE_EXHAUSTED).")
 @option("--max-waiting", default=64, type=int,
         help="Most requests waiting for a KV slot; more are refused at once (RESOURCE_EXHAUSTED / 429).")
 @option("--queue-timeout-s", default=30.0, type=float,

@@ -1,4 +1,4 @@
-"""Tokens on the cache (card.common.auth): each RPC needs its role's token, health stays open.
+"""Tokens on the cache (card.common.auth): each RPC needs its roles' token, health stays open.
 
 A real card-cache server (in-process, on a loopback port) with Redis; clients over real channels;
 then a trio started from the entry points with tokens and mutual TLS on every link (certificates
@@ -30,41 +30,47 @@ from tests.services.certs import make_pki
 
 DRAFT_TOKEN = "draft-" + uuid.uuid4().hex
 TARGET_TOKEN = "target-" + uuid.uuid4().hex
+OPERATOR_TOKEN = "operator-" + uuid.uuid4().hex
 
-# every CacheService RPC with a harmless request; the role whose token it needs
+TARGET, DRAFT, OPERATOR = ("target",), ("draft",), ("operator",)
+# every CacheService RPC with a harmless request; the roles whose token it takes
 CALLS = {
-    "OpenSession": ("target", lambda s: s.OpenSession(cache_pb2.OpenSessionRequest(), timeout=TIMEOUT)),
-    "Step": ("target", lambda s: s.Step(cache_pb2.StepRequest(), timeout=TIMEOUT)),
-    "StepBatch": ("target", lambda s: s.StepBatch(cache_pb2.StepBatchRequest(), timeout=TIMEOUT)),
-    "CloseSession": ("target", lambda s: s.CloseSession(cache_pb2.CloseSessionRequest(), timeout=TIMEOUT)),
-    "Status": ("target", lambda s: s.Status(cache_pb2.StatusRequest(), timeout=TIMEOUT)),
-    "RegisterDraft": ("draft", lambda s: s.RegisterDraft(cache_pb2.RegisterDraftRequest(), timeout=TIMEOUT)),
-    "Commands": ("draft", lambda s: next(s.Commands(cache_pb2.CommandsRequest(), timeout=TIMEOUT))),
-    "PublishLayers": ("draft", lambda s: s.PublishLayers(iter([cache_pb2.LayerMessage()]), timeout=TIMEOUT)),
-    "Heartbeat": ("draft", lambda s: s.Heartbeat(cache_pb2.HeartbeatRequest(), timeout=TIMEOUT)),
-    "Drain": ("target", lambda s: s.Drain(cache_pb2.DrainRequest(), timeout=TIMEOUT)),
-    "SetPoolWeights": ("target", lambda s: s.SetPoolWeights(cache_pb2.PoolWeightsRequest(), timeout=TIMEOUT)),
+    "OpenSession": (TARGET, lambda s: s.OpenSession(cache_pb2.OpenSessionRequest(), timeout=TIMEOUT)),
+    "Step": (TARGET, lambda s: s.Step(cache_pb2.StepRequest(), timeout=TIMEOUT)),
+    "StepBatch": (TARGET, lambda s: s.StepBatch(cache_pb2.StepBatchRequest(), timeout=TIMEOUT)),
+    "CloseSession": (TARGET, lambda s: s.CloseSession(cache_pb2.CloseSessionRequest(), timeout=TIMEOUT)),
+    "Status": (TARGET + OPERATOR, lambda s: s.Status(cache_pb2.StatusRequest(), timeout=TIMEOUT)),
+    "RegisterDraft": (DRAFT, lambda s: s.RegisterDraft(cache_pb2.RegisterDraftRequest(), timeout=TIMEOUT)),
+    "Commands": (DRAFT, lambda s: next(s.Commands(cache_pb2.CommandsRequest(), timeout=TIMEOUT))),
+    "PublishLayers": (DRAFT, lambda s: s.PublishLayers(iter([cache_pb2.LayerMessage()]), timeout=TIMEOUT)),
+    "Heartbeat": (DRAFT, lambda s: s.Heartbeat(cache_pb2.HeartbeatRequest(), timeout=TIMEOUT)),
+    "Drain": (OPERATOR, lambda s: s.Drain(cache_pb2.DrainRequest(), timeout=TIMEOUT)),
+    "SetPoolWeights": (OPERATOR, lambda s: s.SetPoolWeights(cache_pb2.PoolWeightsRequest(), timeout=TIMEOUT)),
 }
 
 
 def test_every_cache_rpc_is_guarded_and_tried_here() -> None:
-    """A new RPC must get a role (card.common.auth.CACHE_ROLES) and a row in CALLS above."""
+    """A new RPC must get roles (card.common.auth.CACHE_ROLES) and a row in CALLS above."""
     methods = cache_pb2.DESCRIPTOR.services_by_name["CacheService"].methods_by_name
     assert set(methods) == set(CALLS)
-    assert {f"/card.v1.CacheService/{m}": role for m, (role, _) in CALLS.items()} == CACHE_ROLES
+    assert {f"/card.v1.CacheService/{m}": roles for m, (roles, _) in CALLS.items()} == CACHE_ROLES
 
 
-@pytest.fixture
-def guarded(redis_url: str, redis_prefix: str) -> Iterator[str]:
+def guarded_cache(redis_url: str, redis_prefix: str, **tokens: str) -> Iterator[str]:
     config = CacheConfig(host="127.0.0.1", port=0, redis_url=redis_url, redis_prefix=redis_prefix,
-                         metrics_port=0, heartbeat_interval_s=30.0, health_check_interval_s=0.1,
-                         draft_token=DRAFT_TOKEN, target_token=TARGET_TOKEN)
+                         metrics_port=0, heartbeat_interval_s=30.0, health_check_interval_s=0.1, **tokens)
     server, port = create_server(config.addr, config)
     server.start()
     addr = f"127.0.0.1:{port}"
     wait_serving(addr, TIMEOUT)
     yield addr
     server.stop(1.0).wait()
+
+
+@pytest.fixture
+def guarded(redis_url: str, redis_prefix: str) -> Iterator[str]:
+    yield from guarded_cache(redis_url, redis_prefix, draft_token=DRAFT_TOKEN, target_token=TARGET_TOKEN,
+                             operator_token=OPERATOR_TOKEN)
 
 
 def code_of(fn, stub) -> grpc.StatusCode:
@@ -75,18 +81,33 @@ def code_of(fn, stub) -> grpc.StatusCode:
     return grpc.StatusCode.OK
 
 
-@pytest.mark.parametrize("token", [None, "wrong", DRAFT_TOKEN, TARGET_TOKEN])
+@pytest.mark.parametrize("token", [None, "wrong", DRAFT_TOKEN, TARGET_TOKEN, OPERATOR_TOKEN])
 def test_every_rpc_needs_its_roles_token(guarded: str, token: str | None) -> None:
-    role_of = {DRAFT_TOKEN: "draft", TARGET_TOKEN: "target"}.get(token or "")
+    role_of = {DRAFT_TOKEN: "draft", TARGET_TOKEN: "target", OPERATOR_TOKEN: "operator"}.get(token or "")
     with channel(guarded, token) as ch:
         stub = cache_pb2_grpc.CacheServiceStub(ch)
-        for name, (role, call) in CALLS.items():
+        for name, (roles, call) in CALLS.items():
             code = code_of(call, stub)
-            if role == role_of:  # let through: whatever the servicer makes of the empty request
+            if role_of in roles:  # let through: whatever the servicer makes of the empty request
                 assert code is not grpc.StatusCode.UNAUTHENTICATED, name
             else:
                 assert code is grpc.StatusCode.UNAUTHENTICATED, f"{name} with {token!r}: {code}"
     assert health_status(guarded) == "SERVING"  # probes need no token
+
+
+def test_without_an_operator_token_no_target_can_drain(redis_url: str, redis_prefix: str) -> None:
+    """A cache with a target token and no operator token refuses Drain and SetPoolWeights to
+    everyone, the target's token included, and says which flag opens them; Status still takes
+    the target's token (a target lists the drafts with it)."""
+    for addr in guarded_cache(redis_url, redis_prefix, target_token=TARGET_TOKEN):
+        with channel(addr, TARGET_TOKEN) as ch:
+            stub = cache_pb2_grpc.CacheServiceStub(ch)
+            assert code_of(CALLS["Status"][1], stub) is grpc.StatusCode.OK
+            for name in ("Drain", "SetPoolWeights"):
+                with pytest.raises(grpc.RpcError) as err:
+                    CALLS[name][1](stub)
+                assert err.value.code() is grpc.StatusCode.UNAUTHENTICATED
+                assert "--operator-token" in err.value.details(), err.value.details()
 
 
 def test_token_holders_serve_a_session(guarded: str) -> None:
