@@ -512,13 +512,17 @@ def test_hardened_requires_every_secret_and_opens_no_internet(name: str, tmp_pat
     plain = render_variant(name.replace("+hardened", "").replace("hardened", "cpu+tls"), tmp_path / "plain")
     for variant_, required in ((rendered, True), (plain, False)):
         # the Hub token is for downloads, which the hardened overlay does not make
-        refs = [(c.script, v["name"], v["valueFrom"]["secretKeyRef"]) for c in card_containers(variant_)
-                for v in c.container.get("env", []) if "secretKeyRef" in v.get("valueFrom", {})
+        containers = [(d["metadata"]["name"], c) for d in variant_.of_kind("Deployment")
+                      for c in d["spec"]["template"]["spec"]["containers"]]
+        refs = [(who, v["name"], v["valueFrom"]["secretKeyRef"]) for who, c in containers
+                for v in c.get("env", []) if "secretKeyRef" in v.get("valueFrom", {})
                 and v["name"] != "HF_TOKEN"]
-        scripts = {s for s, _, _ in refs}
-        assert scripts == {"card-cache", "card-target", "card-draft"}, scripts
-        for script, var, ref in refs:
-            assert ref.get("optional", False) is (not required), (script, var, ref)
+        assert {n for n, _, _ in refs} >= {"card-cache", "card-target", "card-draft", "card-redis"}
+        assert {v for _, v, _ in refs} >= {"CARD_CACHE_OPERATOR_TOKEN", "CARD_CACHE_REDIS_URL",
+                                           "REDIS_PASSWORD"}
+        assert is_hardened(variant_) is required
+        for who, var, ref in refs:
+            assert ref.get("optional", False) is (not required), (who, var, ref)
     drafts = [c for c in card_containers(rendered) if c.script == "card-draft"]
     assert len(drafts) == (2 if "pool" in name else 1)
     for c in card_containers(rendered):
@@ -839,20 +843,26 @@ def test_addresses_point_at_services_that_reach_the_right_process(variant: tuple
         assert sp["targetPort"] in ("grpc", cache.port("grpc")), f"{script} reaches the cache on another port"
 
 
+def is_hardened(rendered: Rendered) -> bool:
+    """components/hardened applied: it removes the one policy that opens the internet."""
+    return "card-model-download" not in {p["metadata"]["name"] for p in rendered.of_kind("NetworkPolicy")}
+
+
 def test_redis_password_comes_from_one_secret_and_never_in_arguments(variant: tuple[str, Rendered]) -> None:
     """The cache's Redis URL and Redis's requirepass come from one Secret (card-redis: url holds
     password); Redis reads the password on its standard input, not in its arguments (which ps
     shows), and its probes authenticate; the eviction policy keeps Redis taking records when full."""
     _, rendered = variant
+    optional = not is_hardened(rendered)  # components/hardened requires every Secret
     (cache,) = [c for c in card_containers(rendered) if c.script == "card-cache"]
     url = next(v for v in cache.container["env"] if v["name"] == "CARD_CACHE_REDIS_URL")
-    assert url["valueFrom"]["secretKeyRef"] == {"name": "card-redis", "key": "url", "optional": True}
+    assert url["valueFrom"]["secretKeyRef"] == {"name": "card-redis", "key": "url", "optional": optional}
     # without the Secret the ConfigMap's URL is used: no password there
     fallback = urlsplit(configmap_env(rendered, cache.container)["CARD_CACHE_REDIS_URL"])
     assert fallback.password is None
     redis = rendered.get("Deployment", "card-redis")["spec"]["template"]["spec"]["containers"][0]
     env = {v["name"]: v["valueFrom"]["secretKeyRef"] for v in redis["env"]}
-    assert env == {n: {"name": "card-redis", "key": "password", "optional": True}
+    assert env == {n: {"name": "card-redis", "key": "password", "optional": optional}
                    for n in ("REDIS_PASSWORD", "REDISCLI_AUTH")}
     script = redis["command"][2]
     assert redis["command"][:2] == ["sh", "-c"]
