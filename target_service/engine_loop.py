@@ -11,16 +11,22 @@ Bounded: past ``max_waiting`` generations waiting for a slot, ``submit`` refuses
 (ResourceExhausted). A submit after ``stop`` or after the thread died is refused (Unavailable),
 never left hanging; a thread that dies ends every generation with Unavailable and calls
 ``on_death`` (card-target's health goes NOT_SERVING).
+
+Metrics in vLLM's shape (card.target_service.metrics.ServedModel) are observed here, where every
+generation's events pass whatever its front: time to first token and between commits, the request
+intervals, tokens, and the spec-decode counters, labelled with the served model name.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 
 import torch
 
+from card.engine.shared.config import MAX_CHAIN
 from card.engine.shared.errors import ResourceExhausted, Unavailable
 from card.engine.shared.torch_threads import name_os_thread
 from card.engine.target.chain_source import DraftKind
@@ -54,10 +60,11 @@ def drafting_policy(speculation: str) -> DraftingPolicy:
 
 class EngineLoop:
     """``threads``: torch intra-op threads of the engine's thread; None: those of the thread that
-    builds the loop (card-target's main thread: --threads, or torch's default, the machine's cores)."""
+    builds the loop (card-target's main thread: --threads, or torch's default, the machine's cores).
+    ``model_name``: the ``model_name`` label of its request metrics (the name clients call it by)."""
 
     def __init__(self, engine: TargetEngine, threads: int | None = None, max_waiting: int | None = None,
-                 on_death: Callable[[BaseException], None] | None = None) -> None:
+                 on_death: Callable[[BaseException], None] | None = None, model_name: str = "") -> None:
         self.engine = engine
         # torch's count is per thread, and a thread that never sets its own takes the process-wide
         # value of the moment it first runs an op in parallel (its first forward, at the first
@@ -72,6 +79,7 @@ class EngineLoop:
         self._cancels: list[Generation] = []
         self._sinks: dict[Generation, Callable[[Event], None]] = {}
         self._on_admit: dict[Generation, Callable[[], None]] = {}
+        self._tracks: dict[Generation, metrics.Track] = {}  # beside _sinks: one per generation
         self._stopping = False
         self.died: BaseException | None = None
         metrics.ENGINE_ALIVE.set(1)
@@ -82,6 +90,10 @@ class EngineLoop:
         metrics.ACTIVE.set_function(lambda: len(engine.running))
         metrics.SPECULATING.set_function(lambda: float(engine.policy.speculating))
         metrics.DRAFTING_PAUSED.set_function(engine.policy.paused)
+        self.served = metrics.ServedModel(model_name or "unnamed", MAX_CHAIN)
+        pool = engine.pool
+        self.served.gauges(running=lambda: len(engine.running), waiting=self.waiting,
+                           kv_usage=lambda: 1.0 - pool.free_slots / pool.slots if pool.slots else 0.0)
         self._session_pauses = 0
 
     def start(self) -> None:
@@ -123,6 +135,7 @@ class EngineLoop:
                 raise ResourceExhausted(f"{self.waiting()} requests wait for a KV slot already "
                                         f"(--max-waiting {self.max_waiting}); retry later")
             self._sinks[gen] = sink
+            self._tracks[gen] = metrics.Track(time.perf_counter())
             if on_admit is not None:
                 self._on_admit[gen] = on_admit
             self._inbox.append(gen)
@@ -148,7 +161,7 @@ class EngineLoop:
             with self._cv:
                 self.died = exc
                 sinks, self._sinks = self._sinks, {}
-                self._inbox, self._cancels, self._on_admit = [], [], {}
+                self._inbox, self._cancels, self._on_admit, self._tracks = [], [], {}, {}
             metrics.ENGINE_ALIVE.set(0)
             error = Unavailable("card-target's engine stopped; retry against another replica")
             for gen, sink in sinks.items():
@@ -226,13 +239,21 @@ class EngineLoop:
                 log.exception("an admission callback failed")
 
     def _deliver(self, event: Event) -> None:
+        now = time.perf_counter()
         with self._cv:
             sink = self._sinks.get(event.generation)
             if event.done:
                 self._sinks.pop(event.generation, None)
+                track = self._tracks.pop(event.generation, None)
                 callback = self._on_admit.pop(event.generation, None)
             else:
+                track = self._tracks.get(event.generation)
                 callback = None
+        if track is not None:
+            try:  # counted before the front hears of it: a client that has its answer finds it counted
+                self.served.observe(track, event, now)
+            except Exception:  # a metric must never stop the engine
+                log.exception("observing a generation's metrics failed")
         if callback is not None:
             try:
                 callback()
