@@ -187,9 +187,7 @@ class EngineLoop:
                 cancels, self._cancels = self._cancels, []
             for gen in inbox:
                 engine.add(gen)
-            for gen in cancels:
-                if gen.result is None:
-                    self._deliver(engine.cancel(gen))
+            self._deliver_all([engine.cancel(gen) for gen in cancels if gen.result is None])
             self._observe_threads()
             try:
                 events = engine.step()
@@ -208,13 +206,12 @@ class EngineLoop:
             if (pauses := engine.policy.session_pauses) != self._session_pauses:
                 metrics.SESSION_PAUSES.inc(pauses - self._session_pauses)
                 self._session_pauses = pauses
-            for event in events:
-                self._deliver(event)
+            self._deliver_all(events)
             self._admitted()
         with self._cv:
             inbox, self._inbox = self._inbox, []
-        for gen in [*engine.running, *engine.waiting, *inbox]:  # shutdown: nothing is left half-open
-            self._deliver(engine.cancel(gen))
+        # shutdown: nothing is left half-open
+        self._deliver_all([engine.cancel(gen) for gen in [*engine.running, *engine.waiting, *inbox]])
 
     def _observe_threads(self) -> None:
         """Publish the torch thread count this thread's next forward runs on (read here: another
@@ -238,29 +235,35 @@ class EngineLoop:
             except Exception:
                 log.exception("an admission callback failed")
 
-    def _deliver(self, event: Event) -> None:
+    def _deliver_all(self, events: list[Event]) -> None:
+        """Hand one iteration's events to their fronts, counted first (a client that has its
+        answer finds it in the metrics); the iteration's commits share one time."""
         now = time.perf_counter()
+        handoffs = []
         with self._cv:
-            sink = self._sinks.get(event.generation)
-            if event.done:
-                self._sinks.pop(event.generation, None)
-                track = self._tracks.pop(event.generation, None)
-                callback = self._on_admit.pop(event.generation, None)
-            else:
-                track = self._tracks.get(event.generation)
-                callback = None
-        if track is not None:
-            try:  # counted before the front hears of it: a client that has its answer finds it counted
-                self.served.observe(track, event, now)
-            except Exception:  # a metric must never stop the engine
-                log.exception("observing a generation's metrics failed")
-        if callback is not None:
-            try:
-                callback()
-            except Exception:
-                log.exception("an admission callback failed")
-        if sink is not None:
-            try:
-                sink(event)
-            except Exception:  # a front that cannot take its event must not stop the engine
-                log.exception("delivering a generation's event failed")
+            for event in events:
+                gen = event.generation
+                if event.done:
+                    sink, track = self._sinks.pop(gen, None), self._tracks.pop(gen, None)
+                    callback = self._on_admit.pop(gen, None)
+                else:
+                    sink, track, callback = self._sinks.get(gen), self._tracks.get(gen), None
+                handoffs.append((event, sink, track, callback))
+        try:
+            for event, _, track, _ in handoffs:
+                if track is not None:
+                    self.served.observe(track, event, now)
+            self.served.flush()
+        except Exception:  # a metric must never stop the engine
+            log.exception("observing generations' metrics failed")
+        for event, sink, _, callback in handoffs:
+            if callback is not None:
+                try:
+                    callback()
+                except Exception:
+                    log.exception("an admission callback failed")
+            if sink is not None:
+                try:
+                    sink(event)
+                except Exception:  # a front that cannot take its event must not stop the engine
+                    log.exception("delivering a generation's event failed")

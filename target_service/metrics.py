@@ -168,9 +168,11 @@ class Track:
 
 class ServedModel:
     """The vLLM-shaped series of one served model name, bound once (no label lookup per token),
-    fed by the engine loop on its thread: ``observe`` each event of a generation with its ``Track``.
-    ``positions``: the most chain positions (card.engine.shared.config.MAX_CHAIN), the bound of
-    the per-position label."""
+    fed by the engine loop on its thread: ``observe`` each event of an iteration with its
+    generation's ``Track``, then ``flush`` once. Counters are summed in plain ints until the flush
+    (a few increments per iteration, not several per generation: this runs on the engine's
+    critical path); histograms take each value as it comes. ``positions``: the most chain
+    positions (card.engine.shared.config.MAX_CHAIN), the bound of the per-position label."""
 
     def __init__(self, model_name: str, positions: int) -> None:
         self.name = model_name
@@ -187,6 +189,9 @@ class ServedModel:
         self.drafts, self.draft_tokens = SPEC_DRAFTS.labels(model_name), SPEC_DRAFT_TOKENS.labels(model_name)
         self.accepted = SPEC_ACCEPTED_TOKENS.labels(model_name)
         self._per_pos: dict[int, Counter] = {}  # made at first use: positions a chain reached
+        # summed since the last flush: prompt, generation, drafts, drafted, accepted; per position
+        self._sums = [0, 0, 0, 0, 0]
+        self._pos = [0] * positions
 
     def gauges(self, running: Callable[[], float], waiting: Callable[[], float],
                kv_usage: Callable[[], float]) -> None:
@@ -196,41 +201,57 @@ class ServedModel:
         KV_USAGE.labels(self.name).set_function(kv_usage)
 
     def observe(self, track: Track, event: Event, now: float) -> None:
-        """One event of ``track``'s generation, delivered at ``now``: a chunk's first token (TTFT,
+        """One event of ``track``'s generation, committed at ``now``: a chunk's first token (TTFT,
         its prompt's tokens) or later tokens (the gap since the last), the drafts verified since
         the last event, and, for a generation that finished (not cancelled, not failed), its
         request-level histograms."""
-        gen, chunk = event.generation, event.chunk
+        gen, chunk, sums = event.generation, event.chunk, self._sums
         if chunk is not None:
             if not track.first:
                 track.first = track.last = now
                 self.ttft.observe(now - track.submitted)
-                self.prompt_tokens.inc(len(gen.request.prompt_ids))
+                sums[0] += len(gen.request.prompt_ids)
             elif chunk.token_ids:
                 self.itl.observe(now - track.last)
                 track.last = now
-            self.generation_tokens.inc(len(chunk.token_ids))
-        self._count_drafts(track, gen.stats)
+            sums[1] += len(chunk.token_ids)
+        stats = gen.stats
+        if stats.draft_tokens != track.drafted:
+            self._count_drafts(track, stats)
         result = gen.result
         if (event.done and event.error is None and result is not None
                 and result.finish_reason in FINISHED_REASON):
             self._finished(track, result, gen.opened_at, now)
 
+    def flush(self) -> None:
+        """Add what ``observe`` summed to the counters."""
+        sums, pos = self._sums, self._pos
+        for counter, n in zip((self.prompt_tokens, self.generation_tokens, self.drafts, self.draft_tokens,
+                               self.accepted), sums, strict=True):
+            if n:
+                counter.inc(n)
+        for p, n in enumerate(pos):
+            if not n:
+                break  # a chain that kept position p kept every one before it
+            self._position(p).inc(n)
+            pos[p] = 0
+        self._sums = [0, 0, 0, 0, 0]
+
     def _count_drafts(self, track: Track, stats: GenerationStats) -> None:
-        """The verifications since the last event (each one adds 1 to the stats' histogram at the
-        number of drafted tokens it kept, and each drafted at least one token)."""
-        if stats.draft_tokens == track.drafted:
-            return
-        seen, drafts = track.histogram, 0
+        """The verifications since the last event: each added 1 to the stats' histogram at the
+        number of drafted tokens it kept (and drafted at least one token)."""
+        seen, pos = track.histogram, self._pos
+        drafts = 0
         for kept, count in enumerate(stats.acceptance_histogram):
             new = count - (seen[kept] if kept < len(seen) else 0)
             if new:
                 drafts += new
-                for pos in range(min(kept, self.positions)):
-                    self._position(pos).inc(new)
-        self.drafts.inc(drafts)
-        self.draft_tokens.inc(stats.draft_tokens - track.drafted)
-        self.accepted.inc(stats.accepted_draft_tokens - track.accepted)
+                for p in range(min(kept, self.positions)):
+                    pos[p] += new
+        sums = self._sums
+        sums[2] += drafts
+        sums[3] += stats.draft_tokens - track.drafted
+        sums[4] += stats.accepted_draft_tokens - track.accepted
         track.drafted, track.accepted = stats.draft_tokens, stats.accepted_draft_tokens
         track.histogram = list(stats.acceptance_histogram)
 
