@@ -11,16 +11,22 @@ Bounded: past ``max_waiting`` generations waiting for a slot, ``submit`` refuses
 (ResourceExhausted). A submit after ``stop`` or after the thread died is refused (Unavailable),
 never left hanging; a thread that dies ends every generation with Unavailable and calls
 ``on_death`` (card-target's health goes NOT_SERVING).
+
+Metrics in vLLM's shape (card.target_service.metrics.ServedModel) are observed here, where every
+generation's events pass whatever its front: time to first token and between commits, the request
+intervals, tokens, and the spec-decode counters, labelled with the served model name.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 
 import torch
 
+from card.engine.shared.config import MAX_CHAIN
 from card.engine.shared.errors import ResourceExhausted, Unavailable
 from card.engine.shared.torch_threads import name_os_thread
 from card.engine.target.chain_source import DraftKind
@@ -54,10 +60,11 @@ def drafting_policy(speculation: str) -> DraftingPolicy:
 
 class EngineLoop:
     """``threads``: torch intra-op threads of the engine's thread; None: those of the thread that
-    builds the loop (card-target's main thread: --threads, or torch's default, the machine's cores)."""
+    builds the loop (card-target's main thread: --threads, or torch's default, the machine's cores).
+    ``model_name``: the ``model_name`` label of its request metrics (the name clients call it by)."""
 
     def __init__(self, engine: TargetEngine, threads: int | None = None, max_waiting: int | None = None,
-                 on_death: Callable[[BaseException], None] | None = None) -> None:
+                 on_death: Callable[[BaseException], None] | None = None, model_name: str = "") -> None:
         self.engine = engine
         # torch's count is per thread, and a thread that never sets its own takes the process-wide
         # value of the moment it first runs an op in parallel (its first forward, at the first
@@ -72,6 +79,7 @@ class EngineLoop:
         self._cancels: list[Generation] = []
         self._sinks: dict[Generation, Callable[[Event], None]] = {}
         self._on_admit: dict[Generation, Callable[[], None]] = {}
+        self._tracks: dict[Generation, metrics.Track] = {}  # beside _sinks: one per generation
         self._stopping = False
         self.died: BaseException | None = None
         metrics.ENGINE_ALIVE.set(1)
@@ -82,6 +90,10 @@ class EngineLoop:
         metrics.ACTIVE.set_function(lambda: len(engine.running))
         metrics.SPECULATING.set_function(lambda: float(engine.policy.speculating))
         metrics.DRAFTING_PAUSED.set_function(engine.policy.paused)
+        self.served = metrics.ServedModel(model_name or "unnamed", MAX_CHAIN)
+        pool = engine.pool
+        self.served.gauges(running=lambda: len(engine.running), waiting=self.waiting,
+                           kv_usage=lambda: 1.0 - pool.free_slots / pool.slots if pool.slots else 0.0)
         self._session_pauses = 0
 
     def start(self) -> None:
@@ -123,6 +135,7 @@ class EngineLoop:
                 raise ResourceExhausted(f"{self.waiting()} requests wait for a KV slot already "
                                         f"(--max-waiting {self.max_waiting}); retry later")
             self._sinks[gen] = sink
+            self._tracks[gen] = metrics.Track(time.perf_counter())
             if on_admit is not None:
                 self._on_admit[gen] = on_admit
             self._inbox.append(gen)
@@ -148,7 +161,7 @@ class EngineLoop:
             with self._cv:
                 self.died = exc
                 sinks, self._sinks = self._sinks, {}
-                self._inbox, self._cancels, self._on_admit = [], [], {}
+                self._inbox, self._cancels, self._on_admit, self._tracks = [], [], {}, {}
             metrics.ENGINE_ALIVE.set(0)
             error = Unavailable("card-target's engine stopped; retry against another replica")
             for gen, sink in sinks.items():
@@ -174,9 +187,7 @@ class EngineLoop:
                 cancels, self._cancels = self._cancels, []
             for gen in inbox:
                 engine.add(gen)
-            for gen in cancels:
-                if gen.result is None:
-                    self._deliver(engine.cancel(gen))
+            self._deliver_all([engine.cancel(gen) for gen in cancels if gen.result is None])
             self._observe_threads()
             try:
                 events = engine.step()
@@ -195,13 +206,12 @@ class EngineLoop:
             if (pauses := engine.policy.session_pauses) != self._session_pauses:
                 metrics.SESSION_PAUSES.inc(pauses - self._session_pauses)
                 self._session_pauses = pauses
-            for event in events:
-                self._deliver(event)
+            self._deliver_all(events)
             self._admitted()
         with self._cv:
             inbox, self._inbox = self._inbox, []
-        for gen in [*engine.running, *engine.waiting, *inbox]:  # shutdown: nothing is left half-open
-            self._deliver(engine.cancel(gen))
+        # shutdown: nothing is left half-open
+        self._deliver_all([engine.cancel(gen) for gen in [*engine.running, *engine.waiting, *inbox]])
 
     def _observe_threads(self) -> None:
         """Publish the torch thread count this thread's next forward runs on (read here: another
@@ -225,21 +235,35 @@ class EngineLoop:
             except Exception:
                 log.exception("an admission callback failed")
 
-    def _deliver(self, event: Event) -> None:
+    def _deliver_all(self, events: list[Event]) -> None:
+        """Hand one iteration's events to their fronts, counted first (a client that has its
+        answer finds it in the metrics); the iteration's commits share one time."""
+        now = time.perf_counter()
+        handoffs = []
         with self._cv:
-            sink = self._sinks.get(event.generation)
-            if event.done:
-                self._sinks.pop(event.generation, None)
-                callback = self._on_admit.pop(event.generation, None)
-            else:
-                callback = None
-        if callback is not None:
-            try:
-                callback()
-            except Exception:
-                log.exception("an admission callback failed")
-        if sink is not None:
-            try:
-                sink(event)
-            except Exception:  # a front that cannot take its event must not stop the engine
-                log.exception("delivering a generation's event failed")
+            for event in events:
+                gen = event.generation
+                if event.done:
+                    sink, track = self._sinks.pop(gen, None), self._tracks.pop(gen, None)
+                    callback = self._on_admit.pop(gen, None)
+                else:
+                    sink, track, callback = self._sinks.get(gen), self._tracks.get(gen), None
+                handoffs.append((event, sink, track, callback))
+        try:
+            for event, _, track, _ in handoffs:
+                if track is not None:
+                    self.served.observe(track, event, now)
+            self.served.flush()
+        except Exception:  # a metric must never stop the engine
+            log.exception("observing generations' metrics failed")
+        for event, sink, _, callback in handoffs:
+            if callback is not None:
+                try:
+                    callback()
+                except Exception:
+                    log.exception("an admission callback failed")
+            if sink is not None:
+                try:
+                    sink(event)
+                except Exception:  # a front that cannot take its event must not stop the engine
+                    log.exception("delivering a generation's event failed")

@@ -137,8 +137,6 @@ class Running:
         metrics.GENERATIONS.labels(mode=stats.mode, finish_reason=result.finish_reason).inc()
         metrics.TOKENS.inc(stats.new_tokens)
         metrics.TOKENS_PER_S.observe(stats.tokens_per_s)
-        metrics.DRAFT_TOKENS.inc(stats.draft_tokens)
-        metrics.ACCEPTED_DRAFT_TOKENS.inc(stats.accepted_draft_tokens)
         metrics.LOOSE_KEPT.inc(stats.loose_kept)
         metrics.REJECTION_FALLBACKS.inc(stats.rejection_fallbacks)
         log.info("generation done: %s", stats.summary())

@@ -38,6 +38,7 @@ from card.common.tls import PLAINTEXT, TlsConfig
 from card.engine.shared.errors import CardError, InvalidArgument
 from card.target_service import metrics
 from card.target_service.frontend import Frontend, Running
+from card.target_service.http_metrics import HttpMetrics
 from card.target_service.openai_schemas import ChatBody, CompletionBody
 from card.target_service.openai_shapes import ChatShape, CompletionShape, Shape, error_json, error_response
 from card.target_service.openai_stream import sse
@@ -174,6 +175,7 @@ def create_app(front: Frontend, api_key: str | None = None, *,
     app = FastAPI(title="card-target", description="OpenAI-compatible API of a CARD target",
                   docs_url=None, redoc_url=None)
     app.add_middleware(Guard, api_key=api_key, max_body_bytes=max_body_bytes)
+    app.add_middleware(HttpMetrics, routes=app.router.routes)  # outermost: the Guard's refusals count
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:

@@ -156,7 +156,8 @@ def serve(config: TargetConfig) -> None:
     def engine_died(exc: BaseException) -> None:
         set_serving(health, False, [SERVICE_NAME])
 
-    loop = EngineLoop(engine, threads=threads, max_waiting=config.max_waiting, on_death=engine_died)
+    loop = EngineLoop(engine, threads=threads, max_waiting=config.max_waiting, on_death=engine_died,
+                      model_name=model.name)  # the name /v1/models reports: the metrics' model_name
     loop.start()
     front.ready(model, loop)
     set_serving(health, True, [SERVICE_NAME])

@@ -38,6 +38,8 @@ try:
 except ModuleNotFoundError:  # Python 3.10: pytest itself depends on tomli there
     import tomli as tomllib
 
+from tests.metric_names import exported_metrics
+
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"
 K8S = DEPLOY / "k8s"
@@ -571,18 +573,6 @@ def test_the_target_keeps_serving_while_endpoints_forget_it(variant: tuple[str, 
     assert pause >= 5 and pause + grace < target.pod["spec"]["terminationGracePeriodSeconds"]
 
 
-def _exported_metrics() -> set[str]:
-    """Every sample name the three services can export (their metric modules' collectors)."""
-    from prometheus_client import REGISTRY
-
-    for module in ("card.cache_service.metrics", "card.target_service.metrics", "card.draft_service.metrics"):
-        importlib.import_module(module)
-    names: set[str] = set()
-    for collector in list(REGISTRY._collector_to_names):  # the registry's one index of names
-        names |= set(REGISTRY._collector_to_names[collector])
-    return names
-
-
 def test_monitoring_components_name_what_the_services_export(tmp_path: Path) -> None:
     """components/podmonitor scrapes the `metrics` port every card pod has; every metric
     components/autoscale-keda's queries read is one a service exports, and each ScaledObject scales
@@ -593,7 +583,7 @@ def test_monitoring_components_name_what_the_services_export(tmp_path: Path) -> 
     for c in card_containers(rendered):
         assert _selects(monitor["spec"]["selector"], c.deployment)
         assert all(c.port(p) for p in ports), c.script
-    exported = _exported_metrics()
+    exported = exported_metrics()
     scaled = rendered.of_kind("ScaledObject")
     assert {s["spec"]["scaleTargetRef"]["name"] for s in scaled} == {"card-target", "card-draft"}
     names = {d["metadata"]["name"] for d in rendered.of_kind("Deployment")}

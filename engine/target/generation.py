@@ -122,6 +122,12 @@ class Generation:
         return self.tracker.done
 
     @property
+    def opened_at(self) -> float:
+        """When its source opened, on time.perf_counter()'s clock (0.0 before): in an engine, its
+        admission to a KV slot (card-target's queue-time metric)."""
+        return self._t0
+
+    @property
     def prefill_left(self) -> int:
         """Prompt tokens not yet in the KV cache."""
         return len(self.request.prompt_ids) - self._prefilled
