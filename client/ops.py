@@ -19,7 +19,7 @@ import click
 import grpc
 
 from card.client.trio import LocalTrio
-from card.common.channels import channel, health_status
+from card.common.channels import LOOPBACK, channel, health_status
 from card.common.cli import exit_on_error, option, tls_options
 from card.common.drafts import parse_pool_weights
 from card.common.status import error_from_rpc
@@ -53,8 +53,18 @@ def _table(rows: Sequence[Sequence[str]], header: Sequence[str]) -> str:
 @option("--target-port", default=50051, show_default=True, type=int, help="0 = OS-chosen.")
 @option("--cache-port", default=50052, show_default=True, type=int, help="0 = OS-chosen.")
 @option("--draft-port", default=50053, show_default=True, type=int, help="0 = OS-chosen.")
-@option("--http-port", default=None, type=int,
-        help="Also serve the target's OpenAI-compatible HTTP API on this port (0 = OS-chosen; default: off).")
+@option("--http/--no-http", default=True, envvar="CARD_CLIENT_HTTP",
+        help="Serve the target's OpenAI-compatible HTTP API; --no-http: gRPC alone.")
+@option("--http-port", default=8000, show_default=True, type=int, envvar="CARD_CLIENT_HTTP_PORT",
+        help="Port of the OpenAI API (vllm serve's; 0 = OS-chosen).")
+@option("--http-host", default="127.0.0.1", show_default=True, envvar="CARD_CLIENT_HTTP_HOST",
+        help="Interface of the OpenAI API (0.0.0.0: other machines too; then set --api-key).")
+@option("--api-key", envvar="CARD_CLIENT_API_KEY", default=None,
+        help="The target requires this key on both its APIs (OpenAI clients: api_key=...; card-client "
+             "generate --target: the same variable). Prefer the variable: a command line is visible in ps.")
+@option("--served-model-name", multiple=True, envvar="CARD_CLIENT_SERVED_MODEL_NAME",
+        help="The name(s) OpenAI clients send as model (card-target --served-model-name; default: "
+             "--target-model).")
 @option("--target-threads", type=int, default=None, help="torch threads of the target.")
 @option("--draft-threads", type=int, default=None, help="torch threads of the draft.")
 @option("--redis-url", default=None, envvar="CARD_CLIENT_REDIS_URL",
@@ -65,17 +75,24 @@ def _table(rows: Sequence[Sequence[str]], header: Sequence[str]) -> str:
 @option("--device", default="auto", show_default=True)
 @exit_on_error("card-client")
 def up(target_model: str, draft_model: str, draft_quantize: str | None, draft_name: str | None,
-       target_port: int, cache_port: int, draft_port: int, http_port: int | None, target_threads: int | None,
+       target_port: int, cache_port: int, draft_port: int, http: bool, http_port: int, http_host: str,
+       api_key: str | None, served_model_name: tuple[str, ...], target_threads: int | None,
        draft_threads: int | None, redis_url: str | None, log_dir: Path | None, dtype: str,
        device: str) -> None:
-    """Start redis, card-cache, card-draft and card-target here; Ctrl-C stops them all."""
+    """Start redis, card-cache, card-draft and card-target here, the target's OpenAI API on
+    --http-port; Ctrl-C stops them all."""
     if draft_quantize is None:
         draft_quantize = "int8" if draft_model == DEFAULT_MODEL else "none"
+    if http and not api_key and http_host not in LOOPBACK:
+        click.echo(f"warning: the OpenAI API listens on {http_host} without --api-key: anyone who reaches "
+                   "it can generate (set CARD_CLIENT_API_KEY)", err=True)
     log_dir = log_dir or Path(tempfile.mkdtemp(prefix="card-up-"))
     click.echo(f"starting the trio (logs in {log_dir}) ...", err=True)
     trio = LocalTrio(target_model=target_model, draft_model=draft_model, draft_quantize=draft_quantize,
                      draft_name=draft_name, target_port=target_port, cache_port=cache_port,
-                     draft_port=draft_port, http_port=http_port, target_threads=target_threads,
+                     draft_port=draft_port, http_port=http_port if http else None,
+                     http_host=http_host if http else None, api_key=api_key or None,
+                     served_model_names=served_model_name, target_threads=target_threads,
                      draft_threads=draft_threads,
                      redis_url=redis_url, log_dir=log_dir, dtype=dtype, device=device)
     with trio:  # Ctrl-C while starting: KeyboardInterrupt stops whatever started
@@ -83,7 +100,8 @@ def up(target_model: str, draft_model: str, draft_quantize: str | None, draft_na
         click.echo(f"cache   {trio.cache_addr}  (redis {trio.redis_url})")
         click.echo(f"draft   {trio.draft_addr}  ({draft_model}, quantize {draft_quantize})")
         if trio.http_addr:
-            click.echo(f"http    http://{trio.http_addr}/v1  (OpenAI-compatible)")
+            model = (served_model_name and served_model_name[0].split(",")[0]) or target_model
+            click.echo(f"http    http://{trio.http_addr}/v1  (OpenAI API, model {model})")
         click.echo(f"export CARD_CLIENT_TARGET_ADDR={trio.target_addr} "
                    f"CARD_CLIENT_CACHE_ADDR={trio.cache_addr} CARD_CLIENT_DRAFT_ADDR={trio.draft_addr}")
         click.echo("serving; Ctrl-C stops everything", err=True)
