@@ -1,8 +1,8 @@
 """Operator commands of ``card-client``: ``up`` (a local trio), ``status``, ``drafts``.
 
-Addresses come from flags or CARD_CLIENT_TARGET_ADDR / CARD_CLIENT_CACHE_ADDR /
-CARD_CLIENT_DRAFT_ADDR (defaults:
-the standard local ports). Failures print one line and exit non-zero, never a traceback.
+Every flag also reads CARD_CLIENT_<OPTION> (card.common.cli.client_context): addresses from
+CARD_CLIENT_TARGET_ADDR / CARD_CLIENT_CACHE_ADDR / CARD_CLIENT_DRAFT_ADDR (defaults: the standard
+local ports). Failures print one line and exit non-zero, never a traceback.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import grpc
 
 from card.client.trio import LocalTrio
 from card.common.channels import LOOPBACK, channel, health_status
-from card.common.cli import exit_on_error, option, tls_options
+from card.common.cli import client_context, exit_on_error, option, tls_options
 from card.common.drafts import parse_pool_weights
 from card.common.status import error_from_rpc
 from card.common.tls import PLAINTEXT, TlsConfig
@@ -43,7 +43,7 @@ def _table(rows: Sequence[Sequence[str]], header: Sequence[str]) -> str:
 
 
 # ---- up ---------------------------------------------------------------------------------------
-@click.command()
+@click.command(context_settings=client_context())
 @option("--target-model", default=DEFAULT_MODEL, envvar="CARD_CLIENT_TARGET_MODEL", show_default=True,
         help="Hugging Face id, local folder, .gguf file, or 'default' (embedded SmolLM2-135M).")
 @option("--draft-model", default=DEFAULT_MODEL, envvar="CARD_CLIENT_DRAFT_MODEL", show_default=True)
@@ -178,7 +178,7 @@ def _totals_line(totals: dict[str, float]) -> str:
     return ", ".join(parts)
 
 
-@click.command()
+@click.command(context_settings=client_context())
 @option("--target", "target_addr", envvar="CARD_CLIENT_TARGET_ADDR", default=DEFAULT_TARGET_ADDR,
         show_default=True)
 @option("--cache", "cache_addr", envvar="CARD_CLIENT_CACHE_ADDR", default=DEFAULT_CACHE_ADDR,
@@ -259,16 +259,14 @@ def _drafts_table(reply: cache_pb2.StatusResponse) -> str:
 def _cache_options(fn: Callable[..., None]) -> Callable[..., None]:
     fn = tls_options("card-client", serves=False, envvar_prefix="CARD_CLIENT")(fn)
     fn = option("--operator-token", envvar="CARD_CLIENT_OPERATOR_TOKEN", default=None,
-                help="The cache's operator token, where card-cache requires one (its --operator-token): "
-                     "drain, resume and weights need it; the list takes it or --target-token.")(fn)
+                help="card-cache's --operator-token, where it has one (drain, resume, weights).")(fn)
     fn = option("--target-token", envvar="CARD_CLIENT_TARGET_TOKEN", default=None,
-                help="The cache's target token, where card-cache requires one (--target-token): enough "
-                     "to list the drafts, not to change them.")(fn)
+                help="card-cache's --target-token, where it has one (enough to list).")(fn)
     return option("--cache", "cache_addr", envvar="CARD_CLIENT_CACHE_ADDR", default=DEFAULT_CACHE_ADDR,
                   show_default=True)(fn)
 
 
-@click.group(invoke_without_command=True)
+@click.group(invoke_without_command=True, context_settings=client_context())
 @_cache_options
 @click.pass_context
 @exit_on_error("card-client")
@@ -276,7 +274,7 @@ def drafts(ctx: click.Context, cache_addr: str, target_token: str | None, operat
            tls: TlsConfig) -> None:
     """Draft pools and workers registered with the cache service: each pool's workers, capacity,
     live sessions and acceptance (to compare two draft models serving the same target), then
-    each worker. ``drain`` / ``resume`` take workers out of (and back into) service."""
+    each worker. The drain and resume commands take workers out of (and back into) service."""
     if ctx.invoked_subcommand is None:
         reply = cache_status(cache_addr, operator_token or target_token, tls)
         click.echo(_pools_table(reply))
@@ -300,7 +298,7 @@ def _drain(cache_addr: str, operator_token: str | None, tls: TlsConfig, name: st
     click.echo(f"{verb} {', '.join(reply.workers)}{moved}")
 
 
-@drafts.command("drain")
+@drafts.command("drain", context_settings=client_context())
 @click.argument("name", required=False)
 @option("--pool", default=None, help="Drain every worker of this pool.")
 @_cache_options
@@ -313,7 +311,7 @@ def drain(name: str | None, pool: str | None, cache_addr: str, target_token: str
     _drain(cache_addr, operator_token, tls, name, pool, resume=False)
 
 
-@drafts.command("weights")
+@drafts.command("weights", context_settings=client_context())
 @click.argument("weights")
 @_cache_options
 @exit_on_error("card-client")
@@ -333,7 +331,7 @@ def weights(weights: str, cache_addr: str, target_token: str | None, operator_to
     click.echo(f"pool weights: {now or 'none (least-loaded worker of any pool)'}")
 
 
-@drafts.command("resume")
+@drafts.command("resume", context_settings=client_context())
 @click.argument("name", required=False)
 @option("--pool", default=None, help="Resume every worker of this pool.")
 @_cache_options
