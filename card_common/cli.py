@@ -128,11 +128,11 @@ def tls_options(program: str, *, serves: bool = True, dials: bool = True,
         wrapper = option("--tls-ca", type=path, default=None,
                          help=f"PEM CA bundle that verifies {trusted}.")(wrapper)
         wrapper = option("--tls-key", type=path, default=None, help="PEM private key of --tls-cert.")(wrapper)
-        role = ", ".join((["served on the gRPC port"] if serves else [])
-                         + (["presented to servers that ask (mutual TLS)"] if dials else []))
-        return option("--tls-cert", type=path, default=None,
-                      help=f"PEM certificate chain {role}. Default: plaintext (TLS: docs/usage.md)."
-                      )(wrapper)
+        what = ("PEM certificate chain served on the gRPC port, presented to servers that ask. Default: "
+                "plaintext." if serves and dials else
+                "PEM certificate chain served on the gRPC port. Default: plaintext." if serves else
+                "PEM client certificate, for servers that require one (mutual TLS).")
+        return option("--tls-cert", type=path, default=None, help=what)(wrapper)
 
     return decorate
 

@@ -117,8 +117,9 @@ def cli(log_level: str) -> None:
 @option("--json", "as_json", is_flag=True, envvar="CARD_CLIENT_JSON",
         help="Print one JSON object: text, token_ids, stats.")
 @option("--timeout", "timeout_s", type=click.FloatRange(min=0, min_open=True), default=600.0,
-        show_default=True, help="Seconds the whole generation may take through the services (the gRPC "
-                                "deadline); past it the command fails, naming it.")
+        show_default=True, envvar="CARD_CLIENT_TIMEOUT",
+        help="Seconds the whole generation may take through the services (the gRPC deadline); past it "
+             "the command fails, naming it.")
 @exact_option("CARD_CLIENT")
 @ngram_options("card-client", envvar_prefix="CARD_CLIENT")
 @tls_options("card-client", serves=False, envvar_prefix="CARD_CLIENT")
