@@ -117,8 +117,13 @@ class TargetConfig:
     @property
     def served_names(self) -> tuple[str, ...]:
         """The names a request may give as ``model``; the first is reported (responses, /v1/models,
-        Info, metrics)."""
+        Info, metrics): card-target names its loaded model so."""
         return self.served_model_names or (self.model.label,)
+
+    def accepted_names(self, reported: str) -> tuple[str, ...]:
+        """The names a request may give, the loaded model's (``reported``, the first served name)
+        first: one list for the check and for /v1/models."""
+        return tuple(dict.fromkeys((reported, *self.served_model_names)))
 
     @property
     def http_interface(self) -> str:

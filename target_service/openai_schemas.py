@@ -77,7 +77,7 @@ class _Common(BaseModel):
         if refused:
             raise InvalidArgument(f"{', '.join(refused)}: not served by card-target "
                                   "(it would change the output)")
-        names = validator.config.served_names  # any of them (--served-model-name); the first is reported
+        names = validator.config.accepted_names(validator.model.name)  # any --served-model-name
         if self.model not in names:
             raise NotFound(f"model {self.model!r} is not served here; GET /v1/models lists "
                            f"{', '.join(map(repr, names))}")
