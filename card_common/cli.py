@@ -1,7 +1,10 @@
 """What every command line shares: environment variables by one rule, one error exit, logging flags.
 
-Every service option reads ``CARD_<SERVICE>_<OPTION>`` (click's ``auto_envvar_prefix``, so no
-option can drift from the rule) and ``--help`` shows the variable beside the flag.
+Every option reads ``CARD_<PROGRAM>_<OPTION>`` (click's ``auto_envvar_prefix``, so no option can
+drift from the rule): the services' CARD_TARGET_*, CARD_DRAFT_*, CARD_CACHE_*, card-client's
+CARD_CLIENT_* and card-bench's CARD_BENCH_*; ``--help`` shows the variable beside the flag. A
+flag shared by several commands has its help written once, here, short: the explanation that
+would repeat in every command's --help lives in docs/usage.md.
 """
 
 from __future__ import annotations
@@ -33,6 +36,16 @@ def service_command(env_prefix: str) -> Callable[[Callable[..., Any]], click.Com
     })
 
 
+CLIENT_ENV = "CARD_CLIENT"
+
+
+def client_context(**settings: Any) -> dict[str, Any]:
+    """The context_settings of a card-client command: its options read CARD_CLIENT_<OPTION> (a
+    subcommand would otherwise read CARD_CLIENT_<COMMAND>_<OPTION>, click's nesting), so one
+    variable means one thing to every command (CARD_CLIENT_TARGET_ADDR, CARD_CLIENT_API_KEY ...)."""
+    return {"help_option_names": ["-h", "--help"], "auto_envvar_prefix": CLIENT_ENV, **settings}
+
+
 def exact_option(envvar_prefix: str | None = None) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """``--exact on|off`` -> ``exact: bool``, the same on card-target, card-client and card-bench.
     ``envvar_prefix``: for commands without ``auto_envvar_prefix`` (card-client's CARD_CLIENT)."""
@@ -40,10 +53,10 @@ def exact_option(envvar_prefix: str | None = None) -> Callable[[Callable[..., An
         "--exact", type=click.Choice(["on", "off"]), default="on", show_default=True,
         envvar=f"{envvar_prefix}_EXACT" if envvar_prefix else None,
         callback=lambda _ctx, _param, value: value == "on",
-        help="on: the target's batch-invariant forward, so every output equals the same request "
-             "served alone by plain decoding, in any dtype and at any load (docs/engine.md). off: the "
-             "vendor kernels (attention, a lone row's matmul), a little faster; outputs may then "
-             "differ with the load and are marked exact=false in the stats.")
+        help="on: batch-invariant kernels, so every output equals the request served alone by plain "
+             "decoding, at any load. off: the vendor kernels; outputs may change with the load (stats "
+             "say exact=false). Measured cost of on: 3-4% on the CPU (bf16); on one H100, eager, "
+             "plain decoding at 0.70x (8 in flight) and 0.34x (32) of vendor (docs/performance.md).")
 
 
 def logging_options(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -102,29 +115,24 @@ def tls_options(program: str, *, serves: bool = True, dials: bool = True,
         path = click.Path(dir_okay=False)
         if serves:
             wrapper = option("--health-port", type=int, default=None,
-                             help="Also serve grpc.health.v1 alone, in plaintext, on this port (same "
-                                  "--host): for probes that cannot speak TLS, such as the kubelet's "
-                                  "gRPC probe. "
-                                  "Default: off.")(wrapper)
+                             help="Plaintext grpc.health.v1 alone on this port too, for probes that "
+                                  "cannot speak TLS. Default: off.")(wrapper)
             wrapper = option("--tls-client-auth", is_flag=True,
-                             help="Mutual TLS: refuse clients without a certificate signed by "
-                                  "--tls-ca.")(wrapper)
+                             help="Mutual TLS: clients need a certificate signed by --tls-ca.")(wrapper)
         if dials:
             wrapper = option("--tls-server-name", default=None,
-                             help="Name to check in the certificate of the server this process dials, where "
-                                  "the address is not that name (an IP, a port-forward).")(wrapper)
-        role = ("serves (TLS on its gRPC port) and presents where a server asks for a client "
-                "certificate" if serves and dials else "serves (TLS on its gRPC port)" if serves
-                else "presents to servers that ask for a client certificate (mutual TLS)")
+                             help="Name expected in the dialed server's certificate (default: the "
+                                  "host dialed).")(wrapper)
+        trusted = " and ".join((["servers dialed"] if dials else []) + (["client certificates"] if serves
+                                                                        else []))
         wrapper = option("--tls-ca", type=path, default=None,
-                         help="PEM bundle of the CA that signed the peers: verifies "
-                              + ("the servers this process dials (TLS on; without it, the system's roots "
-                                 "if --tls-cert is set)" if dials else "")
-                              + (" and " if dials and serves else "")
-                              + ("client certificates (--tls-client-auth)" if serves else ""))(wrapper)
+                         help=f"PEM CA bundle that verifies {trusted}.")(wrapper)
         wrapper = option("--tls-key", type=path, default=None, help="PEM private key of --tls-cert.")(wrapper)
-        return option("--tls-cert", type=path, default=None,
-                      help=f"PEM certificate chain this process {role}. Default: plaintext.")(wrapper)
+        what = ("PEM certificate chain served on the gRPC port, presented to servers that ask. Default: "
+                "plaintext." if serves and dials else
+                "PEM certificate chain served on the gRPC port. Default: plaintext." if serves else
+                "PEM client certificate, for servers that require one (mutual TLS).")
+        return option("--tls-cert", type=path, default=None, help=what)(wrapper)
 
     return decorate
 

@@ -14,6 +14,7 @@ from card.client import ops
 from card.client.options import DEFAULT_DRAFT, GenerateOptions
 from card.common.cli import (
     DRAFT_SHAPE,
+    client_context,
     exact_option,
     exit_on_error,
     ngram_options,
@@ -50,7 +51,7 @@ def cli(log_level: str) -> None:
         transformers.logging.set_verbosity_error()
 
 
-@cli.command()
+@cli.command(context_settings=client_context())
 @click.argument("prompt")
 @option("--inprocess", is_flag=True, help="Run draft and target in this process (no services).")
 @option("--target", "target_addr", envvar="CARD_CLIENT_TARGET_ADDR", default=None,
@@ -113,7 +114,12 @@ def cli(log_level: str) -> None:
              "(default: the target's; in process FLy's 6).")
 @option("--logprobs", type=int, default=None, envvar="CARD_CLIENT_LOGPROBS",
         help="Report each token's log-probability with this many alternatives (0-20) in --json output.")
-@option("--json", "as_json", is_flag=True, help="Print one JSON object: text, token_ids, stats.")
+@option("--json", "as_json", is_flag=True, envvar="CARD_CLIENT_JSON",
+        help="Print one JSON object: text, token_ids, stats.")
+@option("--timeout", "timeout_s", type=click.FloatRange(min=0, min_open=True), default=600.0,
+        show_default=True, envvar="CARD_CLIENT_TIMEOUT",
+        help="Seconds the whole generation may take through the services (the gRPC deadline); past it "
+             "the command fails, naming it.")
 @exact_option("CARD_CLIENT")
 @ngram_options("card-client", envvar_prefix="CARD_CLIENT")
 @tls_options("card-client", serves=False, envvar_prefix="CARD_CLIENT")
@@ -127,7 +133,7 @@ def generate(prompt: str, inprocess: bool, target_addr: str | None, api_key: str
              backoff: bool, gamma: int, chat: bool | None, target_threads: int | None,
              draft_threads: int | None, verify: str, loose_entropy_threshold: float | None,
              loose_window: int | None, logprobs: int | None,
-             as_json: bool, exact: bool, tls: TlsConfig, ngram: NgramConfig) -> None:
+             as_json: bool, timeout_s: float, exact: bool, tls: TlsConfig, ngram: NgramConfig) -> None:
     """Generate text for PROMPT, streaming it as the target commits it; a stats line follows."""
     if draft_quantize is None:
         draft_quantize = DEFAULT_DRAFT.quantize if draft_model == DEFAULT_DRAFT.spec else "none"
@@ -172,7 +178,7 @@ def generate(prompt: str, inprocess: bool, target_addr: str | None, api_key: str
     else:
         from card.client.services import generate_via_services
 
-        result = generate_via_services(opts, target_addr, on_text, tls, api_key or None)
+        result = generate_via_services(opts, target_addr, on_text, tls, api_key or None, timeout_s)
     if as_json:
         click.echo(json.dumps(result.to_dict()))
     else:
@@ -180,7 +186,7 @@ def generate(prompt: str, inprocess: bool, target_addr: str | None, api_key: str
         click.echo(result.stats.summary(), err=True)
 
 
-@cli.command()
+@cli.command()  # no CARD_CLIENT_* variables: its --dtype is not generate's (no auto)
 @click.argument("spec")
 @click.argument("dest", type=click.Path(file_okay=False, path_type=Path))
 @option("--dtype", type=click.Choice(list(DTYPES)), default="float32", show_default=True)

@@ -1,8 +1,8 @@
 """Operator commands of ``card-client``: ``up`` (a local trio), ``status``, ``drafts``.
 
-Addresses come from flags or CARD_CLIENT_TARGET_ADDR / CARD_CLIENT_CACHE_ADDR /
-CARD_CLIENT_DRAFT_ADDR (defaults:
-the standard local ports). Failures print one line and exit non-zero, never a traceback.
+Every flag also reads CARD_CLIENT_<OPTION> (card.common.cli.client_context): addresses from
+CARD_CLIENT_TARGET_ADDR / CARD_CLIENT_CACHE_ADDR / CARD_CLIENT_DRAFT_ADDR (defaults: the standard
+local ports). Failures print one line and exit non-zero, never a traceback.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ import click
 import grpc
 
 from card.client.trio import LocalTrio
-from card.common.channels import channel, health_status
-from card.common.cli import exit_on_error, option, tls_options
+from card.common.channels import LOOPBACK, channel, health_status
+from card.common.cli import client_context, exit_on_error, option, tls_options
 from card.common.drafts import parse_pool_weights
 from card.common.status import error_from_rpc
 from card.common.tls import PLAINTEXT, TlsConfig
@@ -43,7 +43,7 @@ def _table(rows: Sequence[Sequence[str]], header: Sequence[str]) -> str:
 
 
 # ---- up ---------------------------------------------------------------------------------------
-@click.command()
+@click.command(context_settings=client_context())
 @option("--target-model", default=DEFAULT_MODEL, envvar="CARD_CLIENT_TARGET_MODEL", show_default=True,
         help="Hugging Face id, local folder, .gguf file, or 'default' (embedded SmolLM2-135M).")
 @option("--draft-model", default=DEFAULT_MODEL, envvar="CARD_CLIENT_DRAFT_MODEL", show_default=True)
@@ -53,8 +53,18 @@ def _table(rows: Sequence[Sequence[str]], header: Sequence[str]) -> str:
 @option("--target-port", default=50051, show_default=True, type=int, help="0 = OS-chosen.")
 @option("--cache-port", default=50052, show_default=True, type=int, help="0 = OS-chosen.")
 @option("--draft-port", default=50053, show_default=True, type=int, help="0 = OS-chosen.")
-@option("--http-port", default=None, type=int,
-        help="Also serve the target's OpenAI-compatible HTTP API on this port (0 = OS-chosen; default: off).")
+@option("--http/--no-http", default=True, envvar="CARD_CLIENT_HTTP",
+        help="Serve the target's OpenAI-compatible HTTP API; --no-http: gRPC alone.")
+@option("--http-port", default=8000, show_default=True, type=int, envvar="CARD_CLIENT_HTTP_PORT",
+        help="Port of the OpenAI API (vllm serve's; 0 = OS-chosen).")
+@option("--http-host", default="127.0.0.1", show_default=True, envvar="CARD_CLIENT_HTTP_HOST",
+        help="Interface of the OpenAI API (0.0.0.0: other machines too; then set --api-key).")
+@option("--api-key", envvar="CARD_CLIENT_API_KEY", default=None,
+        help="The target requires this key on both its APIs (OpenAI clients: api_key=...; card-client "
+             "generate --target: the same variable). Prefer the variable: a command line is visible in ps.")
+@option("--served-model-name", multiple=True, envvar="CARD_CLIENT_SERVED_MODEL_NAME",
+        help="The name(s) OpenAI clients send as model (card-target --served-model-name; default: "
+             "--target-model).")
 @option("--target-threads", type=int, default=None, help="torch threads of the target.")
 @option("--draft-threads", type=int, default=None, help="torch threads of the draft.")
 @option("--redis-url", default=None, envvar="CARD_CLIENT_REDIS_URL",
@@ -65,17 +75,24 @@ def _table(rows: Sequence[Sequence[str]], header: Sequence[str]) -> str:
 @option("--device", default="auto", show_default=True)
 @exit_on_error("card-client")
 def up(target_model: str, draft_model: str, draft_quantize: str | None, draft_name: str | None,
-       target_port: int, cache_port: int, draft_port: int, http_port: int | None, target_threads: int | None,
+       target_port: int, cache_port: int, draft_port: int, http: bool, http_port: int, http_host: str,
+       api_key: str | None, served_model_name: tuple[str, ...], target_threads: int | None,
        draft_threads: int | None, redis_url: str | None, log_dir: Path | None, dtype: str,
        device: str) -> None:
-    """Start redis, card-cache, card-draft and card-target here; Ctrl-C stops them all."""
+    """Start redis, card-cache, card-draft and card-target here, the target's OpenAI API on
+    --http-port; Ctrl-C stops them all."""
     if draft_quantize is None:
         draft_quantize = "int8" if draft_model == DEFAULT_MODEL else "none"
+    if http and not api_key and http_host not in LOOPBACK:
+        click.echo(f"warning: the OpenAI API listens on {http_host} without --api-key: anyone who reaches "
+                   "it can generate (set CARD_CLIENT_API_KEY)", err=True)
     log_dir = log_dir or Path(tempfile.mkdtemp(prefix="card-up-"))
     click.echo(f"starting the trio (logs in {log_dir}) ...", err=True)
     trio = LocalTrio(target_model=target_model, draft_model=draft_model, draft_quantize=draft_quantize,
                      draft_name=draft_name, target_port=target_port, cache_port=cache_port,
-                     draft_port=draft_port, http_port=http_port, target_threads=target_threads,
+                     draft_port=draft_port, http_port=http_port if http else None,
+                     http_host=http_host if http else None, api_key=api_key or None,
+                     served_model_names=served_model_name, target_threads=target_threads,
                      draft_threads=draft_threads,
                      redis_url=redis_url, log_dir=log_dir, dtype=dtype, device=device)
     with trio:  # Ctrl-C while starting: KeyboardInterrupt stops whatever started
@@ -83,7 +100,8 @@ def up(target_model: str, draft_model: str, draft_quantize: str | None, draft_na
         click.echo(f"cache   {trio.cache_addr}  (redis {trio.redis_url})")
         click.echo(f"draft   {trio.draft_addr}  ({draft_model}, quantize {draft_quantize})")
         if trio.http_addr:
-            click.echo(f"http    http://{trio.http_addr}/v1  (OpenAI-compatible)")
+            model = (served_model_name and served_model_name[0].split(",")[0]) or target_model
+            click.echo(f"http    http://{trio.http_addr}/v1  (OpenAI API, model {model})")
         click.echo(f"export CARD_CLIENT_TARGET_ADDR={trio.target_addr} "
                    f"CARD_CLIENT_CACHE_ADDR={trio.cache_addr} CARD_CLIENT_DRAFT_ADDR={trio.draft_addr}")
         click.echo("serving; Ctrl-C stops everything", err=True)
@@ -160,7 +178,7 @@ def _totals_line(totals: dict[str, float]) -> str:
     return ", ".join(parts)
 
 
-@click.command()
+@click.command(context_settings=client_context())
 @option("--target", "target_addr", envvar="CARD_CLIENT_TARGET_ADDR", default=DEFAULT_TARGET_ADDR,
         show_default=True)
 @option("--cache", "cache_addr", envvar="CARD_CLIENT_CACHE_ADDR", default=DEFAULT_CACHE_ADDR,
@@ -241,16 +259,14 @@ def _drafts_table(reply: cache_pb2.StatusResponse) -> str:
 def _cache_options(fn: Callable[..., None]) -> Callable[..., None]:
     fn = tls_options("card-client", serves=False, envvar_prefix="CARD_CLIENT")(fn)
     fn = option("--operator-token", envvar="CARD_CLIENT_OPERATOR_TOKEN", default=None,
-                help="The cache's operator token, where card-cache requires one (its --operator-token): "
-                     "drain, resume and weights need it; the list takes it or --target-token.")(fn)
+                help="card-cache's --operator-token, where it has one (drain, resume, weights).")(fn)
     fn = option("--target-token", envvar="CARD_CLIENT_TARGET_TOKEN", default=None,
-                help="The cache's target token, where card-cache requires one (--target-token): enough "
-                     "to list the drafts, not to change them.")(fn)
+                help="card-cache's --target-token, where it has one (enough to list).")(fn)
     return option("--cache", "cache_addr", envvar="CARD_CLIENT_CACHE_ADDR", default=DEFAULT_CACHE_ADDR,
                   show_default=True)(fn)
 
 
-@click.group(invoke_without_command=True)
+@click.group(invoke_without_command=True, context_settings=client_context())
 @_cache_options
 @click.pass_context
 @exit_on_error("card-client")
@@ -258,7 +274,7 @@ def drafts(ctx: click.Context, cache_addr: str, target_token: str | None, operat
            tls: TlsConfig) -> None:
     """Draft pools and workers registered with the cache service: each pool's workers, capacity,
     live sessions and acceptance (to compare two draft models serving the same target), then
-    each worker. ``drain`` / ``resume`` take workers out of (and back into) service."""
+    each worker. The drain and resume commands take workers out of (and back into) service."""
     if ctx.invoked_subcommand is None:
         reply = cache_status(cache_addr, operator_token or target_token, tls)
         click.echo(_pools_table(reply))
@@ -282,7 +298,7 @@ def _drain(cache_addr: str, operator_token: str | None, tls: TlsConfig, name: st
     click.echo(f"{verb} {', '.join(reply.workers)}{moved}")
 
 
-@drafts.command("drain")
+@drafts.command("drain", context_settings=client_context())
 @click.argument("name", required=False)
 @option("--pool", default=None, help="Drain every worker of this pool.")
 @_cache_options
@@ -295,7 +311,7 @@ def drain(name: str | None, pool: str | None, cache_addr: str, target_token: str
     _drain(cache_addr, operator_token, tls, name, pool, resume=False)
 
 
-@drafts.command("weights")
+@drafts.command("weights", context_settings=client_context())
 @click.argument("weights")
 @_cache_options
 @exit_on_error("card-client")
@@ -315,7 +331,7 @@ def weights(weights: str, cache_addr: str, target_token: str | None, operator_to
     click.echo(f"pool weights: {now or 'none (least-loaded worker of any pool)'}")
 
 
-@drafts.command("resume")
+@drafts.command("resume", context_settings=client_context())
 @click.argument("name", required=False)
 @option("--pool", default=None, help="Resume every worker of this pool.")
 @_cache_options

@@ -30,6 +30,7 @@ from card.v1 import target_pb2, target_pb2_grpc
 
 START_HINT = ("start the services with `card-client up` "
               "(or point --target / CARD_CLIENT_TARGET_ADDR at a running card-target)")
+DEFAULT_TIMEOUT_S = 600.0  # a generation's deadline (card-client generate --timeout)
 
 
 @dataclass
@@ -71,7 +72,7 @@ def build_request(prompt: str | Sequence[int], *, chat: bool | None, sampling: S
 def generate_remote(addr: str, prompt: str | Sequence[int], *, chat: bool | None = None,
                     sampling: SamplingParams | None = None, stop: StopParams | None = None,
                     draft: str | None = None, mode: str = "card", chain: ChainPolicy | None = None,
-                    timeout_s: float = 600.0, on_text: Callable[[str], None] | None = None,
+                    timeout_s: float = DEFAULT_TIMEOUT_S, on_text: Callable[[str], None] | None = None,
                     tls: TlsConfig = PLAINTEXT, api_key: str | None = None,
                     verify: target_pb2.VerifyPolicy | None = None,
                     logprobs: int | None = None) -> RemoteGenerationResult:
@@ -110,6 +111,7 @@ def generate_remote(addr: str, prompt: str | Sequence[int], *, chat: bool | None
             raise Unavailable(f"cannot reach card-target at {addr} ({details}); {START_HINT}") from None
         if code is grpc.StatusCode.DEADLINE_EXCEEDED:
             raise Unavailable(f"card-target at {addr} did not finish within the {timeout_s:g}s deadline "
-                              "(raise --timeout, or ask for fewer tokens)") from None
+                              "(card-client generate --timeout / CARD_CLIENT_TIMEOUT raises it; or ask "
+                              "for fewer tokens)") from None
         raise error_from_rpc(err, addr) from None
     raise Unavailable(f"card-target at {addr} ended the stream without a final message")

@@ -229,7 +229,12 @@ class LocalTrio:
     dtype: str = "auto"
     device: str = "auto"
     metrics: bool = False
-    http_port: int | None = None  # the target's OpenAI-compatible front (0 = OS-chosen; ``http_addr``)
+    # the target's OpenAI-compatible front (0 = OS-chosen; ``http_addr``); None: --no-http (card-target
+    # serves it on 8000 by default, which two trios on one machine would fight for)
+    http_port: int | None = None
+    http_host: str | None = None  # None: loopback, as the target's --host
+    served_model_names: Sequence[str] = ()  # card-target --served-model-name (none: the model spec)
+    api_key: str | None = field(default=None, repr=False)  # card-target --api-key (both its APIs)
     # the cache's tokens (card.common.auth), handed to the side that presents each; None = open
     draft_token: str | None = field(default=None, repr=False)
     target_token: str | None = field(default=None, repr=False)
@@ -285,14 +290,9 @@ class LocalTrio:
         self._start_cache(self.cache_port)
         draft = self.start_draft(self.draft_model, self.draft_quantize, name=self.draft_name,
                                  port=self.draft_port, wait=False)
-        target = self._spawn("card-target", [
-            "--model", self.target_model, "--cache", self.cache_addr, "--port", str(self.target_port),
-            "--threads", str(self.target_threads), "--dtype", self.dtype, "--device", self.device,
-            "--exact", "on" if self.exact else "off",
-            *([] if self.speculation is None else ["--speculation", self.speculation]),
-            *([] if self.http_port is None else ["--http-port", str(self.http_port)]),
-            *self.extra_args.get("target", ()),
-        ], env={"CARD_TARGET_TARGET_TOKEN": self.target_token, **tls_env("CARD_TARGET", self.tls)})
+        target = self._spawn("card-target", self.target_args(),
+                             env={"CARD_TARGET_TARGET_TOKEN": self.target_token,
+                                  "CARD_TARGET_API_KEY": self.api_key, **tls_env("CARD_TARGET", self.tls)})
         # both load their models at once; wait for each
         self.draft_addr = draft.wait_listening(self.start_timeout_s)
         self.target_addr = target.wait_listening(self.start_timeout_s)
@@ -300,6 +300,20 @@ class LocalTrio:
             self.http_addr = target.wait_listening(self.start_timeout_s, HTTP_LISTENING)
         draft.wait_serving(self.start_timeout_s)
         target.wait_serving(self.start_timeout_s)
+
+    def target_args(self) -> list[str]:
+        """card-target's command line (its secrets travel in variables): every port explicit, so
+        that trios started at once on one machine never fight for a default one."""
+        return [
+            "--model", self.target_model, "--cache", self.cache_addr, "--port", str(self.target_port),
+            "--threads", str(self.target_threads), "--dtype", self.dtype, "--device", self.device,
+            "--exact", "on" if self.exact else "off",
+            *([] if self.speculation is None else ["--speculation", self.speculation]),
+            *(["--no-http"] if self.http_port is None else ["--http-port", str(self.http_port)]),
+            *([] if self.http_host is None else ["--http-host", self.http_host]),
+            *(f"--served-model-name={name}" for name in self.served_model_names),
+            *self.extra_args.get("target", ()),
+        ]
 
     def _start_cache(self, port: int) -> ServiceProcess:
         assert self.redis_url is not None

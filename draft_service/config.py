@@ -14,7 +14,7 @@ from card.engine.draft.drafter import tree_rows
 from card.engine.loading.models import ModelConfig
 from card.engine.shared.config import DrafterKind, NgramConfig, TreeParams, tree_params
 from card.engine.shared.errors import InvalidArgument
-from card.engine.shared.kv_pool import check_sizing, pool_shape
+from card.engine.shared.kv_pool import PoolShape, check_sizing, size_pool
 
 # A model-free worker holds no KV cache: many more sessions, and longer ones, cost it little
 NGRAM_CAPACITY = 64
@@ -126,8 +126,15 @@ class DraftConfig:
         """What the cache's registry shows as this worker's model."""
         return self.drafter.label(self.model.label)
 
+    def kv_sizing(self, context_window: int, bytes_per_token: int,
+                  free_bytes: int | None = None) -> PoolShape:
+        """Slots and committed rows per slot of the worker's KV cache (the target's rule,
+        kv_pool.size_pool); the tree's rows come on top, within the budget. ``free_bytes``: the
+        accelerator's free memory, None on the CPU."""
+        return size_pool(self.capacity, self.max_model_len, context_window, bytes_per_token,
+                         self.kv_cache_gb, extra_rows=tree_rows(self.tree), free_bytes=free_bytes,
+                         slots_flag="--capacity")
+
     def kv_shape(self, context_window: int, bytes_per_token: int) -> tuple[int, int]:
-        """(slots, committed rows per slot) of the worker's KV cache; the tree's rows come on top,
-        within the budget."""
-        return pool_shape(self.capacity, self.max_model_len, context_window, bytes_per_token,
-                          self.kv_cache_gb, extra_rows=tree_rows(self.tree))
+        shape = self.kv_sizing(context_window, bytes_per_token)
+        return shape.slots, shape.max_len

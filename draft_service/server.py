@@ -46,7 +46,7 @@ from card.engine.draft.worker import DraftWorker, Publish
 from card.engine.loading.fingerprint import tokenizer_fingerprint
 from card.engine.loading.models import QUANTIZE, load_model, load_tokenizer
 from card.engine.shared.config import NGRAM
-from card.engine.shared.kv_pool import KVPool
+from card.engine.shared.kv_pool import KVPool, device_free_bytes
 from card.engine.shared.ngram_stats import shared_table
 from card.engine.shared.torch_threads import on_passing_thread
 
@@ -103,7 +103,9 @@ def build_worker(config: DraftConfig, publish: Publish, on_forward: Callable[[in
     log.info("loading draft model %s", config.model.label)
     model = load_model(config.model)
     log.info("loaded %s (tokenizer %s); worker name %s", model.name, model.fingerprint, config.name)
-    slots, max_len = config.kv_shape(model.context_window, KVPool.bytes_per_token(model.model))
+    shape = config.kv_sizing(model.context_window, KVPool.bytes_per_token(model.model),
+                             device_free_bytes(next(model.model.parameters()).device))
+    slots, max_len = shape.slots, shape.max_len
     table = None
     if config.drafter.uses_ngram:
         assert config.ngram is not None
@@ -113,8 +115,8 @@ def build_worker(config: DraftConfig, publish: Publish, on_forward: Callable[[in
                                  max_len=max_len, threads=config.threads, ngram_config=config.ngram,
                                  ngram=table, **callbacks)
     assert worker.pool is not None
-    log.info("draft KV cache: %d sessions x %d committed tokens (+%d tree rows), %.2f GB at most", slots,
-             max_len, tree_rows(config.tree), worker.pool.nbytes / 2**30)
+    log.info("draft %s; each slot also holds %d tree rows", shape.describe(worker.pool.nbytes),
+             tree_rows(config.tree))
     return worker, model.fingerprint
 
 
@@ -146,10 +148,12 @@ def build_worker(config: DraftConfig, publish: Publish, on_forward: Callable[[in
         help=f"Most concurrent sessions, all grown in one forward per round (KV slots). Default: 8; "
              f"{NGRAM_CAPACITY} model-free.")
 @option("--max-model-len", default=None, type=int,
-        help=f"Committed tokens per session the KV cache holds (default: the context window, at most 4096; "
-             f"model-free {NGRAM_MAX_MODEL_LEN}); a longer session is not drafted.")
+        help=f"Committed tokens per session the KV cache holds (default: the context window where the KV "
+             f"budget holds --capacity sessions of it, as card-target's; model-free {NGRAM_MAX_MODEL_LEN}); "
+             f"a longer session is not drafted.")
 @option("--kv-cache-gb", default=None, type=float,
-        help="Memory for keys and values (default: --capacity slots); fewer slots where it holds fewer.")
+        help="Memory for keys and values (default: --capacity slots; on a GPU within 80% of the memory "
+             "free once the model is loaded); fewer slots where it holds fewer.")
 @tree_options(DRAFT_SHAPE, note="The draft worker owns its tree's shape.")
 @option("--threads", default=None, type=int, help="torch threads (default: torch's choice).")
 @option("--draft-token", default=None,

@@ -9,27 +9,33 @@ from card.common.tls import TlsConfig
 from card.engine.loading.models import ModelConfig
 from card.engine.shared.config import Verify, VerifyPolicy
 from card.engine.shared.errors import InvalidArgument
-from card.engine.shared.kv_pool import check_sizing, pool_shape
+from card.engine.shared.kv_pool import PoolShape, check_sizing, size_pool
 from card.engine.shared.static_step import STEP_MODES
 from card.engine.target.drafting_policy import DraftingConfig
+
+MAX_MODEL_NAME = 256  # characters of a served model name
 
 
 @dataclass(frozen=True)
 class TargetConfig:
     """max_batch_size: most generations in one forward (KV slots, unless kv_cache_gb holds fewer).
-    kv_cache_gb: memory for keys and values; None = max_batch_size slots. max_model_len: rows
-    per slot (prompt + new tokens); None = the model's context window, at most 4096.
+    kv_cache_gb: memory for keys and values; None = max_batch_size slots (on an accelerator, within
+    a share of its free memory). max_model_len: rows per slot (prompt + new tokens); None = the
+    model's context window where the KV budget holds max_batch_size of it (kv_pool.size_pool).
     max_batch_tokens: tokens per forward: decoding rows first (chains cut, longest first, to fit;
         every generation keeps its next token), then prefill chunks while it lasts.
     adaptive_chains: cut chains each iteration to what pays at the measured cost of a row
     (card.engine.target.speculation); off verifies every chain the cache hands out. speculation:
     auto (speculate where it measurably pays, per load and per request), always, or never (every
-    draft paused). Whether the
-    forward is batch-invariant (--exact) is ``model.exact``."""
+    draft paused). Whether the forward is batch-invariant (--exact) is ``model.exact``.
+    served_model_names: the names requests may give as ``model`` (vLLM's --served-model-name): the
+    first is the one reported; none = the --model string. http_port None: no HTTP API; http_host
+    None: --host's interface (one --host opens both APIs, as vLLM's does)."""
 
     model: ModelConfig
     cache_addr: str | None = None  # None: plain decoding only
     default_pool: str = ""  # the draft pool an unnamed request prefers ("" = any)
+    served_model_names: tuple[str, ...] = ()
     host: str = "127.0.0.1"
     port: int = 50051
     threads: int | None = None
@@ -45,8 +51,8 @@ class TargetConfig:
     shutdown_grace_s: float = 30.0  # SIGTERM: how long running generations get to finish
     metrics_port: int = 9091
     metrics_host: str = "127.0.0.1"
-    http_port: int | None = None  # the OpenAI-compatible HTTP front; None: off
-    http_host: str = "127.0.0.1"
+    http_port: int | None = 8000  # the OpenAI-compatible HTTP front (vllm serve's port); None: off
+    http_host: str | None = None  # None: host
     http_tls_cert: str | None = None  # HTTPS on the HTTP front (with http_tls_key); None: plain HTTP
     http_tls_key: str | None = None
     http_metrics: bool = True  # /metrics on the HTTP front (behind the API key when there is one)
@@ -75,6 +81,10 @@ class TargetConfig:
         if self.default_pool and not POOL_NAME.fullmatch(self.default_pool):
             raise InvalidArgument(f"--default-pool must be 1-128 characters of A-Z a-z 0-9 . _ -, got "
                                   f"{self.default_pool[:40]!r}")
+        for name in self.served_model_names:
+            if not 0 < len(name) <= MAX_MODEL_NAME or any(c.isspace() or c == "," for c in name):
+                raise InvalidArgument(f"a served model name is 1-{MAX_MODEL_NAME} characters, no spaces "
+                                      f"or commas, got {name[:40]!r}")
         if self.max_batch_size < 1:
             raise InvalidArgument(f"max-batch-size must be >= 1, got {self.max_batch_size}")
         check_sizing(self.kv_cache_gb, self.max_model_len)
@@ -105,6 +115,21 @@ class TargetConfig:
         self.http_tls.check_files()  # fail at start, with the path
 
     @property
+    def served_names(self) -> tuple[str, ...]:
+        """The names a request may give as ``model``; the first is reported (responses, /v1/models,
+        Info, metrics): card-target names its loaded model so."""
+        return self.served_model_names or (self.model.label,)
+
+    def accepted_names(self, reported: str) -> tuple[str, ...]:
+        """The names a request may give, the loaded model's (``reported``, the first served name)
+        first: one list for the check and for /v1/models."""
+        return tuple(dict.fromkeys((reported, *self.served_model_names)))
+
+    @property
+    def http_interface(self) -> str:
+        return self.host if self.http_host is None else self.http_host
+
+    @property
     def http_tls(self) -> TlsConfig:
         """What the HTTP front serves (a certificate and key; no client certificates)."""
         return TlsConfig(cert=self.http_tls_cert, key=self.http_tls_key)
@@ -116,15 +141,26 @@ class TargetConfig:
     @classmethod
     def from_options(cls, *, model: str, dtype: str, device: str, exact: bool, cache_addr: str | None,
                      api_key: str | None, target_token: str | None, http_tls_cert: str | None = None,
-                     http_tls_key: str | None = None, **options: object) -> TargetConfig:
-        """The config of card-target's flags (one keyword per flag; every other flag is a field)."""
+                     http_tls_key: str | None = None, http: bool = True, http_port: int | None = 8000,
+                     http_host: str | None = None, served_model_name: tuple[str, ...] = (),
+                     **options: object) -> TargetConfig:
+        """The config of card-target's flags (one keyword per flag; every other flag is a field).
+        ``served_model_name``: each value one name or several, comma-separated (the flag repeats)."""
+        names = tuple(n.strip() for value in served_model_name for n in value.split(","))
         return cls(model=ModelConfig(model, dtype, device, exact=exact), cache_addr=cache_addr or None,
                    api_key=api_key or None, target_token=target_token or None,
                    http_tls_cert=http_tls_cert or None, http_tls_key=http_tls_key or None,
-                   **options)  # type: ignore[arg-type]
+                   http_port=http_port if http else None, http_host=http_host or None,
+                   served_model_names=tuple(dict.fromkeys(names)), **options)  # type: ignore[arg-type]
+
+    def kv_sizing(self, context_window: int, bytes_per_token: int,
+                  free_bytes: int | None = None) -> PoolShape:
+        """Slots and rows per slot of the KV cache for a model with this context window and keys +
+        values of ``bytes_per_token`` bytes per token; ``free_bytes``: the accelerator's free
+        memory (kv_pool.device_free_bytes), None on the CPU."""
+        return size_pool(self.max_batch_size, self.max_model_len, context_window, bytes_per_token,
+                         self.kv_cache_gb, free_bytes=free_bytes)
 
     def kv_shape(self, context_window: int, bytes_per_token: int) -> tuple[int, int]:
-        """(slots, rows per slot) of the KV cache for a model with this context window and
-        keys + values of ``bytes_per_token`` bytes per token."""
-        return pool_shape(self.max_batch_size, self.max_model_len, context_window, bytes_per_token,
-                          self.kv_cache_gb)
+        shape = self.kv_sizing(context_window, bytes_per_token)
+        return shape.slots, shape.max_len

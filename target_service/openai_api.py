@@ -218,10 +218,11 @@ def create_app(front: Frontend, api_key: str | None = None, *,
 
     @app.get("/v1/models")
     async def models() -> dict:
-        model = front.model
-        return {"object": "list", "data": [{"id": model.name, "object": "model", "created": _STARTED,
-                                            "owned_by": "card",
-                                            "max_model_len": front.validator.context_window}]}
+        window = front.validator.context_window
+        # every served name (the reported one first), each the same model, as vllm serve lists them
+        return {"object": "list", "data": [{"id": name, "object": "model", "created": _STARTED,
+                                            "owned_by": "card", "max_model_len": window}
+                                           for name in front.config.accepted_names(front.model.name)]}
 
     @app.post("/v1/completions")
     async def completions(body: CompletionBody, request: Request) -> Any:

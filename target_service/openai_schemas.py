@@ -77,9 +77,10 @@ class _Common(BaseModel):
         if refused:
             raise InvalidArgument(f"{', '.join(refused)}: not served by card-target "
                                   "(it would change the output)")
-        name = validator.model.name
-        if self.model != name:
-            raise NotFound(f"model {self.model!r} is not served here; GET /v1/models lists {name!r}")
+        names = validator.config.accepted_names(validator.model.name)  # any --served-model-name
+        if self.model not in names:
+            raise NotFound(f"model {self.model!r} is not served here; GET /v1/models lists "
+                           f"{', '.join(map(repr, names))}")
         sampling = SamplingParams(
             temperature=1.0 if self.temperature is None else self.temperature,
             top_k=self.top_k or 0,

@@ -1,6 +1,6 @@
 """``card-target``: the user-facing service; runs the target model and streams exact output.
 
-    card-target [--model SPEC] [--cache HOST:PORT] [--port 50051]
+    card-target [--model SPEC] [--cache HOST:PORT]   # OpenAI API on :8000 (as vllm serve), gRPC on :50051
 
 Health: SERVING as soon as the model is loaded. A configured cache that is unreachable does not
 make the target NOT_SERVING: the target still answers every request exactly, by plain decoding,
@@ -10,6 +10,7 @@ the target out of rotation while the cache restarts would turn a slowdown into a
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 
@@ -33,7 +34,7 @@ from card.common.serving import (
 from card.common.tls import PLAINTEXT, TlsConfig
 from card.engine.loading.models import LoadedModel, load_model
 from card.engine.shared.errors import Unavailable
-from card.engine.shared.kv_pool import KVPool
+from card.engine.shared.kv_pool import KVPool, device_free_bytes
 from card.engine.shared.static_step import STEP_MODES
 from card.engine.shared.torch_threads import on_passing_thread
 from card.engine.target.drafting_policy import SPECULATION_MODES
@@ -79,12 +80,19 @@ def create_server(addr: str, max_workers: int = 16, tls: TlsConfig = PLAINTEXT,
     return server, bind(server, addr, tls)
 
 
+def api_url(config: TargetConfig, port: int) -> str:
+    """The OpenAI base URL of the HTTP front (what a client's base_url is set to)."""
+    host = config.http_interface
+    host = f"[{host}]" if ":" in host else host  # an IPv6 address
+    return f"{'https' if config.http_tls.serves else 'http'}://{host}:{port}/v1"
+
+
 def warn_if_open(config: TargetConfig) -> None:
     """One warning at start for each port that serves without a key (on loopback too: every
     local user reaches it), or whose key and prompts would cross the network in clear."""
     ports = [("gRPC", config.host, config.tls.serves, "--tls-cert")]
     if config.http_port is not None:
-        ports.append(("HTTP", config.http_host, config.http_tls.serves, "--http-tls-cert"))
+        ports.append(("HTTP", config.http_interface, config.http_tls.serves, "--http-tls-cert"))
     for what, host, tls, flag in ports:
         if not config.api_key:
             log.warning("the %s API listens on %s without --api-key: anyone who reaches it can generate "
@@ -97,15 +105,18 @@ def warn_if_open(config: TargetConfig) -> None:
 
 
 def load_engine(config: TargetConfig) -> tuple[LoadedModel, TargetEngine]:
-    """The target model and the engine over its KV cache (on the thread whose torch threads the
-    probes of an exact forward check)."""
+    """The target model, named as served (``TargetConfig.served_names``), and the engine over its
+    KV cache (on the thread whose torch threads the probes of an exact forward check)."""
     log.info("loading target model %s", config.model.label)
     model = load_model(config.model)
     log.info("loaded %s (tokenizer %s, context window %d, exact forward %s)", model.name, model.fingerprint,
              model.context_window, "on" if model.exact else "off: outputs may change with the load")
-    slots, max_len = config.kv_shape(model.context_window, KVPool.bytes_per_token(model.model))
-    pool = KVPool(model.model, slots, max_len)
-    log.info("KV cache: %d slots x %d tokens (%.2f GB)", slots, max_len, pool.nbytes / 2**30)
+    model = dataclasses.replace(model, name=config.served_names[0])
+    device = next(model.model.parameters()).device
+    shape = config.kv_sizing(model.context_window, KVPool.bytes_per_token(model.model),
+                             device_free_bytes(device))
+    pool = KVPool(model.model, shape.slots, shape.max_len)
+    log.info("%s", shape.describe(pool.nbytes))
     engine = TargetEngine(model.model, pool, config.max_batch_tokens, adaptive=config.adaptive_chains,
                           exact=model.exact, policy=drafting_policy(config.speculation),
                           decode_step=config.decode_step)
@@ -134,12 +145,12 @@ def serve(config: TargetConfig) -> None:
     if config.http_port is not None:
         app = create_app(front, config.api_key, max_body_bytes=config.max_body_bytes,
                          serve_metrics=config.http_metrics)
-        http = HttpServer(app, config.http_host, config.http_port, config.shutdown_grace_s,
+        http = HttpServer(app, config.http_interface, config.http_port, config.shutdown_grace_s,
                           tls=config.http_tls)
-        http.start()
-        log.info("HTTP on %s:%d (%s)", config.http_host, http.port,
+        http.start()  # /health answers 503 while the model loads
+        log.info("HTTP on %s:%d (%s)", config.http_interface, http.port,
                  "TLS" if config.http_tls.serves else "plaintext")
-        print(f"card-target http listening on {config.http_host}:{http.port}", flush=True)
+        print(f"card-target http listening on {config.http_interface}:{http.port}", flush=True)
     start_metrics_server(config.metrics_port, config.metrics_host)
     threads = config.threads or torch.get_num_threads()  # the forwards' count; the main thread's default
     # this long-lived thread never runs torch in parallel: an OpenMP pool of its own would slow
@@ -162,6 +173,8 @@ def serve(config: TargetConfig) -> None:
     front.ready(model, loop)
     set_serving(health, True, [SERVICE_NAME])
     log.info("serving %s", model.name)
+    if http is not None:  # the line a user copies into a client: ready, with the name to send
+        print(f"card-target: OpenAI API on {api_url(config, http.port)} (model {model.name})", flush=True)
 
     def shutdown() -> None:
         # Both fronts stop taking requests at once; running generations get the grace to finish
@@ -187,6 +200,10 @@ def serve(config: TargetConfig) -> None:
 @service_command("CARD_TARGET")
 @option("--model", default="default",
         help="Hugging Face id, local folder, .gguf file, or 'default' (embedded SmolLM2-135M).")
+@option("--served-model-name", multiple=True,
+        help="The name clients send as 'model' (default: the --model string). Several: repeat the flag "
+             "or separate them by commas; requests may name any, and the first is the one reported "
+             "(responses, /v1/models, metrics).")
 @option("--cache", "cache_addr", default=None, help="Cache service HOST:PORT (unset: plain decoding only).")
 @option("--default-pool", default="",
         help="The draft pool a request that names none prefers while the pool has a live worker (else "
@@ -199,9 +216,12 @@ def serve(config: TargetConfig) -> None:
         help="Most generations in one forward (KV slots); more wait for a slot until their deadline.")
 @option("--kv-cache-gb", default=None, type=float,
         help="Memory for keys and values; slots = this / (KV bytes per token x --max-model-len), at "
-             "most --max-batch-size (default: exactly --max-batch-size slots).")
+             "most --max-batch-size (default: --max-batch-size slots; on a GPU within 80% of the memory "
+             "free once the model is loaded).")
 @option("--max-model-len", default=None, type=int,
-        help="Tokens per KV slot, prompt + new tokens (default: the context window, at most 4096).")
+        help="Tokens per request, prompt + new tokens (default: the model's context window where the "
+             "KV budget holds --max-batch-size of it, else the longest length it does, at least 4096; "
+             "the start-up log says which and why).")
 @option("--max-batch-tokens", default=512, type=int,
         help="Tokens per forward: decoding rows count (the longest chains are cut to fit; every request "
              "keeps its next token), and prefill chunks past it go in the next one.")
@@ -224,15 +244,18 @@ def serve(config: TargetConfig) -> None:
 @option("--shutdown-grace-s", default=30.0, type=float,
         help="On SIGTERM, running generations get this long to finish (keep it below the pod's "
              "terminationGracePeriodSeconds); the rest are ended and their cache sessions closed.")
-@option("--host", default="127.0.0.1", help="Interface to listen on (0.0.0.0 in containers).")
+@option("--host", default="127.0.0.1",
+        help="Interface of both APIs: loopback by default (local clients only; vllm serve opens every "
+             "interface); 0.0.0.0 in containers or to serve other machines, with --api-key.")
 @option("--port", default=50051, type=int, help="gRPC port (0 = OS-chosen).")
 @option("--metrics-port", default=9091, type=int, help="Prometheus port (0 = disabled).")
 @option("--metrics-host", default="127.0.0.1",
         help="Interface of the metrics port (0.0.0.0 in containers, where Prometheus scrapes the pod).")
-@option("--http-port", default=None, type=int,
-        help="Serve the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models, "
-             "/health, /metrics) on this port (0 = OS-chosen; default: off).")
-@option("--http-host", default="127.0.0.1", help="Interface of the HTTP API (0.0.0.0 in containers).")
+@option("--http/--no-http", default=True,
+        help="Serve the OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, /v1/models, "
+             "/health, /metrics); --no-http: gRPC alone, the --http-* flags unused.")
+@option("--http-port", default=8000, type=int, help="Port of the HTTP API (vllm serve's; 0 = OS-chosen).")
+@option("--http-host", default=None, help="Interface of the HTTP API, where it differs from --host.")
 @option("--http-tls-cert", type=click.Path(dir_okay=False), default=None,
         help="PEM certificate chain the HTTP API serves (HTTPS; re-read when renewed). Default: plain "
              "HTTP.")

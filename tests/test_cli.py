@@ -286,3 +286,129 @@ def test_the_key_and_the_request_limits_are_flags_and_variables():
         assert "--api-key" in page or command is target
         for name in variables:
             assert name in page, (args, name)
+
+
+# ---- issue 36: the flags a vLLM user reads ----------------------------------------------------
+def _commands() -> dict[str, object]:
+    """Every command of the project by its name on a command line, subcommands included."""
+    import click
+
+    from card.cache_service.server import main as cache
+    from card.client.bench.cli import main as bench
+    from card.client.cli import cli
+    from card.draft_service.server import main as draft
+    from card.target_service.server import main as target
+
+    found: dict[str, object] = {"card-target": target, "card-draft": draft, "card-cache": cache,
+                                "card-bench": bench}
+
+    def walk(name: str, command: click.Command) -> None:
+        found[name] = command
+        for sub, child in getattr(command, "commands", {}).items():
+            walk(f"{name} {sub}", child)
+
+    walk("card-client", cli)
+    return found
+
+
+def test_every_flag_of_every_command_reads_a_variable_shown_in_its_help():
+    """The README's rule: CARD_<PROGRAM>_<OPTION> for every flag (card-client export alone takes
+    none); each --help line names it. A variable that is read is read as the flag (negative:
+    CARD_CLIENT_TIMEOUT=0 is refused like --timeout 0)."""
+    import click
+    from click.testing import CliRunner
+
+    from card.client.cli import cli
+
+    missing = []
+    for name, command in _commands().items():
+        if name == "card-client export":
+            continue
+        ctx = click.Context(command, info_name=name, **command.context_settings)
+        for param in command.params:
+            if isinstance(param, click.Option) and param.name != "help":
+                record = param.get_help_record(ctx)
+                prefix = "CARD_" + name.split()[0].removeprefix("card-").upper() + "_"
+                if record is None or f"env var: {prefix}" not in record[1]:
+                    missing.append(f"{name} {param.opts[0]}")
+    assert not missing, missing
+    result = CliRunner().invoke(cli, ["generate", "hi", "--inprocess"], env={"CARD_CLIENT_TIMEOUT": "0"})
+    assert result.exit_code == 2 and "--timeout" in result.output
+
+
+def test_no_help_paragraph_repeats_across_the_commands():
+    """A flag shared by many commands keeps its --help short (the explanation is in docs/usage.md):
+    no help text over 100 characters appears in more than three commands."""
+    import collections
+
+    import click
+
+    where: dict[str, list[str]] = collections.defaultdict(list)
+    for name, command in _commands().items():
+        for param in command.params:
+            if isinstance(param, click.Option) and param.help and len(param.help) > 100:
+                where[param.help].append(name)
+    repeated = {text[:60]: names for text, names in where.items() if len(names) > 3}
+    assert not repeated, repeated
+
+
+def test_help_pages_say_what_was_missing():
+    """card-bench lists its service modes and datasets; drafts prints no RST markup; --exact
+    gives the measured cost, not "a little faster"; generate has the --timeout its deadline names."""
+    import re
+
+    from click.testing import CliRunner
+
+    from card.client.bench import data
+    from card.client.bench.cli import main as bench
+    from card.client.bench.modes import MODE_NAMES
+    from card.client.cli import cli
+
+    runner = CliRunner()
+
+    def page(command: object, *args: str) -> str:
+        text = runner.invoke(command, [*args, "--help"], terminal_width=100).output  # type: ignore[arg-type]
+        return re.sub(r"\s+", " ", re.sub(r"-\n\s+", "-", text))  # words click wrapped, joined again
+
+    bench_page = page(bench)
+    for name in [*data.KNOWN, *(m for m in MODE_NAMES if m.startswith("svc-"))]:
+        assert name in bench_page, name
+    for args in (["drafts"], ["drafts", "drain"], ["drafts", "weights"], ["drafts", "resume"]):
+        assert "``" not in page(cli, *args), args
+    exact = page(cli, "generate")
+    assert "0.34x (32)" in exact and "a little faster" not in exact
+    assert "--timeout" in exact
+
+
+def test_a_missed_deadline_names_the_timeout_flag():
+    """A target that takes the connection and never answers: generate --timeout 1 ends in one line
+    naming the deadline and the flag that raises it."""
+    import socket
+
+    with socket.socket() as s:  # accepts connections (the kernel's backlog), never speaks HTTP/2
+        s.bind(("127.0.0.1", 0))
+        s.listen(8)
+        port = s.getsockname()[1]
+        proc = run_cli("generate", "hi", "--target", f"127.0.0.1:{port}", "--timeout", "1", timeout=120)
+    _assert_one_line_error(proc, "UNAVAILABLE", "--timeout")
+    assert "1s deadline" in proc.stderr
+
+
+def test_the_readme_maps_vllm_serve_flags_to_card_target_flags_that_exist():
+    """The README's vLLM table: every flag it names for card-target is one of card-target's."""
+    import re
+
+    from card.target_service.server import main as target
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = readme.split("## Coming from `vllm serve`", 1)[1].split("\n## ", 1)[0]
+    rows = [line.split("|")[1:-1] for line in section.splitlines() if line.startswith("| `")]
+    vllm = {flag for row in rows for flag in re.findall(r"--[a-z-]+", row[0])}
+    ours = {flag for row in rows for cell in re.findall(r"`([^`]*)`", row[1])
+            for flag in re.findall(r"--[a-z-]+", cell)}
+    assert {"--model", "--served-model-name", "--host", "--port", "--api-key", "--max-model-len",
+            "--gpu-memory-utilization", "--max-num-seqs", "--max-num-batched-tokens", "--dtype", "--seed",
+            "--speculative-config", "--tensor-parallel-size", "--enable-prefix-caching",
+            "--chat-template", "--disable-log-requests"} <= vllm
+    flags = {opt for param in target.params for opt in (*param.opts, *param.secondary_opts)}
+    assert ours and not ours - flags, ours - flags

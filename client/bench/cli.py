@@ -41,7 +41,7 @@ from card.client.bench.modes import (
 )
 from card.client.options import default_thread_split
 from card.client.trio import LocalTrio, service_args
-from card.common.cli import exact_option, exit_on_error, ngram_options, tls_options
+from card.common.cli import exact_option, exit_on_error, ngram_options, option, tls_options
 from card.common.tls import PLAINTEXT, TlsConfig
 from card.engine.loading.cpu_linear import PackedLinear, pack_linears
 from card.engine.loading.models import DTYPES, LoadedModel, ModelConfig, load_model
@@ -193,97 +193,102 @@ def _parse_variant(value: str) -> tuple[str, dict[str, object]]:
     return name.strip(), fields
 
 
-@click.command(context_settings={"help_option_names": ["-h", "--help"]})
-@click.option("--target-model", default="default", show_default=True,
-              help="target model spec: HF id, checkpoint folder, .gguf file, or 'default'")
-@click.option("--draft-model", default="default", show_default=True, help="draft model spec")
-@click.option("--target-dtype", type=click.Choice(["auto", *DTYPES]), default="auto", show_default=True)
-@click.option("--draft-dtype", type=click.Choice(["auto", *DTYPES]), default="auto", show_default=True)
-@click.option("--draft-quantize", type=click.Choice(["none", "int8"]), default="int8", show_default=True,
-              help="dynamic int8 Linear layers for the draft (CPU)")
-@click.option("--prepack/--no-prepack", default=True, show_default=True,
-              help="oneDNN-prepacked Linear weights for fp32 models on the CPU "
-                   "(card.engine.loading.cpu_linear)")
-@click.option("--draft-random-init", type=int, default=None, metavar="SEED",
-              help="replace the draft's weights by random ones (seeded): the useless-draft worst case")
-@click.option("--modes", default="vanilla,sd,card,hf,hf-assisted", show_default=True,
-              help=f"comma-separated, from {', '.join(MODE_NAMES)}; a card mode also as MODE+POLICY "
-                   "(an acceptance rule, as --verify); vanilla is always run: it is the reference")
-@click.option("--dataset", "datasets", multiple=True, default=(),
-              help="gsm8k | humaneval | mt_bench | name=path | path to a jsonl(.gz); repeatable "
-                   "(default: gsm8k, unless --prompts)")
-@click.option("--data-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
-              envvar=data.ENV_DATA_DIR, show_envvar=True,
-              help="read gsm8k, humaneval, mt_bench from DIR/gsm8k/test.jsonl, "
-                   "DIR/humaneval/HumanEval.jsonl.gz, DIR/mt_bench/question.jsonl (default: the samples "
-                   "packaged with card-bench; GSM8K's holds the first 200 of 1,319 prompts)")
-@click.option("--prompts", "prompt_files", multiple=True, metavar="FILE",
-              type=click.Path(dir_okay=False, exists=True, path_type=Path),
-              help="your own prompts: a JSONL(.gz) file, one prompt per line (a JSON string, or an object "
-                   "with messages, turns, conversations, question, prompt, text, or instruction/input); "
-                   "repeatable, used instead of the default dataset; --n of each")
-@click.option("--n", "n_prompts", type=click.IntRange(min=1), default=10, show_default=True,
-              help="first N prompts of each dataset")
-@click.option("--max-new-tokens", type=click.IntRange(min=1), default=128, show_default=True)
-@click.option("--tree-width", type=click.IntRange(1, 64), default=None,
-              help="K (card); default 3 on CPU, 4 on GPU (card.engine.shared.config.default_tree_params)")
-@click.option("--branch", type=click.IntRange(0, 64), default=None, help="k, secondary children per node")
-@click.option("--max-depth", type=click.IntRange(min=1), default=None, help="tree depth cap (card)")
-@click.option("--max-chain", type=click.IntRange(min=0), default=None, help="verify length cap (card)")
-@click.option("--b-extension/--no-b-extension", default=None, help="extend chains from tier B (card)")
-@click.option("--min-path-prob", type=click.FloatRange(0.0, 1.0), default=None,
-              help="card: cut chains where the draft's prefix probability falls below this "
-                   "(default 0: never)")
-@click.option("--card-variant", "card_variants", multiple=True, metavar="NAME:FIELD=VALUE[,...]",
-              help="also run in-process card with these tree settings as mode card-NAME, interleaved "
-                   "with the others (e.g. k2:width=2,max_depth=10); repeatable")
-@click.option("--backoff/--no-backoff", default=True, show_default=True,
-              help="card: pause a draft that keeps missing or makes the target slower than alone")
-@click.option("--speculation", type=click.Choice(SPECULATION_MODES), default="auto", show_default=True,
-              help="the target's speculation controller, in process and in the trio's card-target: auto "
-                   "(speculate where it measurably pays at the load), always, never (every draft paused)")
-@click.option("--gamma", type=click.IntRange(min=1), default=4, show_default=True, help="sd chain length")
-@click.option("--threads", type=click.IntRange(min=1), default=None,
-              help="threads for one-model modes (default: the count, up to every core, whose plain "
-                   "decoding step measured fastest before the run)")
-@click.option("--target-threads", type=click.IntRange(min=1), default=None, help="card target threads")
-@click.option("--draft-threads", type=click.IntRange(min=1), default=None, help="card draft threads")
-@click.option("--ignore-eos", is_flag=True, help="always generate --max-new-tokens tokens")
-@click.option("--warmup-tokens", type=click.IntRange(min=0), default=8, show_default=True,
-              help="tokens of the first prompt each mode generates before timing starts")
-@click.option("--out", type=click.Path(dir_okay=False, path_type=Path), default=None,
-              help="JSON results (default bench-results/bench-<time>.json)")
-@click.option("--chart", type=click.Path(dir_okay=False, path_type=Path), default=None,
-              help="PNG chart (default: the JSON path with .png)")
-@click.option("--services", is_flag=True,
-              help="also run svc-vanilla and svc-card through a local trio (redis, card-cache, card-draft, "
-                   "card-target subprocesses loading the same models)")
-@click.option("--concurrency", default=None, metavar="N,N,...",
-              help="with --services: closed-loop load, N clients each sending every prompt back to back, "
-                   "through the trio (svc-vanilla and svc-card at each N); --modes svc-vanilla,svc-card "
-                   "runs only that, loading no model in this process")
-@click.option("--target", "target_addr", default=None, envvar="CARD_BENCH_TARGET_ADDR", show_envvar=True,
-              help="with --services and only svc-* modes: load this running card-target (HOST:PORT) instead "
-                   "of starting a local trio; the model flags then only label the results")
-@click.option("--api-key", default=None, envvar="CARD_BENCH_API_KEY", show_envvar=True,
-              help="with --target: the key of that card-target (its --api-key), presented on every call")
-@click.option("--temperature", type=click.FloatRange(0.0, 100.0), default=0.0, show_default=True,
-              help="every mode samples at this temperature with --seed (0: greedy); sampled outputs of "
-                   "exact modes still equal vanilla's token for token")
-@click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True, help="sampling seed")
-@click.option("--verify", "verify_policies", default="exact", show_default=True, metavar="POLICY,...",
-              help="acceptance rules of the card modes: exact, rejection (speculative sampling on drawn "
-                   "chains; needs --temperature > 0), loose (FLy, lossy); the card modes run under each, "
-                   "named MODE+POLICY past exact, so they compare in one run")
-@click.option("--loose-entropy-threshold", type=float, default=None,
-              help="verify loose: FLy's top-3 entropy gate (default 0.3)")
-@click.option("--loose-window", type=int, default=None, help="verify loose: FLy's window (default 6)")
-@click.option("--no-progress", is_flag=True, help="no progress bar")
+@click.command(context_settings={"help_option_names": ["-h", "--help"], "auto_envvar_prefix": "CARD_BENCH"})
+@option("--target-model", default="default", show_default=True,
+        help="target model spec: HF id, checkpoint folder, .gguf file, or 'default'")
+@option("--draft-model", default="default", show_default=True, help="draft model spec")
+@option("--target-dtype", type=click.Choice(["auto", *DTYPES]), default="auto", show_default=True)
+@option("--draft-dtype", type=click.Choice(["auto", *DTYPES]), default="auto", show_default=True)
+@option("--draft-quantize", type=click.Choice(["none", "int8"]), default="int8", show_default=True,
+        help="dynamic int8 Linear layers for the draft (CPU)")
+@option("--prepack/--no-prepack", default=True, show_default=True,
+        help="oneDNN-prepacked Linear weights for fp32 models on the CPU "
+             "(card.engine.loading.cpu_linear)")
+@option("--draft-random-init", type=int, default=None, metavar="SEED",
+        help="replace the draft's weights by random ones (seeded): the useless-draft worst case")
+@option("--modes", default="vanilla,sd,card,hf,hf-assisted", show_default=True,
+        help=f"comma-separated, from {', '.join(MODE_NAMES)}; a card mode also as MODE+POLICY "
+             "(an acceptance rule, as --verify); vanilla is always run: it is the reference")
+@option("--dataset", "datasets", multiple=True, default=(), envvar="CARD_BENCH_DATASET",
+        help=f"{' | '.join(data.KNOWN)} | name=path | path to a jsonl(.gz); repeatable "
+             "(default: gsm8k, unless --prompts)")
+@option("--data-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+        envvar=data.ENV_DATA_DIR, show_envvar=True,
+        help=f"read the named datasets from {', '.join(f'DIR/{path}' for path in data.KNOWN.values())} "
+             "(default: the copies packaged with card-bench; GSM8K's holds the first 200 of 1,319 "
+             "prompts)")
+@option("--prompts", "prompt_files", multiple=True, metavar="FILE", envvar="CARD_BENCH_PROMPTS",
+        type=click.Path(dir_okay=False, exists=True, path_type=Path),
+        help="your own prompts: a JSONL(.gz) file, one prompt per line (a JSON string, or an object "
+             "with messages, turns, conversations, question, prompt, text, or instruction/input); "
+             "repeatable, used instead of the default dataset; --n of each")
+@option("--n", "n_prompts", type=click.IntRange(min=1), default=10, show_default=True, envvar="CARD_BENCH_N",
+        help="first N prompts of each dataset")
+@option("--max-new-tokens", type=click.IntRange(min=1), default=128, show_default=True)
+@option("--tree-width", type=click.IntRange(1, 64), default=None,
+        help="K (card); default 3 on CPU, 4 on GPU (card.engine.shared.config.default_tree_params)")
+@option("--branch", type=click.IntRange(0, 64), default=None, help="k, secondary children per node")
+@option("--max-depth", type=click.IntRange(min=1), default=None, help="tree depth cap (card)")
+@option("--max-chain", type=click.IntRange(min=0), default=None, help="verify length cap (card)")
+@option("--b-extension/--no-b-extension", default=None, help="extend chains from tier B (card)")
+@option("--min-path-prob", type=click.FloatRange(0.0, 1.0), default=None,
+        help="card: cut chains where the draft's prefix probability falls below this "
+             "(default 0: never)")
+@option("--card-variant", "card_variants", multiple=True, metavar="NAME:FIELD=VALUE[,...]",
+        envvar="CARD_BENCH_CARD_VARIANT",
+        help="also run in-process card with these tree settings as mode card-NAME, interleaved "
+             "with the others (e.g. k2:width=2,max_depth=10); repeatable")
+@option("--backoff/--no-backoff", default=True, show_default=True,
+        help="card: pause a draft that keeps missing or makes the target slower than alone")
+@option("--speculation", type=click.Choice(SPECULATION_MODES), default="auto", show_default=True,
+        help="the target's speculation controller, in process and in the trio's card-target: auto "
+             "(speculate where it measurably pays at the load), always, never (every draft paused)")
+@option("--gamma", type=click.IntRange(min=1), default=4, show_default=True, help="sd chain length")
+@option("--threads", type=click.IntRange(min=1), default=None,
+        help="threads for one-model modes (default: the count, up to every core, whose plain "
+             "decoding step measured fastest before the run)")
+@option("--target-threads", type=click.IntRange(min=1), default=None, help="card target threads")
+@option("--draft-threads", type=click.IntRange(min=1), default=None, help="card draft threads")
+@option("--ignore-eos", is_flag=True, help="always generate --max-new-tokens tokens")
+@option("--warmup-tokens", type=click.IntRange(min=0), default=8, show_default=True,
+        help="tokens of the first prompt each mode generates before timing starts")
+@option("--out", type=click.Path(dir_okay=False, path_type=Path), default=None,
+        help="JSON results (default bench-results/bench-<time>.json)")
+@option("--chart", type=click.Path(dir_okay=False, path_type=Path), default=None,
+        help="PNG chart (default: the JSON path with .png)")
+@option("--services", is_flag=True,
+        help="also run svc-vanilla and svc-card through a local trio (redis, card-cache, card-draft, "
+             "card-target subprocesses loading the same models)")
+@option("--concurrency", default=None, metavar="N,N,...",
+        help="with --services: closed-loop load, N clients each sending every prompt back to back, "
+             "through the trio (svc-vanilla and svc-card at each N); --modes svc-vanilla,svc-card "
+             "runs only that, loading no model in this process")
+@option("--target", "target_addr", default=None, envvar="CARD_BENCH_TARGET_ADDR", show_envvar=True,
+        help="with --services and only svc-* modes: load this running card-target (HOST:PORT) instead "
+             "of starting a local trio; the model flags then only label the results")
+@option("--api-key", default=None, envvar="CARD_BENCH_API_KEY", show_envvar=True,
+        help="with --target: the key of that card-target (its --api-key), presented on every call")
+@option("--temperature", type=click.FloatRange(0.0, 100.0), default=0.0, show_default=True,
+        help="every mode samples at this temperature with --seed (0: greedy); sampled outputs of "
+             "exact modes still equal vanilla's token for token")
+@option("--seed", type=click.IntRange(min=0), default=0, show_default=True, help="sampling seed")
+@option("--verify", "verify_policies", default="exact", show_default=True, metavar="POLICY,...",
+        envvar="CARD_BENCH_VERIFY",
+        help="acceptance rules of the card modes: exact, rejection (speculative sampling on drawn "
+             "chains; needs --temperature > 0), loose (FLy, lossy); the card modes run under each, "
+             "named MODE+POLICY past exact, so they compare in one run")
+@option("--loose-entropy-threshold", type=float, default=None,
+        help="verify loose: FLy's top-3 entropy gate (default 0.3)")
+@option("--loose-window", type=int, default=None, help="verify loose: FLy's window (default 6)")
+@option("--no-progress", is_flag=True, help="no progress bar")
 @tls_options("card-bench", serves=False, envvar_prefix="CARD_BENCH")
 @ngram_options("card-bench", envvar_prefix="CARD_BENCH")
 @exact_option("CARD_BENCH")
 def main(**opts: Any) -> None:  # click's values, typed by bench's signature
-    """Compare decoding modes on the same prompts, on this machine, in one run."""
+    """Compare decoding modes on the same prompts, on this machine, in one run: in process (vanilla,
+    sd, card and its drafters, transformers' hf modes), through a local trio (--services adds
+    svc-vanilla and svc-card; svc-* modes alone load no model here), or under load (--concurrency;
+    --target for a running card-target). Every option also reads CARD_BENCH_<OPTION>."""
     with exit_on_error("card-bench"):
         code = bench(**opts)
     sys.exit(code)

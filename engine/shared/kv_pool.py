@@ -37,13 +37,26 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from card.engine.shared.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
-from card.engine.shared.exact_attention import RowPlan, Rows, attend_rows, batched_is_invariant, span
+from card.engine.shared.exact_attention import (
+    KV_BLOCK,
+    RowPlan,
+    Rows,
+    attend_rows,
+    batched_is_invariant,
+    span,
+)
 from card.engine.shared.hf import CausalLM
 
 ATTN = "card_slots"
 
-# Rows per slot when no --max-model-len is given (and the model's context window is longer).
-DEFAULT_MAX_MODEL_LEN = 4096
+# Rows per slot a default --max-model-len never goes below to keep --max-batch-size slots in a
+# KV budget too small for the whole context window (pool_shape): below this, fewer slots instead.
+SHORTEST_DEFAULT_LEN = 4096
+
+# On an accelerator without --kv-cache-gb, the KV cache may take this share of the memory free once
+# the model is loaded (the rest: activations, CUDA graphs, the static step's buffers). It takes
+# only what its slots need: the budget caps a large --max-batch-size x context window.
+DEVICE_KV_SHARE = 0.8
 
 # Prompt tokens per prefill chunk. Fixed for every entry point: the chunking is part of a
 # generation's arithmetic (in-process reference runs and card-target must chunk alike), and a long
@@ -174,24 +187,103 @@ def check_sizing(kv_cache_gb: float | None, max_model_len: int | None) -> None:
         raise InvalidArgument(f"max-model-len must be >= 2, got {max_model_len}")
 
 
-def pool_shape(max_slots: int, max_model_len: int | None, context_window: int, bytes_per_token: int,
-               kv_cache_gb: float | None, extra_rows: int = 0) -> tuple[int, int]:
-    """(slots, tokens per slot): ``max_slots`` sequences of ``max_model_len`` tokens (None: the
-    context window, at most DEFAULT_MAX_MODEL_LEN), fewer slots where ``kv_cache_gb`` (None = no
-    cap) holds fewer, beside the pool's scratch slot; each slot also holds ``extra_rows`` (a
-    draft's tree)."""
-    max_len = min(max_model_len or DEFAULT_MAX_MODEL_LEN, context_window)
-    per_slot = bytes_per_token * (max_len + extra_rows)
-    if kv_cache_gb is None:
-        return max_slots, max_len
-    # the pool holds one slot more than sequences get (KVPool's scratch slot, where a static
-    # step's padding rows write): the budget pays for it too, so the cache never outgrows it
-    slots = min(int(kv_cache_gb * 2**30 // per_slot) - 1, max_slots)
+@dataclass(frozen=True)
+class PoolShape:
+    """What a KV cache holds: ``slots`` sequences of ``max_len`` tokens; ``why``: how that was
+    chosen, for the one start-up line (``describe``)."""
+
+    slots: int
+    max_len: int
+    why: str
+
+    def describe(self, nbytes: int) -> str:
+        return (f"KV cache: {self.slots} slots x {self.max_len} tokens ({nbytes / 2**30:.2f} GB): "
+                f"{self.why}")
+
+
+def device_free_bytes(device: torch.device) -> int | None:
+    """Memory free on ``device`` now (a CUDA device), None where a KV cache costs no real memory
+    until it is written (the CPU: torch.empty, see KVPool)."""
+    if device.type != "cuda":
+        return None
+    free, _total = torch.cuda.mem_get_info(device)
+    return int(free)
+
+
+def size_pool(max_slots: int, max_model_len: int | None, context_window: int, bytes_per_token: int,
+              kv_cache_gb: float | None, extra_rows: int = 0, free_bytes: int | None = None,
+              slots_flag: str = "--max-batch-size") -> PoolShape:
+    """The one sizing rule of card-target and card-draft (vLLM's, on static slots):
+
+    - the budget: ``kv_cache_gb`` (--kv-cache-gb); else DEVICE_KV_SHARE of ``free_bytes`` (the
+      accelerator's free memory once the model is loaded); else none (the CPU, where an unwritten
+      row costs address space only);
+    - tokens per slot: ``max_model_len`` (at most the context window); by default the model's whole
+      context window where the budget holds ``max_slots`` sequences of it, else the longest length
+      (whole KV_BLOCKs, at least SHORTEST_DEFAULT_LEN) at which it does;
+    - slots: ``max_slots``, fewer where the budget holds fewer; none is an error that says what to
+      change.
+
+    The pool holds one slot more than sequences get (KVPool's scratch slot, where a static step's
+    padding rows write): the budget pays for it too. Each slot also holds ``extra_rows`` (a draft's
+    tree)."""
+    window = context_window
+    if kv_cache_gb is not None:
+        budget: int | None = int(kv_cache_gb * 2**30)
+        source = f"--kv-cache-gb {kv_cache_gb:g}"
+    elif free_bytes is not None:
+        budget = int(free_bytes * DEVICE_KV_SHARE)
+        source = (f"{DEVICE_KV_SHARE:.0%} of the {free_bytes / 2**30:.1f} GB free on the device; "
+                  "--kv-cache-gb sets it")
+    else:
+        budget, source = None, ""
+
+    def fits(length: int) -> int:  # sequences of ``length`` the budget holds beside the scratch slot
+        return max_slots if budget is None else budget // (bytes_per_token * (length + extra_rows)) - 1
+
+    hint = ""
+    if max_model_len is not None:
+        max_len = min(max_model_len, window)
+        why = (f"--max-model-len {max_model_len}" if max_len == max_model_len
+               else f"--max-model-len {max_model_len}, capped at the model's context window")
+    elif fits(window) >= max_slots:
+        max_len = window
+        why = "the model's context window"
+        if budget is None:
+            why += " (no KV budget: on the CPU a row takes memory once written)"
+    else:  # the whole window would cost slots: shorten it, down to SHORTEST_DEFAULT_LEN
+        assert budget is not None
+        longest = (budget // (bytes_per_token * (max_slots + 1)) - extra_rows) // KV_BLOCK * KV_BLOCK
+        held = f"the model's context window, {window} tokens, would hold {max(fits(window), 0)}"
+        if longest >= min(window, SHORTEST_DEFAULT_LEN):
+            max_len = longest
+            why = f"the longest length the KV budget holds {slots_flag} {max_slots} of ({held})"
+        else:
+            max_len = min(window, SHORTEST_DEFAULT_LEN)
+            why = f"the shortest default length ({held})"
+        hint = "; --max-model-len sets the length"
+    slots = min(fits(max_len), max_slots)
     if slots < 1:
+        per_slot = bytes_per_token * (max_len + extra_rows)
+        where = f"--kv-cache-gb {kv_cache_gb:g}" if kv_cache_gb is not None else f"the KV budget ({source})"
         raise ResourceExhausted(
-            f"--kv-cache-gb {kv_cache_gb:g} holds no sequence of {max_len} tokens beside the scratch "
-            f"slot ({per_slot / 2**30:.3f} GB each, two needed); raise it or lower --max-model-len")
-    return slots, max_len
+            f"{where} holds no sequence of {max_len} tokens beside the scratch slot "
+            f"({per_slot / 2**30:.3f} GB each, two needed); raise it or lower --max-model-len")
+    if slots < max_slots:
+        why += f"; {slots} of {slots_flag} {max_slots} sequences fit"
+    if budget is not None:
+        why += f" (KV budget: {source})"
+    why += hint
+    return PoolShape(slots, max_len, why)
+
+
+def pool_shape(max_slots: int, max_model_len: int | None, context_window: int, bytes_per_token: int,
+               kv_cache_gb: float | None, extra_rows: int = 0,
+               free_bytes: int | None = None) -> tuple[int, int]:
+    """(slots, tokens per slot) by ``size_pool``'s rule."""
+    shape = size_pool(max_slots, max_model_len, context_window, bytes_per_token, kv_cache_gb, extra_rows,
+                      free_bytes)
+    return shape.slots, shape.max_len
 
 
 def _kv_shape(cfg: Any) -> tuple[int, int]:

@@ -8,15 +8,22 @@ from card.draft_service.config import DraftConfig
 from card.engine.loading.models import ModelConfig
 from card.engine.shared.config import TreeParams
 from card.engine.shared.errors import InvalidArgument, ResourceExhausted
-from card.engine.shared.kv_pool import DEFAULT_MAX_MODEL_LEN, check_sizing, pool_shape
+from card.engine.shared.exact_attention import KV_BLOCK
+from card.engine.shared.kv_pool import (
+    DEVICE_KV_SHARE,
+    SHORTEST_DEFAULT_LEN,
+    check_sizing,
+    pool_shape,
+    size_pool,
+)
 from card.target_service.config import TargetConfig
 
 KB = 1024
 
 
 def test_slots_and_rows_from_flags_window_and_budget() -> None:
-    assert pool_shape(8, None, 512, 46 * KB, None) == (8, 512)  # the window is below the default
-    assert pool_shape(8, None, 32768, 46 * KB, None) == (8, DEFAULT_MAX_MODEL_LEN)
+    assert pool_shape(8, None, 512, 46 * KB, None) == (8, 512)  # the model's context window
+    assert pool_shape(8, None, 32768, 46 * KB, None) == (8, 32768)  # no budget (the CPU): the whole window
     assert pool_shape(8, 1000, 32768, 46 * KB, None) == (8, 1000)
     # 1 GiB of 1000-token slots at 46 KB per token: 22 fit, one is the scratch slot, 8 are asked for
     assert pool_shape(8, 1000, 32768, 46 * KB, 1.0) == (8, 1000)
@@ -51,3 +58,50 @@ def test_target_and_draft_size_alike_but_the_draft_keeps_room_for_its_tree() -> 
                         kv_cache_gb=0.15, max_model_len=1200, tree=TreeParams(width=3, max_depth=8))
     assert target.kv_shape(8192, 46 * KB) == (2, 1000)
     assert draft.kv_shape(8192, 46 * KB) == (1, 1200)  # 1200 + 24 tree rows: one slot and the scratch
+
+
+GB = 2**30
+
+
+def test_the_default_length_is_the_context_window_where_the_budget_holds_every_slot_of_it() -> None:
+    """vLLM's rule on static slots: --max-model-len defaults to the model's context window; a budget
+    (--kv-cache-gb, or a share of an accelerator's free memory) that cannot hold --max-batch-size
+    sequences of it shortens the length to what it holds (whole KV blocks), down to
+    SHORTEST_DEFAULT_LEN, then gives fewer slots; each choice says why in one line."""
+    per_token = 56 * KB  # Qwen2.5-7B's keys and values in bf16
+    # an accelerator with room: the whole 32k window for 8 slots and the scratch slot (15.75 GB)
+    roomy = size_pool(8, None, 32768, per_token, None, free_bytes=40 * GB)
+    assert (roomy.slots, roomy.max_len) == (8, 32768)
+    assert roomy.why.startswith("the model's context window")
+    assert f"{DEVICE_KV_SHARE:.0%} of the 40.0 GB" in roomy.why
+    # 10 GB free: 8 GB of budget holds 4 sequences of 32k beside the scratch slot; the length shrinks
+    # instead, to the longest that keeps 8 (9 x 56 KB x 16640 <= 8 GB), in whole KV blocks
+    tight = size_pool(8, None, 32768, per_token, None, free_bytes=10 * GB)
+    assert tight.slots == 8 and tight.max_len % KV_BLOCK == 0
+    assert 9 * per_token * tight.max_len <= 8 * GB < 9 * per_token * (tight.max_len + KV_BLOCK)
+    assert "would hold 3" in tight.why and "--max-model-len sets the length" in tight.why
+    # too tight for 8 slots of even SHORTEST_DEFAULT_LEN: that length, fewer slots
+    small = size_pool(8, None, 32768, per_token, 1.0)
+    assert small.max_len == SHORTEST_DEFAULT_LEN and small.slots == 1 * GB // (per_token * 4096) - 1 == 3
+    assert "3 of --max-batch-size 8 sequences fit" in small.why and "--kv-cache-gb 1" in small.why
+    # negative control: an explicit --max-model-len is kept whatever it costs in slots
+    explicit = size_pool(8, 32768, 32768, per_token, None, free_bytes=10 * GB)
+    assert (explicit.slots, explicit.max_len) == (3, 32768)
+    assert explicit.why.startswith("--max-model-len 32768")
+    # and never longer than the model's window
+    assert size_pool(8, 50000, 32768, per_token, None).max_len == 32768
+    # the draft names its own flag, and its tree's rows count against the budget
+    draft = size_pool(8, None, 32768, per_token, None, extra_rows=24, free_bytes=10 * GB,
+                      slots_flag="--capacity")
+    assert draft.slots == 8 and draft.max_len < tight.max_len + KV_BLOCK and "--capacity 8" in draft.why
+    # a budget that holds not one sequence of the shortest default fails, saying what to change
+    with pytest.raises(ResourceExhausted, match=r"the KV budget .* holds no sequence of 4096 tokens"):
+        size_pool(8, None, 32768, per_token, None, free_bytes=GB // 4)
+
+
+def test_the_start_up_line_says_what_was_chosen_and_why() -> None:
+    shape = size_pool(8, None, 8192, 46 * KB, None)
+    line = shape.describe(9 * 8192 * 46 * KB)
+    assert line == ("KV cache: 8 slots x 8192 tokens (3.23 GB): the model's context window (no KV budget: "
+                    "on the CPU a row takes memory once written)")
+    assert "\n" not in size_pool(8, None, 32768, 56 * KB, None, free_bytes=10 * GB).describe(0)

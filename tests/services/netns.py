@@ -160,7 +160,7 @@ class NetnsTrio:
             "--dtype", dtype, "--threads", str(threads[1]), "--name", "remote", *extra.get("draft", [])],
             {"CARD_DRAFT_DRAFT_TOKEN": self.draft_token, **tls_env("CARD_DRAFT", self.tls)})
         target = self._spawn("target", "card-target", [
-            "--cache", self.cache_addr, "--model", target_model, "--dtype", dtype,
+            "--cache", self.cache_addr, "--model", target_model, "--dtype", dtype, "--no-http",
             "--threads", str(threads[0]), *extra.get("target", [])],
             {"CARD_TARGET_TARGET_TOKEN": self.target_token, **tls_env("CARD_TARGET", self.tls)})
         draft.wait_listening(timeout_s)

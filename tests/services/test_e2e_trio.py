@@ -18,6 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
+import httpx
 import pytest
 
 from card.client.remote import generate_remote
@@ -25,7 +26,13 @@ from card.client.trio import LocalTrio, console_script, free_port
 from card.common.channels import health_status
 from card.engine.loading.models import ModelConfig, load_model
 from card.engine.shared.config import SamplingParams, StopParams
-from card.engine.shared.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
+from card.engine.shared.errors import (
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    Unauthenticated,
+    Unavailable,
+)
 from card.v1 import cache_pb2, cache_pb2_grpc, common_pb2, target_pb2, target_pb2_grpc
 from tests.services.e2e_support import metric, scrape, torch_threads, vanilla_reference, wait_until
 from tests.tiny_models import save_foreign_tokenizer_checkpoint, save_tiny_checkpoint
@@ -411,19 +418,23 @@ def test_trio_stops_cleanly(trio):
 
 
 def test_up_serves_until_ctrl_c(checkpoints, reference, tmp_path):
-    """``card-client up``: a trio of its own (private redis-server), the addresses on stdout, exact
-    output, and Ctrl-C stops every service with exit status 0."""
+    """``card-client up``: a trio of its own (private redis-server), the addresses on stdout, the
+    OpenAI API (--http-host, the key from CARD_CLIENT_API_KEY, a served name), exact output, and
+    Ctrl-C stops every service with exit status 0."""
     target = str(checkpoints["target"])
-    env = {k: v for k, v in os.environ.items() if not k.startswith("CARD_")}
+    key = "sk-up-" + uuid.uuid4().hex
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("CARD_")}, "CARD_CLIENT_API_KEY": key}
     proc = subprocess.Popen(
         [console_script("card-client"), "up", "--target-model", target, "--draft-model", target,
-         "--target-port", "0", "--cache-port", "0", "--draft-port", "0", "--target-threads", "1",
+         "--target-port", "0", "--cache-port", "0", "--draft-port", "0", "--http-port", "0",
+         "--http-host", "127.0.0.1", "--served-model-name", "tiny", "--target-threads", "1",
          "--draft-threads", "1", "--dtype", "float64", "--log-dir", str(tmp_path)],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True,
     )
     try:
-        exports = {}
+        exports, lines = {}, []
         for line in proc.stdout:
+            lines.append(line)
             if line.startswith("export "):
                 exports = dict(item.split("=", 1) for item in line.split()[1:])
                 break
@@ -431,8 +442,15 @@ def test_up_serves_until_ctrl_c(checkpoints, reference, tmp_path):
         assert set(exports) == want, proc.stderr.read()
         addr = exports["CARD_CLIENT_TARGET_ADDR"]
         stop = StopParams(16, ignore_eos=True)
-        remote = generate_remote(addr, PROMPTS[1], stop=stop, timeout_s=60)
+        remote = generate_remote(addr, PROMPTS[1], stop=stop, timeout_s=60, api_key=key)
         assert remote.token_ids == reference(PROMPTS[1], GREEDY, stop).token_ids
+        with pytest.raises(Unauthenticated):  # the key guards gRPC too
+            generate_remote(addr, PROMPTS[1], stop=stop, timeout_s=60)
+        base = next(line.split()[1] for line in lines if line.startswith("http "))
+        assert base.startswith("http://127.0.0.1:") and base.endswith("/v1") and "model tiny" in lines[-2]
+        assert httpx.get(f"{base}/models", timeout=30).status_code == 401
+        models = httpx.get(f"{base}/models", headers={"Authorization": f"Bearer {key}"}, timeout=30)
+        assert [m["id"] for m in models.json()["data"]] == ["tiny"]
         proc.send_signal(signal.SIGINT)
         _, err = proc.communicate(timeout=60)
     finally:

@@ -367,8 +367,8 @@ def test_a_lying_draft_cannot_choose_a_rejection_requests_tokens(redis_server, t
         for label, flags in [("allowed", ["--allow-rejection"]),
                              ("unfloored", ["--allow-rejection", "--rejection-q-floor", "0"])]:
             more[label] = trio._spawn("card-target", [
-                "--model", model, "--cache", trio.cache_addr, "--port", "0", "--threads", "1", "--dtype",
-                "float64", "--device", "cpu", "--speculation", "always", *no_adapt, *flags],
+                "--model", model, "--cache", trio.cache_addr, "--port", "0", "--no-http", "--threads", "1",
+                "--dtype", "float64", "--device", "cpu", "--speculation", "always", *no_adapt, *flags],
                 label=f"card-target-{label}")
         addrs = {"default": trio.target_addr, **{k: p.wait_listening(240) for k, p in more.items()}}
         for p in more.values():

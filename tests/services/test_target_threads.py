@@ -107,7 +107,7 @@ def _started(logs: Path, checkpoint: str, *args: str) -> Iterator[tuple[str, int
     metrics_port = free_port()
     with open(out, "wb") as o, open(err, "wb") as e:
         proc = subprocess.Popen([console_script("card-target"), "--model", checkpoint, "--port", "0",
-                                 "--metrics-port", str(metrics_port), *args],
+                                 "--no-http", "--metrics-port", str(metrics_port), *args],
                                 stdout=o, stderr=e, stdin=subprocess.DEVNULL, env=_environ(),
                                 start_new_session=True)
     try:
