@@ -138,6 +138,57 @@ def test_seeded_sampling_and_stop_equal_card_client(trio, api, model_id):
     assert cut.choices[0].text == want["text"][:want["text"].index(stop)]
 
 
+# ---- the logits processors (OpenAI's own fields natively, vLLM's through extra_body) ----------------
+# what these tiny checkpoints declare as EOS (tests.tiny_models.save_tiny_checkpoint)
+TINY_EOS = 2
+PROCESSORS = {"frequency_penalty": 0.8, "presence_penalty": 0.4, "logit_bias": {"42": 3.0, "1000": -5.0}}
+VLLM_PROCESSORS = {"min_p": 0.05, "repetition_penalty": 1.3, "min_tokens": 4}
+
+
+@pytest.mark.parametrize("sampling", [{"temperature": 0}, {"temperature": 0.9, "seed": 7}],
+                         ids=["greedy", "seeded"])
+def test_logits_processors_through_the_openai_client_equal_plain_decoding(trio, api, model_id, sampling):
+    """presence / frequency penalties and logit_bias as the openai package sends them, min_p,
+    repetition_penalty and min_tokens in extra_body: card's text equals plain decoding's (and
+    card-client's flags through gRPC), and differs from the text without them. The draft
+    proposes the unprocessed target's tokens: some are kept (a race on any one request, so a
+    few lengths are tried)."""
+    def complete(n: int, mode: str, processors: bool = True):
+        extra = {"ignore_eos": True, "mode": mode, **(VLLM_PROCESSORS if processors else {})}
+        return api.completions.create(model=model_id, prompt=PROMPT, max_tokens=n, **sampling,
+                                      **(PROCESSORS if processors else {}), extra_body=extra)
+
+    kept = []
+    for n in (32, 64, 96):
+        card, plain = complete(n, "card"), complete(n, "vanilla")
+        assert card.choices[0].text == plain.choices[0].text
+        assert card.usage.completion_tokens == plain.usage.completion_tokens == n
+        kept.append(card.usage.model_extra["card"]["accepted_draft_tokens"])
+        if kept[-1]:
+            break
+    assert kept[-1] > 0, kept
+    assert complete(n, "vanilla", processors=False).choices[0].text != plain.choices[0].text
+    flags = ["--frequency-penalty", "0.8", "--presence-penalty", "0.4", "--logit-bias", "42=3",
+             "--logit-bias", "1000=-5", "--min-p", "0.05", "--repetition-penalty", "1.3", "--min-tokens", "4"]
+    seeded = ["--temperature", "0.9", "--seed", "7"] if sampling["temperature"] else []
+    want = card_client_json(trio, "--no-chat", "--max-new-tokens", str(n), "--ignore-eos", *flags, *seeded,
+                            PROMPT)
+    assert want["text"] == plain.choices[0].text
+
+
+def test_min_tokens_holds_a_forced_eos_back(api, model_id):
+    """logit_bias +100 on the EOS makes it every step's token: one token, then six with
+    min_tokens 5 (EOS held back five times, then taken), in card and in plain decoding alike."""
+    def complete(mode: str, **extra):
+        return api.completions.create(model=model_id, prompt=PROMPT, max_tokens=20, temperature=0,
+                                      logit_bias={str(TINY_EOS): 100}, extra_body={"mode": mode, **extra})
+
+    assert complete("vanilla").usage.completion_tokens == 1
+    for mode in ("vanilla", "card"):
+        held = complete(mode, min_tokens=5)
+        assert held.usage.completion_tokens == 6 and held.choices[0].finish_reason == "stop", mode
+
+
 def _chat_logprobs(api, model_id, mode: str, stream: bool, **sampling) -> list[dict]:
     kwargs = dict(model=model_id, messages=[{"role": "user", "content": PROMPT}], max_completion_tokens=40,
                   logprobs=True, top_logprobs=4, extra_body={"ignore_eos": True, "mode": mode, "draft": ""},
@@ -287,7 +338,8 @@ def test_a_grpc_call_without_a_deadline_is_served(trio):
 @pytest.mark.parametrize("extra", [{"n": 2}, {"top_logprobs": 2}, {"logprobs": True, "top_logprobs": 21},
                                    {"verify": "lossy"}, {"verify": "loose", "verify_window": 1},
                                    {"tools": [{"type": "function", "function": {
-    "name": "f", "parameters": {}}}]}, {"presence_penalty": 0.5}, {"top_p": 0}, {"no_such_field": 1},
+    "name": "f", "parameters": {}}}]}, {"presence_penalty": 2.5}, {"logit_bias": {"49152": 1}},
+    {"min_tokens": 5}, {"repetition_penalty": 0}, {"top_p": 0}, {"no_such_field": 1},
     {"stop": [chr(97 + i) for i in range(MAX_STOP_STRINGS + 1)]}])
 def test_fields_that_would_change_output_are_refused(api, model_id, extra):
     with pytest.raises(openai.BadRequestError) as err:
