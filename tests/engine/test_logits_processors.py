@@ -171,6 +171,57 @@ def test_logit_bias_is_kept_sorted_and_a_token_past_the_vocabulary_is_refused() 
                    vocab_size=97)
 
 
+# ---- loose and rejection read processed rows -----------------------------------------------------
+EOS = 6
+
+
+def _rows(*argmaxes: int, vocab: int = 8) -> torch.Tensor:
+    """Logits [len, vocab]: row i's likeliest token is argmaxes[i] (logit 2), the EOS next (1.5)."""
+    rows = torch.zeros(len(argmaxes), vocab, dtype=torch.float64)
+    rows[:, EOS] = 1.5
+    for i, t in enumerate(argmaxes):
+        rows[i, t] = 2.0
+    return rows
+
+
+@pytest.mark.parametrize("min_tokens", [0, 5])
+def test_loose_never_keeps_a_token_min_tokens_holds_back(min_tokens: int) -> None:
+    """FLy keeps the drafted EOS at j = 0 (a mismatch, the gate open, the next token agreed) unless
+    min_tokens holds it back: then the target's own token goes."""
+    from card.engine.shared.config import Verify, VerifyPolicy
+
+    state = TargetState([1, 2], SamplingParams(min_tokens=min_tokens),
+                        VerifyPolicy(Verify.LOOSE, entropy_threshold=0.0, window=2), ending_ids={EOS})
+    state.committed.append(3)  # the next token
+    state.processors.commit([3])
+    accepted, token = state.accept([EOS, 4, 5], _rows(0, 4, 5, 1))
+    assert (accepted, token) == ((3, 1) if min_tokens == 0 else (0, 0))
+
+
+@pytest.mark.parametrize("min_tokens", [0, 5])
+def test_rejection_judges_the_processed_distribution(min_tokens: int) -> None:
+    """A drawn EOS with q = 1: kept about as often as p(EOS), never while min_tokens holds it back
+    (p = 0 there), and never drawn after its rejection either."""
+    from card.engine.shared.config import Verify, VerifyPolicy
+    from card.engine.shared.tree import Proposal
+
+    proposal = Proposal(torch.tensor([[EOS]]), torch.tensor([[1.0]], dtype=torch.float64))
+    kept, eos = 0, 0
+    for seed in range(200):
+        state = TargetState([1, 2], SamplingParams(temperature=1.0, seed=seed, min_tokens=min_tokens),
+                            VerifyPolicy(Verify.REJECTION), ending_ids={EOS})
+        state.committed.append(3)
+        state.processors.commit([3])
+        accepted, token = state.accept([EOS], _rows(0, 0), proposal)
+        kept += accepted
+        eos += token == EOS
+    if min_tokens:
+        assert kept == 0 and eos == 0
+    else:
+        # p(EOS) = e^1.5 / (e^2 + e^1.5 + 6) = 0.25: 50 of 200 tries, sd 6.1; 4.5 sd either way
+        assert 22 <= kept <= 78
+
+
 # ---- card equals plain decoding ------------------------------------------------------------------
 class Oracle(NoDraft):
     """Chains of the plain output itself (a perfect draft), every ``wrong``-th one with its last
