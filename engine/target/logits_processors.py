@@ -146,6 +146,7 @@ class ProcessedRows:
         self.chain = chain
         self._version = processors.version
         self._done: dict[int, torch.Tensor] = {}
+        self._host: torch.Tensor | None = None  # the rows on the CPU, where they were elsewhere
 
     def __len__(self) -> int:
         return int(self.raw.shape[0])
@@ -162,8 +163,17 @@ class ProcessedRows:
         if row is None:
             # a row read after the target committed more would see the wrong context
             assert self._version == self.processors.version, "processed rows read after a commit"
-            row = self._done[j] = self.processors.process(self.raw[j], self.chain[:j])
+            row = self._done[j] = self.processors.process(self._on_host()[j], self.chain[:j])
         return row
+
+    def _on_host(self) -> torch.Tensor:
+        """The rows on the CPU: rows on an accelerator come over in one copy (one synchronisation
+        for the step, not one per row), in their own dtype (float64 is exact from any of them)."""
+        if self.raw.device.type == "cpu":
+            return self.raw
+        if self._host is None:
+            self._host = self.raw.detach().to("cpu")
+        return self._host
 
     def head(self, n: int) -> torch.Tensor:
         """The first ``n`` rows [n, V]."""
