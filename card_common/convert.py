@@ -12,7 +12,7 @@ import torch
 
 from card.common.tensors import DTYPES, from_tensor_msg, ids_from_msg, ids_to_msg, to_tensor_msg
 from card.engine.shared.commands import AdvanceDraft, DraftCommand, StartDraft, StopDraft
-from card.engine.shared.config import ChainDraw, ChainPolicy, SamplingParams, Verify
+from card.engine.shared.config import MAX_LOGIT_BIAS_ENTRIES, ChainDraw, ChainPolicy, SamplingParams, Verify
 from card.engine.shared.errors import InvalidArgument
 from card.engine.shared.session import StepResult
 from card.engine.shared.stats import GenerationStats
@@ -232,15 +232,27 @@ def _f32(x: float) -> float:
 
 def sampling_to_msg(params: SamplingParams) -> common_pb2.SamplingParams:
     return common_pb2.SamplingParams(
-        temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, seed=params.seed
+        temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, seed=params.seed,
+        min_p=params.min_p, repetition_penalty=params.repetition_penalty,
+        presence_penalty=params.presence_penalty, frequency_penalty=params.frequency_penalty,
+        logit_bias=dict(params.logit_bias), min_tokens=params.min_tokens,
     )
 
 
 def sampling_from_msg(msg: common_pb2.SamplingParams) -> SamplingParams:
-    """Validated params (InvalidArgument on bad values). An unset top_p means 1.0; a set one,
-    0 included, is checked as given."""
+    """Validated params (InvalidArgument on bad values). An unset top_p or repetition_penalty
+    means 1.0; a set one, 0 included, is checked as given. The entries of logit_bias are counted
+    before they are copied (SamplingParams checks the bound again)."""
     top_p = _f32(msg.top_p) if msg.HasField("top_p") else 1.0
-    return SamplingParams(temperature=_f32(msg.temperature), top_k=msg.top_k, top_p=top_p, seed=msg.seed)
+    repetition = _f32(msg.repetition_penalty) if msg.HasField("repetition_penalty") else 1.0
+    if (entries := len(msg.logit_bias)) > MAX_LOGIT_BIAS_ENTRIES:
+        raise InvalidArgument(f"logit_bias: at most {MAX_LOGIT_BIAS_ENTRIES} entries, got {entries}")
+    return SamplingParams(
+        temperature=_f32(msg.temperature), top_k=msg.top_k, top_p=top_p, seed=msg.seed,
+        min_p=_f32(msg.min_p), repetition_penalty=repetition, presence_penalty=_f32(msg.presence_penalty),
+        frequency_penalty=_f32(msg.frequency_penalty),
+        logit_bias=tuple((int(t), _f32(b)) for t, b in msg.logit_bias.items()), min_tokens=msg.min_tokens,
+    )
 
 
 # Every GenerationStats field crosses the wire under its own name (card.v1 GenerationStats holds

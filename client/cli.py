@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import click
 
@@ -36,6 +39,43 @@ from card.engine.shared.config import (
     check_logprobs,
     tree_params,
 )
+
+
+def _logit_bias(ctx: click.Context, param: click.Parameter,
+                values: tuple[str, ...]) -> tuple[tuple[int, float], ...]:
+    try:
+        return tuple((int(t), float(b)) for t, _, b in (v.partition("=") for v in values))
+    except ValueError:
+        raise click.BadParameter("write each entry as TOKEN_ID=BIAS, e.g. 198=-100") from None
+
+
+# the request's logits processors: flag, click settings (vLLM's sampling parameters; docs/engine.md)
+_PROCESSOR_FLAGS: dict[str, dict[str, Any]] = {
+    "--min-p": dict(default=0.0, type=float,
+                    help="Drop tokens less likely than this fraction of the likeliest (sampled requests)."),
+    "--repetition-penalty": dict(default=1.0, type=float,
+                                 help="Penalize tokens of the prompt and the output (> 1 discourages them)."),
+    "--presence-penalty": dict(default=0.0, type=float, help="Subtract from tokens the output holds."),
+    "--frequency-penalty": dict(default=0.0, type=float,
+                                help="Subtract, times their count, from tokens the output holds."),
+    "--logit-bias": dict(multiple=True, callback=_logit_bias, metavar="ID=BIAS",
+                         help="Add BIAS (-100 to 100) to token ID's logit (repeatable)."),
+    "--min-tokens": dict(default=0, type=int, help="Hold EOS back until this many tokens are generated."),
+}
+
+
+def logits_options(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """The logits processors' flags, given to the command as ``processors``: SamplingParams'
+    fields (which check them)."""
+    names = [flag[2:].replace("-", "_") for flag in _PROCESSOR_FLAGS]
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kw: Any) -> Any:
+        return fn(*args, processors={n: kw.pop(n) for n in names}, **kw)
+
+    for flag, kw in reversed(_PROCESSOR_FLAGS.items()):
+        wrapper = option(flag, show_default=not kw.get("multiple"), **kw)(wrapper)
+    return wrapper
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -86,6 +126,7 @@ def cli(log_level: str) -> None:
 @option("--seed", default=0, show_default=True, type=int)
 @option("--stop", "stop", multiple=True, help="Stop before this string (repeatable).")
 @option("--ignore-eos", is_flag=True, help="Keep generating past EOS.")
+@logits_options
 @tree_options((*DRAFT_SHAPE, "max_chain", "min_path_prob"),
               note="Draft-shape flags (--tree-width, --branch, --max-depth) reach --inprocess runs and a "
                    "local trio's card-draft; with --target they are refused (set them where card-draft "
@@ -129,7 +170,8 @@ def generate(prompt: str, inprocess: bool, target_addr: str | None, api_key: str
              target_model: str, draft_model: str, cascade: str, draft_quantize: str | None, dtype: str,
              device: str,
              max_new_tokens: int, temperature: float, top_k: int, top_p: float, seed: int,
-             stop: tuple[str, ...], ignore_eos: bool, tree_flags: dict[str, object],
+             stop: tuple[str, ...], ignore_eos: bool, processors: dict[str, Any],
+             tree_flags: dict[str, object],
              backoff: bool, gamma: int, chat: bool | None, target_threads: int | None,
              draft_threads: int | None, verify: str, loose_entropy_threshold: float | None,
              loose_window: int | None, logprobs: int | None,
@@ -149,7 +191,7 @@ def generate(prompt: str, inprocess: bool, target_addr: str | None, api_key: str
         mode=Mode(mode),
         target=ModelConfig(target_model, dtype, device, exact=exact),
         draft=ModelConfig(draft_model, dtype, device, draft_quantize),
-        sampling=SamplingParams(temperature, top_k, top_p, seed),
+        sampling=SamplingParams(temperature, top_k, top_p, seed, **processors),
         stop=StopParams(max_new_tokens, tuple(stop), ignore_eos),
         tree=tree_params(device, drafter, **tree_flags),
         chain=ChainPolicy(max_chain=tree_flags.get("max_chain"),  # type: ignore[arg-type]

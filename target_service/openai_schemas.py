@@ -1,7 +1,10 @@
 """The request bodies of the OpenAI-compatible API (pydantic), and how each reads into the one
 validation (card.target_service.validation): ``body.valid(validator)``. Fields that would change
-the output and are not served (``n > 1``, tools, penalties, ``logit_bias``, ...) are refused with
-400, never ignored; so is any field this server does not know. Extensions: ``mode`` ("card",
+the output and are not served (``n > 1``, tools, ...) are refused with 400, never ignored; so is
+any field this server does not know. The logits processors are served as vLLM serves them
+(``presence_penalty``, ``frequency_penalty``, ``logit_bias`` from OpenAI's API; ``min_p``,
+``repetition_penalty``, ``min_tokens`` vLLM's extensions; engine.target.logits_processors), card's
+output still plain decoding's with them. Extensions: ``mode`` ("card",
 "card-auto": the model-free lookup or the draft, whichever is faster for the request, or
 "vanilla"), ``draft`` (a draft pool, or a worker name), ``top_k``, ``ignore_eos``, ``verify``
 ("exact", the default; "rejection": speculative sampling, the target's distribution but not plain
@@ -18,7 +21,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from card.engine.shared.config import ChainPolicy, SamplingParams
+from card.engine.shared.config import MAX_LOGIT_BIAS_ENTRIES, ChainPolicy, SamplingParams
 from card.engine.shared.errors import InvalidArgument, NotFound
 from card.target_service.validation import Prompt, Validator, ValidRequest
 
@@ -42,9 +45,13 @@ class _Common(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int | None = None
+    # the logits processors (OpenAI's three, then vLLM's extensions): ``processors()``
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int | None = None
     user: str | None = None  # an end-user id for the operator's logs; never changes output
     # extensions
     mode: Literal["card", "card-auto", "vanilla"] = "card"
@@ -61,8 +68,24 @@ class _Common(BaseModel):
 
     def refusals(self) -> list[str]:
         """The fields set here that would change the output and are not served."""
-        return _asked({"n > 1": self.n not in (None, 1), "presence_penalty": self.presence_penalty,
-                       "frequency_penalty": self.frequency_penalty, "logit_bias": self.logit_bias})
+        return _asked({"n > 1": self.n not in (None, 1)})
+
+    def processors(self) -> dict[str, Any]:
+        """The logits processors' SamplingParams fields (vLLM's defaults where unset; their bounds
+        are SamplingParams', the vocabulary and the budget the Validator's). logit_bias's keys are
+        token ids written as JSON strings."""
+        bias = self.logit_bias or {}
+        if len(bias) > MAX_LOGIT_BIAS_ENTRIES:  # counted before a key is parsed
+            raise InvalidArgument(f"logit_bias: at most {MAX_LOGIT_BIAS_ENTRIES} entries, got {len(bias)}")
+        try:
+            pairs = tuple((int(token), value) for token, value in bias.items())
+        except ValueError:
+            raise InvalidArgument("logit_bias: keys must be token ids (integers)") from None
+        return {"presence_penalty": self.presence_penalty or 0.0,
+                "frequency_penalty": self.frequency_penalty or 0.0, "logit_bias": pairs,
+                "min_p": self.min_p or 0.0,
+                "repetition_penalty": 1.0 if self.repetition_penalty is None else self.repetition_penalty,
+                "min_tokens": self.min_tokens or 0}
 
     @abc.abstractmethod
     def prompt_input(self) -> tuple[Prompt, bool]:
@@ -86,6 +109,7 @@ class _Common(BaseModel):
             top_k=self.top_k or 0,
             top_p=1.0 if self.top_p is None else self.top_p,
             seed=self.seed or 0,
+            **self.processors(),
         )
         prompt, chat = self.prompt_input()
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())

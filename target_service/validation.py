@@ -67,6 +67,7 @@ class Validator:
         if max_new_tokens is not None and max_new_tokens < 1:
             raise InvalidArgument(f"the token budget must be >= 1, got {max_new_tokens}")
         budget = StopParams(max_new_tokens or self.config.default_max_new_tokens, tuple(stop), ignore_eos)
+        self._check_processors(sampling, max_new_tokens)
         check_logprobs(logprobs)
         chain.over(TreeParams())  # refuse bad values here, not at the cache mid-request
         ids = self._prompt_ids(prompt, chat)
@@ -75,6 +76,19 @@ class Validator:
             budget = dataclasses.replace(budget, max_new_tokens=room)
         request = GenerationRequest(tuple(ids), sampling, budget, chain, policy, logprobs)
         return ValidRequest(request, parsed, draft)
+
+    def _check_processors(self, sampling: SamplingParams, max_new_tokens: int | None) -> None:
+        """What SamplingParams cannot check alone: logit_bias's ids within this model's
+        vocabulary, and min_tokens within the budget the request set (vLLM's rule: min_tokens <=
+        max_tokens; a budget the server chose, or the context's end, just ends the generation
+        sooner, "length")."""
+        bad = [t for t, _ in sampling.logit_bias if self.vocab_size and t >= self.vocab_size]
+        if bad:
+            raise InvalidArgument(f"logit_bias holds {len(bad)} token id(s) outside the vocabulary "
+                                  f"[0, {self.vocab_size}), e.g. {bad[0]}")
+        if max_new_tokens is not None and sampling.min_tokens > max_new_tokens:
+            raise InvalidArgument(f"min_tokens ({sampling.min_tokens}) must be at most the token budget "
+                                  f"({max_new_tokens})")
 
     def _verify_policy(self, mode: str, entropy_threshold: float | None, window: int | None) -> VerifyPolicy:
         """A request's acceptance rule, the server's FLy settings where it sets none; loose is

@@ -104,20 +104,44 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
 
 
+# Bounds on the logits processors of a request (engine.target.logits_processors), vLLM's ranges
+# (vllm/sampling_params.py ``_verify_args``) where it has one: presence and frequency penalties in
+# [-2, 2] (OpenAI's too); logit_bias values in [-100, 100] and at most 300 entries (OpenAI's API);
+# a repetition penalty above 0, capped here (vLLM has no cap): past 100 it only divides small
+# positive logits further, and a value like 1e300 is a mistake or a probe.
+MAX_PENALTY = 2.0
+MAX_REPETITION_PENALTY = 100.0
+MAX_LOGIT_BIAS = 100.0
+MAX_LOGIT_BIAS_ENTRIES = 300
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How the target picks each token.
 
     ``temperature`` below SAMPLING_EPS (0 included) is greedy. Otherwise the token at committed
-    position ``t`` is drawn from the target's (temperature, top-k, top-p)-filtered distribution with
-    a uniform number derived from ``(seed, t)`` only, so every mode (vanilla, sd, card) that sees
-    the same target logits at position ``t`` commits the same token there.
+    position ``t`` is drawn from the target's (temperature, min-p, top-k, top-p)-filtered
+    distribution with a uniform number derived from ``(seed, t)`` only, so every mode (vanilla, sd,
+    card) that sees the same target logits at position ``t`` commits the same token there.
+
+    The logits processors (vLLM's semantics, engine.target.logits_processors) change the target's
+    logits before either: ``logit_bias`` ((token id, bias) pairs, sorted by id), ``min_tokens``
+    (EOS and the stop token ids are suppressed until that many tokens are generated),
+    ``repetition_penalty`` (over prompt and output tokens), ``presence_penalty`` and
+    ``frequency_penalty`` (over output tokens). ``min_p`` filters after the temperature (sampled
+    requests only, as in vLLM).
     """
 
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
     seed: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    min_tokens: int = 0
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.temperature) and 0 <= self.temperature <= MAX_TEMPERATURE):
@@ -129,11 +153,47 @@ class SamplingParams:
             raise InvalidArgument(f"top_p must be in (0, 1], got {self.top_p}")
         if self.seed < 0:
             raise InvalidArgument(f"seed must be >= 0, got {self.seed}")
+        self._check_processors()
+
+    def _check_processors(self) -> None:
+        if not (0.0 <= self.min_p <= 1.0):  # NaN fails too
+            raise InvalidArgument(f"min_p must be in [0, 1], got {self.min_p}")
+        if not (0.0 < self.repetition_penalty <= MAX_REPETITION_PENALTY):
+            raise InvalidArgument(f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY:g}], "
+                                  f"got {self.repetition_penalty}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -MAX_PENALTY <= getattr(self, name) <= MAX_PENALTY:
+                raise InvalidArgument(f"{name} must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], "
+                                      f"got {getattr(self, name)}")
+        if self.min_tokens < 0:
+            raise InvalidArgument(f"min_tokens must be >= 0, got {self.min_tokens}")
+        bias = self.logit_bias
+        entries = dict(bias).items() if isinstance(bias, dict) else bias  # a dict reads as its items
+        if len(entries) > MAX_LOGIT_BIAS_ENTRIES:  # counted before anything is copied or checked
+            raise InvalidArgument(f"logit_bias: at most {MAX_LOGIT_BIAS_ENTRIES} entries, got {len(entries)}")
+        try:
+            pairs = tuple(sorted((int(t), float(b)) for t, b in entries))
+        except (TypeError, ValueError):
+            raise InvalidArgument("logit_bias maps token ids (integers) to numbers") from None
+        if any(t < 0 for t, _ in pairs):
+            raise InvalidArgument(f"logit_bias: token ids must be >= 0, got {pairs[0][0]}")
+        if len({t for t, _ in pairs}) != len(pairs):
+            raise InvalidArgument("logit_bias: a token id appears twice")
+        if not all(-MAX_LOGIT_BIAS <= b <= MAX_LOGIT_BIAS for _, b in pairs):
+            raise InvalidArgument(f"logit_bias: biases must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]")
+        object.__setattr__(self, "logit_bias", pairs)
 
     @property
     def greedy(self) -> bool:
         """Greedy decoding: temperature 0, or one so small that dividing by it would overflow."""
         return self.temperature < SAMPLING_EPS
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Some logits processor changes the target's logits (so also its argmax: a greedy
+        request's token is then read off the processed logits, never the device's argmax)."""
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
+                or self.frequency_penalty != 0.0 or bool(self.logit_bias) or self.min_tokens > 0)
 
 
 @dataclass(frozen=True)

@@ -94,7 +94,11 @@ class Generation:
         self.tracker = OutputTracker(request.stop, eos_ids, decode)
         self.stats = GenerationStats(mode=mode, prompt_tokens=len(request.prompt_ids),
                                      verify=request.verify.effective(request.sampling).value)
-        self.target = TargetState(request.prompt_ids, request.sampling, request.verify, request.logprobs)
+        if vocab_size and any(t >= vocab_size for t, _ in request.sampling.logit_bias):
+            raise InvalidArgument(f"logit_bias names a token id outside the vocabulary [0, {vocab_size})")
+        # min_tokens holds back every token that would end the generation
+        self.target = TargetState(request.prompt_ids, request.sampling, request.verify, request.logprobs,
+                                  ending_ids=eos_ids)
         self.logprobs: list[TokenLogprob] = []  # of the tokens streamed so far, when asked for
         self._vocab = vocab_size or 2**62
         self.result: GenerationResult | None = None

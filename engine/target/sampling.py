@@ -43,16 +43,24 @@ def private_seed() -> int:
 
 
 def filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Softmax of ``logits`` [V] after temperature, top-k and top-p, in float64 on the CPU.
+    """Softmax of ``logits`` [V] after temperature, min-p, top-k and top-p, in float64 on the CPU
+    (vLLM's order; ``logits`` already went through the request's logits processors,
+    engine.target.logits_processors).
 
     Greedy params (a temperature below SAMPLING_EPS) give the one-hot distribution on the argmax,
     the limit of the softmax as the temperature goes to 0: dividing by such a temperature would
-    overflow the logits to inf and the softmax to NaN.
+    overflow the logits to inf and the softmax to NaN. min-p does not apply to them (nor in vLLM:
+    it cannot change an argmax).
     """
     logits = logits.detach().to("cpu", torch.float64)
     if params.greedy:
         return torch.zeros_like(logits).index_fill_(0, torch.argmax(logits).view(1), 1.0)
     scaled = logits / params.temperature
+    if params.min_p > 0.0:
+        # vLLM's MinPLogitsProcessor: drop the tokens whose probability at this temperature is
+        # below min_p times the likeliest one's (the likeliest always stays)
+        probs = torch.softmax(scaled, dim=-1)
+        scaled = scaled.masked_fill(probs < params.min_p * probs.max(), float("-inf"))
     if params.top_k and params.top_k < scaled.numel():
         kth = torch.topk(scaled, params.top_k).values[-1]
         scaled = scaled.masked_fill(scaled < kth, float("-inf"))

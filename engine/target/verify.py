@@ -29,13 +29,14 @@ Either way the target's own token after the kept prefix is committed too, so eve
 from __future__ import annotations
 
 import secrets
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from card.engine.shared.config import SamplingParams, Verify, VerifyPolicy
 from card.engine.shared.tree import Proposal
+from card.engine.target.logits_processors import LogitsProcessors, ProcessedRows
 from card.engine.target.sampling import draw, filtered_probs, position_uniform, select_token
 
 # vLLM's floor for a token the distribution gives no mass (JSON has no -inf): a loose request can
@@ -46,10 +47,12 @@ LOGPROB_FLOOR = -9999.0
 @dataclass(frozen=True)
 class TokenLogprob:
     """A committed token's log-probability and the ``top`` likeliest tokens there (id,
-    log-probability), best first. Greedy requests: the model's own distribution (temperature 1);
-    sampled ones: the distribution the token was drawn from (temperature, top-k, top-p applied: a
-    token outside them is never an alternative, and a kept one, which only loose can keep, reads
-    LOGPROB_FLOOR)."""
+    log-probability), best first, under the logits the token was chosen from: the request's
+    logits processors applied (penalties, logit_bias, min_tokens; engine.target.logits_processors),
+    like vLLM's ``--logprobs-mode processed_logprobs``. Greedy requests: at temperature 1 (the
+    model's own distribution when no processor is set); sampled ones: the distribution the token
+    was drawn from (temperature, min-p, top-k, top-p applied: a token outside them is never an
+    alternative, and a kept one, which only loose can keep, reads LOGPROB_FLOOR)."""
 
     token: int
     logprob: float
@@ -112,14 +115,21 @@ def top3_entropy(logits: torch.Tensor) -> list[float]:
 
 class TargetState:
     """``verify``: the acceptance rule; ``logprobs``: None, or report each committed token's
-    logprob with that many alternatives (``take_logprobs``)."""
+    logprob with that many alternatives (``take_logprobs``); ``ending_ids``: the tokens that end
+    the generation (EOS, the stop token ids), which ``min_tokens`` holds back.
+
+    Every row the rules read goes through the request's logits processors first
+    (engine.target.logits_processors: ``ProcessedRows``), in plain decoding and in verification
+    alike; with none active the rows are the model's logits, untouched."""
 
     def __init__(self, prompt_ids: Sequence[int], sampling: SamplingParams,
-                 verify: VerifyPolicy | None = None, logprobs: int | None = None) -> None:
+                 verify: VerifyPolicy | None = None, logprobs: int | None = None,
+                 ending_ids: Iterable[int] = ()) -> None:
         self.sampling = sampling
         self.verify = verify or VerifyPolicy()
         self.logprobs = logprobs
         self.committed: list[int] = list(prompt_ids)
+        self.processors = LogitsProcessors(sampling, prompt_ids, ending_ids)
         self.forwards = 0
         self.loose_kept = 0  # drafted tokens kept that were not the target's own (loose only)
         self.fallbacks = 0  # rejection: chains verified exactly for want of a usable proposal
@@ -131,30 +141,30 @@ class TargetState:
 
     def first(self, logits: torch.Tensor) -> int:
         """Commit the first new token from the prompt's last logits [V]; returns it."""
-        token = select_token(logits, len(self.committed), self.sampling)
-        self.committed.append(token)
-        self._record(logits.view(1, -1), [token])
+        rows = self.processors.rows(logits.view(1, -1))
+        token = select_token(rows.row(0), len(self.committed), self.sampling)
+        self._commit(rows, [token])
         return token
 
     def accept(self, chain: Sequence[int], logits: torch.Tensor,
                proposal: Proposal | None = None, picks: Sequence[int] | None = None) -> tuple[int, int]:
         """Judge ``chain`` given the logits [1 + len(chain), V] of ``[next_token, *chain]`` (and,
         drawn, the distributions its tokens were drawn from; ``picks``: the rows' argmax where the
-        device computed it); returns (accepted count, new next token)."""
-        self._picked = picks
+        device computed it, of the model's logits: unused where processors change them); returns
+        (accepted count, new next token)."""
+        self._picked = None if self.processors.active else picks
+        rows = self.processors.rows(logits, chain)
         if self.verify.mode is Verify.LOOSE and len(chain) > self.verify.window:
-            accepted, token = self._loose(chain, logits)
+            accepted, token = self._loose(chain, rows)
         elif self.verify.mode is Verify.REJECTION and not self.sampling.greedy and chain:
             if proposal is not None and proposal_holds(chain, proposal, logits.shape[-1]):
-                accepted, token = self._rejection(chain, logits, proposal)
+                accepted, token = self._rejection(chain, rows, proposal)
             else:  # exact is lossless whatever the chain; the stats say it happened
                 self.fallbacks += 1
-                accepted, token = self._exact(chain, logits)
+                accepted, token = self._exact(chain, rows)
         else:  # loose never judges a mismatch among a chain's last W tokens: this is exact too
-            accepted, token = self._exact(chain, logits)
-        self.committed.extend(chain[:accepted])
-        self.committed.append(token)
-        self._record(logits[:accepted + 1], [*chain[:accepted], token])
+            accepted, token = self._exact(chain, rows)
+        self._commit(rows, [*chain[:accepted], token])
         return accepted, token
 
     def take_logprobs(self) -> list[TokenLogprob]:
@@ -163,23 +173,23 @@ class TargetState:
         return out
 
     # ---- rules -------------------------------------------------------------------------------
-    def _exact(self, chain: Sequence[int], logits: torch.Tensor) -> tuple[int, int]:
+    def _exact(self, chain: Sequence[int], rows: ProcessedRows) -> tuple[int, int]:
         start = len(self.committed) - 1  # position of the next token
-        if self.sampling.greedy:
-            picks = self._argmax(logits)
+        if self.sampling.greedy and not rows.active:  # every row's argmax in one read
+            picks = self._argmax(rows.raw)
             accepted = 0
             while accepted < len(chain) and picks[accepted] == chain[accepted]:
                 accepted += 1
             return accepted, picks[accepted]
-        accepted = 0
+        accepted = 0  # row by row: a row after the first mismatch is never processed nor drawn
         while True:
-            token = select_token(logits[accepted], start + 1 + accepted, self.sampling)
+            token = select_token(rows.row(accepted), start + 1 + accepted, self.sampling)
             if accepted < len(chain) and token == chain[accepted]:
                 accepted += 1
                 continue
             return accepted, token
 
-    def _rejection(self, chain: Sequence[int], logits: torch.Tensor, proposal: Proposal) -> tuple[int, int]:
+    def _rejection(self, chain: Sequence[int], rows: ProcessedRows, proposal: Proposal) -> tuple[int, int]:
         """Speculative sampling with a floor f on the claimed q (``verify.q_floor``; 0: the
         classic rule). At position j, with row q and drawn x, let m be the row's mass below f:
 
@@ -194,12 +204,13 @@ class TargetState:
         p(y) / q(x) <= p(y) / f, and the residual path at most p(y) / q(x) too (its mass is at
         least m + (q(x) - p(x))+, and a rejection's probability at most that over q(x)); so no
         token comes out with more than 2 p(y) / f (plus p(y) where the draft lets a plain draw
-        happen instead), and one the target's filters exclude never does."""
+        happen instead), and one the target's filters exclude never does. p is the processed
+        distribution (the request's logits processors, then its filters)."""
         start = len(self.committed) - 1  # position of the next token
         key, floor = self._coin_key, self.verify.q_floor
         for j, token in enumerate(chain):
             position = start + 1 + j
-            p = filtered_probs(logits[j], self.sampling)  # [V] float64
+            p = filtered_probs(rows.row(j), self.sampling)  # [V] float64
             support = proposal.tokens[j] >= 0
             toks, q = proposal.tokens[j][support], proposal.probs[j][support]
             q_x = float(q[toks == token].sum())
@@ -212,18 +223,22 @@ class TargetState:
             if position_uniform(key, position, stream=1) * q_x < (1.0 - held) * min(float(p[token]), q_x):
                 continue
             return j, draw(residual(p, toks, q.masked_fill(low, 0.0)), u)
-        return len(chain), select_token(logits[len(chain)], start + 1 + len(chain), self.sampling)
+        return len(chain), select_token(rows.row(len(chain)), start + 1 + len(chain), self.sampling)
 
-    def _loose(self, chain: Sequence[int], logits: torch.Tensor) -> tuple[int, int]:
+    def _loose(self, chain: Sequence[int], rows: ProcessedRows) -> tuple[int, int]:
         k, window = len(chain), self.verify.window
-        picks = self._picks(logits)  # the target's own token after each drafted prefix
+        picks = self._picks(rows)  # the target's own token after each drafted prefix
         match = [picks[j] == chain[j] for j in range(k)]
         kept = list(match)
         if not all(match[:k - window]):
-            entropy, threshold = top3_entropy(logits[:k - window]), self.verify.entropy_threshold
+            entropy, threshold = top3_entropy(rows.head(k - window)), self.verify.entropy_threshold
             for j in range(k - window):
                 if not match[j] and entropy[j] >= threshold and all(match[j + 1:j + window]):
                     kept[j] = True
+            if rows.active:  # never a token a processor forbids (min_tokens holding EOS back)
+                for j in range(k - window):
+                    if kept[j] and not match[j] and float(rows.row(j)[chain[j]]) == float("-inf"):
+                        kept[j] = False
         accepted = next((j for j in range(k) if not kept[j]), k)
         self.loose_kept += sum(1 for j in range(accepted) if not match[j])
         return accepted, picks[accepted]
@@ -236,12 +251,16 @@ class TargetState:
             return list(picked)
         return torch.argmax(logits, dim=-1).tolist()
 
-    def _picks(self, logits: torch.Tensor) -> list[int]:
-        if self.sampling.greedy:
-            return self._argmax(logits)
+    def _picks(self, rows: ProcessedRows) -> list[int]:
+        if self.sampling.greedy and not rows.active:
+            return self._argmax(rows.raw)
         start = len(self.committed) - 1
-        return [select_token(logits[j], start + 1 + j, self.sampling) for j in range(logits.shape[0])]
+        return [select_token(rows.row(j), start + 1 + j, self.sampling) for j in range(len(rows))]
 
-    def _record(self, rows: torch.Tensor, tokens: list[int]) -> None:
+    def _commit(self, rows: ProcessedRows, tokens: list[int]) -> None:
+        """Commit ``tokens`` (read off ``rows``' first rows): their logprobs first, while the rows'
+        context still holds, then the committed sequence and the processors' context."""
         if self.logprobs is not None:
-            self._logprobs += token_logprobs(rows, tokens, self.sampling, self.logprobs)
+            self._logprobs += token_logprobs(rows.head(len(tokens)), tokens, self.sampling, self.logprobs)
+        self.committed.extend(tokens)
+        self.processors.commit(tokens)

@@ -138,6 +138,68 @@ def test_seeded_sampling_and_stop_equal_card_client(trio, api, model_id):
     assert cut.choices[0].text == want["text"][:want["text"].index(stop)]
 
 
+# ---- the logits processors (OpenAI's own fields natively, vLLM's through extra_body) ----------------
+# what these tiny checkpoints declare as EOS (tests.tiny_models.save_tiny_checkpoint)
+TINY_EOS = 2
+# sized to this random model's logits (their spread is about 0.1, the top two 0.02 apart), so the
+# unprocessed draft still gets tokens right; logit_bias also bans the unprocessed text's 5th token
+PROCESSORS = {"frequency_penalty": 0.02, "presence_penalty": 0.01, "logit_bias": {"42": 0.03}}
+VLLM_PROCESSORS = {"min_p": 0.05, "repetition_penalty": 1.1, "min_tokens": 4}
+
+
+def _flags(**fields) -> list[str]:
+    """card-client generate's flags for these request fields."""
+    flags = [f"--logit-bias={t}={b}" for t, b in fields.pop("logit_bias", {}).items()]
+    for name, value in fields.items():
+        flags += [f"--{name.replace('_', '-')}", str(value)]
+    return flags
+
+
+@pytest.mark.parametrize("sampling", [{"temperature": 0}, {"temperature": 0.01, "seed": 7}],
+                         ids=["greedy", "seeded"])
+def test_logits_processors_through_the_openai_client_equal_plain_decoding(trio, api, model_id, sampling):
+    """presence / frequency penalties and logit_bias as the openai package sends them, min_p,
+    repetition_penalty and min_tokens in extra_body: card's text equals plain decoding's and
+    card-client's flags' through gRPC, and its tokens differ from the unprocessed ones. The draft
+    proposes the unprocessed target's tokens: some are kept (a race on any one request, so a few
+    lengths are tried; the seeded case samples at a low temperature, as this random model's
+    distribution is too flat for a draft's best path to match a draw at 0.1)."""
+    base = card_client_json(trio, "--no-chat", "--max-new-tokens", "32", "--ignore-eos", *_flags(**sampling),
+                            PROMPT)["token_ids"]
+    processors = {**PROCESSORS, "logit_bias": {**PROCESSORS["logit_bias"], str(base[4]): -1.0}}
+
+    def complete(n: int, mode: str):
+        return api.completions.create(model=model_id, prompt=PROMPT, max_tokens=n, **sampling, **processors,
+                                      extra_body={"ignore_eos": True, "mode": mode, **VLLM_PROCESSORS})
+
+    kept = []
+    for n in (32, 64, 96):
+        card, plain = complete(n, "card"), complete(n, "vanilla")
+        assert card.choices[0].text == plain.choices[0].text
+        assert card.usage.completion_tokens == plain.usage.completion_tokens == n
+        kept.append(card.usage.model_extra["card"]["accepted_draft_tokens"])
+        if kept[-1]:
+            break
+    assert kept[-1] > 0, kept
+    want = card_client_json(trio, "--no-chat", "--max-new-tokens", str(n), "--ignore-eos",
+                            *_flags(**processors, **VLLM_PROCESSORS, **sampling), PROMPT)
+    assert want["text"] == plain.choices[0].text
+    assert want["token_ids"][:32] != base  # the processors changed the output
+
+
+def test_min_tokens_holds_a_forced_eos_back(api, model_id):
+    """logit_bias +100 on the EOS makes it every step's token: one token, then six with
+    min_tokens 5 (EOS held back five times, then taken), in card and in plain decoding alike."""
+    def complete(mode: str, **extra):
+        return api.completions.create(model=model_id, prompt=PROMPT, max_tokens=20, temperature=0,
+                                      logit_bias={str(TINY_EOS): 100}, extra_body={"mode": mode, **extra})
+
+    assert complete("vanilla").usage.completion_tokens == 1
+    for mode in ("vanilla", "card"):
+        held = complete(mode, min_tokens=5)
+        assert held.usage.completion_tokens == 6 and held.choices[0].finish_reason == "stop", mode
+
+
 def _chat_logprobs(api, model_id, mode: str, stream: bool, **sampling) -> list[dict]:
     kwargs = dict(model=model_id, messages=[{"role": "user", "content": PROMPT}], max_completion_tokens=40,
                   logprobs=True, top_logprobs=4, extra_body={"ignore_eos": True, "mode": mode, "draft": ""},
@@ -287,7 +349,8 @@ def test_a_grpc_call_without_a_deadline_is_served(trio):
 @pytest.mark.parametrize("extra", [{"n": 2}, {"top_logprobs": 2}, {"logprobs": True, "top_logprobs": 21},
                                    {"verify": "lossy"}, {"verify": "loose", "verify_window": 1},
                                    {"tools": [{"type": "function", "function": {
-    "name": "f", "parameters": {}}}]}, {"presence_penalty": 0.5}, {"top_p": 0}, {"no_such_field": 1},
+    "name": "f", "parameters": {}}}]}, {"presence_penalty": 2.5}, {"logit_bias": {"49152": 1}},
+    {"min_tokens": 5}, {"repetition_penalty": 0}, {"top_p": 0}, {"no_such_field": 1},
     {"stop": [chr(97 + i) for i in range(MAX_STOP_STRINGS + 1)]}])
 def test_fields_that_would_change_output_are_refused(api, model_id, extra):
     with pytest.raises(openai.BadRequestError) as err:

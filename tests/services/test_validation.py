@@ -143,7 +143,7 @@ def test_a_grpc_and_an_http_request_with_the_same_content_are_the_same_valid_req
 
 
 def test_http_only_refusals_come_before_the_validation(validator: Validator, model: LoadedModel) -> None:
-    with pytest.raises(InvalidArgument, match="n > 1, presence_penalty: not served by card-target"):
+    with pytest.raises(InvalidArgument, match="n > 1: not served by card-target"):
         CompletionBody(model=model.name, prompt="x", n=2, presence_penalty=0.5).valid(validator)
     with pytest.raises(NotFound, match="model 'other' is not served here"):
         CompletionBody(model="other", prompt="x").valid(validator)
