@@ -192,7 +192,8 @@ class OutputTracker:
 
     ``text`` is ``decode(token_ids)``, cut before the first stop string when one ends the
     generation (after it with ``include_stop_str``), or before the text of a stop token id (the
-    id stays in ``token_ids``, as EOS does); the deltas ``feed`` returns add up to it. Should the
+    id stays in ``token_ids``, as EOS does; a character it completes goes with it, as vLLM
+    removes the characters a stop token added); the deltas ``feed`` returns add up to it. Should the
     window decoder give up exactness (``IncrementalDecoder``: only a tokenizer whose decoding past
     a clean split depends on earlier tokens gets there), the stream pauses and the text is decoded
     in full once, at the end.
@@ -247,7 +248,7 @@ class OutputTracker:
                 break
             self.token_ids.append(token)
             kept.append(token)
-            before = self._length + len(self._detok.pending_text)  # the text before this token
+            before = self._length  # the text before this token, to its last whole character
             cut = self._read(token)
             if token in self.eos_ids and not self.stop.ignore_eos:
                 self._finish("eos", None)
@@ -300,7 +301,7 @@ class OutputTracker:
         # the window decoder lost track: the text is the full decode, once
         full = self.decode(self.token_ids)
         if by_token and cut is not None:
-            full = self.decode(self.token_ids[:-1])
+            full = self.decode(self.token_ids[:-1]).rstrip("\ufffd")  # whole characters only
         elif reason == "stop" and not by_token:
             hits = [i for s in self.stop.stop if (i := full.find(s)) >= 0]
             full = full[: self._stop_string_end(full, min(hits))] if hits else full
