@@ -282,8 +282,8 @@ async def _serve(front: Frontend, body: CompletionBody | ChatBody, request: Requ
                  kind: type[Shape]) -> Any:
     valid = await asyncio.to_thread(body.valid, front.validator)  # tokenizing: off the event loop
     seed = valid.generation.sampling.seed  # the request's, or the fresh one it was given
-    shape = kind(front.model.name, front.model.decode, seed, body.n)
-    runnings = await asyncio.to_thread(front.start_choices, valid, body.n, asyncio.get_running_loop())
+    shape = kind(front.model.name, front.model.decode, seed, body.choices)
+    runnings = await asyncio.to_thread(front.start_choices, valid, body.choices, asyncio.get_running_loop())
     watcher = asyncio.create_task(_cancel_on_disconnect(request, runnings))
     # no response starts before the request has its slots: past --queue-timeout-s it is a 429 with
     # Retry-After, streaming or not, and leaves nothing behind (a session opens at admission)

@@ -81,9 +81,9 @@ class _Common(_Open):
     top_p: float | None = None
     seed: int | None = None
     stop: str | list[str] | None = None
-    stream: bool = False
+    stream: bool | None = False  # null as false: clients send what their own defaults hold
     stream_options: StreamOptions | None = None
-    n: int = 1
+    n: int | None = 1
     # ---- sampling that changes the logits (not served yet) ----
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
@@ -133,7 +133,7 @@ class _Common(_Open):
             raise InvalidArgument(f"{', '.join(refused)}: not served by card-target "
                                   "(it would change the output)")
         self.check_model(validator)
-        check_choices(self.n)
+        check_choices(self.choices)
         unknown = self.unknown()
         if unknown:
             log.debug("ignored fields this server does not know: %s", ", ".join(unknown))
@@ -156,6 +156,11 @@ class _Common(_Open):
             template_kwargs=self.template_kwargs())
 
     @property
+    def choices(self) -> int:
+        """How many independent samples (``n``; null: one)."""
+        return 1 if self.n is None else self.n
+
+    @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
@@ -173,7 +178,7 @@ class CompletionBody(_Common):
 
     def refusals(self) -> list[str]:
         return super().refusals() + _asked({
-            "echo": self.echo, "best_of > n": self.best_of is not None and self.best_of > self.n,
+            "echo": self.echo, "best_of > n": self.best_of is not None and self.best_of > self.choices,
             "suffix": self.suffix, "add_special_tokens: false": (self.model_extra or {}).get(
                 "add_special_tokens") is False})
 

@@ -407,3 +407,47 @@ def test_curl_chat_without_model_or_max_tokens(trio):
     assert reply["usage"]["completion_tokens"] < 40
     assert reply["usage"]["prompt_tokens"] + reply["usage"]["completion_tokens"] == WINDOW
     assert reply["choices"][0]["finish_reason"] == "length"
+
+
+# ---- the stream's keep-alive -------------------------------------------------------------------
+def test_an_idle_stream_gets_keep_alive_comments(model, monkeypatch):
+    """sse-starlette's pings (a comment line) ride a stream while the answer is under way, so a
+    proxy does not close it; the openai client skips them. In-process front, pings every 20 ms."""
+    from card.engine.shared.kv_pool import KVPool
+    from card.engine.target.scheduler import TargetEngine
+    from card.target_service import openai_api
+    from card.target_service.engine_loop import EngineLoop
+    from card.target_service.frontend import Frontend
+    from card.target_service.openai_api import HttpServer, create_app
+
+    loop = EngineLoop(TargetEngine(model.model, KVPool(model.model, slots=1, max_len=WINDOW)), threads=1)
+    loop.start()
+    front = Frontend(TargetConfig(model=ModelConfig("default")), None)
+    front.ready(model, loop)
+    server = HttpServer(create_app(front), "127.0.0.1", 0, grace_s=1.0)
+    server.start()
+    body = {"prompt": PROMPT, "max_tokens": 60, "temperature": 0.5, "stream": True, "ignore_eos": True}
+    default = openai_api.PING_S
+
+    def stream(ping_s: float) -> tuple[int, list[str]]:
+        monkeypatch.setattr(openai_api, "PING_S", ping_s)
+        with httpx.stream("POST", f"http://127.0.0.1:{server.port}/v1/completions", json=body,
+                          timeout=60) as reply:
+            return int(reply.headers["x-card-seed"]), list(reply.iter_lines())
+
+    try:
+        seed, lines = stream(0.02)
+        assert any(line.startswith(":") for line in lines), "no keep-alive comment on a running stream"
+        assert [line for line in lines if line.startswith("data:")][-1] == "data: [DONE]"
+        events = [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
+        assert {e["seed"] for e in events} == {seed} and seed != 0
+        # negative control: at the default 15 s, a stream this short gets none
+        assert not any(line.startswith(":") for line in stream(default)[1])
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key="EMPTY", max_retries=0)
+        text = "".join(c.choices[0].text for c in client.completions.create(
+            model=model.name, prompt=PROMPT, max_tokens=60, temperature=0.5, seed=seed, stream=True,
+            extra_body={"ignore_eos": True}) if c.choices)
+        assert text == "".join(c["text"] for e in events for c in e["choices"])  # pings skipped, replayed
+    finally:
+        server.stop(5)
+        loop.stop()
