@@ -26,7 +26,7 @@ import logging
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import uvicorn
@@ -291,8 +291,7 @@ async def _serve(front: Frontend, body: CompletionBody | ChatBody, request: Requ
     try:
         await asyncio.gather(*admissions)
     except BaseException:
-        for task in admissions:
-            task.cancel()
+        _settle(admissions)
         _end(watcher, runnings)
         raise
     headers = {SEED_HEADER: str(seed)}
@@ -300,9 +299,11 @@ async def _serve(front: Frontend, body: CompletionBody | ChatBody, request: Requ
         return EventSourceResponse(sse(runnings, watcher, shape, include_usage=body.include_usage,
                                        continuous_usage=body.continuous_usage),
                                    headers=headers, ping=PING_S, sep="\n")
+    drains = [asyncio.ensure_future(_drain(r)) for r in runnings]
     try:
-        await asyncio.gather(*(_drain(r) for r in runnings))
+        await asyncio.gather(*drains)
     finally:
+        _settle(drains)
         _end(watcher, runnings)
     if any(r.result is None for r in runnings):  # cancelled: the client is gone, nobody reads this
         return error_response(499, "client closed the request")
@@ -313,6 +314,16 @@ async def _serve(front: Frontend, body: CompletionBody | ChatBody, request: Requ
 async def _drain(running: Running) -> None:
     async for _ in running:
         pass
+
+
+def _settle(tasks: Sequence[asyncio.Future[None]]) -> None:
+    """The first of the choices' tasks failed: cancel the others, and take any error they also
+    ended with (the first one is the answer's)."""
+    for task in tasks:
+        if not task.done():
+            task.cancel()
+        elif not task.cancelled():
+            task.exception()
 
 
 def _end(watcher: asyncio.Task[None], runnings: list[Running]) -> None:
