@@ -5,12 +5,12 @@ What a vLLM client sends works as it does there: an omitted ``max_tokens`` is th
 context (within card-target's --max-tokens-cap); a sampled request without ``seed`` gets a fresh
 one, reported in the answer (``seed``, and the ``x-card-seed`` header) so that it can be replayed
 exactly; ``n`` up to MAX_CHOICES independent samples (choice i with seed ``seed + i``);
-``stop_token_ids`` and ``include_stop_str_in_output``; ``chat_template_kwargs``. Fields this
-server does not know are ignored, with one debug line (``metadata``, ``store``, ``user``,
-``service_tier``, ``stream_options.continuous_usage_stats`` is served). Fields it knows and does
-not serve, where they would change the output (tools, ``response_format`` other than text,
-``echo``, ``suffix``, vLLM's guided decoding, beam search, ...), are refused with 400, never
-ignored: ``NOT_SERVED``.
+``stop_token_ids`` and ``include_stop_str_in_output``; ``chat_template_kwargs``;
+``stream_options.continuous_usage_stats``. Fields this server does not know (``metadata``,
+``store``, ``user``, ``service_tier``, ...) are ignored, with one debug line naming them. Fields it
+knows and does not serve, where they would change the output (tools, ``response_format`` other
+than text, ``echo``, ``suffix``, vLLM's guided decoding, beam search, ...: ``NOT_SERVED``), are
+refused with 400, never ignored.
 
 Extensions: ``mode`` ("card", "card-auto": the model-free lookup or the draft, whichever is
 faster for the request, or "vanilla"), ``draft`` (a draft pool, or a worker name), ``top_k``
