@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import logging
 import os
+import secrets
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -123,8 +125,14 @@ def cli(log_level: str) -> None:
 @option("--temperature", default=0.0, show_default=True, type=float, help="0 = greedy.")
 @option("--top-k", default=0, show_default=True, type=int, help="0 disables top-k.")
 @option("--top-p", default=1.0, show_default=True, type=float)
-@option("--seed", default=0, show_default=True, type=int)
+@option("--seed", default=None, type=int,
+        help="Seed of the sampled draws (--temperature > 0); the same seed gives the same text in every "
+             "mode. Default: a fresh one, printed with the stats (--json: \"seed\") to replay it.")
 @option("--stop", "stop", multiple=True, help="Stop before this string (repeatable).")
+@option("--stop-token-id", "stop_token_ids", multiple=True, type=int,
+        help="Stop at this token id (repeatable; kept in the token ids, its text left out).")
+@option("--include-stop-str", is_flag=True,
+        help="End the text with the stop string or stop token's text that ended it.")
 @option("--ignore-eos", is_flag=True, help="Keep generating past EOS.")
 @logits_options
 @tree_options((*DRAFT_SHAPE, "max_chain", "min_path_prob"),
@@ -169,9 +177,9 @@ def generate(prompt: str, inprocess: bool, target_addr: str | None, api_key: str
              draft_name: str | None, mode: str,
              target_model: str, draft_model: str, cascade: str, draft_quantize: str | None, dtype: str,
              device: str,
-             max_new_tokens: int, temperature: float, top_k: int, top_p: float, seed: int,
-             stop: tuple[str, ...], ignore_eos: bool, processors: dict[str, Any],
-             tree_flags: dict[str, object],
+             max_new_tokens: int, temperature: float, top_k: int, top_p: float, seed: int | None,
+             stop: tuple[str, ...], stop_token_ids: tuple[int, ...], include_stop_str: bool,
+             ignore_eos: bool, processors: dict[str, Any], tree_flags: dict[str, object],
              backoff: bool, gamma: int, chat: bool | None, target_threads: int | None,
              draft_threads: int | None, verify: str, loose_entropy_threshold: float | None,
              loose_window: int | None, logprobs: int | None,
@@ -184,6 +192,10 @@ def generate(prompt: str, inprocess: bool, target_addr: str | None, api_key: str
         raise click.UsageError("--mode card-auto chooses between model-free drafting and the draft "
                                "model: drop --draft-model ngram / --cascade")
     drafter.check_mode(Mode(mode))
+    sampling = SamplingParams(temperature, top_k, top_p, 0 if seed is None else seed, **processors)
+    drawn = seed is None and not sampling.greedy
+    if drawn:  # as card-target does for a request without one: 63 bits from the OS's generator
+        sampling = dataclasses.replace(sampling, seed=secrets.randbits(63))
     draft_shape = tuple(f"--{'tree-width' if f == 'width' else f.replace('_', '-')}"
                         for f in DRAFT_SHAPE if f in tree_flags)
     opts = GenerateOptions(
@@ -191,8 +203,8 @@ def generate(prompt: str, inprocess: bool, target_addr: str | None, api_key: str
         mode=Mode(mode),
         target=ModelConfig(target_model, dtype, device, exact=exact),
         draft=ModelConfig(draft_model, dtype, device, draft_quantize),
-        sampling=SamplingParams(temperature, top_k, top_p, seed, **processors),
-        stop=StopParams(max_new_tokens, tuple(stop), ignore_eos),
+        sampling=sampling,
+        stop=StopParams(max_new_tokens, tuple(stop), ignore_eos, tuple(stop_token_ids), include_stop_str),
         tree=tree_params(device, drafter, **tree_flags),
         chain=ChainPolicy(max_chain=tree_flags.get("max_chain"),  # type: ignore[arg-type]
                           min_path_prob=tree_flags.get("min_path_prob")),  # type: ignore[arg-type]
@@ -222,10 +234,11 @@ def generate(prompt: str, inprocess: bool, target_addr: str | None, api_key: str
 
         result = generate_via_services(opts, target_addr, on_text, tls, api_key or None, timeout_s)
     if as_json:
-        click.echo(json.dumps(result.to_dict()))
+        click.echo(json.dumps({**result.to_dict(), "seed": sampling.seed}))
     else:
         click.echo("")
-        click.echo(result.stats.summary(), err=True)
+        click.echo(result.stats.summary() + (f", seed {sampling.seed} (--seed replays it)" if drawn else ""),
+                   err=True)
 
 
 @cli.command()  # no CARD_CLIENT_* variables: its --dtype is not generate's (no auto)

@@ -35,12 +35,15 @@ DEFAULT_TIMEOUT_S = 600.0  # a generation's deadline (card-client generate --tim
 
 @dataclass
 class RemoteGenerationResult(GenerationResult):
-    """A GenerationResult plus the draft worker that served the session ("" if none did)."""
+    """A GenerationResult plus the draft worker that served the session ("" if none did) and the
+    seed the target ran it with (the request's, or the one it drew for a sampled request that set
+    none: sent again, it replays the generation)."""
 
     draft: str = ""
+    seed: int = 0
 
     def to_dict(self) -> dict:
-        return {**super().to_dict(), "draft": self.draft}
+        return {**super().to_dict(), "draft": self.draft, "seed": self.seed}
 
 
 def build_request(prompt: str | Sequence[int], *, chat: bool | None, sampling: SamplingParams,
@@ -52,6 +55,8 @@ def build_request(prompt: str | Sequence[int], *, chat: bool | None, sampling: S
         max_new_tokens=stop.max_new_tokens,
         stop=list(stop.stop),
         ignore_eos=stop.ignore_eos,
+        stop_token_ids=list(stop.stop_token_ids),
+        include_stop_str_in_output=stop.include_stop_str,
         draft=draft or "",
         mode=mode,
         chat={None: target_pb2.CHAT_AUTO, True: target_pb2.CHAT_ON, False: target_pb2.CHAT_OFF}[chat],
@@ -103,7 +108,7 @@ def generate_remote(addr: str, prompt: str | Sequence[int], *, chat: bool | None
                 final = message.final
                 return RemoteGenerationResult(final.text, ids_from_msg(final.token_ids), final.finish_reason,
                                               stats_from_msg(final.stats), logprobs_from_msg(final.logprobs),
-                                              draft=final.draft)
+                                              draft=final.draft, seed=final.seed)
     except grpc.RpcError as err:
         code = err.code() if isinstance(err, grpc.Call) else None
         if code is grpc.StatusCode.UNAVAILABLE and not received:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import codecs
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from card.common.drafts import POOL_NAME
 from card.common.tls import TlsConfig
@@ -46,7 +48,10 @@ class TargetConfig:
     adaptive_chains: bool = True
     speculation: str = "auto"  # the drafting policy's regime (card.engine.target.drafting_policy)
     decode_step: str = "auto"  # decoding rows at static shapes (card.engine.shared.static_step)
-    default_max_new_tokens: int = 128
+    # the most new tokens one request generates (None: no cap); a request that sets no budget
+    # gets the rest of the context, both cut to this
+    max_tokens_cap: int | None = None
+    chat_template: str | None = None  # a Jinja file or the template itself, over the model's own
     step_timeout_ms: int = 1000
     shutdown_grace_s: float = 30.0  # SIGTERM: how long running generations get to finish
     metrics_port: int = 9091
@@ -92,8 +97,9 @@ class TargetConfig:
         VerifyPolicy(Verify.REJECTION, q_floor=self.rejection_q_floor)  # refused here
         if self.max_batch_tokens < 1:
             raise InvalidArgument(f"max-batch-tokens must be >= 1, got {self.max_batch_tokens}")
-        if self.default_max_new_tokens < 1:
-            raise InvalidArgument(f"default-max-new-tokens must be >= 1, got {self.default_max_new_tokens}")
+        if self.max_tokens_cap is not None and self.max_tokens_cap < 1:
+            raise InvalidArgument(f"max-tokens-cap must be >= 1, got {self.max_tokens_cap}")
+        _ = self.chat_template_text  # a missing file or a template that does not parse: at start
         if not self.shutdown_grace_s >= 0:
             raise InvalidArgument(f"shutdown-grace-s must be >= 0, got {self.shutdown_grace_s}")
         if self.step_timeout_ms < 1:
@@ -128,6 +134,32 @@ class TargetConfig:
     @property
     def http_interface(self) -> str:
         return self.host if self.http_host is None else self.http_host
+
+    @property
+    def chat_template_text(self) -> str | None:
+        """The --chat-template: a file's text, or the value itself where it is a template (holds
+        ``{{`` or ``{%``, as vLLM reads its flag); InvalidArgument for neither, or bad Jinja."""
+        value = self.chat_template
+        if not value:
+            return None
+        try:
+            is_file = Path(value).expanduser().is_file()
+        except OSError:  # an inline template longer than a file name may be
+            is_file = False
+        if is_file:
+            text = Path(value).expanduser().read_text(encoding="utf-8")
+        elif "{{" in value or "{%" in value:
+            # one line on a command line: its escapes (\n) read as vLLM reads them
+            text = codecs.decode(value, "unicode_escape") if value.isascii() else value
+        else:
+            raise InvalidArgument(f"--chat-template {value[:80]!r} is neither a file nor a Jinja template")
+        from jinja2 import Environment, TemplateSyntaxError
+
+        try:
+            Environment().parse(text)
+        except TemplateSyntaxError as err:
+            raise InvalidArgument(f"--chat-template does not parse as Jinja: {err}") from None
+        return text
 
     @property
     def http_tls(self) -> TlsConfig:

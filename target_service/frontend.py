@@ -12,6 +12,7 @@ the model; fronts never touch it.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import queue
 import threading
@@ -29,7 +30,7 @@ from card.target_service.cache_link import CacheClient, CacheTarget
 from card.target_service.config import TargetConfig
 from card.target_service.engine_loop import EngineLoop
 from card.target_service.remote_card import RemoteCard
-from card.target_service.validation import Validator, ValidRequest
+from card.target_service.validation import Validator, ValidRequest, check_choices, choice_seed
 from card.v1 import cache_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -70,6 +71,11 @@ class Running:
     @property
     def result(self) -> GenerationResult | None:
         return self.gen.result
+
+    @property
+    def stop_reason(self) -> str | int | None:
+        """The stop string or stop token id that ended it (None: EOS, the budget, or running)."""
+        return self.gen.tracker.stop_reason
 
     @property
     def serving_draft(self) -> str:
@@ -155,6 +161,10 @@ class Frontend:
         self.link: CacheClient | None = None  # at ready: the sessions need the model's facts
 
     def ready(self, model: LoadedModel, loop: EngineLoop) -> None:
+        template = self.config.chat_template_text
+        if template is not None:  # --chat-template over the model's own, before any request reads it
+            model.tokenizer.chat_template = template
+            log.info("chat template: --chat-template's (%d characters)", len(template))
         # a generation's keys and values live in one KV slot: its rows bound the context
         limits = Validator(model, min(model.context_window, loop.engine.pool.max_len), self.config)
         if self.cache is not None:
@@ -196,6 +206,24 @@ class Frontend:
                          model_name=model.name,
                          vocab_size=model.model.get_input_embeddings().num_embeddings)
         return Running(gen, source, loop, self.config.queue_timeout_s, aio)
+
+    def start_choices(self, valid: ValidRequest, n: int,
+                      aio: asyncio.AbstractEventLoop | None = None) -> list[Running]:
+        """``n`` independent samples of one request (OpenAI's ``n``): choice i runs with seed
+        ``choice_seed(seed, i)``, its own KV slot and cache session; all or none are submitted."""
+        check_choices(n)
+        started: list[Running] = []
+        try:
+            for i in range(n):
+                request = valid.generation
+                sampling = dataclasses.replace(request.sampling, seed=choice_seed(request.sampling.seed, i))
+                request = dataclasses.replace(request, sampling=sampling)
+                started.append(self.start(dataclasses.replace(valid, generation=request), aio))
+        except BaseException:
+            for running in started:
+                running.cancel()
+            raise
+        return started
 
     def _source(self, mode: Mode, draft: str, request: GenerationRequest) -> ChainSource:
         if mode is Mode.VANILLA:

@@ -3,12 +3,15 @@
     GET  /v1/models              the served model
     POST /v1/completions         raw text (or token ids) in, text out
     POST /v1/chat/completions    a conversation through the model's chat template
+    POST /tokenize               vLLM's: a prompt or a conversation -> {count, max_model_len, tokens}
+    POST /detokenize             vLLM's: {tokens} -> {prompt}
     GET  /health                 200 once the model serves; 503 before, and once shutdown begins
     GET  /metrics                Prometheus, the same registry as --metrics-port (--no-http-metrics: off)
 
 Request bodies (OpenAI's fields and defaults, card's extensions): openai_schemas.py. Answers
 (``usage.card``, vLLM's ``metrics.speculative_decoding``, logprobs, errors): openai_shapes.py.
-``stream: true``: openai_stream.py. Here: the door (``Guard``: --api-key, --max-body-mb, before a
+``stream: true``: openai_stream.py. Every answer carries the seed it ran with (``seed``, and the
+``x-card-seed`` header). Here: the door (``Guard``: --api-key, --max-body-mb, before a
 body is read), the listener (``HttpServer``: uvicorn on its thread, --http-tls-cert) and the
 routes. No response starts before the request has a KV slot; a client that disconnects ends its
 generation within one target forward, prefill included, and its cache session and draft state go
@@ -23,14 +26,15 @@ import logging
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from sse_starlette import EventSourceResponse
 
 from card.common.auth import bearer_matches
 from card.common.status import http_status
@@ -39,13 +43,22 @@ from card.engine.shared.errors import CardError, InvalidArgument
 from card.target_service import metrics
 from card.target_service.frontend import Frontend, Running
 from card.target_service.http_metrics import HttpMetrics
-from card.target_service.openai_schemas import ChatBody, CompletionBody
-from card.target_service.openai_shapes import ChatShape, CompletionShape, Shape, error_json, error_response
-from card.target_service.openai_stream import sse
+from card.target_service.openai_schemas import ChatBody, CompletionBody, DetokenizeBody, TokenizeBody
+from card.target_service.openai_shapes import (
+    ChatShape,
+    CompletionShape,
+    Finished,
+    Shape,
+    error_json,
+    error_response,
+)
+from card.target_service.openai_stream import PING_S, serving_drafts, sse
+from card.target_service.validation import Validator, check_template_kwargs
 
 log = logging.getLogger(__name__)
 
 RETRY_AFTER_S = 1  # what a 429 (no KV slot) or a 503 (draining, loading) asks a client to wait
+SEED_HEADER = "x-card-seed"  # the seed a request ran with (its own, or the fresh one it was given)
 _STARTED = int(time.time())
 
 
@@ -181,10 +194,7 @@ def create_app(front: Frontend, api_key: str | None = None, *,
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
         first = exc.errors()[0] if exc.errors() else {}
         where = ".".join(str(p) for p in first.get("loc", ())[1:])
-        if first.get("type") == "extra_forbidden":
-            message = f"unsupported field {where!r}: card-target does not serve it"
-        else:
-            message = f"{where or 'body'}: {first.get('msg', 'invalid request')}"
+        message = f"{where or 'body'}: {first.get('msg', 'invalid request')}"
         return error_response(400, message, code="invalid_request", param=where or None)
 
     @app.exception_handler(CardError)
@@ -232,43 +242,105 @@ def create_app(front: Frontend, api_key: str | None = None, *,
     async def chat_completions(body: ChatBody, request: Request) -> Any:
         return await _serve(front, body, request, ChatShape)
 
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeBody) -> dict:
+        return await asyncio.to_thread(_tokenize, front.validator, body)
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeBody) -> dict:
+        return await asyncio.to_thread(_detokenize, front.validator, body)
+
     return app
+
+
+def _tokenize(validator: Validator, body: TokenizeBody) -> dict:
+    """vLLM's /tokenize: the ids a prompt (raw text) or a conversation (the chat template, with its
+    generation prompt and ``chat_template_kwargs``) reads as; ``count``, and the most a request
+    holds (``max_model_len``)."""
+    body.check_model(validator)
+    model = validator.model
+    if (body.prompt is None) == (body.messages is None):
+        raise InvalidArgument("tokenize takes a prompt or messages (one of them)")
+    if body.messages is not None:
+        messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text}
+                    for m in body.messages]
+        ids = model.encode_prompt(messages, True, check_template_kwargs(body.chat_template_kwargs))
+    else:
+        ids = list(model.tokenizer(body.prompt, add_special_tokens=body.add_special_tokens)["input_ids"])
+    out: dict[str, Any] = {"count": len(ids), "max_model_len": validator.context_window, "tokens": ids}
+    if body.return_token_strs:
+        out["token_strs"] = model.tokenizer.convert_ids_to_tokens(ids)
+    return out
+
+
+def _detokenize(validator: Validator, body: DetokenizeBody) -> dict:
+    """vLLM's /detokenize: the text of token ids, as a generation's text reads (special tokens
+    skipped)."""
+    body.check_model(validator)
+    validator.check_vocab("tokens", body.tokens)
+    return {"prompt": validator.model.decode(body.tokens)}
 
 
 async def _serve(front: Frontend, body: CompletionBody | ChatBody, request: Request,
                  kind: type[Shape]) -> Any:
     valid = await asyncio.to_thread(body.valid, front.validator)  # tokenizing: off the event loop
-    shape = kind(front.model.name, front.model.decode)
-    running = await asyncio.to_thread(front.start, valid, asyncio.get_running_loop())
-    watcher = asyncio.create_task(_cancel_on_disconnect(request, running))
-    # no response starts before the request has a slot: past --queue-timeout-s it is a 429 with
-    # Retry-After, streaming or not, and leaves nothing behind (its session opens at admission)
+    seed = valid.generation.sampling.seed  # the request's, or the fresh one it was given
+    shape = kind(front.model.name, front.model.decode, seed, body.choices)
+    runnings = await asyncio.to_thread(front.start_choices, valid, body.choices, asyncio.get_running_loop())
+    watcher = asyncio.create_task(_cancel_on_disconnect(request, runnings))
+    # no response starts before the request has its slots: past --queue-timeout-s it is a 429 with
+    # Retry-After, streaming or not, and leaves nothing behind (a session opens at admission)
+    admissions = [asyncio.ensure_future(r.admission()) for r in runnings]
     try:
-        await running.admission()
+        await asyncio.gather(*admissions)
     except BaseException:
-        watcher.cancel()
-        running.cancel()
+        _settle(admissions)
+        _end(watcher, runnings)
         raise
+    headers = {SEED_HEADER: str(seed)}
     if body.stream:
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return StreamingResponse(sse(running, watcher, shape, include_usage), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return EventSourceResponse(sse(runnings, watcher, shape, include_usage=body.include_usage,
+                                       continuous_usage=body.continuous_usage),
+                                   headers=headers, ping=PING_S, sep="\n")
+    drains = [asyncio.ensure_future(_drain(r)) for r in runnings]
     try:
-        async for _ in running:
-            pass
+        await asyncio.gather(*drains)
     finally:
-        watcher.cancel()
-        running.cancel()
-    if running.result is None:  # cancelled: the client is gone, nobody reads this
+        _settle(drains)
+        _end(watcher, runnings)
+    if any(r.result is None for r in runnings):  # cancelled: the client is gone, nobody reads this
         return error_response(499, "client closed the request")
-    return shape.whole(running.finished(), running.serving_draft)
+    answer = shape.whole([Finished(r.finished(), r.stop_reason) for r in runnings], serving_drafts(runnings))
+    return JSONResponse(answer, headers=headers)
 
 
-async def _cancel_on_disconnect(request: Request, running: Running) -> None:
-    """The client went away: end the generation now (between two forwards), not at its next token."""
+async def _drain(running: Running) -> None:
+    async for _ in running:
+        pass
+
+
+def _settle(tasks: Sequence[asyncio.Future[None]]) -> None:
+    """The first of the choices' tasks failed: cancel the others, and take any error they also
+    ended with (the first one is the answer's)."""
+    for task in tasks:
+        if not task.done():
+            task.cancel()
+        elif not task.cancelled():
+            task.exception()
+
+
+def _end(watcher: asyncio.Task[None], runnings: list[Running]) -> None:
+    watcher.cancel()
+    for running in runnings:
+        running.cancel()
+
+
+async def _cancel_on_disconnect(request: Request, runnings: list[Running]) -> None:
+    """The client went away: end its generations now (between two forwards), not at their next token."""
     while True:
         message = await request.receive()
         if message["type"] == "http.disconnect":
-            running.cancel()
+            for running in runnings:
+                running.cancel()
             return
 

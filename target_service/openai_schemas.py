@@ -1,50 +1,92 @@
 """The request bodies of the OpenAI-compatible API (pydantic), and how each reads into the one
-validation (card.target_service.validation): ``body.valid(validator)``. Fields that would change
-the output and are not served (``n > 1``, tools, ...) are refused with 400, never ignored; so is
-any field this server does not know. The logits processors are served as vLLM serves them
+validation (card.target_service.validation): ``body.valid(validator)``.
+
+What a vLLM client sends works as it does there: an omitted ``max_tokens`` is the rest of the
+context (within card-target's --max-tokens-cap); a sampled request without ``seed`` gets a fresh
+one, reported in the answer (``seed``, and the ``x-card-seed`` header) so that it can be replayed
+exactly; ``n`` up to MAX_CHOICES independent samples (choice i with seed ``seed + i``);
+``stop_token_ids`` and ``include_stop_str_in_output``; ``chat_template_kwargs``;
+``stream_options.continuous_usage_stats``. Fields this server does not know (``metadata``,
+``store``, ``user``, ``service_tier``, ...) are ignored, with one debug line naming them. Fields it
+knows and does not serve, where they would change the output (tools, ``response_format`` other
+than text, ``echo``, ``suffix``, vLLM's guided decoding, beam search, ...: ``NOT_SERVED``), are
+refused with 400, never ignored. The logits processors are served as vLLM serves them
 (``presence_penalty``, ``frequency_penalty``, ``logit_bias`` from OpenAI's API; ``min_p``,
 ``repetition_penalty``, ``min_tokens`` vLLM's extensions; engine.target.logits_processors), card's
-output still plain decoding's with them. Extensions: ``mode`` ("card",
-"card-auto": the model-free lookup or the draft, whichever is faster for the request, or
-"vanilla"), ``draft`` (a draft pool, or a worker name), ``top_k``, ``ignore_eos``, ``verify``
-("exact", the default; "rejection": speculative sampling, the target's distribution but not plain
-decoding's tokens for the seed; or "loose": FLy, lossy) with ``verify_entropy_threshold`` and
-``verify_window``. Defaults follow OpenAI's API, not card-client's: ``temperature`` and ``top_p``
-1.0; ``seed`` makes sampling reproducible (default 0). ``logprobs``: completions 0-20
+output still plain decoding's with them.
+
+Extensions: ``mode`` ("card", "card-auto": the model-free lookup or the draft, whichever is
+faster for the request, or "vanilla"), ``draft`` (a draft pool, or a worker name), ``top_k``
+(-1 or 0: off), ``ignore_eos``, ``verify`` ("exact", the default; "rejection": speculative
+sampling, the target's distribution but not plain decoding's tokens for the seed; or "loose":
+FLy, lossy) with ``verify_entropy_threshold`` and ``verify_window``. Defaults follow OpenAI's
+API, not card-client's: ``temperature`` and ``top_p`` 1.0. ``logprobs``: completions 0-20
 alternatives; chat ``logprobs`` with ``top_logprobs`` <= 20.
 """
 
 from __future__ import annotations
 
 import abc
+import logging
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from card.engine.shared.config import MAX_LOGIT_BIAS_ENTRIES, ChainPolicy, SamplingParams
 from card.engine.shared.errors import InvalidArgument, NotFound
-from card.target_service.validation import Prompt, Validator, ValidRequest
+from card.target_service.validation import Prompt, Validator, ValidRequest, check_choices
+
+log = logging.getLogger(__name__)
+
+# Fields of OpenAI's or vLLM's requests that change the output and that card-target does not serve:
+# refused (400) when set to anything but their default (None, or an empty list, is never refused).
+NOT_SERVED: dict[str, object] = {
+    "use_beam_search": False, "length_penalty": 1.0, "guided_json": None, "guided_regex": None,
+    "guided_choice": None, "guided_grammar": None, "structured_outputs": None, "allowed_token_ids": None,
+    "bad_words": None, "prompt_logprobs": None, "truncate_prompt_tokens": None, "prompt_embeds": None,
+    "skip_special_tokens": True, "spaces_between_special_tokens": True, "logits_processors": None,
+    "return_tokens_as_token_ids": False, "documents": None, "continue_final_message": False,
+    "add_generation_prompt": True, "prediction": None, "audio": None, "modalities": None,
+    "functions": None, "function_call": None, "web_search_options": None,
+}
 
 
-class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class _Open(BaseModel):
+    """A part of a body: unknown fields are kept aside (``model_extra``) and ignored."""
+
+    model_config = ConfigDict(extra="allow")
+
+    def unknown(self, where: str = "") -> list[str]:
+        """The names of the fields given here (and in the parts below) that this server does not
+        know, dotted from ``where``."""
+        names = [f"{where}{name}" for name in self.model_extra or {}]
+        for name in type(self).model_fields:
+            value = getattr(self, name)
+            parts = value if isinstance(value, list) else [value]
+            for i, part in enumerate(parts):
+                if isinstance(part, _Open):
+                    index = f"[{i}]" if isinstance(value, list) else ""
+                    names += part.unknown(f"{where}{name}{index}.")
+        return names
+
+
+class StreamOptions(_Open):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM: usage so far on every chunk
 
 
-class _Common(BaseModel):
-    """Fields both endpoints take; unknown fields are an error (extra="forbid")."""
+class _Common(_Open):
+    """Fields both endpoints take."""
 
-    model_config = ConfigDict(extra="forbid")
-
-    model: str
+    model: str | None = None  # None: the served model (as vLLM)
     max_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
     seed: int | None = None
     stop: str | list[str] | None = None
-    stream: bool = False
+    stream: bool | None = False  # null as false: clients send what their own defaults hold
     stream_options: StreamOptions | None = None
-    n: int | None = None
+    n: int | None = 1
     # the logits processors (OpenAI's three, then vLLM's extensions): ``processors()``
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
@@ -53,7 +95,10 @@ class _Common(BaseModel):
     repetition_penalty: float | None = None
     min_tokens: int | None = None
     user: str | None = None  # an end-user id for the operator's logs; never changes output
-    # extensions
+    # ---- vLLM's ----
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    # ---- extensions ----
     mode: Literal["card", "card-auto", "vanilla"] = "card"
     draft: str = ""
     top_k: int | None = None
@@ -68,7 +113,9 @@ class _Common(BaseModel):
 
     def refusals(self) -> list[str]:
         """The fields set here that would change the output and are not served."""
-        return _asked({"n > 1": self.n not in (None, 1)})
+        extra = self.model_extra or {}
+        return _asked({name: _differs(extra[name], default) for name, default in NOT_SERVED.items()
+                       if name in extra})
 
     def processors(self) -> dict[str, Any]:
         """The logits processors' SamplingParams fields (vLLM's defaults where unset; their bounds
@@ -94,19 +141,29 @@ class _Common(BaseModel):
     def budget(self) -> int | None:
         return self.max_tokens
 
+    def template_kwargs(self) -> dict[str, Any] | None:
+        return None
+
+    def check_model(self, validator: Validator) -> None:
+        check_model(self.model, validator)
+
     def valid(self, validator: Validator) -> ValidRequest:
-        """This body read into the one validation, with OpenAI's defaults (temperature and top_p 1)."""
+        """This body read into the one validation, with OpenAI's defaults (temperature and top_p 1;
+        no seed: a fresh one when it samples; no budget: the rest of the context)."""
         refused = self.refusals()
         if refused:
             raise InvalidArgument(f"{', '.join(refused)}: not served by card-target "
                                   "(it would change the output)")
-        names = validator.config.accepted_names(validator.model.name)  # any --served-model-name
-        if self.model not in names:
-            raise NotFound(f"model {self.model!r} is not served here; GET /v1/models lists "
-                           f"{', '.join(map(repr, names))}")
+        self.check_model(validator)
+        check_choices(self.choices)
+        unknown = self.unknown()
+        if unknown:
+            log.debug("ignored fields this server does not know: %s", ", ".join(unknown))
+        if self.top_k is not None and self.top_k < -1:
+            raise InvalidArgument(f"top_k must be >= 0 (0 or -1 disables it), got {self.top_k}")
         sampling = SamplingParams(
             temperature=1.0 if self.temperature is None else self.temperature,
-            top_k=self.top_k or 0,
+            top_k=max(self.top_k or 0, 0),  # vLLM's -1 is off, as card's 0
             top_p=1.0 if self.top_p is None else self.top_p,
             seed=self.seed or 0,
             **self.processors(),
@@ -117,7 +174,22 @@ class _Common(BaseModel):
             prompt, chat=chat, sampling=sampling, chain=ChainPolicy(), max_new_tokens=self.budget(),
             stop=stop, ignore_eos=self.ignore_eos, verify=self.verify,
             entropy_threshold=self.verify_entropy_threshold, window=self.verify_window,
-            logprobs=self.logprobs_wanted(), mode=self.mode, draft=self.draft)
+            logprobs=self.logprobs_wanted(), mode=self.mode, draft=self.draft, seeded=self.seed is not None,
+            stop_token_ids=tuple(self.stop_token_ids or ()), include_stop_str=self.include_stop_str_in_output,
+            template_kwargs=self.template_kwargs())
+
+    @property
+    def choices(self) -> int:
+        """How many independent samples (``n``; null: one)."""
+        return 1 if self.n is None else self.n
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.continuous_usage_stats)
 
 
 class CompletionBody(_Common):
@@ -128,8 +200,10 @@ class CompletionBody(_Common):
     logprobs: int | None = None
 
     def refusals(self) -> list[str]:
-        return super().refusals() + _asked({"echo": self.echo, "best_of > 1": self.best_of not in (None, 1),
-                                            "suffix": self.suffix})
+        return super().refusals() + _asked({
+            "echo": self.echo, "best_of > n": self.best_of is not None and self.best_of > self.choices,
+            "suffix": self.suffix, "add_special_tokens: false": (self.model_extra or {}).get(
+                "add_special_tokens") is False})
 
     def logprobs_wanted(self) -> int | None:
         return self.logprobs
@@ -143,20 +217,20 @@ class CompletionBody(_Common):
         return prompt, False
 
 
-class TextPart(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class TextPart(_Open):
     type: Literal["text"]
     text: str
 
 
-class Message(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class Message(_Open):
     role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
+    content: str | list[TextPart] | None = None
     name: str | None = None
 
     @property
     def text(self) -> str:
+        if self.content is None:
+            return ""
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
 
 
@@ -169,6 +243,8 @@ class ChatBody(_Common):
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
     response_format: dict[str, Any] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # variables of the template (enable_thinking)
+    chat_template: str | None = None  # per request: refused (vLLM's default too); --chat-template
 
     def prompt_input(self) -> tuple[Prompt, bool]:
         return [{"role": "system" if m.role == "developer" else m.role, "content": m.text}
@@ -176,6 +252,9 @@ class ChatBody(_Common):
 
     def budget(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def template_kwargs(self) -> dict[str, Any] | None:
+        return self.chat_template_kwargs
 
     def logprobs_wanted(self) -> int | None:
         if self.top_logprobs and not self.logprobs:  # 0 alone asks for nothing, as vLLM reads it
@@ -185,9 +264,48 @@ class ChatBody(_Common):
     def refusals(self) -> list[str]:
         return super().refusals() + _asked({
             "tools": self.tools or self.tool_choice not in (None, "none"),
-            "response_format": self.response_format and self.response_format.get("type") != "text"})
+            "response_format": self.response_format and self.response_format.get("type") != "text",
+            "chat_template (per request; start card-target with --chat-template)": self.chat_template,
+            "add_special_tokens: true": (self.model_extra or {}).get("add_special_tokens") is True})
+
+
+# ---- /tokenize and /detokenize (vLLM's shapes) -------------------------------------------------------
+class TokenizeBody(_Open):
+    """POST /tokenize: ``prompt`` (raw text, ``add_special_tokens`` default true) or ``messages``
+    (through the chat template with its generation prompt, as a chat request reads them)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[Message] | None = None
+    add_special_tokens: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+    return_token_strs: bool = False
+
+    def check_model(self, validator: Validator) -> None:
+        check_model(self.model, validator)
+
+
+class DetokenizeBody(_Open):
+    model: str | None = None
+    tokens: list[int]
+
+    def check_model(self, validator: Validator) -> None:
+        check_model(self.model, validator)
+
+
+def check_model(model: str | None, validator: Validator) -> None:
+    """NotFound unless a body names a served model (any --served-model-name, or none, as vLLM
+    takes it)."""
+    names = validator.config.accepted_names(validator.model.name)
+    if model is not None and model not in names:
+        raise NotFound(f"model {model!r} is not served here; GET /v1/models lists "
+                       f"{', '.join(map(repr, names))}")
+
+
+def _differs(value: object, default: object) -> bool:
+    """A not-served field's value asks for something: not None, not empty, not the default."""
+    return value is not None and value != default and not (default is None and value in ([], {}, ""))
 
 
 def _asked(fields: dict[str, object]) -> list[str]:
     return [name for name, value in fields.items() if value]
-

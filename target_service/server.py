@@ -239,7 +239,13 @@ def serve(config: TargetConfig) -> None:
              "torch.compile, one graph per bucket); graphs (CUDA graphs of it, CUDA only); auto: graphs "
              "on CUDA, eager on the CPU. A static step is probed for bitwise invariance at start-up "
              "and falls back to eager where the probe fails (docs/engine.md).")
-@option("--default-max-new-tokens", default=128, type=int)
+@option("--max-tokens-cap", default=None, type=int,
+        help="The most new tokens one request generates (default: no cap). A request that sets no "
+             "max_tokens gets the rest of the context (--max-model-len minus its prompt), as with vLLM; "
+             "both are cut to this.")
+@option("--chat-template", default=None,
+        help="A Jinja chat template (a file, or the template itself on one line) used instead of the "
+             "model's own, as vLLM's --chat-template.")
 @option("--step-timeout-ms", default=1000, type=int, help="Deadline of each Step call to the cache.")
 @option("--shutdown-grace-s", default=30.0, type=float,
         help="On SIGTERM, running generations get this long to finish (keep it below the pod's "

@@ -65,6 +65,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             finish_reason=result.finish_reason, text=result.text,
             token_ids=ids_to_msg(result.token_ids), stats=stats_to_msg(result.stats),
             draft=running.serving_draft, logprobs=logprobs_to_msg(result.logprobs),
+            seed=running.gen.request.sampling.seed,
         ))
 
 
@@ -87,8 +88,11 @@ def valid_request(request: target_pb2.GenerateRequest, validator: Validator) -> 
         prompt, chat=_CHAT[request.chat],
         # an unset message reads as the defaults: greedy, the cache's chain settings
         sampling=sampling_from_msg(request.sampling), chain=chain_policy_from_msg(request.chain),
+        # 0: the rest of the context (within --max-tokens-cap)
         max_new_tokens=request.max_new_tokens or None, stop=request.stop, ignore_eos=request.ignore_eos,
         verify=v.mode, entropy_threshold=v.entropy_threshold if v.HasField("entropy_threshold") else None,
         window=v.window if v.HasField("window") else None,
         logprobs=request.logprobs if request.HasField("logprobs") else None,
-        mode=request.mode or "card", draft=request.draft)
+        mode=request.mode or "card", draft=request.draft,
+        seeded=request.sampling.HasField("seed"),  # unset: a fresh seed, sent back in Final.seed
+        stop_token_ids=tuple(request.stop_token_ids), include_stop_str=request.include_stop_str_in_output)

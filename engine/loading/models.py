@@ -104,8 +104,10 @@ class LoadedModel:
     def decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
 
-    def encode_prompt(self, prompt: str | list[dict], chat: bool | None = None) -> list[int]:
-        """Token ids of a prompt; ``chat=None`` applies the chat template when there is one."""
+    def encode_prompt(self, prompt: str | list[dict], chat: bool | None = None,
+                      template_kwargs: dict[str, Any] | None = None) -> list[int]:
+        """Token ids of a prompt; ``chat=None`` applies the chat template when there is one, with
+        ``template_kwargs`` as its variables (Qwen3's ``enable_thinking``)."""
         use_chat = self.has_chat_template if chat is None else chat
         if use_chat and not self.has_chat_template:
             raise InvalidArgument(f"{self.name} has no chat template; use --no-chat")
@@ -118,20 +120,21 @@ class LoadedModel:
                 raise InvalidArgument("the prompt is empty")
             messages = [{"role": "user", "content": prompt}]
         if use_chat:
-            ids = self._apply_chat_template(messages)
+            ids = self._apply_chat_template(messages, template_kwargs or {})
             if isinstance(ids, dict) or hasattr(ids, "input_ids"):
                 ids = ids["input_ids"]
             return list(ids)
         return list(self.tokenizer(prompt, add_special_tokens=True)["input_ids"])
 
-    def _apply_chat_template(self, messages: list[dict]) -> Any:
+    def _apply_chat_template(self, messages: list[dict], template_kwargs: dict[str, Any]) -> Any:
         """The chat template over ``messages``; a template that refuses them (``raise_exception``,
         e.g. "Conversation roles must alternate") or fails on them is the request's error: one
         InvalidArgument with the template's own message, no traceback."""
         from jinja2 import TemplateError
 
         try:
-            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                      **template_kwargs)
         except TemplateError as err:
             raise InvalidArgument(f"the chat template of {self.name} refused the conversation: "
                                   f"{_one_line(err)}") from None

@@ -102,6 +102,8 @@ MAX_TEMPERATURE = 100.0
 # limit from StopParams; the engine's per-token stop matching is bounded by these (stopping.py).
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
+# Stop token ids per request (vLLM's ``stop_token_ids``): a set lookup per committed token.
+MAX_STOP_TOKEN_IDS = 64
 
 
 # Bounds on the logits processors of a request (engine.target.logits_processors), vLLM's ranges
@@ -198,15 +200,22 @@ class SamplingParams:
 
 @dataclass(frozen=True)
 class StopParams:
-    """When a generation ends: EOS (every EOS id of the model), a stop string, or a token budget.
+    """When a generation ends: EOS (every EOS id of the model), a stop string, a stop token id, or
+    a token budget.
 
-    At most MAX_STOP_STRINGS stop strings of 1 to MAX_STOP_CHARS characters each: the one rule
+    At most MAX_STOP_STRINGS stop strings of 1 to MAX_STOP_CHARS characters each and
+    MAX_STOP_TOKEN_IDS stop token ids (>= 0; the vocabulary is the front's to check): the one rule
     every front applies by building this value (InvalidArgument otherwise, before any work).
+    The text is cut before a stop string, and before the text of a stop token id, unless
+    ``include_stop_str`` (vLLM's ``include_stop_str_in_output``): then it ends with the stop
+    string, or the stop token's text. A stop token id, like EOS, stays in the token ids.
     """
 
     max_new_tokens: int = 128
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    stop_token_ids: tuple[int, ...] = ()
+    include_stop_str: bool = False
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -224,6 +233,13 @@ class StopParams:
         if (longest := max(map(len, stop), default=0)) > MAX_STOP_CHARS:
             raise InvalidArgument(f"{rule}; got one of {longest} characters")
         object.__setattr__(self, "stop", stop)
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:  # counted before it is copied
+            raise InvalidArgument(f"stop_token_ids: at most {MAX_STOP_TOKEN_IDS} token ids; "
+                                  f"got {len(self.stop_token_ids)}")
+        ids = tuple(self.stop_token_ids)
+        if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
+            raise InvalidArgument("stop_token_ids must be token ids (integers >= 0)")
+        object.__setattr__(self, "stop_token_ids", ids)
 
 
 # The longest chain anything verifies, and the deepest tree anything grows: bounds on knobs that

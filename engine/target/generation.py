@@ -98,7 +98,7 @@ class Generation:
             raise InvalidArgument(f"logit_bias names a token id outside the vocabulary [0, {vocab_size})")
         # min_tokens holds back every token that would end the generation
         self.target = TargetState(request.prompt_ids, request.sampling, request.verify, request.logprobs,
-                                  ending_ids=eos_ids)
+                                  ending_ids={*eos_ids, *request.stop.stop_token_ids})
         self.logprobs: list[TokenLogprob] = []  # of the tokens streamed so far, when asked for
         self._vocab = vocab_size or 2**62
         self.result: GenerationResult | None = None

@@ -1,8 +1,9 @@
 """End-of-generation rules and streamed detokenization.
 
 Tokens are committed in bursts (a verification commits several); ``OutputTracker.feed`` takes
-them one at a time, so EOS, the token budget and stop strings cut at exactly the token where the
-generation must end, whatever the burst size. Text that could still become a stop string (or an
+them one at a time, so EOS, stop token ids, the token budget and stop strings cut at exactly the
+token where the generation must end, whatever the burst size (card commits the same tokens as plain
+decoding, so it ends at the same one). Text that could still become a stop string (or an
 incomplete UTF-8 sequence) is held back from the stream until it is decided.
 
 Every token costs work bounded independently of the length of the output (this runs on the
@@ -190,15 +191,21 @@ class OutputTracker:
     """One generation's output: its tokens, the end rule, its text and the stream of it.
 
     ``text`` is ``decode(token_ids)``, cut before the first stop string when one ends the
-    generation; the deltas ``feed`` returns add up to it. Should the window decoder give up
-    exactness (``IncrementalDecoder``: only a tokenizer whose decoding past a clean split depends on
-    earlier tokens gets there), the stream pauses and the text is decoded in full once, at the end.
+    generation (after it with ``include_stop_str``), or before the text of a stop token id (the
+    id stays in ``token_ids``, as EOS does; a character it completes goes with it, as vLLM
+    removes the characters a stop token added); the deltas ``feed`` returns add up to it. Should the
+    window decoder give up exactness (``IncrementalDecoder``: only a tokenizer whose decoding past
+    a clean split depends on earlier tokens gets there), the stream pauses and the text is decoded
+    in full once, at the end.
     """
 
     def __init__(self, stop: StopParams, eos_ids: frozenset[int], decode: Decode) -> None:
         self.stop = stop
         self.eos_ids = eos_ids
         self.decode = decode
+        self.stop_ids = frozenset(stop.stop_token_ids)
+        # what ended a "stop": the stop string or the stop token id (vLLM's ``stop_reason``)
+        self.stop_reason: str | int | None = None
         self.token_ids: list[int] = []
         self.emitted = 0  # characters of ``text`` already streamed
         self._reason: str | None = None
@@ -241,11 +248,15 @@ class OutputTracker:
                 break
             self.token_ids.append(token)
             kept.append(token)
+            before = self._length  # the text before this token, to its last whole character
             cut = self._read(token)
             if token in self.eos_ids and not self.stop.ignore_eos:
                 self._finish("eos", None)
             elif cut is not None:
                 self._finish("stop", cut)
+            elif token in self.stop_ids:
+                self.stop_reason = token
+                self._finish("stop", None if self.stop.include_stop_str else before, by_token=True)
             elif len(self.token_ids) >= self.stop.max_new_tokens:
                 self._finish("length", None)
         return kept, self._stream()
@@ -276,24 +287,37 @@ class OutputTracker:
                 cut = self._length + first
         return cut
 
-    def _finish(self, reason: str, cut: int | None) -> None:
+    def _finish(self, reason: str, cut: int | None, by_token: bool = False) -> None:
+        """End for ``reason``; ``cut``: where the text ends (None: all of it), a stop string's
+        start or the text before a stop token (``by_token``)."""
         self._reason = reason
         detok = self._detok
+        text = "".join(self._pieces) + detok.pending_text
+        if reason == "stop" and not by_token and cut is not None:
+            cut = self._stop_string_end(text, cut)
         if detok.exact and detok.consistent:
-            text = "".join(self._pieces) + detok.pending_text
             self._final = text if cut is None else text[:cut]
             return
         # the window decoder lost track: the text is the full decode, once
         full = self.decode(self.token_ids)
-        if reason == "stop":
+        if by_token and cut is not None:
+            full = self.decode(self.token_ids[:-1]).rstrip("\ufffd")  # whole characters only
+        elif reason == "stop" and not by_token:
             hits = [i for s in self.stop.stop if (i := full.find(s)) >= 0]
-            full = full[: min(hits)] if hits else full
+            full = full[: self._stop_string_end(full, min(hits))] if hits else full
         streamed = "".join(self._pieces)[: self.emitted]
         if full.startswith(streamed):
             self._final = full
         else:  # cannot unsay what was streamed: keep the text the stream agrees with
-            text = "".join(self._pieces) + detok.pending_text
             self._final = text if cut is None else text[:cut]
+
+    def _stop_string_end(self, text: str, start: int) -> int:
+        """Where the text ends when the first stop string starts at ``start``: there, or past the
+        stop string (``include_stop_str``); records it as the stop reason. Of the stop strings
+        that start there the shortest ended the generation (the longer ones end later)."""
+        stop = min((s for s in self.stop.stop if text.startswith(s, start)), key=len, default="")
+        self.stop_reason = stop or None
+        return start + len(stop) if self.stop.include_stop_str else start
 
     def _stream(self) -> str:
         if self._final is not None:

@@ -506,3 +506,120 @@ def test_ending_from_outside_keeps_the_held_back_text() -> None:
     other.feed([25, 0, 1])
     other.finish_reason = "length"
     assert other.text == "zab"
+
+
+# ---- stop token ids and include_stop_str (vLLM's stop_token_ids, include_stop_str_in_output) ----
+def run_stops(model, source, stop: StopParams, decode: Callable[[list[int]], str] = letters) -> Run:
+    """``generate`` with any StopParams: one generation alone, what was streamed equal to the result."""
+    from card.engine.shared.config import GenerationRequest, SamplingParams
+    from card.engine.target.generation import Generation
+    from card.engine.target.scheduler import run_alone
+
+    request = GenerationRequest(tuple(PROMPT), SamplingParams(), stop)
+    gen = Generation(request, source, eos_ids=frozenset(), decode=decode, context_window=512, mode="test",
+                     vocab_size=model.config.vocab_size)
+    chunks = list(run_alone(model, gen, False))
+    assert gen.result is not None
+    assert [t for c in chunks for t in c.token_ids] == gen.result.token_ids
+    assert "".join(c.text for c in chunks) == gen.result.text
+    return Run(gen.result, chunks)
+
+
+@pytest.fixture(params=MODES)
+def run_stop(request: pytest.FixtureRequest, card) -> Callable[..., tuple[Run, OutputTracker]]:
+    mode = request.param
+
+    def go(stop: StopParams, decode: Callable[[list[int]], str] = letters) -> Run:
+        source = {"vanilla": NoDraft, "sd": lambda: SyncDraft(target_model("qwen2"), 4),
+                  "card": lambda: card}[mode]()
+        return run_stops(target_model("qwen2"), source, stop, decode)
+
+    go.mode = mode  # type: ignore[attr-defined]
+    return go
+
+
+def test_stop_token_ids_end_at_the_first_one_in_every_mode(run_stop, reference) -> None:
+    """The generation ends at the first of its stop token ids, kept in the tokens; the text ends
+    before that token's text, or with it (include_stop_str); inside multi-token commits too."""
+    positions = first_positions(reference, 4, start=3)
+    unused = next(t for t in range(97) if t not in reference)
+    inside = False
+    for k, p in enumerate(positions):
+        for include in (False, True):
+            ids = (unused, *(reference[q] for q in positions[k:]))  # reference[p] is the first to appear
+            out = run_stop(StopParams(60, ignore_eos=True, stop_token_ids=ids, include_stop_str=include))
+            assert out.tokens == reference[: p + 1], f"stop ids {ids}"
+            assert out.result.finish_reason == "stop"
+            assert out.result.text == letters(reference[: p + 1 if include else p])
+            inside |= cut_inside_commit(out)
+    if run_stop.mode != "vanilla":
+        assert inside, "no stop token id fell inside a multi-token commit"
+    # negative control: ids that never appear leave the generation to its budget
+    out = run_stop(StopParams(30, ignore_eos=True, stop_token_ids=(unused,)))
+    assert out.tokens == reference[:30] and out.result.finish_reason == "length"
+
+
+def test_include_stop_str_ends_the_text_with_the_stop_string(run_stop, reference) -> None:
+    text = letters(reference)
+    for start, length in [(4, 1), (9, 3)]:
+        stop = text[start : start + length]
+        first = text.find(stop)
+        kept = run_stop(StopParams(60, stop=(stop,), ignore_eos=True, include_stop_str=True))
+        cut = run_stop(StopParams(60, stop=(stop,), ignore_eos=True))
+        assert kept.result.text == text[: first + length] and cut.result.text == text[:first]
+        assert kept.tokens == cut.tokens == reference[: first + length]  # the same tokens either way
+        assert kept.result.finish_reason == "stop"
+
+
+def test_stop_reason_names_what_ended_it() -> None:
+    decode = lambda ids: "".join({1: "x", 2: "St", 3: "OP", 4: "y", 5: "!"}[i] for i in ids)  # noqa: E731
+    stops = StopParams(100, stop=("StOP!", "StOP"), include_stop_str=True)
+    tracker = OutputTracker(stops, frozenset(), decode)
+    tracker.feed([1, 2, 3, 5])
+    assert tracker.text == "xStOP" and tracker.stop_reason == "StOP"  # the shorter one ended first
+    tracker = OutputTracker(StopParams(100, stop_token_ids=(4,)), frozenset({4}), decode)
+    tracker.feed([1, 4])
+    assert tracker.finish_reason == "eos" and tracker.stop_reason is None  # EOS first, as before
+    tracker = OutputTracker(StopParams(100, ignore_eos=True, stop_token_ids=(4,)), frozenset({4}), decode)
+    tracker.feed([1, 4, 1])
+    assert tracker.finish_reason == "stop" and tracker.stop_reason == 4 and tracker.token_ids == [1, 4]
+    assert tracker.text == "x"
+    tracker = OutputTracker(StopParams(100), frozenset(), decode)
+    tracker.feed([1])
+    tracker.finish("length")
+    assert tracker.text == "x" and tracker.stop_reason is None
+
+
+@pytest.mark.parametrize("include", [False, True])
+def test_a_stop_token_inside_a_character_leaves_no_replacement_character(smollm2_decode, include) -> None:
+    """A stop token id that ends mid-way through a multi-byte character, or completes one: the text
+    is that of the tokens before it up to their last clean split (the character it completes goes
+    with it, as vLLM drops the characters a stop token added), or everything with
+    include_stop_str; stream == text."""
+    ids = smollm2_decode.encode("Héllo 🎉🐍 naïve — 東京 end")
+    assert any(smollm2_decode(ids[:p]).endswith("\ufffd") for p in range(len(ids))), "no split character"
+    for p in range(1, len(ids)):
+        if ids[p] in ids[:p]:
+            continue
+        tracker = OutputTracker(StopParams(1000, stop_token_ids=(ids[p],), include_stop_str=include),
+                                frozenset(), smollm2_decode)
+        streamed = "".join(tracker.feed([t])[1] for t in ids[: p + 1])
+        streamed += tracker.finish("length")  # no-op: ended already
+        assert tracker.finish_reason == "stop" and tracker.token_ids == ids[: p + 1]
+        before = smollm2_decode(ids[:p])
+        clean = next(text for q in range(p, -1, -1)  # the tokens before it up to their last clean split
+                     if not (text := smollm2_decode(ids[:q])).endswith("\ufffd") and before.startswith(text))
+        want = smollm2_decode(ids[: p + 1]) if include else clean
+        assert streamed == tracker.text == want, p
+        if not include:
+            assert "\ufffd" not in tracker.text
+
+
+def test_stop_token_ids_are_bounded_and_checked() -> None:
+    from card.engine.shared.config import MAX_STOP_TOKEN_IDS
+    from card.engine.shared.errors import InvalidArgument
+
+    assert StopParams(stop_token_ids=[3, 4]).stop_token_ids == (3, 4)  # type: ignore[arg-type]
+    for bad in [tuple(range(MAX_STOP_TOKEN_IDS + 1)), (-1,), (True,), ("3",)]:
+        with pytest.raises(InvalidArgument, match="stop_token_ids"):
+            StopParams(stop_token_ids=bad)  # type: ignore[arg-type]

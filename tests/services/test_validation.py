@@ -86,11 +86,17 @@ def test_a_text_past_any_tokenization_is_refused_by_its_characters(validator: Va
             validate(validator, text, chat=False)
 
 
-def test_the_budget_is_the_servers_default_and_never_passes_the_context(validator: Validator) -> None:
-    assert validate(validator, [5] * 10).generation.stop.max_new_tokens == 128  # --default-max-new-tokens
+def test_the_budget_is_the_rest_of_the_context_within_the_cap(validator: Validator,
+                                                              model: LoadedModel) -> None:
+    assert validate(validator, [5] * 10).generation.stop.max_new_tokens == WINDOW - 10  # none: vLLM's rule
     assert validate(validator, [5] * 10, max_new_tokens=7).generation.stop.max_new_tokens == 7
     cut = validate(validator, [5] * (WINDOW - 3), max_new_tokens=100).generation
     assert len(cut.prompt_ids) + cut.stop.max_new_tokens == WINDOW
+    capped = Validator(model, WINDOW, TargetConfig(model=ModelConfig("default"), max_tokens_cap=50))
+    assert validate(capped, [5] * 10).generation.stop.max_new_tokens == 50  # --max-tokens-cap
+    assert validate(capped, [5] * 10, max_new_tokens=70).generation.stop.max_new_tokens == 50
+    assert validate(capped, [5] * 10, max_new_tokens=20).generation.stop.max_new_tokens == 20
+    assert validate(capped, [5] * (WINDOW - 3)).generation.stop.max_new_tokens == 3
 
 
 def test_loose_takes_the_servers_fly_settings_where_the_request_sets_none(model: LoadedModel) -> None:
@@ -143,8 +149,8 @@ def test_a_grpc_and_an_http_request_with_the_same_content_are_the_same_valid_req
 
 
 def test_http_only_refusals_come_before_the_validation(validator: Validator, model: LoadedModel) -> None:
-    with pytest.raises(InvalidArgument, match="n > 1: not served by card-target"):
-        CompletionBody(model=model.name, prompt="x", n=2, presence_penalty=0.5).valid(validator)
+    with pytest.raises(InvalidArgument, match="echo, suffix: not served by card-target"):
+        CompletionBody(model=model.name, prompt="x", echo=True, suffix="y").valid(validator)
     with pytest.raises(NotFound, match="model 'other' is not served here"):
         CompletionBody(model="other", prompt="x").valid(validator)
     with pytest.raises(InvalidArgument, match="one prompt per request"):

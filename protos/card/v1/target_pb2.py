@@ -25,35 +25,35 @@ _sym_db = _symbol_database.Default()
 from card.v1 import common_pb2 as card_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14\x63\x61rd/v1/target.proto\x12\x07\x63\x61rd.v1\x1a\x14\x63\x61rd/v1/common.proto\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\x91\x03\n\x0fGenerateRequest\x12\x10\n\x06prompt\x18\x01 \x01(\tH\x00\x12)\n\x08messages\x18\x02 \x01(\x0b\x32\x15.card.v1.ConversationH\x00\x12%\n\nprompt_ids\x18\x03 \x01(\x0b\x32\x0f.card.v1.TensorH\x00\x12)\n\x08sampling\x18\x04 \x01(\x0b\x32\x17.card.v1.SamplingParams\x12\x16\n\x0emax_new_tokens\x18\x05 \x01(\x05\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\r\n\x05\x64raft\x18\x07 \x01(\t\x12\x0c\n\x04mode\x18\x08 \x01(\t\x12\x1f\n\x04\x63hat\x18\t \x01(\x0e\x32\x11.card.v1.ChatMode\x12\x12\n\nignore_eos\x18\n \x01(\x08\x12#\n\x05\x63hain\x18\x0b \x01(\x0b\x32\x14.card.v1.ChainPolicy\x12\x15\n\x08logprobs\x18\x0c \x01(\x05H\x01\x88\x01\x01\x12%\n\x06verify\x18\r \x01(\x0b\x32\x15.card.v1.VerifyPolicyB\x07\n\x05inputB\x0b\n\t_logprobs\"r\n\x0cVerifyPolicy\x12\x0c\n\x04mode\x18\x01 \x01(\t\x12\x1e\n\x11\x65ntropy_threshold\x18\x02 \x01(\x01H\x00\x88\x01\x01\x12\x13\n\x06window\x18\x03 \x01(\x05H\x01\x88\x01\x01\x42\x14\n\x12_entropy_thresholdB\t\n\x07_window\"X\n\x0cTokenLogprob\x12\r\n\x05token\x18\x01 \x01(\x03\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\x12\x12\n\ntop_tokens\x18\x03 \x03(\x03\x12\x14\n\x0ctop_logprobs\x18\x04 \x03(\x01\"6\n\x0c\x43onversation\x12&\n\x08messages\x18\x01 \x03(\x0b\x32\x14.card.v1.ChatMessage\"\\\n\x10GenerateResponse\x12\x1f\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x0e.card.v1.ChunkH\x00\x12\x1f\n\x05\x66inal\x18\x02 \x01(\x0b\x32\x0e.card.v1.FinalH\x00\x42\x06\n\x04kind\"Q\n\x05\x43hunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\x03\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\'\n\x08logprobs\x18\x03 \x03(\x0b\x32\x15.card.v1.TokenLogprob\"\xb1\x01\n\x05\x46inal\x12\x15\n\rfinish_reason\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\"\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x0f.card.v1.Tensor\x12\'\n\x05stats\x18\x04 \x01(\x0b\x32\x18.card.v1.GenerationStats\x12\r\n\x05\x64raft\x18\x05 \x01(\t\x12\'\n\x08logprobs\x18\x06 \x03(\x0b\x32\x15.card.v1.TokenLogprob\"\r\n\x0bInfoRequest\"m\n\nTargetInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x1d\n\x15tokenizer_fingerprint\x18\x02 \x01(\t\x12\x16\n\x0e\x63ontext_window\x18\x03 \x01(\x05\x12\x19\n\x11has_chat_template\x18\x04 \x01(\x08*4\n\x08\x43hatMode\x12\r\n\tCHAT_AUTO\x10\x00\x12\x0b\n\x07\x43HAT_ON\x10\x01\x12\x0c\n\x08\x43HAT_OFF\x10\x02\x32\x85\x01\n\rTargetService\x12\x41\n\x08Generate\x12\x18.card.v1.GenerateRequest\x1a\x19.card.v1.GenerateResponse0\x01\x12\x31\n\x04Info\x12\x14.card.v1.InfoRequest\x1a\x13.card.v1.TargetInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14\x63\x61rd/v1/target.proto\x12\x07\x63\x61rd.v1\x1a\x14\x63\x61rd/v1/common.proto\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xcd\x03\n\x0fGenerateRequest\x12\x10\n\x06prompt\x18\x01 \x01(\tH\x00\x12)\n\x08messages\x18\x02 \x01(\x0b\x32\x15.card.v1.ConversationH\x00\x12%\n\nprompt_ids\x18\x03 \x01(\x0b\x32\x0f.card.v1.TensorH\x00\x12)\n\x08sampling\x18\x04 \x01(\x0b\x32\x17.card.v1.SamplingParams\x12\x16\n\x0emax_new_tokens\x18\x05 \x01(\x05\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\r\n\x05\x64raft\x18\x07 \x01(\t\x12\x0c\n\x04mode\x18\x08 \x01(\t\x12\x1f\n\x04\x63hat\x18\t \x01(\x0e\x32\x11.card.v1.ChatMode\x12\x12\n\nignore_eos\x18\n \x01(\x08\x12#\n\x05\x63hain\x18\x0b \x01(\x0b\x32\x14.card.v1.ChainPolicy\x12\x15\n\x08logprobs\x18\x0c \x01(\x05H\x01\x88\x01\x01\x12%\n\x06verify\x18\r \x01(\x0b\x32\x15.card.v1.VerifyPolicy\x12\x16\n\x0estop_token_ids\x18\x14 \x03(\x03\x12\"\n\x1ainclude_stop_str_in_output\x18\x15 \x01(\x08\x42\x07\n\x05inputB\x0b\n\t_logprobs\"r\n\x0cVerifyPolicy\x12\x0c\n\x04mode\x18\x01 \x01(\t\x12\x1e\n\x11\x65ntropy_threshold\x18\x02 \x01(\x01H\x00\x88\x01\x01\x12\x13\n\x06window\x18\x03 \x01(\x05H\x01\x88\x01\x01\x42\x14\n\x12_entropy_thresholdB\t\n\x07_window\"X\n\x0cTokenLogprob\x12\r\n\x05token\x18\x01 \x01(\x03\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\x12\x12\n\ntop_tokens\x18\x03 \x03(\x03\x12\x14\n\x0ctop_logprobs\x18\x04 \x03(\x01\"6\n\x0c\x43onversation\x12&\n\x08messages\x18\x01 \x03(\x0b\x32\x14.card.v1.ChatMessage\"\\\n\x10GenerateResponse\x12\x1f\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x0e.card.v1.ChunkH\x00\x12\x1f\n\x05\x66inal\x18\x02 \x01(\x0b\x32\x0e.card.v1.FinalH\x00\x42\x06\n\x04kind\"Q\n\x05\x43hunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\x03\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\'\n\x08logprobs\x18\x03 \x03(\x0b\x32\x15.card.v1.TokenLogprob\"\xbf\x01\n\x05\x46inal\x12\x15\n\rfinish_reason\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\"\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x0f.card.v1.Tensor\x12\'\n\x05stats\x18\x04 \x01(\x0b\x32\x18.card.v1.GenerationStats\x12\r\n\x05\x64raft\x18\x05 \x01(\t\x12\'\n\x08logprobs\x18\x06 \x03(\x0b\x32\x15.card.v1.TokenLogprob\x12\x0c\n\x04seed\x18\x07 \x01(\x04\"\r\n\x0bInfoRequest\"m\n\nTargetInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x1d\n\x15tokenizer_fingerprint\x18\x02 \x01(\t\x12\x16\n\x0e\x63ontext_window\x18\x03 \x01(\x05\x12\x19\n\x11has_chat_template\x18\x04 \x01(\x08*4\n\x08\x43hatMode\x12\r\n\tCHAT_AUTO\x10\x00\x12\x0b\n\x07\x43HAT_ON\x10\x01\x12\x0c\n\x08\x43HAT_OFF\x10\x02\x32\x85\x01\n\rTargetService\x12\x41\n\x08Generate\x12\x18.card.v1.GenerateRequest\x1a\x19.card.v1.GenerateResponse0\x01\x12\x31\n\x04Info\x12\x14.card.v1.InfoRequest\x1a\x13.card.v1.TargetInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'card.v1.target_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_CHATMODE']._serialized_start=1250
-  _globals['_CHATMODE']._serialized_end=1302
+  _globals['_CHATMODE']._serialized_start=1324
+  _globals['_CHATMODE']._serialized_end=1376
   _globals['_CHATMESSAGE']._serialized_start=55
   _globals['_CHATMESSAGE']._serialized_end=99
   _globals['_GENERATEREQUEST']._serialized_start=102
-  _globals['_GENERATEREQUEST']._serialized_end=503
-  _globals['_VERIFYPOLICY']._serialized_start=505
-  _globals['_VERIFYPOLICY']._serialized_end=619
-  _globals['_TOKENLOGPROB']._serialized_start=621
-  _globals['_TOKENLOGPROB']._serialized_end=709
-  _globals['_CONVERSATION']._serialized_start=711
-  _globals['_CONVERSATION']._serialized_end=765
-  _globals['_GENERATERESPONSE']._serialized_start=767
-  _globals['_GENERATERESPONSE']._serialized_end=859
-  _globals['_CHUNK']._serialized_start=861
-  _globals['_CHUNK']._serialized_end=942
-  _globals['_FINAL']._serialized_start=945
-  _globals['_FINAL']._serialized_end=1122
-  _globals['_INFOREQUEST']._serialized_start=1124
-  _globals['_INFOREQUEST']._serialized_end=1137
-  _globals['_TARGETINFO']._serialized_start=1139
-  _globals['_TARGETINFO']._serialized_end=1248
-  _globals['_TARGETSERVICE']._serialized_start=1305
-  _globals['_TARGETSERVICE']._serialized_end=1438
+  _globals['_GENERATEREQUEST']._serialized_end=563
+  _globals['_VERIFYPOLICY']._serialized_start=565
+  _globals['_VERIFYPOLICY']._serialized_end=679
+  _globals['_TOKENLOGPROB']._serialized_start=681
+  _globals['_TOKENLOGPROB']._serialized_end=769
+  _globals['_CONVERSATION']._serialized_start=771
+  _globals['_CONVERSATION']._serialized_end=825
+  _globals['_GENERATERESPONSE']._serialized_start=827
+  _globals['_GENERATERESPONSE']._serialized_end=919
+  _globals['_CHUNK']._serialized_start=921
+  _globals['_CHUNK']._serialized_end=1002
+  _globals['_FINAL']._serialized_start=1005
+  _globals['_FINAL']._serialized_end=1196
+  _globals['_INFOREQUEST']._serialized_start=1198
+  _globals['_INFOREQUEST']._serialized_end=1211
+  _globals['_TARGETINFO']._serialized_start=1213
+  _globals['_TARGETINFO']._serialized_end=1322
+  _globals['_TARGETSERVICE']._serialized_start=1379
+  _globals['_TARGETSERVICE']._serialized_end=1512
 # @@protoc_insertion_point(module_scope)

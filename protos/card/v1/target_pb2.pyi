@@ -26,7 +26,7 @@ class ChatMessage(_message.Message):
     def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompt", "messages", "prompt_ids", "sampling", "max_new_tokens", "stop", "draft", "mode", "chat", "ignore_eos", "chain", "logprobs", "verify")
+    __slots__ = ("prompt", "messages", "prompt_ids", "sampling", "max_new_tokens", "stop", "draft", "mode", "chat", "ignore_eos", "chain", "logprobs", "verify", "stop_token_ids", "include_stop_str_in_output")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
     PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -40,6 +40,8 @@ class GenerateRequest(_message.Message):
     CHAIN_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     VERIFY_FIELD_NUMBER: _ClassVar[int]
+    STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    INCLUDE_STOP_STR_IN_OUTPUT_FIELD_NUMBER: _ClassVar[int]
     prompt: str
     messages: Conversation
     prompt_ids: _common_pb2.Tensor
@@ -53,7 +55,9 @@ class GenerateRequest(_message.Message):
     chain: _common_pb2.ChainPolicy
     logprobs: int
     verify: VerifyPolicy
-    def __init__(self, prompt: _Optional[str] = ..., messages: _Optional[_Union[Conversation, _Mapping]] = ..., prompt_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., draft: _Optional[str] = ..., mode: _Optional[str] = ..., chat: _Optional[_Union[ChatMode, str]] = ..., ignore_eos: _Optional[bool] = ..., chain: _Optional[_Union[_common_pb2.ChainPolicy, _Mapping]] = ..., logprobs: _Optional[int] = ..., verify: _Optional[_Union[VerifyPolicy, _Mapping]] = ...) -> None: ...
+    stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    include_stop_str_in_output: bool
+    def __init__(self, prompt: _Optional[str] = ..., messages: _Optional[_Union[Conversation, _Mapping]] = ..., prompt_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., draft: _Optional[str] = ..., mode: _Optional[str] = ..., chat: _Optional[_Union[ChatMode, str]] = ..., ignore_eos: _Optional[bool] = ..., chain: _Optional[_Union[_common_pb2.ChainPolicy, _Mapping]] = ..., logprobs: _Optional[int] = ..., verify: _Optional[_Union[VerifyPolicy, _Mapping]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., include_stop_str_in_output: _Optional[bool] = ...) -> None: ...
 
 class VerifyPolicy(_message.Message):
     __slots__ = ("mode", "entropy_threshold", "window")
@@ -102,20 +106,22 @@ class Chunk(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class Final(_message.Message):
-    __slots__ = ("finish_reason", "text", "token_ids", "stats", "draft", "logprobs")
+    __slots__ = ("finish_reason", "text", "token_ids", "stats", "draft", "logprobs", "seed")
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     STATS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
     finish_reason: str
     text: str
     token_ids: _common_pb2.Tensor
     stats: _common_pb2.GenerationStats
     draft: str
     logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
-    def __init__(self, finish_reason: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., stats: _Optional[_Union[_common_pb2.GenerationStats, _Mapping]] = ..., draft: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
+    seed: int
+    def __init__(self, finish_reason: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., stats: _Optional[_Union[_common_pb2.GenerationStats, _Mapping]] = ..., draft: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class InfoRequest(_message.Message):
     __slots__ = ()
