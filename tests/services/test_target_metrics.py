@@ -301,7 +301,8 @@ def test_http_requests_are_counted_by_route_template(trio):
     calls["none", "GET", "404"] += 1
     assert httpx.get(f"{base}/v1/completions", headers=headers, timeout=10).status_code == 405
     calls["/v1/completions", "GET", "405"] += 1
-    bad = httpx.post(f"{base}/v1/completions", headers=headers, timeout=10, json={"prompt": "hi"})
+    bad = httpx.post(f"{base}/v1/completions", headers=headers, timeout=10,
+                     json={"prompt": "hi", "max_tokens": 0})  # a budget below 1 is refused
     assert bad.status_code == 400
     calls["/v1/completions", "POST", "400"] += 1
     ok = httpx.post(f"{base}/v1/completions", headers=headers, timeout=60,
