@@ -331,8 +331,10 @@ def test_peer_reads_the_servers_own_metrics_from_a_real_aiperf_export():
     ttft = families["card_target_time_to_first_token_seconds"]["series"][0]["stats"]["p50_estimate"]
     assert row["server_ttft_ms"] == 1000 * ttft > 0 and row["server_itl_ms"] > 0
     # the same page under vLLM's names (counters keep AIPerf's name, with or without _total)
-    renamed = {"metrics": {name.replace("card_target_", "vllm:") + ("_total" if "num_draft_tokens" in name else ""):
-                           family for name, family in families.items()}}
+    def vllm(name: str) -> str:
+        return name.replace("card_target_", "vllm:") + ("_total" if "num_draft_tokens" in name else "")
+
+    renamed = {"metrics": {vllm(name): family for name, family in families.items()}}
     assert peer.server_side(renamed) == row
     # negative control: no spec_decode families, no acceptance
     plain = {"metrics": {n: f for n, f in families.items() if "spec_decode" not in n}}

@@ -77,7 +77,8 @@ def summarize(export: dict) -> dict:
 
 # The server's own view, from what AIPerf scraped of its /metrics (server_metrics_export.json):
 # the family whose name ends so (card-target's card_target_..., vLLM's vllm:...), AIPerf's keys
-SERVER_LATENCIES = {"time_to_first_token_seconds": "server_ttft_ms", "inter_token_latency_seconds": "server_itl_ms"}
+SERVER_LATENCIES = {"time_to_first_token_seconds": "server_ttft_ms",
+                    "inter_token_latency_seconds": "server_itl_ms"}
 SPEC_COUNTERS = ("spec_decode_num_accepted_tokens", "spec_decode_num_draft_tokens", "spec_decode_num_drafts")
 
 
