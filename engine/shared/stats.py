@@ -38,6 +38,8 @@ class GenerationStats:
     speculation: str = ""
     drafting_paused_steps: int = 0
     drafting_pauses: int = 0
+    # prompt tokens whose keys and values came from the target's prefix cache (not prefilled)
+    cached_tokens: int = 0
 
     def observe_step(self, drafted: int, kept: int) -> None:
         """One verification of ``drafted`` chain tokens that kept ``kept`` (no chain: no step)."""
