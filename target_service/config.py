@@ -44,6 +44,9 @@ class TargetConfig:
     max_batch_size: int = 8
     kv_cache_gb: float | None = None
     max_model_len: int | None = None
+    # a prompt reuses the keys and values of the longest whole-chunk prefix a KV slot still holds
+    # (card.engine.shared.prefix_cache; vLLM's --enable-prefix-caching); the outputs are the same bits
+    enable_prefix_caching: bool = True
     max_batch_tokens: int = 512
     adaptive_chains: bool = True
     speculation: str = "auto"  # the drafting policy's regime (card.engine.target.drafting_policy)

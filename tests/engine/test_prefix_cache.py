@@ -81,7 +81,8 @@ def test_questions_in_turn_equal_caching_off(dtype: torch.dtype, sampled: bool) 
     # for the prompt that ends at a block edge (its last token is prefilled, so its block is)
     assert [g.stats.cached_tokens for g in warm] == [0, 2 * B, 2 * B, B]
     assert all(g.stats.cached_tokens == 0 for g in cold)
-    assert all(w.stats.target_forwards < c.stats.target_forwards for w, c in zip(warm[1:], cold[1:], strict=True))
+    pairs = zip(warm[1:], cold[1:], strict=True)
+    assert all(w.stats.target_forwards < c.stats.target_forwards for w, c in pairs)
     assert engine.pool.prefix is not None and engine.pool.prefix.hits == 5 * B
 
 
@@ -115,7 +116,7 @@ def test_the_copy_and_the_free_slot_paths() -> None:
         engine.step()
     live = gen.slot
     assert live is not None and pool.prefix.rows(live) == 2 * B
-    prompt = DOC[:2 * B] + [1, 2, 3]
+    prompt = [*DOC[:2 * B], 1, 2, 3]
     got = pool.acquire_prefix(prompt)
     assert got is not None and got[0] != live and got[1] == 2 * B
     for t in (*pool.keys, *pool.values):
@@ -138,7 +139,7 @@ def test_reused_keys_and_values_are_the_recomputed_bits(dtype: torch.dtype) -> N
     cold = _engine(model, caching=False, slots=1)
     _in_turn(cold, [GenerationRequest(tuple(prompt), SamplingParams(), stop)])
     warm = _engine(model, caching=True, slots=1)
-    _in_turn(warm, [GenerationRequest(tuple(DOC + [7]), SamplingParams(), stop)])  # computes the blocks
+    _in_turn(warm, [GenerationRequest(tuple([*DOC, 7]), SamplingParams(), stop)])  # computes the blocks
     (gen,) = _in_turn(warm, [GenerationRequest(tuple(prompt), SamplingParams(), stop)])
     assert gen.stats.cached_tokens == 2 * B
     n = len(prompt)
@@ -179,7 +180,7 @@ def test_negative_controls_other_boundaries_or_parent_give_other_bits() -> None:
     # the second block computed after a first block one token different: other bits
     parent = list(prompt)
     parent[3] = (parent[3] + 1) % VOCAB
-    _first_logits(model, parent[:2 * B] + [0], pool, 0)
+    _first_logits(model, [*parent[:2 * B], 0], pool, 0)
     wrong_parent = _first_logits(model, prompt, pool, 2 * B)
     right = _first_logits(model, prompt, pool, 0)  # recomputed: the same bits as cold
     assert torch.equal(right, want)
@@ -190,7 +191,7 @@ def test_negative_controls_other_boundaries_or_parent_give_other_bits() -> None:
     index.computed(0, 0, parent[:2 * B])
     assert chain(parent, B)[1] != chain(prompt, B)[1]
     assert index.match(prompt) is None
-    assert index.match(parent[:2 * B] + [1]) is not None
+    assert index.match([*parent[:2 * B], 1]) is not None
     # rows that are not a whole block from a block edge are not indexed
     index.truncate(0, 0)
     index.computed(0, 100, prompt[100:100 + B])
@@ -245,15 +246,15 @@ def test_a_draft_session_starts_from_its_cached_prefix() -> None:
     params = TreeParams(width=2, max_depth=3)
     pool = KVPool(model, slots=2, max_len=WINDOW, prefix_caching=True)
     first = Drafter(model, params, pool=pool)
-    first.start(DOC + [1, 2])
+    first.start([*DOC, 1, 2])
     while first.pending:
         first.grow()
     first.release()
     second = Drafter(model, params, pool=pool)
-    second.start(DOC + [3, 4, 5])
+    second.start([*DOC, 3, 4, 5])
     assert second.n_committed == 2 * B and len(second.pending) == len(DOC) + 3 - 2 * B
     cold = Drafter(model, params, max_len=WINDOW)
-    cold.start(DOC + [3, 4, 5])
+    cold.start([*DOC, 3, 4, 5])
     a, b = second.grow(), cold.grow()
     assert a is not None and b is not None
     assert torch.equal(a[0].tokens, b[0].tokens)
