@@ -240,10 +240,14 @@ class KVPool:
             t[slot, :, first:end] = t[slot, :, rows]  # the gather copies before the write
 
 
-def check_sizing(kv_cache_gb: float | None, max_model_len: int | None) -> None:
-    """The sizing flags every service with a KV cache takes (--kv-cache-gb, --max-model-len)."""
+def check_sizing(kv_cache_gb: float | None, max_model_len: int | None,
+                 memory_fraction: float = DEVICE_KV_SHARE) -> None:
+    """The sizing flags every service with a KV cache takes (--kv-cache-gb, --max-model-len,
+    --kv-cache-memory-fraction)."""
     if kv_cache_gb is not None and not kv_cache_gb > 0:
         raise InvalidArgument(f"kv-cache-gb must be > 0, got {kv_cache_gb}")
+    if not 0 < memory_fraction <= 1:
+        raise InvalidArgument(f"kv-cache-memory-fraction must be in (0, 1], got {memory_fraction}")
     if max_model_len is not None and max_model_len < 2:
         raise InvalidArgument(f"max-model-len must be >= 2, got {max_model_len}")
 
@@ -273,12 +277,12 @@ def device_free_bytes(device: torch.device) -> int | None:
 
 def size_pool(max_slots: int, max_model_len: int | None, context_window: int, bytes_per_token: int,
               kv_cache_gb: float | None, extra_rows: int = 0, free_bytes: int | None = None,
-              slots_flag: str = "--max-batch-size") -> PoolShape:
+              slots_flag: str = "--max-batch-size", memory_fraction: float = DEVICE_KV_SHARE) -> PoolShape:
     """The one sizing rule of card-target and card-draft (vLLM's, on static slots):
 
-    - the budget: ``kv_cache_gb`` (--kv-cache-gb); else DEVICE_KV_SHARE of ``free_bytes`` (the
-      accelerator's free memory once the model is loaded); else none (the CPU, where an unwritten
-      row costs address space only);
+    - the budget: ``kv_cache_gb`` (--kv-cache-gb); else ``memory_fraction`` (--kv-cache-memory-
+      fraction, DEVICE_KV_SHARE by default) of ``free_bytes`` (the accelerator's free memory once
+      the model is loaded); else none (the CPU, where an unwritten row costs address space only);
     - tokens per slot: ``max_model_len`` (at most the context window); by default the model's whole
       context window where the budget holds ``max_slots`` sequences of it, else the longest length
       (whole KV_BLOCKs, at least SHORTEST_DEFAULT_LEN) at which it does;
@@ -293,9 +297,9 @@ def size_pool(max_slots: int, max_model_len: int | None, context_window: int, by
         budget: int | None = int(kv_cache_gb * 2**30)
         source = f"--kv-cache-gb {kv_cache_gb:g}"
     elif free_bytes is not None:
-        budget = int(free_bytes * DEVICE_KV_SHARE)
-        source = (f"{DEVICE_KV_SHARE:.0%} of the {free_bytes / 2**30:.1f} GB free on the device; "
-                  "--kv-cache-gb sets it")
+        budget = int(free_bytes * memory_fraction)
+        source = (f"{memory_fraction:.0%} of the {free_bytes / 2**30:.1f} GB free on the device; "
+                  "--kv-cache-memory-fraction or --kv-cache-gb sets it")
     else:
         budget, source = None, ""
 
