@@ -20,6 +20,12 @@ Exactness under batching: a session's attention has the same shapes and inputs w
 beside it, and the CPU's prepacked linears (card.engine.loading.cpu_linear) are row-invariant, so a
 session's logits do not depend on its neighbours. No padding exists to change a value.
 
+Prefix caching (``prefix_caching=True``, card.engine.shared.prefix_cache): a released slot keeps
+its rows, and the whole prefill chunks among them stay indexed by their token prefix until the slot
+is taken again (free slots in LRU order); ``acquire_prefix`` gives a new sequence the slot holding
+its longest cached prefix, or copies those rows from a live session's slot. Every write says which
+rows it overwrites first (``written``), so the index never names a changed row.
+
 Supported: decoder-only models whose ``*ForCausalLM`` is ``model.embed_tokens / layers / norm /
 rotary_emb`` + ``lm_head`` (Llama, Qwen2, Mistral without a sliding window, ...), the families the
 tree attention of the drafter supports too.
