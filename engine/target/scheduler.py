@@ -3,7 +3,8 @@ generation (continuous batching, nano-vllm's shape). An iteration has seven phas
 
     admit    waiting generations take a free KV slot (card.engine.shared.kv_pool.KVPool), in
              arrival order, with prefix caching the one holding their longest cached prompt
-             prefix (card.engine.shared.prefix_cache: prefill starts after it); the drafting policy tells each one's source what it opens with
+             prefix (card.engine.shared.prefix_cache: prefill starts after it); the drafting
+             policy tells each one's source what it opens with
              (card.engine.target.drafting_policy), then the source opens
     steer    the policy tells each running source whose drafting it changed after the last
              iteration (``draft_with``: a drafter, or none)
