@@ -259,3 +259,25 @@ def test_a_draft_session_starts_from_its_cached_prefix() -> None:
     assert a is not None and b is not None
     assert torch.equal(a[0].tokens, b[0].tokens)
     assert second.forwards < cold.forwards
+
+
+def test_card_in_process_reuses_both_prefixes_and_equals_plain_decoding() -> None:
+    """card through the in-process runner: the target's slot and the draft worker's pool both
+    reuse the document, and every output is plain decoding's (caching off)."""
+    model = _model(torch.float32)
+    target = LoadedModel("tiny", model, LetterTokenizer(), "fp", frozenset(), WINDOW)
+    requests = _requests(False)
+    plain = InProcessRunner(target, None, RunnerConfig(mode=Mode.VANILLA, prefix_caching=False))
+    want = [plain.run(r).token_ids for r in requests]
+    config = RunnerConfig(mode=Mode.CARD, tree=TreeParams(width=2, max_depth=3), backoff=False)
+    card = InProcessRunner(target, target, config)
+    try:
+        got = [card.run(r) for r in requests]
+        assert card.worker is not None and card.worker.pool is not None
+        draft_index = card.worker.pool.prefix
+    finally:
+        card.close()
+    assert [r.token_ids for r in got] == want
+    assert [r.stats.cached_tokens for r in got] == [0, 2 * B, 2 * B, B]
+    assert sum(r.stats.draft_forwards for r in got) > 0
+    assert draft_index is not None and draft_index.hits >= 5 * B  # the draft's prefills reused too
