@@ -87,7 +87,7 @@ def _ask(url: str, prompt: str, stream: bool) -> tuple[str, int, int]:
     text, usage = "", None
     for chunk in client.completions.create(**args, stream=True, stream_options={"include_usage": True}):
         text += "".join(c.text for c in chunk.choices)
-        usage = chunk.usage or usage
+        usage = chunk.usage or usage  # the last chunk's: the request's usage
     assert usage is not None and usage.prompt_tokens_details is not None
     return text, usage.prompt_tokens, usage.prompt_tokens_details.cached_tokens or 0
 
