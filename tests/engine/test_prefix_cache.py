@@ -7,6 +7,8 @@ one-token-different parent, are other bits and give other logits, and the index 
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -205,10 +207,16 @@ def test_an_engine_chunking_otherwise_does_not_use_the_cache() -> None:
     assert _engine(model, caching=True).prefix_caching
 
 
-def test_rotating_prefixes_keep_the_index_bounded() -> None:
-    """Many prompts over 30 rotating prefixes and a hot one on 3 slots: the index never holds
-    more than the slots' blocks, hashes and slots agree, the hot prefix stays (LRU), and every
-    slot comes back free."""
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def test_rotating_prefixes_keep_the_index_and_memory_bounded() -> None:
+    """1,000 prompts over 30 rotating prefixes and a hot one on 3 slots: the index never holds
+    more than the slots' blocks, hashes and slots agree, the hot prefix stays (LRU), every slot
+    comes back free, and the process's memory after 1,000 requests is where it was after 100
+    (the pool is preallocated; nothing grows per request)."""
     model = tiny_model("llama", seed=0, vocab=VOCAB, dtype=torch.float32)
     slots = 3
     engine = _engine(model, caching=True, slots=slots)
@@ -216,14 +224,18 @@ def test_rotating_prefixes_keep_the_index_bounded() -> None:
     assert index is not None
     bound = slots * (WINDOW // B)
     prefixes = [_tokens(300 + 37 * i % 400, seed=100 + i) for i in range(30)]
-    for i in range(90):
-        prompt = prefixes[0 if i % 3 == 0 else (i * 7) % 30] + _tokens(3, seed=1000 + i)
+    warm = 0
+    for i in range(1000):
+        prompt = prefixes[0 if i % 3 == 0 else (i * 7) % 30] + [i % VOCAB, 1, 2]
         _in_turn(engine, [GenerationRequest(tuple(prompt), SamplingParams(),
                                             StopParams(max_new_tokens=2, ignore_eos=True))])
         assert index.entries <= bound and len(index._index) <= index.entries
+        if i == 99:
+            warm = _rss()
     assert sum(len(v) for v in index._index.values()) == index.entries
     assert engine.pool.free_slots == slots
-    assert index.hits >= 29 * B  # the hot prefix, each time after its first
+    assert index.hits >= 333 * B  # the hot prefix, each time after its first
+    assert _rss() - warm < 64 * 2**20, (warm, _rss())
 
 
 def test_the_in_process_runner_reuses_its_prefix() -> None:
