@@ -284,8 +284,8 @@ class TargetEngine:
         for p in plan:
             mine = logits[first:first + p.rows]
             first += p.rows
-            if not p.decoding and p.gen.slot is not None:  # a prompt chunk's rows are final
-                self.pool.computed(p.gen.slot, p.start, p.tokens)
+            if self.prefix_caching and not p.decoding and p.gen.slot is not None:
+                self.pool.computed(p.gen.slot, p.start, p.tokens)  # a prompt chunk's rows are final
             try:
                 chunk = p.gen.absorb(mine, p.picks)
             except Exception as exc:

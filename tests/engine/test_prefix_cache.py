@@ -202,9 +202,13 @@ def test_negative_controls_other_boundaries_or_parent_give_other_bits() -> None:
 
 
 def test_an_engine_chunking_otherwise_does_not_use_the_cache() -> None:
+    """Chunks of another size are other bits: such an engine neither reuses nor indexes blocks."""
     model = _model(torch.float32)
-    assert not _engine(model, caching=True, prefill_chunk=100).prefix_caching
-    assert _engine(model, caching=True).prefix_caching
+    engine = _engine(model, caching=True, prefill_chunk=2 * B)
+    assert not engine.prefix_caching and _engine(model, caching=True).prefix_caching
+    gens = _in_turn(engine, _requests(False))
+    assert all(g.stats.cached_tokens == 0 for g in gens)
+    assert engine.pool.prefix is not None and engine.pool.prefix.entries == 0
 
 
 def _rss() -> int:
