@@ -297,3 +297,36 @@ def test_card_in_process_reuses_both_prefixes_and_equals_plain_decoding() -> Non
     assert [r.stats.cached_tokens for r in got] == [0, 2 * B, 2 * B, B]
     assert sum(r.stats.draft_forwards for r in got) > 0
     assert draft_index is not None and draft_index.hits >= 5 * B  # the draft's prefills reused too
+
+
+def test_card_draft_counts_its_prefix_cache() -> None:
+    """card-draft's card_draft_prefix_cache_{queries,hits}_total follow its worker's pool: a
+    second session over the document reuses its two blocks, and the counters say so."""
+    from prometheus_client import REGISTRY
+
+    from card.draft_service.config import DraftConfig
+    from card.draft_service.link import CacheLink
+    from card.engine.draft.worker import DraftWorker
+    from card.engine.loading.models import ModelConfig
+    from card.engine.shared.commands import StartDraft, StopDraft
+
+    model = tiny_model("llama", seed=0, vocab=VOCAB, dtype=torch.float64)
+
+    def build(publish, on_forward, on_drop):  # type: ignore[no-untyped-def]
+        return DraftWorker(model, TreeParams(width=2, max_depth=2), publish, slots=2, max_len=WINDOW,
+                           on_forward=on_forward, on_drop=on_drop), "fp"
+
+    def sample(name: str) -> float:
+        return REGISTRY.get_sample_value(name) or 0.0
+
+    before = [sample("card_draft_prefix_cache_queries_total"), sample("card_draft_prefix_cache_hits_total")]
+    link = CacheLink(DraftConfig(cache_addr="127.0.0.1:1", model=ModelConfig("default"), name="d"), build)
+    worker = link.worker
+    for i, tail in enumerate(([1, 2], [3, 4, 5])):  # applied on this thread: the worker is not started
+        worker._apply(StartDraft(f"s{i}", tuple(DOC + tail), 0))
+        while worker._round():
+            pass
+        worker._apply(StopDraft(f"s{i}"))
+    after = [sample("card_draft_prefix_cache_queries_total"), sample("card_draft_prefix_cache_hits_total")]
+    assert after[0] - before[0] == 2 * len(DOC) + 5
+    assert after[1] - before[1] == 2 * B
