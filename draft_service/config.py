@@ -14,7 +14,7 @@ from card.engine.draft.drafter import tree_rows
 from card.engine.loading.models import ModelConfig
 from card.engine.shared.config import DrafterKind, NgramConfig, TreeParams, tree_params
 from card.engine.shared.errors import InvalidArgument
-from card.engine.shared.kv_pool import PoolShape, check_sizing, size_pool
+from card.engine.shared.kv_pool import DEVICE_KV_SHARE, PoolShape, check_sizing, size_pool
 
 # A model-free worker holds no KV cache: many more sessions, and longer ones, cost it little
 NGRAM_CAPACITY = 64
@@ -59,6 +59,9 @@ class DraftConfig:
     capacity: int = 8
     max_model_len: int | None = None
     kv_cache_gb: float | None = None
+    # without kv_cache_gb, on an accelerator: the share of the memory free once the model is loaded
+    # that keys and values may take (vLLM's --gpu-memory-utilization, which counts the whole card)
+    kv_cache_memory_fraction: float = DEVICE_KV_SHARE
     threads: int | None = None
     draft_token: str | None = field(default=None, repr=False)  # presented to the cache (a secret)
     pool_token: str | None = field(default=None, repr=False)  # its pool's, at RegisterDraft (a secret)
@@ -96,7 +99,7 @@ class DraftConfig:
             raise InvalidArgument("--tokenizer is for --model ngram; a draft model brings its own")
         if self.capacity < 1:
             raise InvalidArgument(f"capacity must be >= 1, got {self.capacity}")
-        check_sizing(self.kv_cache_gb, self.max_model_len)
+        check_sizing(self.kv_cache_gb, self.max_model_len, self.kv_cache_memory_fraction)
         if self.threads is not None and self.threads < 1:
             raise InvalidArgument(f"threads must be >= 1, got {self.threads}")
         if not 0 <= self.port <= 65535 or not 0 <= self.metrics_port <= 65535:
@@ -133,7 +136,7 @@ class DraftConfig:
         accelerator's free memory, None on the CPU."""
         return size_pool(self.capacity, self.max_model_len, context_window, bytes_per_token,
                          self.kv_cache_gb, extra_rows=tree_rows(self.tree), free_bytes=free_bytes,
-                         slots_flag="--capacity")
+                         slots_flag="--capacity", memory_fraction=self.kv_cache_memory_fraction)
 
     def kv_shape(self, context_window: int, bytes_per_token: int) -> tuple[int, int]:
         shape = self.kv_sizing(context_window, bytes_per_token)

@@ -109,13 +109,20 @@ class CacheLink:
         self._draining = threading.Event()
         self._emptied = threading.Condition(self._lock)  # notified when a session leaves
         self._thread: threading.Thread | None = None
+        self._prefix_seen = (0, 0)  # the worker's prefix-cache counters already counted
         metrics.ACTIVE_SESSIONS.set_function(lambda: self.worker.active_sessions)
         metrics.KV_SLOTS.set_function(self.worker.kv_slots_held)
 
-    @staticmethod
-    def _on_forward(sessions: int) -> None:
+    def _on_forward(self, sessions: int) -> None:
         metrics.FORWARDS.inc()
         metrics.BATCH_SESSIONS.inc(sessions)
+        # the worker's thread, after a forward: the prefix-cache counters since the last one
+        pool = self.worker.pool
+        if pool is not None and pool.prefix is not None:
+            queries, hits = pool.prefix.queries, pool.prefix.hits
+            metrics.PREFIX_QUERIES.inc(queries - self._prefix_seen[0])
+            metrics.PREFIX_HITS.inc(hits - self._prefix_seen[1])
+            self._prefix_seen = (queries, hits)
 
     # ---- lifecycle ---------------------------------------------------------------------------
     def start(self) -> None:

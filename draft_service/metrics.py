@@ -10,6 +10,10 @@ KV_SLOTS = Gauge("card_draft_kv_slots", "KV cache slots held by all sessions (0 
 FORWARDS = Counter("card_draft_forwards", "Draft forwards run (each grows every session that had work)")
 BATCH_SESSIONS = Counter("card_draft_batch_sessions",
                          "Sessions served by draft forwards, summed (per forward: over forwards_total)")
+PREFIX_QUERIES = Counter("card_draft_prefix_cache_queries",
+                         "Committed tokens of new sessions looked up in the draft's prefix cache")
+PREFIX_HITS = Counter("card_draft_prefix_cache_hits",
+                      "Of them, tokens whose keys and values a slot still held (not prefilled)")
 COMMANDS = Counter("card_draft_commands_total", "Commands received from the cache", ["kind"])
 LAYERS = Counter("card_draft_layers_published_total", "Layers published to the cache")
 LAYERS_DROPPED = Counter("card_draft_layers_dropped_total",

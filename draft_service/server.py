@@ -46,7 +46,7 @@ from card.engine.draft.worker import DraftWorker, Publish
 from card.engine.loading.fingerprint import tokenizer_fingerprint
 from card.engine.loading.models import QUANTIZE, load_model, load_tokenizer
 from card.engine.shared.config import NGRAM
-from card.engine.shared.kv_pool import KVPool, device_free_bytes
+from card.engine.shared.kv_pool import DEVICE_KV_SHARE, KVPool, device_free_bytes
 from card.engine.shared.ngram_stats import shared_table
 from card.engine.shared.torch_threads import on_passing_thread
 
@@ -152,8 +152,12 @@ def build_worker(config: DraftConfig, publish: Publish, on_forward: Callable[[in
              f"budget holds --capacity sessions of it, as card-target's; model-free {NGRAM_MAX_MODEL_LEN}); "
              f"a longer session is not drafted.")
 @option("--kv-cache-gb", default=None, type=float,
-        help="Memory for keys and values (default: --capacity slots; on a GPU within 80% of the memory "
-             "free once the model is loaded); fewer slots where it holds fewer.")
+        help="Memory for keys and values (default: --capacity slots; on a GPU within "
+             "--kv-cache-memory-fraction of the memory free once the model is loaded); fewer slots "
+             "where it holds fewer.")
+@option("--kv-cache-memory-fraction", default=DEVICE_KV_SHARE, type=float,
+        help="Without --kv-cache-gb, on a GPU: the share of the memory free once the model is loaded "
+             "that keys and values may take, in (0, 1].")
 @tree_options(DRAFT_SHAPE, note="The draft worker owns its tree's shape.")
 @option("--threads", default=None, type=int, help="torch threads (default: torch's choice).")
 @option("--draft-token", default=None,

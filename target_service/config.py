@@ -11,7 +11,7 @@ from card.common.tls import TlsConfig
 from card.engine.loading.models import ModelConfig
 from card.engine.shared.config import Verify, VerifyPolicy
 from card.engine.shared.errors import InvalidArgument
-from card.engine.shared.kv_pool import PoolShape, check_sizing, size_pool
+from card.engine.shared.kv_pool import DEVICE_KV_SHARE, PoolShape, check_sizing, size_pool
 from card.engine.shared.static_step import STEP_MODES
 from card.engine.target.drafting_policy import DraftingConfig
 
@@ -43,7 +43,13 @@ class TargetConfig:
     threads: int | None = None
     max_batch_size: int = 8
     kv_cache_gb: float | None = None
+    # without kv_cache_gb, on an accelerator: the share of the memory free once the model is loaded
+    # that keys and values may take (vLLM's --gpu-memory-utilization, which counts the whole card)
+    kv_cache_memory_fraction: float = DEVICE_KV_SHARE
     max_model_len: int | None = None
+    # a prompt reuses the keys and values of the longest whole-chunk prefix a KV slot still holds
+    # (card.engine.shared.prefix_cache; vLLM's --enable-prefix-caching); the outputs are the same bits
+    enable_prefix_caching: bool = True
     max_batch_tokens: int = 512
     adaptive_chains: bool = True
     speculation: str = "auto"  # the drafting policy's regime (card.engine.target.drafting_policy)
@@ -92,7 +98,7 @@ class TargetConfig:
                                       f"or commas, got {name[:40]!r}")
         if self.max_batch_size < 1:
             raise InvalidArgument(f"max-batch-size must be >= 1, got {self.max_batch_size}")
-        check_sizing(self.kv_cache_gb, self.max_model_len)
+        check_sizing(self.kv_cache_gb, self.max_model_len, self.kv_cache_memory_fraction)
         VerifyPolicy(Verify.LOOSE, self.loose_entropy_threshold, self.loose_window)  # refused here
         VerifyPolicy(Verify.REJECTION, q_floor=self.rejection_q_floor)  # refused here
         if self.max_batch_tokens < 1:
@@ -191,7 +197,8 @@ class TargetConfig:
         values of ``bytes_per_token`` bytes per token; ``free_bytes``: the accelerator's free
         memory (kv_pool.device_free_bytes), None on the CPU."""
         return size_pool(self.max_batch_size, self.max_model_len, context_window, bytes_per_token,
-                         self.kv_cache_gb, free_bytes=free_bytes)
+                         self.kv_cache_gb, free_bytes=free_bytes,
+                         memory_fraction=self.kv_cache_memory_fraction)
 
     def kv_shape(self, context_window: int, bytes_per_token: int) -> tuple[int, int]:
         shape = self.kv_sizing(context_window, bytes_per_token)

@@ -91,6 +91,7 @@ class EngineLoop:
         metrics.SPECULATING.set_function(lambda: float(engine.policy.speculating))
         metrics.DRAFTING_PAUSED.set_function(engine.policy.paused)
         self.served = metrics.ServedModel(model_name or "unnamed", MAX_CHAIN)
+        self.served.prefix_caching = engine.prefix_caching
         pool = engine.pool
         self.served.gauges(running=lambda: len(engine.running), waiting=self.waiting,
                            kv_usage=lambda: 1.0 - pool.free_slots / pool.slots if pool.slots else 0.0)

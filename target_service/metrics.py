@@ -118,6 +118,13 @@ REQUEST_GENERATION_TOKENS = Histogram("card_target_request_generation_tokens",
                                       buckets=TOKEN_BUCKETS)
 PROMPT_TOKENS = Counter("card_target_prompt_tokens", "Prompt tokens prefilled (counted at each first token)",
                         MODEL)
+# vLLM's prefix-cache counters (vllm:prefix_cache_queries / _hits), in tokens, counted at each
+# first token: hit rate = rate(hits) / rate(queries). Queries count every prompt token the cache
+# was asked about (none with --no-enable-prefix-caching).
+PREFIX_QUERIES = Counter("card_target_prefix_cache_queries",
+                         "Prompt tokens looked up in the prefix cache (counted at each first token)", MODEL)
+PREFIX_HITS = Counter("card_target_prefix_cache_hits",
+                      "Of them, tokens whose keys and values the prefix cache held (not prefilled)", MODEL)
 GENERATION_TOKENS = Counter("card_target_generation_tokens",
                             "Tokens returned to clients, counted as they are committed", MODEL)
 REQUEST_SUCCESS = Counter("card_target_request_success",
@@ -186,11 +193,15 @@ class ServedModel:
         self.request_generation = REQUEST_GENERATION_TOKENS.labels(model_name)
         self.prompt_tokens = PROMPT_TOKENS.labels(model_name)
         self.generation_tokens = GENERATION_TOKENS.labels(model_name)
+        self.prefix_queries = PREFIX_QUERIES.labels(model_name)
+        self.prefix_hits = PREFIX_HITS.labels(model_name)
+        self.prefix_caching = True  # whether a prompt's tokens count as queries (the server says)
         self.drafts, self.draft_tokens = SPEC_DRAFTS.labels(model_name), SPEC_DRAFT_TOKENS.labels(model_name)
         self.accepted = SPEC_ACCEPTED_TOKENS.labels(model_name)
         self._per_pos: dict[int, Counter] = {}  # made at first use: positions a chain reached
         # summed since the last flush: prompt, generation, drafts, drafted, accepted; per position
         self._sums = [0, 0, 0, 0, 0]
+        self._prefix = [0, 0]  # prefix cache: tokens queried, hit, since the last flush
         self._pos = [0] * positions
 
     def gauges(self, running: Callable[[], float], waiting: Callable[[], float],
@@ -211,6 +222,9 @@ class ServedModel:
                 track.first = track.last = now
                 self.ttft.observe(now - track.submitted)
                 sums[0] += len(gen.request.prompt_ids)
+                if self.prefix_caching:
+                    self._prefix[0] += len(gen.request.prompt_ids)
+                    self._prefix[1] += gen.stats.cached_tokens
             elif chunk.token_ids:
                 self.itl.observe(now - track.last)
                 track.last = now
@@ -236,6 +250,10 @@ class ServedModel:
             self._position(p).inc(n)
             pos[p] = 0
         self._sums = [0, 0, 0, 0, 0]
+        for counter, n in zip((self.prefix_queries, self.prefix_hits), self._prefix, strict=True):
+            if n:
+                counter.inc(n)
+        self._prefix = [0, 0]
 
     def _count_drafts(self, track: Track, stats: GenerationStats) -> None:
         """The verifications since the last event: each added 1 to the stats' histogram at the

@@ -53,7 +53,7 @@ def combined(stats: Sequence[GenerationStats]) -> GenerationStats:
     first, out = stats[0], dataclasses.replace(stats[0])
     for f in dataclasses.fields(GenerationStats):
         values = [getattr(s, f.name) for s in stats]
-        if f.name in ("mode", "verify", "speculation", "prompt_tokens"):
+        if f.name in ("mode", "verify", "speculation", "prompt_tokens", "cached_tokens"):
             continue
         if f.name == "exact":
             out.exact = all(values)
@@ -75,6 +75,7 @@ def usage(stats: GenerationStats, draft: str, completion_tokens: int | None = No
     new = stats.new_tokens if completion_tokens is None else completion_tokens
     return {"prompt_tokens": stats.prompt_tokens, "completion_tokens": new,
             "total_tokens": stats.prompt_tokens + new,
+            "prompt_tokens_details": {"cached_tokens": stats.cached_tokens},
             "card": {**stats_to_json(stats), "draft": draft}}
 
 

@@ -34,7 +34,7 @@ from card.common.serving import (
 from card.common.tls import PLAINTEXT, TlsConfig
 from card.engine.loading.models import LoadedModel, load_model
 from card.engine.shared.errors import Unavailable
-from card.engine.shared.kv_pool import KVPool, device_free_bytes
+from card.engine.shared.kv_pool import DEVICE_KV_SHARE, KVPool, device_free_bytes
 from card.engine.shared.static_step import STEP_MODES
 from card.engine.shared.torch_threads import on_passing_thread
 from card.engine.target.drafting_policy import SPECULATION_MODES
@@ -115,8 +115,9 @@ def load_engine(config: TargetConfig) -> tuple[LoadedModel, TargetEngine]:
     device = next(model.model.parameters()).device
     shape = config.kv_sizing(model.context_window, KVPool.bytes_per_token(model.model),
                              device_free_bytes(device))
-    pool = KVPool(model.model, shape.slots, shape.max_len)
-    log.info("%s", shape.describe(pool.nbytes))
+    pool = KVPool(model.model, shape.slots, shape.max_len, prefix_caching=config.enable_prefix_caching)
+    log.info("%s; prefix caching %s", shape.describe(pool.nbytes),
+             "on" if config.enable_prefix_caching else "off (--enable-prefix-caching turns it on)")
     engine = TargetEngine(model.model, pool, config.max_batch_tokens, adaptive=config.adaptive_chains,
                           exact=model.exact, policy=drafting_policy(config.speculation),
                           decode_step=config.decode_step)
@@ -216,12 +217,20 @@ def serve(config: TargetConfig) -> None:
         help="Most generations in one forward (KV slots); more wait for a slot until their deadline.")
 @option("--kv-cache-gb", default=None, type=float,
         help="Memory for keys and values; slots = this / (KV bytes per token x --max-model-len), at "
-             "most --max-batch-size (default: --max-batch-size slots; on a GPU within 80% of the memory "
-             "free once the model is loaded).")
+             "most --max-batch-size (default: --max-batch-size slots; on a GPU within "
+             "--kv-cache-memory-fraction of the memory free once the model is loaded).")
+@option("--kv-cache-memory-fraction", default=DEVICE_KV_SHARE, type=float,
+        help="Without --kv-cache-gb, on a GPU: the share of the memory free once the model is loaded "
+             "that keys and values may take, in (0, 1] (vLLM's --gpu-memory-utilization counts the "
+             "whole card; here the weights are already loaded).")
 @option("--max-model-len", default=None, type=int,
         help="Tokens per request, prompt + new tokens (default: the model's context window where the "
              "KV budget holds --max-batch-size of it, else the longest length it does, at least 4096; "
              "the start-up log says which and why).")
+@option("--enable-prefix-caching/--no-enable-prefix-caching", default=True,
+        help="Reuse the keys and values of a prompt's longest cached prefix of whole prefill chunks "
+             "(a chat's earlier turns, a shared document or system prompt) instead of prefilling it "
+             "again; the outputs are the same bits as with it off (docs/engine.md, prefix caching).")
 @option("--max-batch-tokens", default=512, type=int,
         help="Tokens per forward: decoding rows count (the longest chains are cut to fit; every request "
              "keeps its next token), and prefill chunks past it go in the next one.")

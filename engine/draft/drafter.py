@@ -118,15 +118,17 @@ class Drafter:
         drafter's own, never the target's (the rule needs the draws independent of its coins)."""
         self._check_tokens(committed)
         self._check_room(len(committed))
+        cached = 0  # committed tokens whose keys and values the slot holds already (prefix caching)
         if self.slot is None:
-            self.slot = self.pool.acquire()
-            if self.slot is None:
+            got = self.pool.acquire_prefix(committed)
+            if got is None:
                 raise ResourceExhausted(f"the draft's KV cache has no free slot (all {self.pool.slots} held)")
+            self.slot, cached = got
         self.tree.reset(epoch)
         self.draw = draw
         self._rng = random.Random(f"card-draft-draw:{draw.seed}:{epoch}") if draw is not None else None
-        self.n_committed = 0
-        self.pending = list(committed)
+        self.n_committed = cached
+        self.pending = list(committed[cached:])
         self.kv_slot = torch.empty(0, dtype=torch.int64)
         self.anc = torch.zeros(0, 0, dtype=torch.bool)
         if self.ngram_config is not None:
@@ -194,6 +196,8 @@ class Drafter:
         last, one, or (cascade) several."""
         self.forwards += 1
         if work.frontier is None:
+            assert self.slot is not None
+            self.pool.computed(self.slot, work.segment.start, work.tokens.tolist())  # reusable rows
             self.n_committed += work.tokens.numel()
             del self.pending[: work.tokens.numel()]
             if self.pending:

@@ -90,7 +90,7 @@ class DraftWorker:
                  max_len: int, threads: int | None = None, name: str = "draft",
                  ngram_config: NgramConfig | None = None, ngram: NgramTable | None = None,
                  vocab_size: int | None = None, on_forward: Callable[[int], None] | None = None,
-                 on_drop: Callable[[str], None] | None = None) -> None:
+                 on_drop: Callable[[str], None] | None = None, prefix_caching: bool = True) -> None:
         if model is None and ngram_config is None:
             raise InvalidArgument("a draft worker needs a model, n-gram settings, or both")
         self.model = model
@@ -106,7 +106,10 @@ class DraftWorker:
         self.vocab_size = vocab_size or 0
         if not self.vocab_size:
             raise InvalidArgument("a model-free draft worker needs the vocabulary size")
-        self.pool = KVPool(model, slots, max_len + tree_rows(params)) if model is not None else None
+        # prefix caching: a new session starts from the longest prefix a slot still holds
+        # (card.engine.shared.prefix_cache; the draft's prefill is what a card session waits for first)
+        self.pool = (KVPool(model, slots, max_len + tree_rows(params), prefix_caching=prefix_caching)
+                     if model is not None else None)
         self.forwards = 0  # draft forwards run (each for every session that had work that round)
         self.batch_rows = 0  # sessions those forwards served, summed (mean batch = rows / forwards)
         self._on_forward = on_forward or (lambda sessions: None)  # after each forward (metrics)

@@ -30,14 +30,14 @@ from card.engine.shared.config import (
     TreeParams,
 )
 from card.engine.shared.errors import FailedPrecondition, InvalidArgument
-from card.engine.shared.kv_pool import SHORTEST_DEFAULT_LEN
+from card.engine.shared.kv_pool import SHORTEST_DEFAULT_LEN, KVPool
 from card.engine.shared.ngram_stats import NgramTable, shared_table
 from card.engine.shared.static_step import STEP_MODES
 from card.engine.shared.tree import Layer
 from card.engine.target.chain_source import ChainSource, NoDraft
 from card.engine.target.drafting_policy import DraftingConfig, DraftingPolicy
 from card.engine.target.generation import Chunk, Generation, GenerationResult
-from card.engine.target.scheduler import finish_alone, run_alone
+from card.engine.target.scheduler import TargetEngine, run_alone
 
 
 @dataclass(frozen=True)
@@ -67,6 +67,9 @@ class RunnerConfig:
     ngram: NgramConfig = field(default_factory=NgramConfig)
     speculation: str = "auto"
     decode_step: str = "eager"  # the target's decoding step (card.engine.shared.static_step)
+    # the target keeps one KV slot from one generation to the next, and a prompt that starts with
+    # the previous one's whole prefill chunks reuses their keys and values (the same bits)
+    prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         self.policy()  # validates
@@ -118,6 +121,7 @@ class InProcessRunner:
         if config.target_threads:
             torch.set_num_threads(config.target_threads)
         self.policy = DraftingPolicy(config.policy())
+        self._engine: TargetEngine | None = None  # prefix caching: one engine of one slot, kept
 
     def _source(self, kv_len: int, draw: ChainDraw | None = None) -> ChainSource:
         """The chain source of one generation; ``draw``: its chains are drawn (rejection)."""
@@ -204,14 +208,43 @@ class InProcessRunner:
 
     def stream(self, gen: Generation) -> Iterator[Chunk]:
         """Run ``gen`` on the target model, yielding its chunks; ``gen.result`` is set at the end."""
-        return run_alone(self.target.model, gen, exact=self.target.exact, policy=self.policy,
-                         decode_step=self.config.decode_step)
+        engine = self._cached_engine(gen.kv_len)
+        if engine is None:
+            yield from run_alone(self.target.model, gen, exact=self.target.exact, policy=self.policy,
+                                 decode_step=self.config.decode_step)
+        else:
+            yield from engine.stream(gen)
 
     def run(self, request: GenerationRequest) -> GenerationResult:
-        return finish_alone(self.target.model, self.generation(request), exact=self.target.exact,
-                            policy=self.policy, decode_step=self.config.decode_step)
+        gen = self.generation(request)
+        for _ in self.stream(gen):
+            pass
+        assert gen.result is not None
+        return gen.result
+
+    def _cached_engine(self, kv_len: int) -> TargetEngine | None:
+        """The runner's engine of one prefix-cached slot, idle and long enough for ``kv_len``
+        rows; None (a fresh engine of its own runs the generation) without prefix caching or
+        while another generation of this runner is streaming."""
+        if not self.config.prefix_caching:
+            return None
+        engine = self._engine
+        if engine is not None and not engine.idle:
+            return None
+        if engine is None or engine.pool.max_len < kv_len:
+            model = self.target.model
+            window = self.target.context_window
+            # on the CPU the whole window costs address space only (card.engine.shared.kv_pool);
+            # an accelerator's allocation is real: as long as the longest generation so far
+            on_cpu = next(model.parameters()).device.type == "cpu"
+            rows = window if on_cpu else min(window, max(kv_len, SHORTEST_DEFAULT_LEN))
+            self._engine = engine = TargetEngine(
+                model, KVPool(model, slots=1, max_len=max(rows, kv_len, 2), prefix_caching=True),
+                exact=self.target.exact, policy=self.policy, decode_step=self.config.decode_step)
+        return engine
 
     def close(self) -> None:
+        self._engine = None
         if self.worker is not None:
             self.worker.close()
             self.worker = None

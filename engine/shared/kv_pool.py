@@ -20,6 +20,12 @@ Exactness under batching: a session's attention has the same shapes and inputs w
 beside it, and the CPU's prepacked linears (card.engine.loading.cpu_linear) are row-invariant, so a
 session's logits do not depend on its neighbours. No padding exists to change a value.
 
+Prefix caching (``prefix_caching=True``, card.engine.shared.prefix_cache): a released slot keeps
+its rows, and the whole prefill chunks among them stay indexed by their token prefix until the slot
+is taken again (free slots in LRU order); ``acquire_prefix`` gives a new sequence the slot holding
+its longest cached prefix, or copies those rows from a live session's slot. Every write says which
+rows it overwrites first (``written``), so the index never names a changed row.
+
 Supported: decoder-only models whose ``*ForCausalLM`` is ``model.embed_tokens / layers / norm /
 rotary_emb`` + ``lm_head`` (Llama, Qwen2, Mistral without a sliding window, ...), the families the
 tree attention of the drafter supports too.
@@ -46,6 +52,7 @@ from card.engine.shared.exact_attention import (
     span,
 )
 from card.engine.shared.hf import CausalLM
+from card.engine.shared.prefix_cache import PrefixCache
 
 ATTN = "card_slots"
 
@@ -90,7 +97,7 @@ class Segment:
 class KVPool:
     """Preallocated keys and values for ``slots`` sessions of at most ``max_len`` tokens each."""
 
-    def __init__(self, model: CausalLM, slots: int, max_len: int) -> None:
+    def __init__(self, model: CausalLM, slots: int, max_len: int, prefix_caching: bool = False) -> None:
         if slots < 1 or max_len < 2:
             raise ResourceExhausted(f"a KV cache needs >= 1 slot of >= 2 tokens, got {slots} x {max_len}")
         enable(model)
@@ -118,8 +125,13 @@ class KVPool:
         heads = cfg.num_attention_heads
         self.batched_exact = batched_is_invariant(param.device, dtype, kv_heads, heads // kv_heads, head_dim)
         self._scratch_zeroed = param.device.type != "cpu"  # torch.zeros above
-        self._free = list(range(slots - 1, -1, -1))
+        # free slots; with prefix caching in release order (the front: released longest ago, the
+        # LRU victim), else a stack (the slot released last is taken first: its pages are resident)
+        self._free = list(range(slots)) if prefix_caching else list(range(slots - 1, -1, -1))
         self._ready = [0] * slots  # per slot: rows below this hold finite values (KVPool.ready)
+        # prefix caching (card.engine.shared.prefix_cache): which rows hold which token prefix; a
+        # free slot keeps its rows and its blocks until it is taken again
+        self.prefix = PrefixCache(slots, PREFILL_CHUNK, max_len) if prefix_caching else None
 
     def zero_scratch(self) -> None:
         """Zero the scratch slot (once): ghost rows read its keys and values under a mask, and a
@@ -146,11 +158,65 @@ class KVPool:
         return len(self._free)
 
     def acquire(self) -> int | None:
+        """A free slot for a new sequence (its cached blocks, if any, are dropped): the LRU one
+        with prefix caching."""
         if not self._free:
             return None
-        slot = self._free.pop()
+        slot = self._free.pop(0 if self.prefix is not None else -1)
+        if self.prefix is not None:
+            self.prefix.truncate(slot, 0)
         self._ready[slot] = 0  # rows past the new session's writes: whatever the last one left
         return slot
+
+    def acquire_prefix(self, tokens: Sequence[int]) -> tuple[int, int] | None:
+        """A free slot for a sequence that starts with ``tokens`` and how many of its first rows
+        already hold their keys and values (whole prefix blocks, at least one token left to
+        compute), or None when no slot is free. The longest cached prefix is taken where it is:
+        in a free slot, that slot (no copy); in a held one, its rows are copied into the LRU free
+        slot (every layer, keys and values: the same bits). Without prefix caching: (slot, 0)."""
+        if not self._free:
+            return None
+        if self.prefix is None:
+            slot = self.acquire()
+            assert slot is not None
+            return slot, 0
+        match = self.prefix.match(tokens, self._free)
+        if match is not None and match.slot in self._free:
+            slot = match.slot
+            self._free.remove(slot)
+            self._ready[slot] = 0
+        else:
+            slot = self.acquire()
+            assert slot is not None
+        rows = 0
+        if match is not None:
+            rows = match.blocks * self.prefix.block
+            if match.slot != slot:
+                self.copy_rows(match.slot, slot, rows)
+                self.prefix.copied(match.slot, slot, match.blocks)
+            else:
+                self.prefix.truncate(slot, rows)  # its blocks past the match are rewritten
+        self.prefix.record(len(tokens), rows)
+        return slot, rows
+
+    def copy_rows(self, src: int, dst: int, rows: int) -> None:
+        """Rows [0, rows) of slot ``src`` into slot ``dst``, every layer, keys and values."""
+        if self.prefix is not None:
+            self.prefix.truncate(dst, 0)
+        for t in (*self.keys, *self.values):
+            t[dst, :, :rows] = t[src, :, :rows]
+
+    def written(self, slot: int, start: int) -> None:
+        """Rows from ``start`` on of ``slot`` are about to be written: its cached blocks that
+        reach them go (every forward says so for each of its segments)."""
+        if self.prefix is not None and slot < self.slots:
+            self.prefix.truncate(slot, start)
+
+    def computed(self, slot: int, start: int, tokens: Sequence[int]) -> None:
+        """Rows [start, start+len(tokens)) of ``slot`` hold the final keys and values of
+        ``tokens`` computed by a prefill chunk: their whole blocks may be reused."""
+        if self.prefix is not None:
+            self.prefix.computed(slot, start, tokens)
 
     def ready(self, slot: int, written: int, rows: int) -> None:
         """Make rows ``written...rows`` of ``slot`` finite before a query reads them masked
@@ -173,16 +239,21 @@ class KVPool:
         """Move ``rows`` [n] of ``slot`` (any order, any rows) to rows ``first...first+n-1``."""
         if not rows.numel():
             return
+        self.written(slot, first)
         rows = rows.to(self.device)
         end = first + rows.numel()
         for t in (*self.keys, *self.values):
             t[slot, :, first:end] = t[slot, :, rows]  # the gather copies before the write
 
 
-def check_sizing(kv_cache_gb: float | None, max_model_len: int | None) -> None:
-    """The sizing flags every service with a KV cache takes (--kv-cache-gb, --max-model-len)."""
+def check_sizing(kv_cache_gb: float | None, max_model_len: int | None,
+                 memory_fraction: float = DEVICE_KV_SHARE) -> None:
+    """The sizing flags every service with a KV cache takes (--kv-cache-gb, --max-model-len,
+    --kv-cache-memory-fraction)."""
     if kv_cache_gb is not None and not kv_cache_gb > 0:
         raise InvalidArgument(f"kv-cache-gb must be > 0, got {kv_cache_gb}")
+    if not 0 < memory_fraction <= 1:
+        raise InvalidArgument(f"kv-cache-memory-fraction must be in (0, 1], got {memory_fraction}")
     if max_model_len is not None and max_model_len < 2:
         raise InvalidArgument(f"max-model-len must be >= 2, got {max_model_len}")
 
@@ -212,12 +283,12 @@ def device_free_bytes(device: torch.device) -> int | None:
 
 def size_pool(max_slots: int, max_model_len: int | None, context_window: int, bytes_per_token: int,
               kv_cache_gb: float | None, extra_rows: int = 0, free_bytes: int | None = None,
-              slots_flag: str = "--max-batch-size") -> PoolShape:
+              slots_flag: str = "--max-batch-size", memory_fraction: float = DEVICE_KV_SHARE) -> PoolShape:
     """The one sizing rule of card-target and card-draft (vLLM's, on static slots):
 
-    - the budget: ``kv_cache_gb`` (--kv-cache-gb); else DEVICE_KV_SHARE of ``free_bytes`` (the
-      accelerator's free memory once the model is loaded); else none (the CPU, where an unwritten
-      row costs address space only);
+    - the budget: ``kv_cache_gb`` (--kv-cache-gb); else ``memory_fraction`` (--kv-cache-memory-
+      fraction, DEVICE_KV_SHARE by default) of ``free_bytes`` (the accelerator's free memory once
+      the model is loaded); else none (the CPU, where an unwritten row costs address space only);
     - tokens per slot: ``max_model_len`` (at most the context window); by default the model's whole
       context window where the budget holds ``max_slots`` sequences of it, else the longest length
       (whole KV_BLOCKs, at least SHORTEST_DEFAULT_LEN) at which it does;
@@ -232,9 +303,9 @@ def size_pool(max_slots: int, max_model_len: int | None, context_window: int, by
         budget: int | None = int(kv_cache_gb * 2**30)
         source = f"--kv-cache-gb {kv_cache_gb:g}"
     elif free_bytes is not None:
-        budget = int(free_bytes * DEVICE_KV_SHARE)
-        source = (f"{DEVICE_KV_SHARE:.0%} of the {free_bytes / 2**30:.1f} GB free on the device; "
-                  "--kv-cache-gb sets it")
+        budget = int(free_bytes * memory_fraction)
+        source = (f"{memory_fraction:.0%} of the {free_bytes / 2**30:.1f} GB free on the device; "
+                  "--kv-cache-memory-fraction or --kv-cache-gb sets it")
     else:
         budget, source = None, ""
 
@@ -306,6 +377,8 @@ class _Batch:
         self.pool = pool
         self.segments = segments
         dev = pool.device
+        for s in segments:
+            pool.written(s.slot, s.start)
         self.slot_index = torch.cat(
             [torch.full((s.length,), s.slot, dtype=torch.int64) for s in segments]).to(dev)
         self.rows = torch.cat([torch.arange(s.start, s.end) for s in segments]).to(dev)

@@ -38,6 +38,8 @@ class GenerationStats:
     speculation: str = ""
     drafting_paused_steps: int = 0
     drafting_pauses: int = 0
+    # prompt tokens whose keys and values came from the target's prefix cache (not prefilled)
+    cached_tokens: int = 0
 
     def observe_step(self, drafted: int, kept: int) -> None:
         """One verification of ``drafted`` chain tokens that kept ``kept`` (no chain: no step)."""
@@ -101,6 +103,8 @@ class GenerationStats:
             f"{self.new_tokens} tokens in {self.wall_s:.2f}s ({self.tokens_per_s:.2f} tok/s), "
             f"mode={self.mode}, mean accepted length {self.mean_accepted_length:.2f}"
         )
+        if self.cached_tokens:
+            line += f", {self.cached_tokens} of {self.prompt_tokens} prompt tokens from the prefix cache"
         if self.corrections:
             line += f", hit rate {self.hit_rate:.0%} (secondary {self.secondary_hit_rate:.0%})"
         if self.drafting_paused_steps:

@@ -150,6 +150,15 @@ class Generation:
         # the committed sequence has one owner, the target state; the source may read it
         self.source.open(self.target.committed)
 
+    def reuse(self, cached: int) -> None:
+        """The first ``cached`` prompt tokens' keys and values are in the slot already (a cached
+        prefix, card.engine.shared.prefix_cache): prefill starts after them. Before any input."""
+        if not 0 <= cached < len(self.request.prompt_ids) or self._prefilled:
+            raise ValueError(f"cannot reuse {cached} rows of a {len(self.request.prompt_ids)}-token prompt "
+                             f"with {self._prefilled} prefilled")
+        self._prefilled = cached
+        self.stats.cached_tokens = cached
+
     def next_input(self, prefill_chunk: int) -> tuple[Sequence[int], int]:
         """While prefilling: the next chunk of the prompt and the position of its first token."""
         n = min(prefill_chunk, self.prefill_left)

@@ -2,7 +2,9 @@
 generation (continuous batching, nano-vllm's shape). An iteration has seven phases:
 
     admit    waiting generations take a free KV slot (card.engine.shared.kv_pool.KVPool), in
-             arrival order; the drafting policy tells each one's source what it opens with
+             arrival order, with prefix caching the one holding their longest cached prompt
+             prefix (card.engine.shared.prefix_cache: prefill starts after it); the drafting
+             policy tells each one's source what it opens with
              (card.engine.target.drafting_policy), then the source opens
     steer    the policy tells each running source whose drafting it changed after the last
              iteration (``draft_with``: a drafter, or none)
@@ -115,6 +117,9 @@ class TargetEngine:
         self.cost = CostModel()
         self.max_batch_tokens = max(max_batch_tokens, 1)
         self.prefill_chunk = prefill_chunk
+        # prefix caching where the pool keeps an index of whole prefill chunks (KVPool(prefix_caching=
+        # True)): a prompt starts from its longest cached prefix, and its chunks keep their boundaries
+        self.prefix_caching = pool.prefix is not None and pool.prefix.block == prefill_chunk
         self.waiting: deque[Generation] = deque()
         self.running: list[Generation] = []
         self.forwards = 0
@@ -227,6 +232,7 @@ class TargetEngine:
             assert p.gen.slot is not None
             if p.decoding:  # every row of [t_next, *chain] is judged
                 p.rows = len(p.tokens)
+                self.pool.written(p.gen.slot, p.start)  # the static step's rows too (eager: _Batch)
             elif p.start + len(p.tokens) == len(p.gen.request.prompt_ids):  # the prompt's last chunk
                 p.rows = 1
         t0 = time.perf_counter()
@@ -278,6 +284,8 @@ class TargetEngine:
         for p in plan:
             mine = logits[first:first + p.rows]
             first += p.rows
+            if self.prefix_caching and not p.decoding and p.gen.slot is not None:
+                self.pool.computed(p.gen.slot, p.start, p.tokens)  # a prompt chunk's rows are final
             try:
                 chunk = p.gen.absorb(mine, p.picks)
             except Exception as exc:
@@ -300,7 +308,9 @@ class TargetEngine:
                 events.append(self._fail(gen, ValueError(
                     f"generation needs {gen.kv_len} KV rows, the cache holds {self.pool.max_len}")))
                 continue
-            gen.slot = self.pool.acquire()
+            got = self.pool.acquire_prefix(gen.request.prompt_ids) if self.prefix_caching else None
+            gen.slot, cached = got if got is not None else (self.pool.acquire(), 0)
+            gen.reuse(cached)
             gen.stats.exact = self.exact
             self.running.append(gen)
             try:

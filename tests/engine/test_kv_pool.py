@@ -105,3 +105,22 @@ def test_the_start_up_line_says_what_was_chosen_and_why() -> None:
     assert line == ("KV cache: 8 slots x 8192 tokens (3.23 GB): the model's context window (no KV budget: "
                     "on the CPU a row takes memory once written)")
     assert "\n" not in size_pool(8, None, 32768, 56 * KB, None, free_bytes=10 * GB).describe(0)
+
+
+def test_the_kv_memory_fraction_sets_the_share_of_free_device_memory() -> None:
+    """--kv-cache-memory-fraction (vLLM's --gpu-memory-utilization, over the memory free once the
+    model is loaded): half of 10 GB holds fewer tokens than the default share; out of (0, 1] refused."""
+    per_token = 56 * KB
+    default = size_pool(8, None, 32768, per_token, None, free_bytes=10 * GB)
+    half = size_pool(8, None, 32768, per_token, None, free_bytes=10 * GB, memory_fraction=0.5)
+    assert half.slots == 8 and half.max_len < default.max_len
+    assert 9 * per_token * half.max_len <= 5 * GB < 9 * per_token * (half.max_len + KV_BLOCK)
+    assert "50% of the 10.0 GB free" in half.why and "--kv-cache-memory-fraction" in half.why
+    assert TargetConfig(model=ModelConfig("default"), kv_cache_memory_fraction=0.5).kv_sizing(
+        32768, per_token, 10 * GB) == half
+    for bad in (0.0, 1.5):
+        with pytest.raises(InvalidArgument, match="kv-cache-memory-fraction"):
+            TargetConfig(model=ModelConfig("default"), kv_cache_memory_fraction=bad)
+        with pytest.raises(InvalidArgument, match="kv-cache-memory-fraction"):
+            DraftConfig(cache_addr="127.0.0.1:1", model=ModelConfig("default"), name="d",
+                        kv_cache_memory_fraction=bad)

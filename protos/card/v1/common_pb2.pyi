@@ -70,7 +70,7 @@ class ChainPolicy(_message.Message):
     def __init__(self, max_chain: _Optional[int] = ..., min_path_prob: _Optional[float] = ..., b_extension: _Optional[bool] = ...) -> None: ...
 
 class GenerationStats(_message.Message):
-    __slots__ = ("mode", "prompt_tokens", "new_tokens", "wall_s", "prefill_s", "target_forwards", "draft_forwards", "hits", "secondary_hits", "misses", "target_idle_s", "draft_idle_s", "step_rtt_ms", "accepted_lengths", "exact", "verify", "draft_tokens", "accepted_draft_tokens", "loose_kept", "acceptance_histogram", "rejection_fallbacks", "speculation", "drafting_paused_steps", "drafting_pauses")
+    __slots__ = ("mode", "prompt_tokens", "new_tokens", "wall_s", "prefill_s", "target_forwards", "draft_forwards", "hits", "secondary_hits", "misses", "target_idle_s", "draft_idle_s", "step_rtt_ms", "accepted_lengths", "exact", "verify", "draft_tokens", "accepted_draft_tokens", "loose_kept", "acceptance_histogram", "rejection_fallbacks", "speculation", "drafting_paused_steps", "drafting_pauses", "cached_tokens")
     MODE_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -95,6 +95,7 @@ class GenerationStats(_message.Message):
     SPECULATION_FIELD_NUMBER: _ClassVar[int]
     DRAFTING_PAUSED_STEPS_FIELD_NUMBER: _ClassVar[int]
     DRAFTING_PAUSES_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     mode: str
     prompt_tokens: int
     new_tokens: int
@@ -119,4 +120,5 @@ class GenerationStats(_message.Message):
     speculation: str
     drafting_paused_steps: int
     drafting_pauses: int
-    def __init__(self, mode: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., new_tokens: _Optional[int] = ..., wall_s: _Optional[float] = ..., prefill_s: _Optional[float] = ..., target_forwards: _Optional[int] = ..., draft_forwards: _Optional[int] = ..., hits: _Optional[int] = ..., secondary_hits: _Optional[int] = ..., misses: _Optional[int] = ..., target_idle_s: _Optional[float] = ..., draft_idle_s: _Optional[float] = ..., step_rtt_ms: _Optional[_Iterable[float]] = ..., accepted_lengths: _Optional[_Iterable[int]] = ..., exact: _Optional[bool] = ..., verify: _Optional[str] = ..., draft_tokens: _Optional[int] = ..., accepted_draft_tokens: _Optional[int] = ..., loose_kept: _Optional[int] = ..., acceptance_histogram: _Optional[_Iterable[int]] = ..., rejection_fallbacks: _Optional[int] = ..., speculation: _Optional[str] = ..., drafting_paused_steps: _Optional[int] = ..., drafting_pauses: _Optional[int] = ...) -> None: ...
+    cached_tokens: int
+    def __init__(self, mode: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., new_tokens: _Optional[int] = ..., wall_s: _Optional[float] = ..., prefill_s: _Optional[float] = ..., target_forwards: _Optional[int] = ..., draft_forwards: _Optional[int] = ..., hits: _Optional[int] = ..., secondary_hits: _Optional[int] = ..., misses: _Optional[int] = ..., target_idle_s: _Optional[float] = ..., draft_idle_s: _Optional[float] = ..., step_rtt_ms: _Optional[_Iterable[float]] = ..., accepted_lengths: _Optional[_Iterable[int]] = ..., exact: _Optional[bool] = ..., verify: _Optional[str] = ..., draft_tokens: _Optional[int] = ..., accepted_draft_tokens: _Optional[int] = ..., loose_kept: _Optional[int] = ..., acceptance_histogram: _Optional[_Iterable[int]] = ..., rejection_fallbacks: _Optional[int] = ..., speculation: _Optional[str] = ..., drafting_paused_steps: _Optional[int] = ..., drafting_pauses: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...

@@ -1,0 +1,148 @@
+"""Which KV rows of a slot pool hold a known token prefix: the index of prefix caching, for the
+target's pool and every draft worker's alike (one owner: card.engine.shared.kv_pool.KVPool keeps
+one per pool and keeps it true; nothing else writes it).
+
+Blocks, as in vLLM's KVCacheManager: a slot's rows are cut into blocks of ``block`` tokens (the
+prefill chunk, PREFILL_CHUNK), block i at rows [i*block, (i+1)*block). A block is addressed by
+the hash of (its parent block's hash, its tokens), so one hash names the whole prefix up to the
+block's end, and a prompt's longest cached prefix is the deepest hash of its chain found in the
+index (SGLang's RadixCache finds the same thing by walking a radix tree of tokens). sha256 makes a
+collision as good as impossible, and a hit is still checked token for token against what the slot
+holds before it is used: a wrong hit would break the exactness promise, not only the speed.
+
+What is indexed: a slot's blocks from row 0 on, each one whole, as a prefill chunk wrote it
+(``computed``: the caller says when KV rows are final; the target calls it for prompt chunks
+only). Anything that writes a row of a slot drops that slot's blocks from that row on
+(``truncate``): a slot taken for another sequence, a session's rows past its prompt, a draft's
+moved rows. The index is therefore bounded by slots x blocks per slot, and never outlives the
+rows it names.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
+
+ROOT = b"card-prefix-root"  # the parent hash of a sequence's first block
+
+
+def block_hash(parent: bytes, tokens: Sequence[int]) -> bytes:
+    """The hash of a block: its parent's hash and its tokens (vLLM's hash_block_tokens)."""
+    return hashlib.sha256(parent + array("q", tokens).tobytes()).digest()
+
+
+def chain(tokens: Sequence[int], block: int, blocks: int | None = None) -> list[bytes]:
+    """The hashes of the first ``blocks`` whole blocks of ``tokens`` (all of them: None)."""
+    n = len(tokens) // block if blocks is None else min(blocks, len(tokens) // block)
+    out: list[bytes] = []
+    parent = ROOT
+    for i in range(n):
+        parent = block_hash(parent, tokens[i * block:(i + 1) * block])
+        out.append(parent)
+    return out
+
+
+@dataclass(frozen=True)
+class Match:
+    """The longest cached prefix of a sequence: ``blocks`` whole blocks at the front of ``slot``."""
+
+    slot: int
+    blocks: int
+
+
+class PrefixCache:
+    """The index of one pool of ``slots`` slots of at most ``max_rows`` rows, in blocks of
+    ``block`` tokens. Counters: ``queries`` (tokens looked up) and ``hits`` (of them, found),
+    vLLM's prefix_cache_queries / prefix_cache_hits."""
+
+    def __init__(self, slots: int, block: int, max_rows: int) -> None:
+        if block < 1:
+            raise ValueError(f"a prefix block needs >= 1 token, got {block}")
+        self.block = block
+        self.max_blocks = max_rows // block
+        self._held: list[list[bytes]] = [[] for _ in range(slots)]  # per slot: its blocks' hashes
+        self._tokens: list[list[int]] = [[] for _ in range(slots)]  # per slot: the tokens they hold
+        self._index: dict[bytes, dict[int, None]] = {}  # block hash -> the slots holding it (ordered)
+        self.queries = 0
+        self.hits = 0
+
+    # ---- reading ------------------------------------------------------------------------------
+    def rows(self, slot: int) -> int:
+        """Rows at the front of ``slot`` that indexed blocks cover."""
+        return len(self._held[slot]) * self.block
+
+    @property
+    def entries(self) -> int:
+        """(block, slot) pairs indexed: at most slots x max_blocks."""
+        return sum(len(h) for h in self._held)
+
+    def match(self, tokens: Sequence[int], free: Collection[int] = ()) -> Match | None:
+        """The longest cached whole-block prefix of ``tokens`` that leaves at least one token
+        to compute (a prompt's last token's logits are needed), None if no block is cached. Of
+        the slots holding it, a ``free`` one first (taken as it is, no copy)."""
+        limit = min((len(tokens) - 1) // self.block, self.max_blocks)
+        deepest: dict[int, None] = {}
+        blocks = 0
+        parent = ROOT
+        for i in range(limit):
+            parent = block_hash(parent, tokens[i * self.block:(i + 1) * self.block])
+            holders = self._index.get(parent)
+            if not holders:
+                break
+            deepest, blocks = holders, i + 1
+        if not blocks:
+            return None
+        # a hash is trusted only once the tokens agree (exactness does not rest on sha256)
+        end = blocks * self.block
+        prefix = list(tokens[:end])
+        agree = [s for s in deepest if self._tokens[s][:end] == prefix]
+        if not agree:
+            return None
+        return Match(next((s for s in agree if s in free), agree[0]), blocks)
+
+    def record(self, queried: int, hit: int) -> None:
+        self.queries += queried
+        self.hits += hit
+
+    # ---- keeping it true ------------------------------------------------------------------------
+    def computed(self, slot: int, start: int, tokens: Sequence[int]) -> None:
+        """Rows [start, start+len(tokens)) of ``slot`` now hold the final keys and values of
+        ``tokens`` after the slot's earlier rows: index the whole blocks among them that extend
+        the slot's indexed prefix (rows after a gap, or a partial block, are not indexed)."""
+        held, mine = self._held[slot], self._tokens[slot]
+        if start != len(held) * self.block:
+            return
+        for i in range(len(tokens) // self.block):
+            if len(held) >= self.max_blocks:
+                break
+            part = list(tokens[i * self.block:(i + 1) * self.block])
+            h = block_hash(held[-1] if held else ROOT, part)
+            held.append(h)
+            mine += part
+            self._index.setdefault(h, {})[slot] = None
+
+    def truncate(self, slot: int, rows: int) -> None:
+        """Rows from ``rows`` on of ``slot`` are to be overwritten: drop its blocks that reach them."""
+        held = self._held[slot]
+        keep = max(rows, 0) // self.block
+        if keep >= len(held):
+            return
+        for h in held[keep:]:
+            holders = self._index[h]
+            del holders[slot]
+            if not holders:
+                del self._index[h]
+        del held[keep:]
+        del self._tokens[slot][keep * self.block:]
+
+    def copied(self, src: int, dst: int, blocks: int) -> None:
+        """``dst`` now holds the first ``blocks`` blocks of ``src`` (its rows were copied; the
+        caller has truncated ``dst`` to nothing first)."""
+        assert not self._held[dst], "copy into a slot that still holds blocks"
+        hashes = self._held[src][:blocks]
+        self._held[dst] = list(hashes)
+        self._tokens[dst] = self._tokens[src][:blocks * self.block]
+        for h in hashes:
+            self._index[h][dst] = None

@@ -1,0 +1,332 @@
+"""Prefix caching (card.engine.shared.prefix_cache, KVPool.acquire_prefix): a prompt that starts
+with whole prefill chunks another prompt computed takes their keys and values instead of
+prefilling them, and every output is the same token for token as with caching off (greedy and
+seeded, alone and 8 in flight, fp32 and bf16); the reused keys and values are the very bits a cold
+prefill writes. Negative controls: keys and values computed at other chunk boundaries, or after a
+one-token-different parent, are other bits and give other logits, and the index refuses them."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from card.engine.draft.drafter import Drafter
+from card.engine.inprocess.runner import InProcessRunner, RunnerConfig
+from card.engine.loading.invariant import make_exact
+from card.engine.loading.models import LoadedModel
+from card.engine.shared.config import GenerationRequest, Mode, SamplingParams, StopParams, TreeParams
+from card.engine.shared.kv_pool import PREFILL_CHUNK, KVPool, Segment, forward
+from card.engine.shared.prefix_cache import PrefixCache, chain
+from card.engine.target.chain_source import NoDraft
+from card.engine.target.generation import Generation
+from card.engine.target.scheduler import TargetEngine
+from tests.engine.support import VOCAB, LetterTokenizer, letters, run_batched
+from tests.tiny_models import tiny_model
+
+B = PREFILL_CHUNK
+WINDOW = 1536
+
+
+def _model(dtype: torch.dtype) -> torch.nn.Module:
+    model = tiny_model("llama", seed=0, vocab=VOCAB, dtype=dtype)
+    make_exact(model, exact=True, prepack=True)  # row-invariant linears, as load_model makes them
+    return model
+
+
+def _tokens(n: int, seed: int) -> list[int]:
+    return torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+DOC = _tokens(700, seed=1)  # a shared document: two whole blocks and a part
+
+
+def _requests(sampled: bool, n: int = 4) -> list[GenerationRequest]:
+    """Questions about DOC asked in turn: the document, then a different question each (one of
+    them ends exactly at a block edge: its last block is not reused, a token is always left)."""
+    prompts = [DOC + _tokens(5 + 7 * i, seed=10 + i) for i in range(n - 1)] + [DOC[:2 * B]]
+    return [GenerationRequest(tuple(p), SamplingParams(0.9, seed=i) if sampled else SamplingParams(),
+                              StopParams(max_new_tokens=12, ignore_eos=True))
+            for i, p in enumerate(prompts)]
+
+
+def _gen(model: torch.nn.Module, r: GenerationRequest) -> Generation:
+    return Generation(r, NoDraft(), eos_ids=frozenset(), decode=letters, context_window=WINDOW,
+                      mode="vanilla", vocab_size=model.config.vocab_size)
+
+
+def _engine(model: torch.nn.Module, caching: bool, slots: int = 2, **kwargs: object) -> TargetEngine:
+    return TargetEngine(model, KVPool(model, slots=slots, max_len=WINDOW, prefix_caching=caching), **kwargs)
+
+
+def _in_turn(engine: TargetEngine, requests: list[GenerationRequest]) -> list[Generation]:
+    gens = []
+    for r in requests:
+        gen = _gen(engine.model, r)
+        for _ in engine.stream(gen):
+            pass
+        gens.append(gen)
+    return gens
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("sampled", [False, True])
+def test_questions_in_turn_equal_caching_off(dtype: torch.dtype, sampled: bool) -> None:
+    model = _model(dtype)
+    requests = _requests(sampled)
+    cold = _in_turn(_engine(model, caching=False), requests)
+    engine = _engine(model, caching=True)
+    warm = _in_turn(engine, requests)
+    assert [g.result.token_ids for g in warm] == [g.result.token_ids for g in cold]
+    # the cache was really used (the test could fail): 2 blocks for every later question, one
+    # for the prompt that ends at a block edge (its last token is prefilled, so its block is)
+    assert [g.stats.cached_tokens for g in warm] == [0, 2 * B, 2 * B, B]
+    assert all(g.stats.cached_tokens == 0 for g in cold)
+    pairs = zip(warm[1:], cold[1:], strict=True)
+    assert all(w.stats.target_forwards < c.stats.target_forwards for w, c in pairs)
+    assert engine.pool.prefix is not None and engine.pool.prefix.hits == 5 * B
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("sampled", [False, True])
+def test_eight_in_flight_equal_caching_off(dtype: torch.dtype, sampled: bool) -> None:
+    """8 questions at once on 4 slots after one warm-up: hits from free slots (no copy) and from
+    live ones (rows copied), and every output equals the same request with caching off."""
+    model = _model(dtype)
+    requests = _requests(sampled, n=9)
+    cold = _in_turn(_engine(model, caching=False, slots=1), requests)
+    engine = _engine(model, caching=True, slots=4)
+    _in_turn(engine, requests[:1])
+    gens = [_gen(model, r) for r in requests[1:]]
+    batched = run_batched(engine, gens, join_every=1)
+    assert [batched[i] for i in range(8)] == [g.result.token_ids for g in cold[1:]]
+    assert all(g.stats.cached_tokens > 0 for g in gens)
+    assert engine.pool.free_slots == 4
+
+
+def test_the_copy_and_the_free_slot_paths() -> None:
+    """A prefix held by a live session is copied into another slot (every layer, the same bits);
+    one held by a free slot is taken with that slot; a slot taken by another prompt forgets it."""
+    model = _model(torch.float32)
+    engine = _engine(model, caching=True, slots=3)
+    pool = engine.pool
+    assert pool.prefix is not None
+    gen = _gen(model, _requests(False)[0])
+    engine.add(gen)
+    while gen.prefilling:
+        engine.step()
+    live = gen.slot
+    assert live is not None and pool.prefix.rows(live) == 2 * B
+    prompt = [*DOC[:2 * B], 1, 2, 3]
+    got = pool.acquire_prefix(prompt)
+    assert got is not None and got[0] != live and got[1] == 2 * B
+    for t in (*pool.keys, *pool.values):
+        assert torch.equal(t[got[0], :, :2 * B], t[live, :, :2 * B])
+    pool.release(got[0])
+    again = pool.acquire_prefix(prompt)
+    assert again == got  # the free slot holding the prefix, taken as it is
+    pool.release(again[0])
+    other = pool.acquire_prefix(_tokens(600, seed=99))  # a miss: the LRU free slot, emptied
+    assert other is not None and other[1] == 0 and pool.prefix.rows(other[0]) == 0
+    pool.release(other[0])
+    engine.cancel(gen)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_reused_keys_and_values_are_the_recomputed_bits(dtype: torch.dtype) -> None:
+    model = _model(dtype)
+    prompt = DOC[:2 * B] + _tokens(100, seed=5)
+    stop = StopParams(max_new_tokens=1, ignore_eos=True)  # no row past the prompt is written
+    cold = _engine(model, caching=False, slots=1)
+    _in_turn(cold, [GenerationRequest(tuple(prompt), SamplingParams(), stop)])
+    warm = _engine(model, caching=True, slots=1)
+    _in_turn(warm, [GenerationRequest(tuple([*DOC, 7]), SamplingParams(), stop)])  # computes the blocks
+    (gen,) = _in_turn(warm, [GenerationRequest(tuple(prompt), SamplingParams(), stop)])
+    assert gen.stats.cached_tokens == 2 * B
+    n = len(prompt)
+    for a, b in zip((*cold.pool.keys, *cold.pool.values), (*warm.pool.keys, *warm.pool.values), strict=True):
+        assert torch.equal(a[0, :, :n], b[0, :, :n])
+
+
+def _first_logits(model: torch.nn.Module, prompt: list[int], pool: KVPool, cached: int) -> torch.Tensor:
+    """The logits of ``prompt``'s last token, its first ``cached`` rows taken from slot 0 of
+    ``pool`` as they are and the rest prefilled in PREFILL_CHUNK chunks from there."""
+    gen = _gen(model, GenerationRequest(tuple(prompt), SamplingParams(), StopParams(max_new_tokens=1)))
+    gen.slot = 0
+    gen.reuse(cached)
+    out = None
+    while gen.prefilling:
+        tokens, start = gen.next_input(B)
+        last = start + len(tokens) == len(prompt)
+        out = forward(model, pool, [Segment(0, start, len(tokens))], torch.tensor(list(tokens)),
+                      torch.tensor([len(tokens) - 1] if last else [], dtype=torch.int64))
+        gen._prefilled += len(tokens)
+    assert out is not None
+    return out[-1]
+
+
+def test_negative_controls_other_boundaries_or_parent_give_other_bits() -> None:
+    """Keys and values that are not what a cold prefill at PREFILL_CHUNK boundaries writes change
+    the logits (so the tests above could fail), and the index never offers them."""
+    model = tiny_model("llama", seed=0, vocab=VOCAB, dtype=torch.float32)  # plain linears
+    prompt = DOC[:2 * B] + _tokens(40, seed=6)
+    pool = KVPool(model, slots=1, max_len=WINDOW)
+    want = _first_logits(model, prompt, pool, 0)
+    # the same two blocks prefilled in chunks of 100: other bits
+    for start in range(0, 2 * B, 100):
+        n = min(100, 2 * B - start)
+        forward(model, pool, [Segment(0, start, n)], torch.tensor(prompt[start:start + n]),
+                torch.empty(0, dtype=torch.int64))
+    misaligned = _first_logits(model, prompt, pool, 2 * B)
+    # the second block computed after a first block one token different: other bits
+    parent = list(prompt)
+    parent[3] = (parent[3] + 1) % VOCAB
+    _first_logits(model, [*parent[:2 * B], 0], pool, 0)
+    wrong_parent = _first_logits(model, prompt, pool, 2 * B)
+    right = _first_logits(model, prompt, pool, 0)  # recomputed: the same bits as cold
+    assert torch.equal(right, want)
+    assert not torch.equal(misaligned, want)
+    assert not torch.equal(wrong_parent, want)
+    # the index: one token different in block 0 changes block 1's hash, so nothing is offered
+    index = PrefixCache(slots=1, block=B, max_rows=WINDOW)
+    index.computed(0, 0, parent[:2 * B])
+    assert chain(parent, B)[1] != chain(prompt, B)[1]
+    assert index.match(prompt) is None
+    assert index.match([*parent[:2 * B], 1]) is not None
+    # rows that are not a whole block from a block edge are not indexed
+    index.truncate(0, 0)
+    index.computed(0, 100, prompt[100:100 + B])
+    index.computed(0, 0, prompt[:B - 1])
+    assert index.entries == 0
+
+
+def test_an_engine_chunking_otherwise_does_not_use_the_cache() -> None:
+    """Chunks of another size are other bits: such an engine neither reuses nor indexes blocks."""
+    model = _model(torch.float32)
+    engine = _engine(model, caching=True, prefill_chunk=2 * B)
+    assert not engine.prefix_caching and _engine(model, caching=True).prefix_caching
+    gens = _in_turn(engine, _requests(False))
+    assert all(g.stats.cached_tokens == 0 for g in gens)
+    assert engine.pool.prefix is not None and engine.pool.prefix.entries == 0
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def test_rotating_prefixes_keep_the_index_and_memory_bounded() -> None:
+    """1,000 prompts over 30 rotating prefixes and a hot one on 3 slots: the index never holds
+    more than the slots' blocks, hashes and slots agree, the hot prefix stays (LRU), every slot
+    comes back free, and the process's memory after 1,000 requests is where it was after 100
+    (the pool is preallocated; nothing grows per request)."""
+    model = tiny_model("llama", seed=0, vocab=VOCAB, dtype=torch.float32)
+    slots = 3
+    engine = _engine(model, caching=True, slots=slots)
+    index = engine.pool.prefix
+    assert index is not None
+    bound = slots * (WINDOW // B)
+    prefixes = [_tokens(300 + 37 * i % 400, seed=100 + i) for i in range(30)]
+    warm = 0
+    for i in range(1000):
+        prompt = prefixes[0 if i % 3 == 0 else (i * 7) % 30] + [i % VOCAB, 1, 2]
+        _in_turn(engine, [GenerationRequest(tuple(prompt), SamplingParams(),
+                                            StopParams(max_new_tokens=2, ignore_eos=True))])
+        assert index.entries <= bound and len(index._index) <= index.entries
+        if i == 99:
+            warm = _rss()
+    assert sum(len(v) for v in index._index.values()) == index.entries
+    assert engine.pool.free_slots == slots
+    assert index.hits >= 333 * B  # the hot prefix, each time after its first
+    assert _rss() - warm < 64 * 2**20, (warm, _rss())
+
+
+def test_the_in_process_runner_reuses_its_prefix() -> None:
+    model = _model(torch.float32)
+    target = LoadedModel("tiny", model, LetterTokenizer(), "fp", frozenset(), WINDOW)
+    requests = _requests(True)
+    off = InProcessRunner(target, None, RunnerConfig(mode=Mode.VANILLA, prefix_caching=False))
+    on = InProcessRunner(target, None, RunnerConfig(mode=Mode.VANILLA))
+    want = [off.run(r) for r in requests]
+    got = [on.run(r) for r in requests]
+    assert [r.token_ids for r in got] == [r.token_ids for r in want]
+    assert [r.stats.cached_tokens for r in got] == [0, 2 * B, 2 * B, B]
+    assert all(r.stats.cached_tokens == 0 for r in want)
+
+
+def test_a_draft_session_starts_from_its_cached_prefix() -> None:
+    """The draft worker's pool: a second session over the same document prefills only its own
+    tail, and grows the tree a cold drafter grows (the same rows, the same chunk boundaries)."""
+    model = tiny_model("llama", seed=0, vocab=VOCAB, dtype=torch.float64)
+    params = TreeParams(width=2, max_depth=3)
+    pool = KVPool(model, slots=2, max_len=WINDOW, prefix_caching=True)
+    first = Drafter(model, params, pool=pool)
+    first.start([*DOC, 1, 2])
+    while first.pending:
+        first.grow()
+    first.release()
+    second = Drafter(model, params, pool=pool)
+    second.start([*DOC, 3, 4, 5])
+    assert second.n_committed == 2 * B and len(second.pending) == len(DOC) + 3 - 2 * B
+    cold = Drafter(model, params, max_len=WINDOW)
+    cold.start([*DOC, 3, 4, 5])
+    a, b = second.grow(), cold.grow()
+    assert a is not None and b is not None
+    assert torch.equal(a[0].tokens, b[0].tokens)
+    assert second.forwards < cold.forwards
+
+
+def test_card_in_process_reuses_both_prefixes_and_equals_plain_decoding() -> None:
+    """card through the in-process runner: the target's slot and the draft worker's pool both
+    reuse the document, and every output is plain decoding's (caching off)."""
+    model = _model(torch.float32)
+    target = LoadedModel("tiny", model, LetterTokenizer(), "fp", frozenset(), WINDOW)
+    requests = _requests(False)
+    plain = InProcessRunner(target, None, RunnerConfig(mode=Mode.VANILLA, prefix_caching=False))
+    want = [plain.run(r).token_ids for r in requests]
+    config = RunnerConfig(mode=Mode.CARD, tree=TreeParams(width=2, max_depth=3), backoff=False)
+    card = InProcessRunner(target, target, config)
+    try:
+        got = [card.run(r) for r in requests]
+        assert card.worker is not None and card.worker.pool is not None
+        draft_index = card.worker.pool.prefix
+    finally:
+        card.close()
+    assert [r.token_ids for r in got] == want
+    assert [r.stats.cached_tokens for r in got] == [0, 2 * B, 2 * B, B]
+    assert sum(r.stats.draft_forwards for r in got) > 0
+    assert draft_index is not None and draft_index.hits >= 5 * B  # the draft's prefills reused too
+
+
+def test_card_draft_counts_its_prefix_cache() -> None:
+    """card-draft's card_draft_prefix_cache_{queries,hits}_total follow its worker's pool: a
+    second session over the document reuses its two blocks, and the counters say so."""
+    from prometheus_client import REGISTRY
+
+    from card.draft_service.config import DraftConfig
+    from card.draft_service.link import CacheLink
+    from card.engine.draft.worker import DraftWorker
+    from card.engine.loading.models import ModelConfig
+    from card.engine.shared.commands import StartDraft, StopDraft
+
+    model = tiny_model("llama", seed=0, vocab=VOCAB, dtype=torch.float64)
+
+    def build(publish, on_forward, on_drop):  # type: ignore[no-untyped-def]
+        return DraftWorker(model, TreeParams(width=2, max_depth=2), publish, slots=2, max_len=WINDOW,
+                           on_forward=on_forward, on_drop=on_drop), "fp"
+
+    def sample(name: str) -> float:
+        return REGISTRY.get_sample_value(name) or 0.0
+
+    before = [sample("card_draft_prefix_cache_queries_total"), sample("card_draft_prefix_cache_hits_total")]
+    link = CacheLink(DraftConfig(cache_addr="127.0.0.1:1", model=ModelConfig("default"), name="d"), build)
+    worker = link.worker
+    for i, tail in enumerate(([1, 2], [3, 4, 5])):  # applied on this thread: the worker is not started
+        worker._apply(StartDraft(f"s{i}", tuple(DOC + tail), 0))
+        while worker._round():
+            pass
+        worker._apply(StopDraft(f"s{i}"))
+    after = [sample("card_draft_prefix_cache_queries_total"), sample("card_draft_prefix_cache_hits_total")]
+    assert after[0] - before[0] == 2 * len(DOC) + 5
+    assert after[1] - before[1] == 2 * B
