@@ -1,0 +1,74 @@
+"""Seeded plain decoding of the default model in process: the eager forward (tokens drawn on the
+host), the static step drawing on the host (the previous static step) and the static step drawing
+and accepting on the device, 1 and 8 in flight, alternating rounds (issue 34; output in
+device-sampling-cpu.txt beside this file).
+
+    .venv/bin/python docs/measurements/static-step/device_sampling.py float32
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+
+from card.engine.loading.models import ModelConfig, load_model
+from card.engine.shared.config import GenerationRequest, SamplingParams, StopParams
+from card.engine.shared.kv_pool import KVPool
+from card.engine.target.chain_source import NoDraft
+from card.engine.target.generation import Generation
+from card.engine.target.scheduler import TargetEngine
+from card.engine.target.verify import TargetState
+
+PROMPTS = ["Write a story about a cat.", "Explain gravity.", "List ten fruits.", "What is 17 times 23?",
+           "Describe Paris.", "Tell a joke.", "How do planes fly?", "Name the planets."]
+DEVICE_SAMPLING = TargetState.device_sampling
+
+
+def run(model, prompts: list[list[int]], mode: str, in_flight: int, new: int = 48) -> tuple[float, list]:
+    """Decoding tokens/s of ``in_flight`` seeded generations run together, their prefills
+    excluded, and their outputs. ``mode``: eager, static-host or static-device."""
+    TargetState.device_sampling = DEVICE_SAMPLING if mode == "static-device" else (
+        lambda self, chain, proposal: None)
+    step = "eager" if mode == "eager" else "static"
+    engine = TargetEngine(model.model, KVPool(model.model, slots=8, max_len=1024), decode_step=step)
+    stop = StopParams(max_new_tokens=new, ignore_eos=True)
+    gens = [Generation(GenerationRequest(tuple(prompts[i % len(prompts)]),
+                                         SamplingParams(0.8, top_k=50, top_p=0.95, seed=i), stop),
+                       NoDraft(), eos_ids=frozenset(), decode=model.decode, context_window=2048,
+                       mode="vanilla")
+            for i in range(in_flight)]
+    for g in gens:
+        engine.add(g)
+    while any(g.slot is None or g.prefilling for g in gens if g.result is None):
+        engine.step()
+    t0 = time.perf_counter()
+    while not engine.idle:
+        engine.step()
+    seconds = time.perf_counter() - t0
+    rate = (sum(len(g.result.token_ids) for g in gens if g.result) - in_flight) / seconds
+    return rate, [g.result.token_ids for g in gens if g.result]
+
+
+def main(dtype: str) -> None:
+    logging.basicConfig(level=logging.INFO)
+    model = load_model(ModelConfig(dtype=dtype, exact=True))
+    prompts = [model.encode_prompt(p) for p in PROMPTS]
+    modes = ("eager", "static-host", "static-device")
+    for n in (1, 8):
+        best: dict[str, float] = {}
+        outputs: dict[str, list] = {}
+        for mode in (*modes, *modes):
+            rate, out = run(model, prompts, mode, n)
+            best[mode] = max(best.get(mode, 0.0), rate)
+            outputs.setdefault(mode, out)
+            print(f"{dtype} in flight {n} {mode}: {rate:.1f} tok/s", flush=True)
+        same = outputs["static-device"] == outputs["static-host"]
+        print(f"{dtype} in flight {n}: static-device/eager = {best['static-device'] / best['eager']:.2f}, "
+              f"static-device/static-host = {best['static-device'] / best['static-host']:.2f}, "
+              f"static-host/eager = {best['static-host'] / best['eager']:.2f}; "
+              f"device outputs == host-drawn static outputs: {same}", flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1] if len(sys.argv) > 1 else "float32")
