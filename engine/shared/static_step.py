@@ -54,7 +54,14 @@ import torch
 from card.engine.shared.config import SamplingParams
 from card.engine.shared.exact_attention import KV_BLOCK
 from card.engine.shared.hf import CausalLM
-from card.engine.target.sampling import FilterShape, RowFilters, draw_rows, filter_rows, position_uniforms
+from card.engine.target.sampling import (
+    FilterShape,
+    RowBuffers,
+    RowFilters,
+    draw_rows,
+    filter_rows,
+    position_uniforms,
+)
 from card.engine.target.verify import exact_accepted
 
 log = logging.getLogger(__name__)
@@ -162,6 +169,7 @@ class StaticBatch:
         self.rows = 0  # the bucket of the step being run (set by StaticStep)
         self.blocks = 1
         self.filters: FilterShape | None = None  # the step's device sampling (None: argmax only)
+        self.work: RowBuffers | None = None  # its workspaces, made by the first step that samples
         # the Triton decoding attention (StaticStep's ``attention``), or None: the block tree
         self.kernel: Callable[..., torch.Tensor] | None = None
 
@@ -203,6 +211,8 @@ class StaticBatch:
                 hf[i, :n] = values.repeat_interleave(counts)
             hf[:, n:bucket] = torch.tensor([[1.0], [1.0], [0.0], [0.0]], dtype=torch.float64)
             self.filters = filters.shape
+            if self.work is None:
+                self.work = RowBuffers(self.max_rows, self.vocab, self.tokens.device)
             floats = hf[:, :bucket].to(self.tokens.device, non_blocking=True)
             for buffer, row in zip((self.temperature, self.top_p, self.min_p, self.uniforms), floats,
                                    strict=True):
@@ -320,8 +330,8 @@ def select_rows(logits: torch.Tensor, picks: torch.Tensor, batch: StaticBatch) -
     b = batch.rows
     if batch.filters is not None:
         probs = filter_rows(logits, batch.temperature[:b], batch.top_k[:b], batch.top_p[:b], batch.min_p[:b],
-                            batch.filters)
-        picks = torch.where(batch.sampled[:b], draw_rows(probs, batch.uniforms[:b]), picks)
+                            batch.filters, batch.work)
+        picks = torch.where(batch.sampled[:b], draw_rows(probs, batch.uniforms[:b], batch.work), picks)
     return torch.stack([picks, exact_accepted(picks, batch.following[:b], batch.first[:b])])
 
 

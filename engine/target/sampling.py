@@ -108,35 +108,58 @@ class RowFilters:
         )
 
 
+class RowBuffers:
+    """Preallocated [rows, V] workspaces for ``filter_rows`` and ``draw_rows`` (the static step
+    keeps one): every [R, V] intermediate is written into one of them (``out=``, in place), so a
+    step allocates none. On the CPU that is most of the cost: a fresh tensor of a few MB is fresh
+    pages from the OS, faulted in on first touch, several times per step; a CUDA graph needs fixed
+    addresses anyway. The ops are the same ones, so the bits are."""
+
+    def __init__(self, rows: int, vocab: int, device: torch.device) -> None:
+        self.values = torch.zeros(3, rows, vocab, dtype=torch.float64, device=device)
+        self.index = torch.zeros(rows, vocab, dtype=torch.int64, device=device)
+        self.cols = torch.arange(vocab, device=device)
+
+    def take(self, rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.values[0, :rows], self.values[1, :rows], self.values[2, :rows], self.index[:rows]
+
+
 def filter_rows(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-                min_p: torch.Tensor, shape: FilterShape) -> torch.Tensor:
+                min_p: torch.Tensor, shape: FilterShape, work: RowBuffers | None = None) -> torch.Tensor:
     """``filtered_probs`` of every row of ``logits`` [R, V] at once, on their device: float64
-    [R, V]. ``temperature``, ``top_p``, ``min_p`` float64 [R], ``top_k`` int64 [R] (0 or >= V:
-    none), ``shape`` which filters run at all. Every op works row by row in an order that does not
-    depend on R (softmax, sort, cumsum over the last dim; ``_row_sums``): a row's probabilities
-    are the same bits in a batch of one as in a batch of 256, which
-    tests/engine/test_device_sampling.py checks."""
-    scaled = logits.to(torch.float64) / temperature[:, None]
+    [R, V] (a view into ``work`` where given: valid until its next use). ``temperature``,
+    ``top_p``, ``min_p`` float64 [R], ``top_k`` int64 [R] (0 or >= V: none), ``shape`` which
+    filters run at all. Every op works row by row in an order that does not depend on R (softmax,
+    sort, cumsum over the last dim; ``_row_sums``): a row's probabilities are the same bits in a
+    batch of one as in a batch of 256, which tests/engine/test_device_sampling.py checks."""
+    rows = logits.shape[0]
+    if work is None:
+        a, c, d = (torch.empty(logits.shape, dtype=torch.float64, device=logits.device) for _ in range(3))
+        order = torch.empty(logits.shape, dtype=torch.int64, device=logits.device)
+    else:
+        a, c, d, order = work.take(rows)
+    scaled = a.copy_(logits).div_(temperature[:, None])  # float64, exactly the logits' values
     if shape.min_p:
         # vLLM's MinPLogitsProcessor: drop the tokens whose probability at this temperature is
         # below min_p times the likeliest one's (the likeliest always stays)
-        probs = torch.softmax(scaled, dim=-1)
-        scaled = scaled.masked_fill(probs < min_p[:, None] * probs.amax(dim=-1, keepdim=True), float("-inf"))
+        probs = torch.softmax(scaled, dim=-1, out=c)
+        scaled.masked_fill_(probs < min_p[:, None] * probs.amax(dim=-1, keepdim=True), float("-inf"))
     if shape.top_k_cap:
         # the k-th largest value of each row (a value, whichever algorithm selects it)
         top = torch.topk(scaled, shape.top_k_cap, dim=-1).values
         kth = top.gather(1, (top_k.clamp(1, shape.top_k_cap) - 1)[:, None])
         kth = kth.masked_fill((top_k <= 0)[:, None], float("-inf"))
-        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
-    probs = torch.softmax(scaled, dim=-1)
+        scaled.masked_fill_(scaled < kth, float("-inf"))
+    probs = torch.softmax(scaled, dim=-1, out=c)
     if shape.top_p:
-        sorted_p, order = torch.sort(probs, dim=-1, descending=True)
-        # keep the smallest prefix whose mass reaches top_p (always at least one token)
-        drop = torch.cumsum(sorted_p, dim=-1) - sorted_p >= top_p[:, None]
-        sorted_p = sorted_p.masked_fill(drop, 0.0)
-        kept = torch.zeros_like(probs).scatter_(1, order, sorted_p)
-        kept = kept / _row_sums(kept)
-        probs = torch.where((top_p < 1.0)[:, None], kept, probs)
+        sorted_p, order = torch.sort(probs, dim=-1, descending=True, out=(d, order))
+        # keep the smallest prefix whose mass reaches top_p (always at least one token); a row
+        # without top-p drops nothing and is divided by 1: its probabilities come back unchanged
+        before = torch.cumsum(sorted_p, dim=-1, out=scaled).sub_(sorted_p)  # mass before each token
+        on = (top_p < 1.0)[:, None]
+        sorted_p.masked_fill_((before >= top_p[:, None]) & on, 0.0)
+        kept = scaled.zero_().scatter_(1, order, sorted_p)
+        probs = kept.div_(torch.where(on, _row_sums(kept), torch.ones_like(top_p)[:, None]))
     return probs
 
 
@@ -153,16 +176,23 @@ def _row_sums(x: torch.Tensor) -> torch.Tensor:
     return x.sum(dim=-1, keepdim=True)
 
 
-def draw_rows(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+def draw_rows(probs: torch.Tensor, u: torch.Tensor, work: RowBuffers | None = None) -> torch.Tensor:
     """``draw`` for every row of ``probs`` [R, V] with its uniform ``u`` float64 [R]: [R] int64,
-    on their device, the same index ``draw`` finds for each row."""
-    cdf = torch.cumsum(probs, dim=-1)
+    on their device, the same index ``draw`` finds for each row. ``work``: ``filter_rows``'
+    buffers (``probs`` may be one of its first two; the third and the index are used here)."""
+    rows, vocab = probs.shape
+    if work is None:
+        cdf = torch.cumsum(probs, dim=-1)
+        cols = torch.arange(vocab, device=probs.device)
+        last = torch.empty(probs.shape, dtype=torch.int64, device=probs.device)
+    else:
+        _, _, d, last = work.take(rows)
+        cdf, cols = torch.cumsum(probs, dim=-1, out=d), work.cols
     x = u[:, None] * cdf[:, -1:]
-    idx = torch.searchsorted(cdf, x, right=True).clamp_(max=probs.shape[-1] - 1)  # [R, 1]
+    idx = torch.searchsorted(cdf, x, right=True).clamp_(max=vocab - 1)  # [R, 1]
     # step back from a zero-probability token onto the last one with mass at or before it
-    cols = torch.arange(probs.shape[-1], device=probs.device)
     mass = (probs != 0) & (cols <= idx)
-    return torch.where(mass, cols, torch.zeros_like(cols)).amax(dim=-1)
+    return torch.where(mass, cols, torch.zeros_like(cols), out=last).amax(dim=-1)
 
 
 def position_uniforms(seed: int, positions: np.ndarray) -> np.ndarray:

@@ -24,6 +24,7 @@ from card.engine.target import verify
 from card.engine.target.chain_source import NoDraft
 from card.engine.target.generation import Generation
 from card.engine.target.sampling import (
+    RowBuffers,
     RowFilters,
     draw,
     draw_rows,
@@ -75,7 +76,10 @@ def test_position_uniforms_are_position_uniform() -> None:
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_filter_rows_and_draw_rows_equal_the_host_path_row_by_row(dtype: torch.dtype, vocab: int) -> None:
     gen = torch.Generator().manual_seed(vocab)
-    for rows in (1, 2, 8, 33):
+    work = RowBuffers(40, vocab, torch.device("cpu"))
+    work.values.fill_(float("nan"))
+    work.index.fill_(-7)
+    for rows in (33, 1, 2, 8):
         logits = (torch.randn(rows, vocab, generator=gen) * 4).to(dtype)
         params = [PARAMS[(r * 5 + rows) % len(PARAMS)] for r in range(rows)]
         f = RowFilters.of(params, vocab)
@@ -83,6 +87,10 @@ def test_filter_rows_and_draw_rows_equal_the_host_path_row_by_row(dtype: torch.d
         u = torch.tensor([position_uniform(p.seed, 100 + r) for r, p in enumerate(params)],
                          dtype=torch.float64)
         drawn = draw_rows(probs, u).tolist()
+        # the static step's way: every intermediate in reused buffers, stale from a larger batch
+        probs_in_place = filter_rows(logits, f.temperature, f.top_k, f.top_p, f.min_p, f.shape, work)
+        assert torch.equal(probs_in_place, probs)
+        assert draw_rows(probs_in_place, u, work).tolist() == drawn
         for r, p in enumerate(params):
             if p.greedy:
                 continue
@@ -175,10 +183,11 @@ def test_select_rows_is_one_graph_without_a_host_read() -> None:
     step = _step(_model(torch.float32))
     tokens = _tokens(6, 9)
     out = step.run([DecodeRows(0, 20, tokens, PARAMS[3]), DecodeRows(2, 90, tokens[:2])], 16)
-    logits, argmax = step._fn(step.model, step.batch)  # the same buffers again: the same rows
     compiled = torch.compile(select_rows, fullgraph=True, backend="aot_eager")
-    selected = compiled(logits, argmax, step.batch)
-    assert torch.equal(selected, select_rows(logits, argmax, step.batch))
+    with torch.inference_mode():  # as the step runs
+        logits, argmax = step._fn(step.model, step.batch)  # the same buffers again: the same rows
+        selected = compiled(logits, argmax, step.batch)
+        assert torch.equal(selected, select_rows(logits, argmax, step.batch))
     assert torch.equal(selected[:, :8], out.selected)
 
 

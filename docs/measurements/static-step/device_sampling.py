@@ -3,7 +3,10 @@ host), the static step drawing on the host (the previous static step) and the st
 and accepting on the device, 1 and 8 in flight, alternating rounds (issue 34; output in
 device-sampling-cpu.txt beside this file).
 
-    .venv/bin/python docs/measurements/static-step/device_sampling.py float32
+    .venv/bin/python docs/measurements/static-step/device_sampling.py float32 [threads]
+
+``threads``: torch's intra-op threads (default: torch's own). On a machine shared with other jobs,
+1 keeps two threads from spinning at a barrier while the other is descheduled.
 """
 
 from __future__ import annotations
@@ -11,6 +14,8 @@ from __future__ import annotations
 import logging
 import sys
 import time
+
+import torch
 
 from card.engine.loading.models import ModelConfig, load_model
 from card.engine.shared.config import GenerationRequest, SamplingParams, StopParams
@@ -50,8 +55,11 @@ def run(model, prompts: list[list[int]], mode: str, in_flight: int, new: int = 4
     return rate, [g.result.token_ids for g in gens if g.result]
 
 
-def main(dtype: str) -> None:
+def main(dtype: str, threads: int | None) -> None:
     logging.basicConfig(level=logging.INFO)
+    if threads:
+        torch.set_num_threads(threads)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} intra-op threads", flush=True)
     model = load_model(ModelConfig(dtype=dtype, exact=True))
     prompts = [model.encode_prompt(p) for p in PROMPTS]
     modes = ("eager", "static-host", "static-device")
@@ -71,4 +79,4 @@ def main(dtype: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1] if len(sys.argv) > 1 else "float32")
+    main(sys.argv[1] if len(sys.argv) > 1 else "float32", int(sys.argv[2]) if len(sys.argv) > 2 else None)
