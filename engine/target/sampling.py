@@ -116,6 +116,7 @@ class RowBuffers:
     addresses anyway. The ops are the same ones, so the bits are."""
 
     def __init__(self, rows: int, vocab: int, device: torch.device) -> None:
+        rows = max(rows, 2)  # a lone row's sum takes two (``_row_sums``)
         self.values = torch.zeros(3, rows, vocab, dtype=torch.float64, device=device)
         self.index = torch.zeros(rows, vocab, dtype=torch.int64, device=device)
         self.cols = torch.arange(vocab, device=device)
@@ -159,20 +160,26 @@ def filter_rows(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Te
         on = (top_p < 1.0)[:, None]
         sorted_p.masked_fill_((before >= top_p[:, None]) & on, 0.0)
         kept = scaled.zero_().scatter_(1, order, sorted_p)
-        probs = kept.div_(torch.where(on, _row_sums(kept), torch.ones_like(top_p)[:, None]))
+        sums = _row_sums(kept, None if work is None else work.values[1, :2])  # probs (c) is free now
+        probs = kept.div_(torch.where(on, sums, torch.ones_like(top_p)[:, None]))
     return probs
 
 
-def _row_sums(x: torch.Tensor) -> torch.Tensor:
+def _row_sums(x: torch.Tensor, pair: torch.Tensor | None = None) -> torch.Tensor:
     """Each row's sum, [R, 1], in an order that depends on neither R nor the thread count. On the
     CPU a sum over the last dim of two or more rows runs each row serially (its threads split the
     rows), while the sum of a single row longer than torch's grain (32768) splits the row itself
-    across threads, so a lone row is summed beside a zero row. On CUDA the reduction's launch
-    shape depends on the number of rows; a cumsum's last element does not."""
+    across threads, so a lone row is summed beside a zero row (in ``pair`` [2, V], a free buffer,
+    where given). On CUDA the reduction's launch shape depends on the number of rows; a cumsum's
+    last element does not."""
     if x.device.type == "cuda":
         return torch.cumsum(x, dim=-1)[:, -1:]
     if x.shape[0] == 1:
-        return torch.cat([x, torch.zeros_like(x)]).sum(dim=-1, keepdim=True)[:1]
+        if pair is None:
+            pair = torch.empty(2, x.shape[1], dtype=x.dtype, device=x.device)
+        pair[0].copy_(x[0])
+        pair[1].zero_()
+        return pair.sum(dim=-1, keepdim=True)[:1]
     return x.sum(dim=-1, keepdim=True)
 
 

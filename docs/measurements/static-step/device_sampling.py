@@ -1,6 +1,6 @@
 """Seeded plain decoding of the default model in process: the eager forward (tokens drawn on the
 host), the static step drawing on the host (the previous static step) and the static step drawing
-and accepting on the device, 1 and 8 in flight, alternating rounds (issue 34; output in
+and accepting on the device, 1 and 8 in flight, three alternating rounds, best of three (issue 34; output in
 device-sampling-cpu.txt beside this file).
 
     .venv/bin/python docs/measurements/static-step/device_sampling.py float32 [threads]
@@ -66,7 +66,7 @@ def main(dtype: str, threads: int | None) -> None:
     for n in (1, 8):
         best: dict[str, float] = {}
         outputs: dict[str, list] = {}
-        for mode in (*modes, *modes):
+        for mode in modes * 3:
             rate, out = run(model, prompts, mode, n)
             best[mode] = max(best.get(mode, 0.0), rate)
             outputs.setdefault(mode, out)
