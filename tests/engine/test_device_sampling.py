@@ -15,7 +15,14 @@ import torch
 
 from card.engine.loading.invariant import make_exact
 from card.engine.shared import static_step
-from card.engine.shared.config import GenerationRequest, SamplingParams, StopParams, TreeParams
+from card.engine.shared.config import (
+    GenerationRequest,
+    SamplingParams,
+    StopParams,
+    TreeParams,
+    Verify,
+    VerifyPolicy,
+)
 from card.engine.shared.kv_pool import KVPool
 from card.engine.shared.session import StepResult
 from card.engine.shared.static_step import DecodeRows, StaticStep, select_rows
@@ -320,3 +327,41 @@ def test_card_with_device_sampling_equals_plain_decoding_drawn_on_the_host(
             kept += sum(n - 1 for n in gen.result.stats.accepted_lengths)
     assert kept > 0
     assert draws.calls == len(requests)  # the host drew each prompt's first token, nothing else
+
+
+@pytest.mark.parametrize("case", ["logprobs", "loose", "rejection-undrawn"])
+def test_requests_beside_the_exact_rule_equal_the_host_path(case: str,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """Seeded requests that take the device's draws outside the plain exact rule (logprobs read off
+    the rows on the host, loose verification judging mismatches, rejection given chains that were
+    not drawn: verified exactly) give the host path's tokens and logprobs on chains with a wrong
+    token; the device really drew (the host drew only the first tokens)."""
+    model = _model(torch.float32)
+    verify_policy = {"loose": VerifyPolicy(Verify.LOOSE, entropy_threshold=0.0, window=2),
+                     "rejection-undrawn": VerifyPolicy(Verify.REJECTION)}.get(case, VerifyPolicy())
+    requests = [GenerationRequest(tuple(p), SamplingParams(0.9, top_k=30, top_p=0.9, seed=i),
+                                  StopParams(max_new_tokens=b, ignore_eos=True), verify=verify_policy,
+                                  logprobs=2 if case == "logprobs" else None)
+                for i, (p, b) in enumerate(prompt_cases(3, seed=11, max_prompt=40, max_new=20))]
+    with _host_path():
+        plain = [finish_alone(model, _gen(model, r), decode_step="static").token_ids for r in requests]
+        host = [finish_alone(model, _gen(model, r, _Replay(h)), decode_step="static")
+                for r, h in zip(requests, plain, strict=True)]
+    draws = _HostDraws(monkeypatch)
+    loose = TargetState._loose
+    judged = []
+
+    def counted(self, chain, rows):
+        judged.append(len(chain))
+        return loose(self, chain, rows)
+    monkeypatch.setattr(TargetState, "_loose", counted)
+    device = [finish_alone(model, _gen(model, r, _Replay(h)), decode_step="static")
+              for r, h in zip(requests, plain, strict=True)]
+    assert [d.token_ids for d in device] == [h.token_ids for h in host]
+    assert [d.logprobs for d in device] == [h.logprobs for h in host]
+    assert draws.calls == len(requests)
+    assert bool(judged) is (case == "loose")  # the loose rule itself ran, on the device's tokens
+    if case == "logprobs":
+        assert all(len(d.logprobs) == len(d.token_ids) for d in device)
+    if case == "rejection-undrawn":
+        assert all(d.stats.rejection_fallbacks > 0 for d in device)
