@@ -10,8 +10,20 @@ batch padded to a bucket, run from preallocated buffers, so that it can be compi
               change, which is what a captured graph needs
     span      every row attends over the same number of key blocks, ``blocks`` (a power of two,
               enough for the furthest row of the step), its own columns past its position masked
-    output    the logits of every row [bucket, vocab] and their argmax [bucket], on the device; the
-              host reads the argmax (one small tensor) and the logits rows it needs
+    output    the logits of every row [bucket, vocab], each row's own token [bucket] (its argmax, or
+              for a row sampled on the device its seeded draw) and each session's count of chain
+              tokens accepted under the exact rule, on the device; the host reads the tokens and
+              counts as one small tensor ([2, bucket], ``StepOutput.read``) and only the logits
+              rows a request needs on the host (logprobs, logits processors, loose or rejection)
+
+Seeded sampling on the device: a row sampled with a request's (temperature, top-k, top-p, min-p,
+seed) gets its position-keyed uniform from the host (``position_uniforms``, the numbers the host
+path draws with) and the same float64 filtering and inverse-CDF draw the host runs
+(card.engine.target.sampling: ``filter_rows``, ``draw_rows``; the host's ``filtered_probs`` is
+their one-row case), for every row of the step at once; the acceptance (row j of a session kept
+iff its own token at j-1 is chain[j] and every earlier row's was) is ``exact_accepted``
+(card.engine.target.verify). Which filters run is fixed per step on the host (``FilterShape``):
+one graph per (bucket, span, filters).
 
 Exactness: a row's logits must not depend on the bucket, on the rows beside it or on the span the
 step chose for the furthest row. Linears, norms and the LM head are row-wise (made invariant per
@@ -36,10 +48,21 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
+from card.engine.shared.config import SamplingParams
 from card.engine.shared.exact_attention import KV_BLOCK
 from card.engine.shared.hf import CausalLM
+from card.engine.target.sampling import (
+    FilterShape,
+    RowBuffers,
+    RowFilters,
+    draw_rows,
+    filter_rows,
+    position_uniforms,
+)
+from card.engine.target.verify import exact_accepted
 
 log = logging.getLogger(__name__)
 
@@ -83,21 +106,33 @@ def _pow2(n: int) -> int:
 
 @dataclass(frozen=True)
 class DecodeRows:
-    """One session's decoding rows: ``tokens`` written at rows (= positions) ``start...`` of
-    ``slot``."""
+    """One session's decoding rows: ``tokens`` (``[t_next, *chain]``) written at rows (=
+    positions) ``start...`` of ``slot``; ``sampling``: draw each row's token on the device with
+    these params (row j with the uniform of position ``start + 1 + j``, the position its token
+    takes), None (or greedy): its argmax."""
 
     slot: int
     start: int
     tokens: Sequence[int]
+    sampling: SamplingParams | None = None
 
 
 @dataclass(frozen=True)
 class StepOutput:
-    """What a step leaves on the device: ``logits`` [live rows, vocab], ``picks`` [live rows]
-    (their argmax). Views into the step's output, valid until the next step."""
+    """What a step leaves on the device: ``logits`` [live rows, vocab]; ``picks`` [live rows], each
+    row's own token (argmax, or its seeded draw); ``accepted`` [live rows], at each session's
+    first row the chain tokens the exact rule accepts (0 elsewhere). Views into the step's output,
+    valid until the next step."""
 
     logits: torch.Tensor
     picks: torch.Tensor
+    accepted: torch.Tensor
+    selected: torch.Tensor  # [2, live]: picks and accepted, one tensor for one read
+
+    def read(self) -> tuple[list[int], list[int]]:
+        """``picks`` and ``accepted`` on the host: the step's one device-to-host read."""
+        picks, accepted = self.selected.tolist()
+        return picks, accepted
 
 
 class StaticBatch:
@@ -107,40 +142,86 @@ class StaticBatch:
 
     static = True
 
-    def __init__(self, pool: Any, max_rows: int) -> None:
+    def __init__(self, pool: Any, max_rows: int, vocab: int) -> None:
         dev = pool.device
         self.pool = pool
+        self.vocab = vocab
         self.max_rows = max_rows
         self.tokens = torch.zeros(max_rows, dtype=torch.int64, device=dev)
         self.positions = torch.zeros(max_rows, dtype=torch.int64, device=dev)
         pool.zero_scratch()
         self.slots = torch.full((max_rows,), pool.scratch, dtype=torch.int64, device=dev)
-        # host staging: one copy per step; pinned where the device is a GPU (an async copy)
+        # the selection's inputs (select_rows): each row's next input token in its session (-1 at
+        # a session's last row and at ghosts), its session's first row, whether it is drawn, its
+        # filters and uniform
+        self.following = torch.full((max_rows,), -1, dtype=torch.int64, device=dev)
+        self.first = torch.arange(max_rows, dtype=torch.int64, device=dev)
+        self.top_k = torch.zeros(max_rows, dtype=torch.int64, device=dev)
+        self.sampled = torch.zeros(max_rows, dtype=torch.bool, device=dev)
+        self.temperature = torch.ones(max_rows, dtype=torch.float64, device=dev)
+        self.top_p = torch.ones(max_rows, dtype=torch.float64, device=dev)
+        self.min_p = torch.zeros(max_rows, dtype=torch.float64, device=dev)
+        self.uniforms = torch.zeros(max_rows, dtype=torch.float64, device=dev)
+        # host staging: two copies per step; pinned where the device is a GPU (an async copy)
         pin = dev.type == "cuda"
-        self._host = torch.zeros(3, max_rows, dtype=torch.int64, pin_memory=pin)
+        self._host = torch.zeros(7, max_rows, dtype=torch.int64, pin_memory=pin)
+        self._host_f = torch.zeros(4, max_rows, dtype=torch.float64, pin_memory=pin)
         self.rows = 0  # the bucket of the step being run (set by StaticStep)
         self.blocks = 1
+        self.filters: FilterShape | None = None  # the step's device sampling (None: argmax only)
+        self.work: RowBuffers | None = None  # its workspaces, made by the first step that samples
         # the Triton decoding attention (StaticStep's ``attention``), or None: the block tree
         self.kernel: Callable[..., torch.Tensor] | None = None
 
     def fill(self, sessions: Sequence[DecodeRows], bucket: int) -> int:
-        """Write the sessions' rows, then ghosts up to ``bucket``, into the buffers; returns the
-        live row count."""
-        host = self._host
+        """Write the sessions' rows, then ghosts up to ``bucket``, into the buffers, and set
+        ``filters``; returns the live row count."""
+        host, hf = self._host, self._host_f
         n = 0
+        drawn: list[SamplingParams | None] = []
         for s in sessions:
             k = len(s.tokens)
-            host[0, n:n + k] = torch.as_tensor(s.tokens, dtype=torch.int64)
+            tokens = torch.as_tensor(s.tokens, dtype=torch.int64)
+            host[0, n:n + k] = tokens
             host[1, n:n + k] = torch.arange(s.start, s.start + k)
             host[2, n:n + k] = s.slot
+            host[3, n:n + k - 1] = tokens[1:]  # row j is judged against chain[j] = tokens[j + 1]
+            host[3, n + k - 1] = -1
+            host[4, n:n + k] = n
+            sampling = s.sampling if s.sampling is not None and not s.sampling.greedy else None
+            drawn.append(sampling)
+            host[5, n:n + k] = 0
+            host[6, n:n + k] = sampling is not None
+            if sampling is not None:
+                hf[3, n:n + k] = torch.from_numpy(position_uniforms(
+                    sampling.seed, np.arange(s.start + 1, s.start + 1 + k, dtype=np.int64)))
             n += k
-        host[0, n:bucket] = 0  # ghosts: token 0 at position 0 of the scratch slot
+        host[0, n:bucket] = 0  # ghosts: token 0 at position 0 of the scratch slot, judged on nothing
         host[1, n:bucket] = 0
         host[2, n:bucket] = self.pool.scratch
+        host[3, n:bucket] = -1
+        host[4, n:bucket] = torch.arange(n, bucket)
+        host[5:7, n:bucket] = 0
+        self.filters = None
+        if any(d is not None for d in drawn):  # per session, then each session's value on its rows
+            filters = RowFilters.of(drawn, self.vocab)
+            counts = torch.tensor([len(x.tokens) for x in sessions])
+            host[5, :n] = filters.top_k.repeat_interleave(counts)
+            for i, values in enumerate((filters.temperature, filters.top_p, filters.min_p)):
+                hf[i, :n] = values.repeat_interleave(counts)
+            hf[:, n:bucket] = torch.tensor([[1.0], [1.0], [0.0], [0.0]], dtype=torch.float64)
+            self.filters = filters.shape
+            if self.work is None:
+                self.work = RowBuffers(self.max_rows, self.vocab, self.tokens.device)
+            floats = hf[:, :bucket].to(self.tokens.device, non_blocking=True)
+            for buffer, row in zip((self.temperature, self.top_p, self.min_p, self.uniforms), floats,
+                                   strict=True):
+                buffer[:bucket].copy_(row)
         staged = host[:, :bucket].to(self.tokens.device, non_blocking=True)
-        self.tokens[:bucket].copy_(staged[0])
-        self.positions[:bucket].copy_(staged[1])
-        self.slots[:bucket].copy_(staged[2])
+        for buffer, row in zip((self.tokens, self.positions, self.slots, self.following, self.first,
+                                self.top_k), staged, strict=False):
+            buffer[:bucket].copy_(row)
+        self.sampled[:bucket].copy_(staged[6] != 0)
         return n
 
     def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, cache_kwargs: object = None,
@@ -241,14 +322,37 @@ def decode_forward(model: CausalLM, batch: StaticBatch) -> tuple[torch.Tensor, t
     return logits, torch.argmax(logits, dim=-1)
 
 
+def select_rows(logits: torch.Tensor, picks: torch.Tensor, batch: StaticBatch) -> torch.Tensor:
+    """Each row's own token and each session's accepted count, [2, rows] int64 (``StepOutput``),
+    from the step's ``logits`` [rows, V] and their argmax ``picks``: rows the batch samples get
+    their seeded draw (``batch.filters`` says which filters run; None: no row is drawn). Static
+    shapes, no host read: captured with the forward."""
+    b = batch.rows
+    if batch.filters is not None:
+        probs = filter_rows(logits, batch.temperature[:b], batch.top_k[:b], batch.top_p[:b], batch.min_p[:b],
+                            batch.filters, batch.work)
+        picks = torch.where(batch.sampled[:b], draw_rows(probs, batch.uniforms[:b], batch.work), picks)
+    return torch.stack([picks, exact_accepted(picks, batch.following[:b], batch.first[:b])])
+
+
+def step_forward(model: CausalLM, batch: StaticBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """The forward and the selection: logits [rows, V] and ``select_rows``' [2, rows]."""
+    logits, picks = decode_forward(model, batch)
+    return logits, select_rows(logits, picks, batch)
+
+
 class StaticStep:
     """Runs decoding steps of ``pool``'s sessions at static shapes (the module docstring).
 
     mode:
         static    the static step run eagerly (no compiler): what the others replay
         compiled  ``torch.compile(fullgraph=True, dynamic=False)``, one graph per (bucket, span)
-        graphs    CUDA graphs, one per (bucket, span), captured the first time a shape runs
-                  (``warm`` captures the shapes a configuration reaches at start-up)
+        graphs    CUDA graphs, one per (bucket, span, filters), captured the first time a shape
+                  runs (``warm`` captures the greedy shapes a configuration reaches at start-up)
+
+    The selection (``select_rows``: argmax, device sampling, acceptance) is captured with the
+    forward in ``graphs``; ``compiled`` runs it eagerly after the compiled forward: inductor would
+    fuse and reorder the float64 softmax and sums, and the draws must be the host path's bits.
     """
 
     def __init__(self, model: CausalLM, pool: Any, max_rows: int, mode: str = "static",
@@ -263,7 +367,7 @@ class StaticStep:
         self.pool = pool
         self.mode = mode
         self.buckets = row_buckets(max_rows)
-        self.batch = StaticBatch(pool, self.buckets[-1])
+        self.batch = StaticBatch(pool, self.buckets[-1], model.config.vocab_size)
         self.attention = _attention_for(attention, pool.device, pool.keys[0].shape[-1])
         if self.attention == "triton":
             from card.engine.shared.triton_attention import decode_attention
@@ -274,7 +378,7 @@ class StaticStep:
         if mode == "compiled":
             _allow_shapes(len(self.buckets) * (self.max_blocks.bit_length()))
             self._fn = torch.compile(decode_forward, fullgraph=True, dynamic=False)
-        self._graphs: dict[tuple[int, int], tuple[Any, torch.Tensor, torch.Tensor]] = {}
+        self._graphs: dict[tuple[int, int, FilterShape | None], tuple[Any, torch.Tensor, torch.Tensor]] = {}
 
     @property
     def max_rows(self) -> int:
@@ -282,8 +386,9 @@ class StaticStep:
 
     @torch.inference_mode()
     def run(self, sessions: Sequence[DecodeRows], bucket: int | None = None) -> StepOutput:
-        """One step over ``sessions``' rows (in order): their logits and argmax, rows in order.
-        ``bucket``: a larger one than the rows need (the probe, the tests)."""
+        """One step over ``sessions``' rows (in order): their logits, own tokens (argmax, or the
+        seeded draw of a row whose session asks for it) and each session's accepted count, rows in
+        order. ``bucket``: a larger one than the rows need (the probe, the tests)."""
         rows = sum(len(s.tokens) for s in sessions)
         bucket = max(row_bucket(rows, self.buckets), bucket or 1)
         furthest = max(s.start + len(s.tokens) - 1 for s in sessions)
@@ -295,18 +400,20 @@ class StaticStep:
         live = self.batch.fill(sessions, bucket)
         self.batch.rows, self.batch.blocks = bucket, blocks
         if self.mode == "graphs":
-            logits, picks = self._replay(bucket, blocks)
+            logits, selected = self._replay(bucket, blocks)
         else:
             logits, picks = self._fn(self.model, self.batch)
-        return StepOutput(logits[:live], picks[:live])
+            selected = select_rows(logits, picks, self.batch)
+        selected = selected[:, :live]
+        return StepOutput(logits[:live], selected[0], selected[1], selected)
 
     def _replay(self, bucket: int, blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
-        key = (bucket, blocks)
+        key = (bucket, blocks, self.batch.filters)
         if key not in self._graphs:
             self._graphs[key] = self._capture()
-        graph, logits, picks = self._graphs[key]
+        graph, logits, selected = self._graphs[key]
         graph.replay()
-        return logits, picks
+        return logits, selected
 
     def _capture(self) -> tuple[Any, torch.Tensor, torch.Tensor]:
         """Capture the step at the batch's current shape (its buffers already filled: the warm-up
@@ -315,14 +422,14 @@ class StaticStep:
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for _ in range(2):  # warm-up: lazy initialisations happen outside the capture
-                decode_forward(self.model, self.batch)
+                step_forward(self.model, self.batch)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         # thread_local: a draft worker on the same GPU keeps launching from its own thread while
         # a shape is captured mid-serving ("global" would make its calls fail the capture)
         with torch.cuda.graph(graph, pool=self._mempool(), capture_error_mode="thread_local"):
-            logits, picks = decode_forward(self.model, self.batch)
-        return graph, logits, picks
+            logits, selected = step_forward(self.model, self.batch)
+        return graph, logits, selected
 
     def _mempool(self) -> Any:
         if not hasattr(self, "_pool_handle"):
@@ -351,10 +458,10 @@ class StaticStep:
 
     @torch.inference_mode()
     def probe(self, positions: Sequence[int] = (3, 70, 200)) -> str | None:
-        """Whether every live row's logits are the same bits at every bucket, beside other
-        sessions and ghosts, as the same row decoded alone (bucket 1, its earlier rows written
-        by earlier steps); None if so, else what differed. Uses free slots of the pool and
-        leaves them free."""
+        """Whether every live row's logits, and its seeded draw on the device, are the same bits at
+        every bucket, beside other sessions (a greedy one) and ghosts, as the same row decoded
+        alone (bucket 1, its earlier rows written by earlier steps); None if so, else what
+        differed. Uses free slots of the pool and leaves them free."""
         room = self.pool.keys[0].shape[2]
         positions = [p for p in positions if p + 8 < room] or [1]
         slots: list[int] = []
@@ -370,22 +477,31 @@ class StaticStep:
             for p in positions:
                 tokens = torch.randint(0, vocab, (8,), generator=gen).tolist()
                 # plain decoding: one row per step, in order (each row's earlier rows written)
-                alone = [self.run([DecodeRows(slots[0], p + j, tokens[j:j + 1])]).logits[0].clone()
-                         for j in range(len(tokens))]
+                runs = [self.run([DecodeRows(slots[0], p + j, tokens[j:j + 1], PROBE_SAMPLING)])
+                        for j in range(len(tokens))]
+                alone = [(r.logits[0].clone(), int(r.picks[0])) for r in runs]
                 for bucket in self.buckets:
                     chain = min(bucket, len(tokens))
-                    sessions = [DecodeRows(slots[0], p, tokens[:chain])]
+                    sessions = [DecodeRows(slots[0], p, tokens[:chain], PROBE_SAMPLING)]
                     if bucket > chain and len(slots) > 1:  # a neighbour further on: a longer span
                         other = min(room - 1, p + 3 * KV_BLOCK)
                         sessions.append(DecodeRows(slots[1], other, tokens[:1]))
                     out = self.run(sessions, bucket)
+                    picks = out.picks.tolist()
                     for j in range(chain):
-                        if not torch.equal(out.logits[j], alone[j]):
+                        if not torch.equal(out.logits[j], alone[j][0]):
                             return f"row {j} of a {chain}-row chain at position {p + j} in bucket {bucket}"
+                        if picks[j] != alone[j][1]:
+                            return (f"the seeded draw of row {j} of a {chain}-row chain at position {p + j} "
+                                    f"in bucket {bucket}")
         finally:
             for slot in slots:
                 self.pool.release(slot)
         return None
+
+
+# the probe's sampled rows: every filter on, so each of the device's sampling ops is checked
+PROBE_SAMPLING = SamplingParams(temperature=1.0, top_k=40, top_p=0.9, min_p=0.01, seed=1)
 
 
 def _allow_shapes(count: int) -> None:

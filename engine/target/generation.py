@@ -20,13 +20,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from card.engine.shared.config import MAX_CHAIN, GenerationRequest
+from card.engine.shared.config import MAX_CHAIN, GenerationRequest, SamplingParams
 from card.engine.shared.errors import InvalidArgument
 from card.engine.shared.stats import GenerationStats
 from card.engine.shared.tree import Correction, Outcome, Proposal
 from card.engine.target.chain_source import ChainSource, StepResult
 from card.engine.target.stopping import OutputTracker
-from card.engine.target.verify import TargetState, TokenLogprob
+from card.engine.target.verify import RowPicks, TargetState, TokenLogprob
 
 
 @dataclass(frozen=True)
@@ -208,10 +208,15 @@ class Generation:
             self._pending_q = self._pending_q.head(length)
         return [self.target.committed[-1], *self._pending]
 
-    def absorb(self, logits: torch.Tensor, picks: Sequence[int] | None = None) -> Chunk | None:
+    def device_sampling(self) -> SamplingParams | None:
+        """The params a static step draws this step's rows with on the device, or None (its
+        argmax only): ``TargetState.device_sampling`` for the chain in flight."""
+        return self.target.device_sampling(len(self._pending), self._pending_q)
+
+    def absorb(self, logits: torch.Tensor, picks: RowPicks | None = None) -> Chunk | None:
         """Take this generation's logits of the forward (all rows of a step; the last row of a
-        prompt's last chunk; none of an earlier chunk), and a step's rows' argmax where the
-        device computed it; the chunk it commits, if any."""
+        prompt's last chunk; none of an earlier chunk), and what a static step chose for its rows
+        on the device (``RowPicks``); the chunk it commits, if any."""
         self.target.forwards += 1
         if self.prefilling:
             self._prefilled += len(self._pending)

@@ -48,6 +48,7 @@ from card.engine.target.chain_source import step_all
 from card.engine.target.drafting_policy import DraftingConfig, DraftingPolicy, Stepped
 from card.engine.target.generation import Chunk, Generation, GenerationResult
 from card.engine.target.speculation import CostModel, chain_lengths
+from card.engine.target.verify import RowPicks
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +67,7 @@ class Planned:
     offered: int = 0  # chain tokens the source offered (a step), before the cost cut
     committed: int = 0  # tokens it committed (a step that went through)
     outcome: Outcome | None = None  # the tree's verdict on the correction its source applied
-    picks: list[int] | None = None  # its rows' argmax, computed on the device (a static step)
+    picks: RowPicks | None = None  # its rows' own tokens and accepted count, from a static step
 
 
 @dataclass(frozen=True)
@@ -226,8 +227,9 @@ class TargetEngine:
     def _forward(self, plan: list[Planned]) -> tuple[torch.Tensor, float]:
         """One forward over every input: the logits of the rows that need them, in plan order
         (``Planned.rows`` of each), and the model's seconds. Decoding rows go through the static
-        step where the engine has one (each also gets its rows' argmax, ``Planned.picks``, read
-        from the device once for the whole step), everything else through the eager forward."""
+        step where the engine has one (each also gets its rows' own tokens, argmax or seeded draw,
+        and its accepted count, ``Planned.picks``, read from the device once for the whole step),
+        everything else through the eager forward."""
         for p in plan:
             assert p.gen.slot is not None
             if p.decoding:  # every row of [t_next, *chain] is judged
@@ -270,10 +272,13 @@ class TargetEngine:
         parts: dict[int, torch.Tensor] = {}
         if not steps:
             return parts
-        out = self.static.run([DecodeRows(p.gen.slot or 0, p.start, p.tokens) for p in steps])
-        picks, first = out.picks.tolist(), 0
-        for p in steps:
-            parts[id(p)], p.picks = out.logits[first:first + p.rows], picks[first:first + p.rows]
+        sampling = [p.gen.device_sampling() for p in steps]
+        out = self.static.run([DecodeRows(p.gen.slot or 0, p.start, p.tokens, s)
+                               for p, s in zip(steps, sampling, strict=True)])
+        (picks, accepted), first = out.read(), 0  # the step's one read: own tokens, accepted counts
+        for p, s in zip(steps, sampling, strict=True):
+            parts[id(p)] = out.logits[first:first + p.rows]
+            p.picks = RowPicks(picks[first:first + p.rows], drawn=s is not None, accepted=accepted[first])
             first += p.rows
         return parts
 

@@ -106,11 +106,37 @@ def residual(p: torch.Tensor, tokens: torch.Tensor, q: torch.Tensor) -> torch.Te
     return left if float(left.sum()) > 0 else p
 
 
+def exact_accepted(picks: torch.Tensor, following: torch.Tensor, first: torch.Tensor) -> torch.Tensor:
+    """The exact rule for every session of a flat step at once, on the device: ``picks`` [R] each
+    row's own token (argmax or seeded draw), ``following`` [R] the next input token of the row's
+    session (its chain token there; -1 at a session's last row and at ghosts), ``first`` [R] the
+    row where its session starts. Row j of a session is kept iff it and every row before it in
+    the session picked the chain's next token; returns [R] int64 holding, at each session's first
+    row, how many chain tokens it keeps (the same count ``TargetState._exact`` finds), 0 elsewhere.
+    Integer ops only: exact on any device."""
+    miss = (picks != following).to(torch.int64)
+    misses = torch.cumsum(miss, 0)
+    # misses in the session up to and including the row: the running count since its first row
+    upto = misses - misses.gather(0, first) + miss.gather(0, first)
+    return torch.zeros_like(picks).scatter_add_(0, first, (upto == 0).to(torch.int64))
+
+
 def top3_entropy(logits: torch.Tensor) -> list[float]:
     """FLy's gate: -sum p log p over the three likeliest tokens of each row of ``logits`` [k, V]
     (the model's own distribution, not renormalised)."""
     top = torch.topk(torch.log_softmax(logits.detach().to("cpu", torch.float64), dim=-1), 3, dim=-1).values
     return (-(top.exp() * top).sum(dim=-1)).tolist()
+
+
+@dataclass(frozen=True)
+class RowPicks:
+    """What a static step computed on the device for one session's rows (card.engine.shared.
+    static_step): ``tokens``, each row's own token: its argmax, or (``drawn``) its draw with the
+    request's seeded sampling params; ``accepted``: the chain tokens the exact rule keeps."""
+
+    tokens: Sequence[int]
+    drawn: bool = False
+    accepted: int | None = None
 
 
 class TargetState:
@@ -134,7 +160,7 @@ class TargetState:
         self.loose_kept = 0  # drafted tokens kept that were not the target's own (loose only)
         self.fallbacks = 0  # rejection: chains verified exactly for want of a usable proposal
         self._logprobs: list[TokenLogprob] = []
-        self._picked: Sequence[int] | None = None  # the current step's device argmax, if any
+        self._picked: RowPicks | None = None  # what the current step's device chose, if anything
         # the rejection rule's coins and draws: keyed by the seed (reproducible), or, where the
         # server says so, by a key drawn for this request that no draft can know or guess
         self._coin_key = secrets.randbits(64) if self.verify.secret_coins else sampling.seed
@@ -146,11 +172,24 @@ class TargetState:
         self._commit(rows, [token])
         return token
 
+    def device_sampling(self, chain: int, proposal: Proposal | None) -> SamplingParams | None:
+        """The params a static step should draw this step's rows with on the device (a chain of
+        ``chain`` tokens, drawn with ``proposal``), or None where it has nothing to draw: a greedy
+        request (its argmax comes anyway), logits processors (the device sees the model's logits,
+        not the processed ones), or the rejection rule (its coins and residual draws stay here).
+        Exact and loose rules take the device's draws (``accept``)."""
+        if self.sampling.greedy or self.processors.active:
+            return None
+        if self.verify.mode is Verify.REJECTION and chain and proposal is not None:
+            return None
+        return self.sampling
+
     def accept(self, chain: Sequence[int], logits: torch.Tensor,
-               proposal: Proposal | None = None, picks: Sequence[int] | None = None) -> tuple[int, int]:
+               proposal: Proposal | None = None, picks: RowPicks | None = None) -> tuple[int, int]:
         """Judge ``chain`` given the logits [1 + len(chain), V] of ``[next_token, *chain]`` (and,
-        drawn, the distributions its tokens were drawn from; ``picks``: the rows' argmax where the
-        device computed it, of the model's logits: unused where processors change them); returns
+        drawn, the distributions its tokens were drawn from; ``picks``: what a static step chose
+        on the device for these rows, of the model's logits: unused where processors change them,
+        and its draws only by a sampled request, its argmax only by a greedy one); returns
         (accepted count, new next token)."""
         self._picked = None if self.processors.active else picks
         rows = self.processors.rows(logits, chain)
@@ -175,6 +214,15 @@ class TargetState:
     # ---- rules -------------------------------------------------------------------------------
     def _exact(self, chain: Sequence[int], rows: ProcessedRows) -> tuple[int, int]:
         start = len(self.committed) - 1  # position of the next token
+        own = self._own(rows)
+        if own is not None:  # the device's tokens, and its count where it judged the chain
+            assert self._picked is not None
+            accepted = self._picked.accepted
+            if accepted is None:
+                accepted = 0
+                while accepted < len(chain) and own[accepted] == chain[accepted]:
+                    accepted += 1
+            return accepted, own[accepted]
         if self.sampling.greedy and not rows.active:  # every row's argmax in one read
             picks = self._argmax(rows.raw)
             accepted = 0
@@ -243,15 +291,24 @@ class TargetState:
         self.loose_kept += sum(1 for j in range(accepted) if not match[j])
         return accepted, picks[accepted]
 
-    def _argmax(self, logits: torch.Tensor) -> list[int]:
-        """Each row's argmax: the device's where the step computed them (one read for the whole
-        step), else read off the logits here."""
+    def _own(self, rows: ProcessedRows) -> list[int] | None:
+        """Each row's own token as the device chose it (``RowPicks``), where that is the token
+        this request would choose here: no processor active, and argmax for a greedy request, its
+        seeded draw for a sampled one; else None."""
         picked = self._picked
-        if picked is not None and len(picked) == logits.shape[0]:
-            return list(picked)
+        if picked is None or rows.active or len(picked.tokens) != len(rows):
+            return None
+        if picked.drawn == self.sampling.greedy:
+            return None
+        return list(picked.tokens)
+
+    def _argmax(self, logits: torch.Tensor) -> list[int]:
         return torch.argmax(logits, dim=-1).tolist()
 
     def _picks(self, rows: ProcessedRows) -> list[int]:
+        own = self._own(rows)
+        if own is not None:
+            return own
         if self.sampling.greedy and not rows.active:
             return self._argmax(rows.raw)
         start = len(self.committed) - 1
