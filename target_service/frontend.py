@@ -24,7 +24,6 @@ from card.engine.shared.config import GenerationRequest, Mode
 from card.engine.shared.errors import NotFound, ResourceExhausted, Unavailable
 from card.engine.target.chain_source import ChainSource, DraftKind, NoDraft
 from card.engine.target.generation import Chunk, Generation, GenerationResult
-from card.engine.target.grammar import compiler_for
 from card.engine.target.scheduler import Event
 from card.target_service import metrics
 from card.target_service.cache_link import CacheClient, CacheTarget
@@ -202,11 +201,11 @@ class Frontend:
         model, loop, request = self.model, self.loop, valid.generation
         assert loop is not None
         source = self._source(valid.mode, valid.draft, request)
-        vocab = model.model.get_input_embeddings().num_embeddings
         gen = Generation(request, source, eos_ids=model.eos_ids, decode=model.decode,
                          context_window=self.validator.context_window, mode=valid.mode.value,
-                         model_name=model.name, vocab_size=vocab,
-                         grammars=compiler_for(model.tokenizer, vocab, model.eos_ids),
+                         model_name=model.name,
+                         vocab_size=model.model.get_input_embeddings().num_embeddings,
+                         grammars=self.validator.grammars,
                          grammar_drafts=valid.mode is not Mode.VANILLA)
         return Running(gen, source, loop, self.config.queue_timeout_s, aio)
 
