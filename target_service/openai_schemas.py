@@ -8,9 +8,16 @@ exactly; ``n`` up to MAX_CHOICES independent samples (choice i with seed ``seed 
 ``stop_token_ids`` and ``include_stop_str_in_output``; ``chat_template_kwargs``;
 ``stream_options.continuous_usage_stats``. Fields this server does not know (``metadata``,
 ``store``, ``user``, ``service_tier``, ...) are ignored, with one debug line naming them. Fields it
-knows and does not serve, where they would change the output (tools, ``response_format`` other
-than text, ``echo``, ``suffix``, vLLM's guided decoding, beam search, ...: ``NOT_SERVED``), are
-refused with 400, never ignored. The logits processors are served as vLLM serves them
+knows and does not serve, where they would change the output (``echo``, ``suffix``, beam search,
+...: ``NOT_SERVED``), are refused with 400, never ignored.
+
+Structured outputs (engine.target.grammar; one constraint per request): ``response_format``
+``json_object`` / ``json_schema`` (chat), vLLM's ``structured_outputs`` (``json``, ``json_object``,
+``regex``, ``choice``, ``grammar``) and its older ``guided_json`` / ``guided_regex`` /
+``guided_choice`` / ``guided_grammar``; ``tools`` with ``tool_choice`` (target_service.tools):
+``required`` or a named function constrain the output to Hermes ``<tool_call>`` blocks, ``auto``
+parses them out of the text; ``tool`` messages and assistant ``tool_calls`` reach the template.
+The logits processors are served as vLLM serves them
 (``presence_penalty``, ``frequency_penalty``, ``logit_bias`` from OpenAI's API; ``min_p``,
 ``repetition_penalty``, ``min_tokens`` vLLM's extensions; engine.target.logits_processors), card's
 output still plain decoding's with them.

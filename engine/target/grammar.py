@@ -149,10 +149,11 @@ class GrammarState:
 
     # ---- the committed output ----------------------------------------------------------------
     def commit(self, tokens: Sequence[int]) -> None:
-        """Tokens the target committed: consumed for real (an ending token ends the generation
-        and is not the grammar's)."""
+        """Tokens the target committed: consumed for real. An ending token is not the grammar's
+        (it ends the generation, or, with ``ignore_eos``, is passed over) and is skipped, here
+        and in every prefix, so a chain's rows see what plain decoding's see."""
         self._to([])
-        body = list(self._valid(tokens))
+        body = self._body(tokens)
         if body and not self._matcher.consume_tokens(body):
             raise AssertionError(f"the grammar refused a committed token: {self._matcher.get_error()}")
 
@@ -172,7 +173,9 @@ class GrammarState:
         """How many of ``chain``'s first tokens the grammar allows after the committed output
         (a chain is cut there: the target would refuse the next one anyway)."""
         self._to([])
-        return len(self._valid(chain))
+        end = next((i for i, t in enumerate(chain) if t in self._eos_set), len(chain))
+        valid = len(self._valid(chain[:end]))
+        return valid + (valid == end < len(chain))  # an ending token where the grammar allows it
 
     # ---- rows --------------------------------------------------------------------------------
     def mask(self, prefix: Sequence[int]) -> torch.Tensor:
@@ -187,14 +190,18 @@ class GrammarState:
             allowed[self._ending] = m.is_accepting() or m.is_stopped()
         return allowed
 
-    def _valid(self, tokens: Sequence[int]) -> Sequence[int]:
-        """``tokens``' longest prefix the matcher takes from where it is, before any ending token."""
-        end = next((i for i, t in enumerate(tokens) if t in self._eos_set), len(tokens))
-        head = list(tokens[:end])
+    def _body(self, tokens: Sequence[int]) -> list[int]:
+        """``tokens`` without ending tokens."""
+        return [t for t in tokens if t not in self._eos_set]
+
+    def _valid(self, tokens: Sequence[int]) -> list[int]:
+        """``tokens``' longest prefix the matcher takes from where it is."""
+        head = list(tokens)
         return head[:self._matcher.validate_tokens(head)] if head else head
 
     def _to(self, prefix: Sequence[int]) -> None:
         """Move the speculative tail to ``prefix`` (as far as the grammar takes it)."""
+        prefix = self._body(prefix)
         ahead = self._ahead
         same = 0
         limit = min(len(ahead), len(prefix))

@@ -80,9 +80,10 @@ def decode(ids: list[int]) -> str:
 
 
 def request(constraint: Constraint | None, sampling: SamplingParams, max_new: int = 40,
-            prompt: Sequence[int] = PROMPT) -> GenerationRequest:
+            prompt: Sequence[int] = PROMPT, ignore_eos: bool = False) -> GenerationRequest:
     sampling = SamplingParams(sampling.temperature, seed=sampling.seed, constraint=constraint)
-    return GenerationRequest(tuple(prompt), sampling, StopParams(max_new_tokens=max_new))
+    stop = StopParams(max_new_tokens=max_new, ignore_eos=ignore_eos)
+    return GenerationRequest(tuple(prompt), sampling, stop)
 
 
 def generation(req: GenerationRequest, source: ChainSource, drafts: bool = True,
@@ -139,6 +140,19 @@ def test_constrained_speculation_equals_constrained_plain_decoding(kind: str, sa
     # the grammar's drafts alone (no model drafts, chains the grammar forces): the same again
     gen = generation(req, NoDraft(), drafts=True)
     assert finish_alone(target(), gen).token_ids == plain.token_ids
+
+
+@pytest.mark.parametrize("kind", ["regex", "choice"])
+def test_past_the_end_with_ignore_eos_speculation_still_equals_plain_decoding(kind: str) -> None:
+    """With ignore_eos the generation goes on past an EOS the grammar allowed: EOS is passed
+    over by the grammar alike in plain decoding and inside a chain's rows."""
+    for sampling in SAMPLINGS.values():
+        req = request(CONSTRAINTS[kind], sampling, max_new=30, ignore_eos=True)
+        plain = run(req, NoDraft(), drafts=False)
+        assert EOS in plain.token_ids and len(plain.token_ids) == 30
+        for source in sources().values():
+            assert run(req, source).token_ids == plain.token_ids
+        assert run(req, _Oracle(plain.token_ids, len(PROMPT)), drafts=False).token_ids == plain.token_ids
 
 
 def test_short_choices_and_regexes_finish_and_match() -> None:

@@ -30,6 +30,7 @@ from card.engine.shared.config import (
     tree_params,
 )
 from card.engine.target import grammar as grammar_mod
+from card.engine.target import logits_processors
 from card.engine.target.scheduler import finish_alone
 from tests.tiny_models import default_gguf
 
@@ -78,6 +79,23 @@ class Timed(grammar_mod.GrammarState):
             Timed.spent += time.perf_counter() - t
 
 
+_process = logits_processors.LogitsProcessors.process
+
+
+class TimedRows:
+    """The rows' whole processing: the float64 copy to the host, then the mask."""
+
+    spent = 0.0
+
+    @staticmethod
+    def process(self, row, prefix):  # type: ignore[no-untyped-def]
+        t = time.perf_counter()
+        try:
+            return _process(self, row, prefix)
+        finally:
+            TimedRows.spent += time.perf_counter() - t
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, default=96)
@@ -85,6 +103,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     grammar_mod.GrammarState = Timed  # type: ignore[misc]  # the compiler builds Timed states
+    logits_processors.LogitsProcessors.process = TimedRows.process  # type: ignore[method-assign]
     target = load_model(ModelConfig(spec=str(default_gguf()), device="cpu", exact=True))
     draft = load_model(ModelConfig(spec=str(default_gguf()), device="cpu", quantize="int8"))
     ngram_tree = tree_params("cpu", DrafterKind.NGRAM)
@@ -116,7 +135,7 @@ def main() -> None:
     reference: dict[str, list[int]] = {}
     for prompt, schema in CASES:
         for name, (runner, drafts) in runners.items():
-            Timed.spent = 0.0
+            Timed.spent = TimedRows.spent = 0.0
             gen = runner.generation(request(prompt, schema))
             gen.grammar_drafts = drafts
             t = time.perf_counter()
@@ -129,29 +148,35 @@ def main() -> None:
                     json.loads(result.text)
             else:
                 assert result.token_ids == reference[prompt], (name, prompt)
-            r = rows.setdefault(name, {"tok_s": [], "acc": [], "mask_ms_tok": [], "drafted": [], "n": []})
+            r = rows.setdefault(name, {"tok_s": [], "acc": [], "mask_ms_tok": [], "row_ms_tok": [],
+                                            "drafted": [], "n": []})
             r["tok_s"].append(n / wall)
-            steps = result.stats.accepted_lengths[1:] or [1]
-            r["acc"].append(statistics.mean(steps))
+            lengths = result.stats.accepted_lengths[1:] or [1]
+            r["acc"].append(statistics.mean(lengths))
             r["mask_ms_tok"].append(1000 * Timed.spent / n)
+            r["row_ms_tok"].append(1000 * TimedRows.spent / n)
             r["drafted"].append(gen.grammar_drafted)
             r["n"].append(n)
-        print(prompt[:40], {k: round(v["tok_s"][-1], 1) for k, v in rows.items()}, result.text[:80], flush=True)
+        print(prompt[:40], {k: round(v["tok_s"][-1], 1) for k, v in rows.items()}, result.text[:60],
+              flush=True)
+    base = statistics.mean(rows["plain constrained"]["tok_s"])
+    for name, r in rows.items():
+        tok_s = statistics.mean(r["tok_s"])
+        print(f"{name:22s} tok/s {tok_s:6.2f}  x{tok_s / base:4.2f}  "
+              f"accepted {statistics.mean(r['acc']):4.2f}  "
+              f"grammar ms/token {statistics.mean(r['mask_ms_tok']):5.2f}  "
+              f"processed rows ms/token {statistics.mean(r['row_ms_tok']):5.2f}  "
+              f"grammar-drafted tokens {sum(r['drafted'])} of {sum(r['n'])}", flush=True)
+
     # unconstrained plain decoding of as many tokens: the plain step's own cost
-    plain = []
+    steps = []
     for prompt, _ in CASES:
         req = GenerationRequest(tuple(target.encode_prompt(prompt)), SamplingParams(),
                                 StopParams(max_new_tokens=args.tokens, ignore_eos=True))
         t = time.perf_counter()
         res = plain.run(req)
-        plain.append((time.perf_counter() - t) / len(res.token_ids))
-    base = statistics.mean(rows["plain constrained"]["tok_s"])
-    print(f"\nunconstrained plain step: {1000 * statistics.mean(plain):.1f} ms/token")
-    for name, r in rows.items():
-        print(f"{name:22s} tok/s {statistics.mean(r['tok_s']):6.2f}  x{statistics.mean(r['tok_s']) / base:4.2f}  "
-              f"accepted {statistics.mean(r['acc']):4.2f}  grammar ms/token {statistics.mean(r['mask_ms_tok']):5.2f}  "
-              f"grammar-drafted tokens {sum(r['drafted'])} of {sum(r['n'])}")
-
+        steps.append((time.perf_counter() - t) / len(res.token_ids))
+    print(f"unconstrained plain step: {1000 * statistics.mean(steps):.1f} ms/token")
 
 if __name__ == "__main__":
     main()
