@@ -38,7 +38,6 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 import llguidance
-import llguidance.hf
 import torch
 
 from card.engine.shared.config import Constraint
@@ -88,6 +87,8 @@ class GrammarCompiler:
     def tokenizer(self) -> llguidance.LLTokenizer:
         with self._lock:
             if self._tokenizer is None:
+                import llguidance.hf  # imports transformers: only where a model is loaded
+
                 try:
                     self._tokenizer = llguidance.hf.from_tokenizer(self._hf, n_vocab=self.vocab_size)
                 except ValueError as exc:  # a slow (Python) tokenizer: llguidance reads fast ones
