@@ -164,7 +164,7 @@ class CallStream:
     def feed(self, text: str) -> tuple[str, list[dict[str, Any]]]:
         """(content to send now, tool-call deltas to send now)."""
         self.held += text
-        content, deltas = "", []
+        content, deltas = "", list[dict[str, Any]]()
         while True:
             start = self.held.find(OPEN)
             if start < 0:

@@ -35,7 +35,7 @@ import threading
 import weakref
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import llguidance
 import torch
@@ -43,10 +43,14 @@ import torch
 from card.engine.shared.config import Constraint
 from card.engine.shared.errors import InvalidArgument
 
+if TYPE_CHECKING:
+    from llguidance._lib import JsonCompileOptions  # a TypedDict of the stubs only
+
 # JSON as ``json.dumps`` writes it (", " and ": ", no other whitespace): what models write most,
 # and it leaves the grammar one way to write each structural piece, so braces, quotes, keys and
 # separators are forced (grammar drafts) instead of racing optional whitespace.
-JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+JSON_OPTIONS: JsonCompileOptions = {"whitespace_flexible": False, "item_separator": ", ",
+                                   "key_separator": ": "}
 # compiled grammars kept per tokenizer (a request's constraint compiles once at the front, once
 # more where its generation starts: the second is this cache's)
 GRAMMAR_CACHE = 64
