@@ -206,9 +206,11 @@ class Generation:
 
     def _follow_grammar(self, room: int) -> None:
         """Cut the pending chain where it leaves the grammar (its next token would get -inf in
-        its row: no rule keeps it), and, with grammar drafts, verify the tokens the grammar forces
-        where the chain does not begin with them. Either way exact: the rows the target judges
-        are the same rows, only which chain it judges changes."""
+        its row: no rule keeps it); with grammar drafts, verify the tokens the grammar forces
+        where the chain does not begin with them, and continue a chain (not a drawn one: its
+        proposal covers its own tokens) with the tokens the grammar forces after it. Either way
+        exact: the rows the target judges are plain decoding's rows, only which chain it judges
+        changes."""
         grammar = self.target.processors.grammar
         assert grammar is not None
         keep = grammar.valid_prefix(self._pending)
@@ -220,6 +222,12 @@ class Generation:
         if forced and list(self._pending[:len(forced)]) != forced:
             self._pending, self._pending_ids, self._pending_q = forced, (NO_NODE,) * len(forced), None
             self.grammar_drafted += len(forced)
+        if self._pending_q is None and self._pending:
+            more = grammar.forced(room - len(self._pending), after=self._pending)
+            if more:
+                self._pending = [*self._pending, *more]
+                self._pending_ids = (*self._pending_ids, *(NO_NODE,) * len(more))
+                self.grammar_drafted += len(more)
 
     def trim_chain(self, length: int) -> list[int]:
         """Verify only the chain's first ``length`` tokens (the engine's speculation budget; the

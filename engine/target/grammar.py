@@ -168,10 +168,13 @@ class GrammarState:
         self._to([])
         return self._matcher.is_stopped()
 
-    def forced(self, limit: int) -> list[int]:
-        """Up to ``limit`` tokens the grammar forces after the committed output: a chain that
-        needs no model (empty where more than one continuation is allowed)."""
-        self._to([])
+    def forced(self, limit: int, after: Sequence[int] = ()) -> list[int]:
+        """Up to ``limit`` tokens the grammar forces after the committed output and ``after`` (a
+        chain the grammar allows): tokens that need no model (none where more than one
+        continuation is allowed)."""
+        self._to(after)
+        if limit <= 0 or len(self._ahead) != len(self._body(after)):
+            return []
         return list(self._matcher.compute_ff_tokens()[:limit])
 
     def valid_prefix(self, chain: Sequence[int]) -> int:
