@@ -12,11 +12,12 @@ knows and does not serve, where they would change the output (``echo``, ``suffix
 ...: ``NOT_SERVED``), are refused with 400, never ignored.
 
 Structured outputs (engine.target.grammar; one constraint per request): ``response_format``
-``json_object`` / ``json_schema`` (chat), vLLM's ``structured_outputs`` (``json``, ``json_object``,
-``regex``, ``choice``, ``grammar``) and its older ``guided_json`` / ``guided_regex`` /
-``guided_choice`` / ``guided_grammar``; ``tools`` with ``tool_choice`` (target_service.tools):
-``required`` or a named function constrain the output to Hermes ``<tool_call>`` blocks, ``auto``
-parses them out of the text; ``tool`` messages and assistant ``tool_calls`` reach the template.
+``json_object`` / ``json_schema`` (both endpoints, as vLLM), vLLM's ``structured_outputs``
+(``json``, ``json_object``, ``regex``, ``choice``, ``grammar``) and its older ``guided_json``,
+``guided_regex``, ``guided_choice``, ``guided_grammar``; ``tools`` with ``tool_choice``
+(target_service.tools): ``required`` or a named function constrain the output to Hermes
+``<tool_call>`` blocks, ``auto`` parses them out of the text; ``tool`` messages and assistant
+``tool_calls`` reach the chat template.
 The logits processors are served as vLLM serves them
 (``presence_penalty``, ``frequency_penalty``, ``logit_bias`` from OpenAI's API; ``min_p``,
 ``repetition_penalty``, ``min_tokens`` vLLM's extensions; engine.target.logits_processors), card's
@@ -109,6 +110,7 @@ class _Common(_Open):
     # structured outputs: vLLM's ``structured_outputs`` ({json, regex, choice, grammar,
     # json_object}) and its older ``guided_*`` fields; ``constraints()``
     structured_outputs: dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None  # OpenAI's (chat), vLLM's on completions too
     guided_json: dict[str, Any] | str | None = None
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
@@ -129,6 +131,18 @@ class _Common(_Open):
     def constraints(self) -> list[Constraint]:
         """The output constraints this body asks for (at most one is served)."""
         out = []
+        rf = self.response_format or {}
+        kind = rf.get("type", "text")
+        if kind == "json_object":
+            out.append(Constraint("json_object"))
+        elif kind == "json_schema":
+            spec = rf.get("json_schema")
+            if not isinstance(spec, dict) or "schema" not in spec:
+                raise InvalidArgument("response_format.json_schema needs {name, schema[, strict]}")
+            out.append(_schema_constraint(spec["schema"], "response_format.json_schema.schema"))
+        elif kind != "text":
+            raise InvalidArgument(f"response_format.type must be text, json_object or json_schema, "
+                                  f"got {kind!r}")
         so = dict(self.structured_outputs or {})
         if "json" in so and so["json"] is not None:
             out.append(_schema_constraint(so.pop("json"), "structured_outputs.json"))
@@ -312,7 +326,6 @@ class ChatBody(_Common):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
-    response_format: dict[str, Any] | None = None
     chat_template_kwargs: dict[str, Any] | None = None  # variables of the template (enable_thinking)
     chat_template: str | None = None  # per request: refused (vLLM's default too); --chat-template
 
@@ -333,18 +346,6 @@ class ChatBody(_Common):
 
     def constraints(self) -> list[Constraint]:
         out = super().constraints()
-        rf = self.response_format or {}
-        kind = rf.get("type", "text")
-        if kind == "json_object":
-            out.append(Constraint("json_object"))
-        elif kind == "json_schema":
-            spec = rf.get("json_schema")
-            if not isinstance(spec, dict) or "schema" not in spec:
-                raise InvalidArgument("response_format.json_schema needs {name, schema[, strict]}")
-            out.append(_schema_constraint(spec["schema"], "response_format.json_schema.schema"))
-        elif kind != "text":
-            raise InvalidArgument(f"response_format.type must be text, json_object or json_schema, "
-                                  f"got {kind!r}")
         use, functions = self.tool_use()
         if use == "required":
             out.append(tool_calls.calls_constraint(functions, self.parallel_tool_calls is not False))

@@ -143,6 +143,8 @@ def test_required_tools_read_into_the_tools_grammar_and_conflicts_are_refused() 
     with pytest.raises(InvalidArgument, match="not served"):
         CompletionBody.model_validate({"prompt": "x",
                                        "structured_outputs": {"structural_tag": "t"}}).constraint()
+    completion = CompletionBody.model_validate({"prompt": "x", "response_format": {"type": "json_object"}})
+    assert completion.constraint() == Constraint("json_object")
     with pytest.raises(InvalidArgument, match=r"response_format\.type"):
         ChatBody.model_validate({"messages": [{"role": "user", "content": "hi"}],
                                  "response_format": {"type": "yaml"}}).constraint()
