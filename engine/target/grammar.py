@@ -121,7 +121,7 @@ class GrammarCompiler:
         matcher = llguidance.LLMatcher(self.tokenizer, self.check(constraint), log_level=0)
         if matcher.is_error():
             raise InvalidArgument(f"the {constraint.kind} constraint does not compile: {matcher.get_error()}")
-        return GrammarState(matcher, self.vocab_size, self.eos_ids, self.tokenizer.eos_token)
+        return GrammarState(matcher, self.eos_ids, self.tokenizer.eos_token)
 
 
 _compilers: weakref.WeakKeyDictionary[Any, dict[int, GrammarCompiler]] = weakref.WeakKeyDictionary()
@@ -142,15 +142,12 @@ class GrammarState:
     """One generation's grammar: a matcher over the committed output plus a speculative tail
     ``_ahead`` (see the module's docstring)."""
 
-    def __init__(self, matcher: llguidance.LLMatcher, vocab_size: int, eos_ids: frozenset[int],
-                 grammar_eos: int) -> None:
+    def __init__(self, matcher: llguidance.LLMatcher, eos_ids: frozenset[int], grammar_eos: int) -> None:
         self._matcher = matcher
-        self._vocab = vocab_size
         self._ending = torch.tensor(sorted(eos_ids), dtype=torch.int64)
         self._eos_set = eos_ids
         self._grammar_eos = grammar_eos
         self._ahead: list[int] = []  # consumed beyond the committed output
-        self.masks = 0  # masks computed (the cost measurement reads it)
 
     # ---- the committed output ----------------------------------------------------------------
     def commit(self, tokens: Sequence[int]) -> None:
@@ -191,7 +188,6 @@ class GrammarState:
         self._to(prefix)
         m = self._matcher
         allowed = torch.frombuffer(bytearray(m.compute_logit_bias()), dtype=torch.uint8) != 0
-        self.masks += 1
         if 0 <= self._grammar_eos < allowed.numel():
             allowed[self._grammar_eos] = False  # the grammar's EOS stands for every ending token
         if self._ending.numel():

@@ -227,7 +227,7 @@ class _CommittedStateOnly(GrammarState):
 class _BrokenCompiler(GrammarCompiler):
     def state(self, constraint: Constraint) -> GrammarState:
         good = super().state(constraint)
-        return _CommittedStateOnly(good._matcher, self.vocab_size, self.eos_ids, self.tokenizer.eos_token)
+        return _CommittedStateOnly(good._matcher, self.eos_ids, self.tokenizer.eos_token)
 
 
 class _Oracle(NoDraft):
