@@ -42,6 +42,7 @@ from card.common.tls import PLAINTEXT, TlsConfig
 from card.engine.shared.errors import CardError, InvalidArgument
 from card.target_service import metrics
 from card.target_service.frontend import Frontend, Running
+from card.target_service.http_limits import BoundedH11
 from card.target_service.http_metrics import HttpMetrics
 from card.target_service.openai_schemas import ChatBody, CompletionBody, DetokenizeBody, TokenizeBody
 from card.target_service.openai_shapes import (
@@ -162,9 +163,10 @@ class HttpServer:
             raise InvalidArgument(f"cannot serve HTTP on {host}:{port} ({exc.strerror or exc}); choose "
                                   "another --http-port") from None
         self.port = self.sock.getsockname()[1]
+        # BoundedH11: a request arrives whole within its deadline, and open connections are capped
         config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
                                 timeout_graceful_shutdown=int(grace_s), ssl_certfile=tls.cert,
-                                ssl_keyfile=tls.key)
+                                ssl_keyfile=tls.key, http=BoundedH11)
         config.load()  # builds the ssl context here, so that the reloader holds the one uvicorn serves
         reload_tls = tls.reloader(config.ssl) if config.ssl is not None else None
         self.server = _Server(config, reload_tls)

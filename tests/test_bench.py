@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
@@ -309,6 +310,35 @@ def test_peer_side_by_side_writes_aiperf_prompts_and_reports_ratios(tmp_path):
                                             str(tmp_path / "trio.json")])
     assert result.exit_code == 0, result.output
     assert "| trio | 8 | 75.0 | 0.50x |" in result.output and "| vllm | 8 | 150.0 | 1.00x |" in result.output
+
+
+def test_peer_reads_the_servers_own_metrics_from_a_real_aiperf_export():
+    """AIPerf 0.13's server_metrics_export.json of a run against card-target's front (unedited, in
+    docs/measurements/aiperf-metrics/): the server's TTFT and ITL and vLLM's acceptance figures,
+    computed from the scraped card_target_* families; a vLLM-named page reads alike; a server that
+    exports no speculation metrics gets no acceptance columns."""
+    from card.client.bench import peer
+
+    path = Path(__file__).parents[1] / "docs/measurements/aiperf-metrics/server_metrics_export-c1.json"
+    export = json.loads(path.read_text())
+    families = export["metrics"]
+    total = {c: families[f"card_target_{c}"]["series"][0]["stats"]["total"] for c in peer.SPEC_COUNTERS}
+    row = peer.server_side(export)
+    accepted, drafted, drafts = (total[c] for c in peer.SPEC_COUNTERS)
+    assert drafted > 0 and drafts > 0
+    assert row["acceptance_rate"] == accepted / drafted
+    assert row["mean_acceptance_length"] == 1 + accepted / drafts
+    ttft = families["card_target_time_to_first_token_seconds"]["series"][0]["stats"]["p50_estimate"]
+    assert row["server_ttft_ms"] == 1000 * ttft > 0 and row["server_itl_ms"] > 0
+    # the same page under vLLM's names (counters keep AIPerf's name, with or without _total)
+    def vllm(name: str) -> str:
+        return name.replace("card_target_", "vllm:") + ("_total" if "num_draft_tokens" in name else "")
+
+    renamed = {"metrics": {vllm(name): family for name, family in families.items()}}
+    assert peer.server_side(renamed) == row
+    # negative control: no spec_decode families, no acceptance
+    plain = {"metrics": {n: f for n, f in families.items() if "spec_decode" not in n}}
+    assert set(peer.server_side(plain)) == {"server_ttft_ms", "server_itl_ms"}
 
 
 def test_ngram_modes_grow_the_ngram_tree():

@@ -8,7 +8,9 @@
 ``single_turn`` JSONL, then for each concurrency runs ``aiperf profile`` against the chat
 endpoint: streaming, greedy (temperature 0), ``--tokens`` new tokens each (ignore_eos), every
 prompt ``--rounds`` times after two warm-up requests. Each level's summary (output tokens/s,
-requests/s, TTFT and inter-token latency p50/p90, errors) goes to ``DIR/LABEL.json`` beside
+requests/s, TTFT and inter-token latency p50/p90, errors; and from the server's /metrics, which
+AIPerf scrapes, its own TTFT and ITL p50 and vLLM's acceptance rate and mean acceptance length
+where it exports ``spec_decode_*``) goes to ``DIR/LABEL.json`` beside
 AIPerf's own artifacts. Run it against card-target's front and a peer (vLLM, SGLang,
 llama-server) one after the other on the same machine; ``report`` puts them side by side, each
 label's tok/s also as a ratio to the first label.
@@ -73,6 +75,37 @@ def summarize(export: dict) -> dict:
     return row
 
 
+# The server's own view, from what AIPerf scraped of its /metrics (server_metrics_export.json):
+# the family whose name ends so (card-target's card_target_..., vLLM's vllm:...), AIPerf's keys
+SERVER_LATENCIES = {"time_to_first_token_seconds": "server_ttft_ms",
+                    "inter_token_latency_seconds": "server_itl_ms"}
+SPEC_COUNTERS = ("spec_decode_num_accepted_tokens", "spec_decode_num_draft_tokens", "spec_decode_num_drafts")
+
+
+def server_side(export: dict) -> dict:
+    """TTFT and ITL p50 as the server measured them (histogram estimates), and speculation as vLLM
+    defines it: acceptance rate = accepted / draft tokens, mean acceptance length = 1 + accepted /
+    drafts (the bonus token counted). Families a server does not export are left out."""
+    families: dict = export.get("metrics") or {}
+
+    def family(suffix: str) -> list[dict]:
+        name = next((n for n in families if n.removesuffix("_total").endswith(suffix)), None)
+        return families[name].get("series") or [] if name else []
+
+    row: dict = {}
+    for suffix, ours in SERVER_LATENCIES.items():
+        series = [s["stats"] for s in family(suffix) if (s.get("stats") or {}).get("count")]
+        if series:  # one series per label set (model_name): the busiest one's estimate
+            row[ours] = 1000.0 * max(series, key=lambda st: st["count"])["p50_estimate"]
+    accepted, drafted, drafts = (sum((s.get("stats") or {}).get("total", 0.0) for s in family(c))
+                                 for c in SPEC_COUNTERS)
+    if drafted:
+        row["acceptance_rate"] = accepted / drafted
+    if drafts:
+        row["mean_acceptance_length"] = 1.0 + accepted / drafts
+    return row
+
+
 @click.group()
 def main() -> None:
     """Side-by-side serving measurements with AIPerf."""
@@ -121,6 +154,9 @@ def run(url: str, model: str, label: str, tokenizer: str, hf_home: str | None, p
         if not exports:
             raise click.ClickException(f"aiperf wrote no profile_export_aiperf.json under {artifacts}")
         row = summarize(json.loads(exports[-1].read_text()))
+        scraped = sorted(artifacts.rglob("server_metrics_export.json"))
+        if scraped:  # AIPerf reads the server's /metrics by default (--server-metrics)
+            row.update(server_side(json.loads(scraped[-1].read_text())))
         report["levels"][str(level)] = row
         click.echo(f"{label} c={level}: {json.dumps(row)}")
     (out / f"{label}.json").write_text(json.dumps(report, indent=2) + "\n")
@@ -138,14 +174,19 @@ def report(reports: tuple[Path, ...], chart: Path | None) -> None:
     if not runs:
         raise click.ClickException("no peer reports found")
     base = runs[0]
-    click.echo("| server | in flight | output tok/s | vs " + base["label"] + " | TTFT p50 ms | ITL p50 ms |")
-    click.echo("|---|---|---|---|---|---|")
+    click.echo("| server | in flight | output tok/s | vs " + base["label"] + " | TTFT p50 ms | ITL p50 ms "
+               "| server TTFT / ITL p50 ms | acceptance rate | mean acceptance length |")
+    click.echo("|---|---|---|---|---|---|---|---|---|")
     for r in runs:
         for level, row in r["levels"].items():
             ref = base["levels"].get(level, {}).get("output_tok_s")
             ratio = f"{row['output_tok_s'] / ref:.2f}x" if ref and row.get("output_tok_s") else "-"
+            server = (f"{row['server_ttft_ms']:.0f} / {row['server_itl_ms']:.1f}"
+                      if "server_ttft_ms" in row and "server_itl_ms" in row else "-")
+            rate = f"{row['acceptance_rate']:.2f}" if "acceptance_rate" in row else "-"
+            length = f"{row['mean_acceptance_length']:.2f}" if "mean_acceptance_length" in row else "-"
             click.echo(f"| {r['label']} | {level} | {row['output_tok_s']:.1f} | {ratio} | "
-                       f"{row['ttft_ms']:.0f} | {row['itl_ms']:.1f} |")
+                       f"{row['ttft_ms']:.0f} | {row['itl_ms']:.1f} | {server} | {rate} | {length} |")
     if chart:
         import matplotlib
 

@@ -451,3 +451,52 @@ def test_an_idle_stream_gets_keep_alive_comments(model, monkeypatch):
     finally:
         server.stop(5)
         loop.stop()
+
+
+# ---- an agent-style client ---------------------------------------------------------------------
+def test_langchain_chat_openai_as_an_agent_framework_builds_it(trio, model_id, model, reference):
+    """LangChain's ``ChatOpenAI``, constructed as an agent framework does (the base URL, any key,
+    the served name, nothing vLLM-specific): a multi-turn conversation with a system prompt, the
+    same conversation streamed (LangChain asks for the usage chunk), a concurrent batch, a stop
+    sequence and a seeded sample, each answer equal to plain decoding of the chat-templated prompt."""
+    from langchain_core.messages import AIMessage, HumanMessage, SystemMessage
+    from langchain_openai import ChatOpenAI
+
+    base = dict(base_url=f"http://{trio.http_addr}/v1", api_key="EMPTY", model=model_id, max_retries=0,
+                timeout=120)
+    turns = [SystemMessage("You are terse."), HumanMessage(PROMPT), AIMessage("Waves fold over stones."),
+             HumanMessage("Another, about the wind.")]
+    roles = {"system": "system", "human": "user", "ai": "assistant"}
+    ids = model.encode_prompt([{"role": roles[m.type], "content": m.content} for m in turns])
+
+    greedy = ChatOpenAI(**base, temperature=0, max_tokens=BUDGET)
+    answer = greedy.invoke(turns)
+    want = reference(ids, SamplingParams(), StopParams(BUDGET))
+    assert answer.content == want.text and want.token_ids  # a real answer, not an empty match
+    assert answer.response_metadata["finish_reason"] == want.finish_reason
+    assert answer.usage_metadata["input_tokens"] == len(ids)
+    assert answer.usage_metadata["output_tokens"] == len(want.token_ids)
+
+    chunks = list(greedy.stream(turns, stream_usage=True))  # the usage chunk, as LangChain asks for it
+    assert "".join(c.content for c in chunks) == want.text
+    assert sum((c.usage_metadata or {}).get("output_tokens", 0) for c in chunks) == len(want.token_ids)
+
+    # a batch runs concurrently (LangChain's thread pool): each answer is the request alone
+    prompts = [[HumanMessage(f"{PROMPT} Number {i}.")] for i in range(4)]
+    batch = greedy.batch(prompts, config={"max_concurrency": 4})
+    for message, prompt in zip(batch, prompts, strict=True):
+        alone = reference(model.encode_prompt([{"role": "user", "content": prompt[0].content}]),
+                          SamplingParams(), StopParams(BUDGET))
+        assert message.content == alone.text
+
+    # a stop sequence LangChain passes per call: the text is cut before it
+    cut = next(i for i in range(4, len(want.text)) if want.text[i].isalpha())
+    stop = want.text[cut:cut + 2]
+    stopped = greedy.invoke(turns, stop=[stop])
+    assert stopped.content == want.text[:want.text.index(stop)]
+    assert stopped.response_metadata["finish_reason"] == "stop"
+
+    seeded = ChatOpenAI(**base, temperature=0.9, top_p=0.95, seed=5, max_tokens=BUDGET).invoke(turns)
+    drawn = reference(ids, SamplingParams(temperature=0.9, top_p=0.95, seed=5), StopParams(BUDGET))
+    assert seeded.content == drawn.text
+    assert drawn.text != want.text  # negative control: the seed and temperature reached the server
