@@ -14,7 +14,8 @@ one block per call, on lines of their own. It is the only format served: a templ
 another (``[TOOL_CALLS]``, ``<|python_tag|>``) is refused for required and named calls, where the
 grammar would force a format the model was not taught (``ToolFormat.of``); auto still parses
 Hermes blocks. The grammar writes the JSON as ``json.dumps`` does, each call's ``arguments``
-under its function's ``parameters`` schema.
+under its function's ``parameters`` schema, objects closed to properties they do not declare
+(``declared_only``).
 """
 
 from __future__ import annotations
@@ -99,9 +100,26 @@ def check_format(chat_template: str | None) -> None:
                               "tool_choice auto")
 
 
+def declared_only(schema: Any) -> Any:
+    """``schema`` with every object that does not say otherwise closed to undeclared properties
+    (``additionalProperties: false``): a function takes the parameters it declares. JSON Schema
+    leaves objects open by default, and a grammar that allows any further key lets a small model
+    add keys until its budget ends the call unclosed."""
+    if isinstance(schema, list):
+        return [declared_only(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: declared_only(v) for k, v in schema.items()}
+    if "properties" in out and "additionalProperties" not in out:
+        out["additionalProperties"] = False
+    return out
+
+
 def calls_constraint(tools: list[Tool], parallel: bool) -> Constraint:
-    """The output as tool calls of ``tools``: one block (``parallel`` False), or one or more."""
-    bodies = [{"type": "object", "properties": {"name": {"const": t.name}, "arguments": t.parameters},
+    """The output as tool calls of ``tools``: one block (``parallel`` False), or one or more; each
+    call's arguments under its function's parameters (``declared_only``)."""
+    bodies = [{"type": "object", "properties": {"name": {"const": t.name},
+                                                "arguments": declared_only(t.parameters)},
                "required": ["name", "arguments"], "additionalProperties": False} for t in tools]
     schema = {"x-guidance": JSON_OPTIONS, "anyOf": bodies}
     start = 'start: call ("\\n" call)*' if parallel else "start: call"

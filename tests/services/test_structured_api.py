@@ -238,3 +238,20 @@ def test_the_same_through_card_v1(trio) -> None:
     with pytest.raises(Exception, match="objectx"):
         generate_remote(trio.target_addr, "x", stop=StopParams(4), timeout_s=60,
                         sampling=SamplingParams(constraint=Constraint("json_schema", '{"type": "objectx"}')))
+
+
+def test_langchain_structured_output_and_tools(trio, model_id) -> None:
+    """LangChain's ChatOpenAI as an agent framework uses it, unmodified: ``with_structured_output``
+    (json_schema, and function calling: a named tool) gives a valid instance, and ``bind_tools``
+    with a required call gives a tool call with its arguments."""
+    from langchain_openai import ChatOpenAI
+
+    chat = ChatOpenAI(base_url=f"http://{trio.http_addr}/v1", api_key="EMPTY", model=model_id, max_retries=0,
+                      timeout=300, temperature=0, max_tokens=80)
+    for method in ("json_schema", "function_calling"):
+        city = chat.with_structured_output(City, method=method).invoke("Describe the city of Rome.")
+        assert isinstance(city, City), method
+    called = chat.bind_tools(TOOLS, tool_choice="required", parallel_tool_calls=False).invoke(
+        "What is the weather like in Paris right now?")
+    (call,) = called.tool_calls
+    assert call["name"] in ("get_weather", "get_time") and isinstance(call["args"], dict) and call["id"]

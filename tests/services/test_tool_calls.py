@@ -16,6 +16,7 @@ from card.target_service.tools import (
     CallStream,
     calls_constraint,
     chosen,
+    declared_only,
     parse_calls,
     read_tools,
     template_messages,
@@ -85,7 +86,8 @@ def test_the_tools_grammar_takes_calls_and_refuses_others() -> None:
     two = good + "\n" + good
     for parallel, text, ok in [(True, good, True), (True, two, True), (False, two, False),
                                (True, good.replace("get_weather", "get_news"), False),
-                               (True, good.replace('"city"', '"town"'), False)]:
+                               (True, good.replace('"city"', '"town"'), False),
+                               (True, good.replace('"Paris"', '"Paris", "x": 1'), False)]:
         state = compiler.state(calls_constraint(TOOLS, parallel))
         ids = tok.encode(text)
         whole = state.valid_prefix(ids) == len(ids)
@@ -95,6 +97,17 @@ def test_the_tools_grammar_takes_calls_and_refuses_others() -> None:
     # the grammar writes the call's frame itself: forced tokens from the start
     state = compiler.state(calls_constraint(TOOLS[:1], False))
     assert tok.decode(state.forced(64)).startswith('<tool_call>\n{"name": "get_weather", "arguments": {')
+
+
+def test_tool_parameters_are_closed_to_undeclared_properties() -> None:
+    schema = {"type": "object", "properties": {"a": {"type": "object", "properties": {"b": {}}},
+                                               "c": {"type": "object", "additionalProperties": True,
+                                                     "properties": {}}}}
+    closed = declared_only(schema)
+    assert closed["additionalProperties"] is False
+    assert closed["properties"]["a"]["additionalProperties"] is False
+    assert closed["properties"]["c"]["additionalProperties"] is True  # said otherwise: kept
+    assert "additionalProperties" not in schema  # the request's own schema is not changed
 
 
 def test_conversation_messages_for_the_template() -> None:
