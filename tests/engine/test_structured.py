@@ -27,6 +27,8 @@ from card.engine.shared.config import (
     SamplingParams,
     StopParams,
     TreeParams,
+    Verify,
+    VerifyPolicy,
 )
 from card.engine.shared.errors import InvalidArgument
 from card.engine.shared.kv_pool import KVPool
@@ -153,6 +155,24 @@ def test_past_the_end_with_ignore_eos_speculation_still_equals_plain_decoding(ki
         for source in sources().values():
             assert run(req, source).token_ids == plain.token_ids
         assert run(req, _Oracle(plain.token_ids, len(PROMPT)), drafts=False).token_ids == plain.token_ids
+
+
+@pytest.mark.parametrize("mode", [Verify.REJECTION, Verify.LOOSE])
+def test_rejection_and_loose_keep_the_output_in_the_grammar(mode: Verify) -> None:
+    """The lossy-in-tokens rules (drawn chains judged by speculative sampling; FLy's loose keep)
+    read the masked rows too: a token the grammar refuses is never kept (a refused committed token
+    would fail the grammar's commit), so the output stays in the grammar."""
+    verify = VerifyPolicy(mode, entropy_threshold=0.0, window=2)
+    for kind in ("json_schema", "regex", "grammar"):
+        base = request(CONSTRAINTS[kind], SAMPLINGS["seeded"])
+        req = GenerationRequest(base.prompt_ids, base.sampling, base.stop, verify=verify)
+        draw = req.chain_draw
+        result = run(req, SyncDraft(draft(), gamma=4, draw=draw))
+        check_output(kind, result)
+        # every committed token is one the grammar took
+        state = compiler().state(CONSTRAINTS[kind])
+        body = [t for t in result.token_ids if t != EOS]
+        assert state.valid_prefix(body) == len(body)
 
 
 def test_short_choices_and_regexes_finish_and_match() -> None:
