@@ -32,6 +32,7 @@ from card.engine.shared.config import (
 from card.engine.target import grammar as grammar_mod
 from card.engine.target import logits_processors
 from card.engine.target.scheduler import finish_alone
+from card.target_service.tools import calls_constraint, read_tools
 from tests.tiny_models import default_gguf
 
 PERSON = {"type": "object", "properties": {
@@ -51,6 +52,18 @@ WEATHER = {"type": "object", "properties": {
         "required": ["speed_kmh", "direction"], "additionalProperties": False}},
     "required": ["location", "temperature_celsius", "condition", "humidity_percent", "wind"],
     "additionalProperties": False}
+WEATHER_TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}, "unit": {"enum": ["celsius", "fahrenheit"]}},
+    "required": ["city", "unit"]}}}
+FLIGHT_TOOL = {"type": "function", "function": {"name": "book_flight", "parameters": {
+    "type": "object", "properties": {"origin": {"type": "string"}, "destination": {"type": "string"},
+                                     "date": {"type": "string", "pattern": "^2026-[0-1][0-9]-[0-3][0-9]$"},
+                                     "passengers": {"type": "integer"}},
+    "required": ["origin", "destination", "date", "passengers"]}}}
+TOOL_PROMPTS = ["What is the weather like in Madrid?",
+                "Book a flight from Oslo to Rome on 2026-05-02 for two.",
+                "Is it cold in Helsinki today?",
+                "I need a flight from Lima to Quito for 3 people next month."]
 CASES = [
     ("Give me a JSON record for a fictional university student living in Lyon.", PERSON),
     ("Describe the novel Dune as a JSON object.", BOOK),
@@ -100,21 +113,29 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, default=96)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--tools", action="store_true", help="required tool calls instead of JSON schemas")
+    ap.add_argument("--no-neural", action="store_true", help="skip the int8 draft's rows")
     args = ap.parse_args()
+    if args.tools:
+        tools = read_tools([WEATHER_TOOL, FLIGHT_TOOL])
+        cases = [(p, calls_constraint(tools, parallel=False)) for p in TOOL_PROMPTS]
+    else:
+        cases = [(p, Constraint("json_schema", json.dumps(schema))) for p, schema in CASES]
     torch.set_num_threads(args.threads)
     grammar_mod.GrammarState = Timed  # type: ignore[misc]  # the compiler builds Timed states
     logits_processors.LogitsProcessors.process = TimedRows.process  # type: ignore[method-assign]
     target = load_model(ModelConfig(spec=str(default_gguf()), device="cpu", exact=True))
-    draft = load_model(ModelConfig(spec=str(default_gguf()), device="cpu", quantize="int8"))
+    draft = None if args.no_neural else load_model(ModelConfig(spec=str(default_gguf()), device="cpu",
+                                                               quantize="int8"))
     ngram_tree = tree_params("cpu", DrafterKind.NGRAM)
     plain = InProcessRunner(target, None, RunnerConfig(mode=Mode.VANILLA))
     lookup = InProcessRunner(target, None, RunnerConfig(mode=Mode.CARD, drafter=DrafterKind.NGRAM,
                                                         tree=ngram_tree, backoff=False))
-    neural = InProcessRunner(target, draft, RunnerConfig(mode=Mode.CARD, tree=CPU_TREE, draft_threads=1,
-                                                         target_threads=1))
+    neural = None if draft is None else InProcessRunner(
+        target, draft, RunnerConfig(mode=Mode.CARD, tree=CPU_TREE, draft_threads=1, target_threads=1))
     # (runner, grammar drafts): the vanilla runner's source drafts nothing, so with grammar drafts
     # on, every chain it verifies is one the grammar forced
-    runners = {
+    runners: dict[str, tuple[InProcessRunner | None, bool]] = {
         "plain constrained": (plain, False),
         "grammar drafts alone": (plain, True),
         "lookup": (lookup, False),
@@ -122,21 +143,21 @@ def main() -> None:
         "int8 draft": (neural, False),
         "int8 draft + grammar": (neural, True),
     }
+    runnable = {name: (r, d) for name, (r, d) in runners.items() if r is not None}
 
-    def request(prompt: str, schema: dict | None) -> GenerationRequest:
-        constraint = Constraint("json_schema", json.dumps(schema)) if schema else None
+    def request(prompt: str, constraint: Constraint | None) -> GenerationRequest:
         return GenerationRequest(tuple(target.encode_prompt(prompt)), SamplingParams(constraint=constraint),
                                  StopParams(max_new_tokens=args.tokens))
 
     # warm up: the tokenizer's grammar view (~1 s, once per model) and each runner
-    for runner, _ in runners.values():
-        runner.run(request(CASES[0][0], CASES[0][1]))
+    for runner, _ in runnable.values():
+        runner.run(request(*cases[0]))
     rows: dict[str, dict[str, list[float]]] = {}
     reference: dict[str, list[int]] = {}
-    for prompt, schema in CASES:
-        for name, (runner, drafts) in runners.items():
+    for prompt, constraint in cases:
+        for name, (runner, drafts) in runnable.items():
             Timed.spent = TimedRows.spent = 0.0
-            gen = runner.generation(request(prompt, schema))
+            gen = runner.generation(request(prompt, constraint))
             gen.grammar_drafts = drafts
             t = time.perf_counter()
             result = finish_alone(runner.target.model, gen, exact=True, policy=runner.policy)
@@ -144,7 +165,7 @@ def main() -> None:
             n = len(result.token_ids)
             if name == "plain constrained":
                 reference[prompt] = result.token_ids
-                if result.finish_reason == "eos":
+                if result.finish_reason == "eos" and not args.tools:
                     json.loads(result.text)
             else:
                 assert result.token_ids == reference[prompt], (name, prompt)
@@ -170,7 +191,7 @@ def main() -> None:
 
     # unconstrained plain decoding of as many tokens: the plain step's own cost
     steps = []
-    for prompt, _ in CASES:
+    for prompt, _ in cases:
         req = GenerationRequest(tuple(target.encode_prompt(prompt)), SamplingParams(),
                                 StopParams(max_new_tokens=args.tokens, ignore_eos=True))
         t = time.perf_counter()
