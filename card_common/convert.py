@@ -12,7 +12,14 @@ import torch
 
 from card.common.tensors import DTYPES, from_tensor_msg, ids_from_msg, ids_to_msg, to_tensor_msg
 from card.engine.shared.commands import AdvanceDraft, DraftCommand, StartDraft, StopDraft
-from card.engine.shared.config import MAX_LOGIT_BIAS_ENTRIES, ChainDraw, ChainPolicy, SamplingParams, Verify
+from card.engine.shared.config import (
+    MAX_LOGIT_BIAS_ENTRIES,
+    ChainDraw,
+    ChainPolicy,
+    Constraint,
+    SamplingParams,
+    Verify,
+)
 from card.engine.shared.errors import InvalidArgument
 from card.engine.shared.session import StepResult
 from card.engine.shared.stats import GenerationStats
@@ -236,6 +243,8 @@ def sampling_to_msg(params: SamplingParams) -> common_pb2.SamplingParams:
         min_p=params.min_p, repetition_penalty=params.repetition_penalty,
         presence_penalty=params.presence_penalty, frequency_penalty=params.frequency_penalty,
         logit_bias=dict(params.logit_bias), min_tokens=params.min_tokens,
+        constraint=(common_pb2.Constraint(kind=params.constraint.kind, text=params.constraint.text)
+                    if params.constraint is not None else None),
     )
 
 
@@ -252,6 +261,8 @@ def sampling_from_msg(msg: common_pb2.SamplingParams) -> SamplingParams:
         min_p=_f32(msg.min_p), repetition_penalty=repetition, presence_penalty=_f32(msg.presence_penalty),
         frequency_penalty=_f32(msg.frequency_penalty),
         logit_bias=tuple((int(t), _f32(b)) for t, b in msg.logit_bias.items()), min_tokens=msg.min_tokens,
+        constraint=(Constraint(msg.constraint.kind, msg.constraint.text) if msg.HasField("constraint")
+                    else None),
     )
 
 

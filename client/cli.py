@@ -32,6 +32,7 @@ from card.engine.loading.models import DEFAULT_MODEL, DTYPES, QUANTIZE, ModelCon
 from card.engine.shared.config import (
     NGRAM,
     ChainPolicy,
+    Constraint,
     DrafterKind,
     Mode,
     NgramConfig,
@@ -41,6 +42,7 @@ from card.engine.shared.config import (
     check_logprobs,
     tree_params,
 )
+from card.engine.shared.errors import InvalidArgument
 
 
 def _logit_bias(ctx: click.Context, param: click.Parameter,
@@ -49,6 +51,25 @@ def _logit_bias(ctx: click.Context, param: click.Parameter,
         return tuple((int(t), float(b)) for t, _, b in (v.partition("=") for v in values))
     except ValueError:
         raise click.BadParameter("write each entry as TOKEN_ID=BIAS, e.g. 198=-100") from None
+
+
+def _constraint(ctx: click.Context, param: click.Parameter, value: str | None) -> Constraint | None:
+    """``KIND=TEXT`` (TEXT, or ``@FILE`` for a file's text) as the request's output constraint."""
+    if not value:
+        return None
+    kind, sep, text = value.partition("=")
+    if not sep:
+        raise click.BadParameter("write KIND=TEXT or KIND=@FILE, e.g. regex='[0-9]+' or "
+                                 "json_schema=@schema.json")
+    if text.startswith("@"):
+        try:
+            text = Path(text[1:]).read_text()
+        except OSError as exc:
+            raise click.BadParameter(f"cannot read {text[1:]}: {exc.strerror or exc}") from None
+    try:
+        return Constraint(kind, text)
+    except InvalidArgument as exc:
+        raise click.BadParameter(str(exc)) from None
 
 
 # the request's logits processors: flag, click settings (vLLM's sampling parameters; docs/engine.md)
@@ -63,6 +84,9 @@ _PROCESSOR_FLAGS: dict[str, dict[str, Any]] = {
     "--logit-bias": dict(multiple=True, callback=_logit_bias, metavar="ID=BIAS",
                          help="Add BIAS (-100 to 100) to token ID's logit (repeatable)."),
     "--min-tokens": dict(default=0, type=int, help="Hold EOS back until this many tokens are generated."),
+    "--constraint": dict(default=None, callback=_constraint, metavar="KIND=TEXT",
+                         help="Constrain the output (structured outputs): json_schema=SCHEMA, json_object=, "
+                              "regex=RE, choice=JSON_LIST or grammar=LARK; TEXT or @FILE."),
 }
 
 

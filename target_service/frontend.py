@@ -204,7 +204,9 @@ class Frontend:
         gen = Generation(request, source, eos_ids=model.eos_ids, decode=model.decode,
                          context_window=self.validator.context_window, mode=valid.mode.value,
                          model_name=model.name,
-                         vocab_size=model.model.get_input_embeddings().num_embeddings)
+                         vocab_size=model.model.get_input_embeddings().num_embeddings,
+                         grammars=self.validator.grammars,
+                         grammar_drafts=valid.mode is not Mode.VANILLA)
         return Running(gen, source, loop, self.config.queue_timeout_s, aio)
 
     def start_choices(self, valid: ValidRequest, n: int,

@@ -288,6 +288,10 @@ async def _serve(front: Frontend, body: CompletionBody | ChatBody, request: Requ
     valid = await asyncio.to_thread(body.valid, front.validator)  # tokenizing: off the event loop
     seed = valid.generation.sampling.seed  # the request's, or the fresh one it was given
     shape = kind(front.model.name, front.model.decode, seed, body.choices)
+    if isinstance(body, ChatBody) and isinstance(shape, ChatShape):
+        use, functions = body.tool_use()
+        if use != "none":  # auto reads calls out of the text; required's grammar writes them
+            shape.use_tools(functions)
     runnings = await asyncio.to_thread(front.start_choices, valid, body.choices, asyncio.get_running_loop())
     watcher = asyncio.create_task(_cancel_on_disconnect(request, runnings))
     # no response starts before the request has its slots: past --queue-timeout-s it is a 429 with

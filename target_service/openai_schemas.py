@@ -8,9 +8,17 @@ exactly; ``n`` up to MAX_CHOICES independent samples (choice i with seed ``seed 
 ``stop_token_ids`` and ``include_stop_str_in_output``; ``chat_template_kwargs``;
 ``stream_options.continuous_usage_stats``. Fields this server does not know (``metadata``,
 ``store``, ``user``, ``service_tier``, ...) are ignored, with one debug line naming them. Fields it
-knows and does not serve, where they would change the output (tools, ``response_format`` other
-than text, ``echo``, ``suffix``, vLLM's guided decoding, beam search, ...: ``NOT_SERVED``), are
-refused with 400, never ignored. The logits processors are served as vLLM serves them
+knows and does not serve, where they would change the output (``echo``, ``suffix``, beam search,
+...: ``NOT_SERVED``), are refused with 400, never ignored.
+
+Structured outputs (engine.target.grammar; one constraint per request): ``response_format``
+``json_object`` / ``json_schema`` (both endpoints, as vLLM), vLLM's ``structured_outputs``
+(``json``, ``json_object``, ``regex``, ``choice``, ``grammar``) and its older ``guided_json``,
+``guided_regex``, ``guided_choice``, ``guided_grammar``; ``tools`` with ``tool_choice``
+(target_service.tools): ``required`` or a named function constrain the output to Hermes
+``<tool_call>`` blocks, ``auto`` parses them out of the text; ``tool`` messages and assistant
+``tool_calls`` reach the chat template.
+The logits processors are served as vLLM serves them
 (``presence_penalty``, ``frequency_penalty``, ``logit_bias`` from OpenAI's API; ``min_p``,
 ``repetition_penalty``, ``min_tokens`` vLLM's extensions; engine.target.logits_processors), card's
 output still plain decoding's with them.
@@ -27,13 +35,15 @@ alternatives; chat ``logprobs`` with ``top_logprobs`` <= 20.
 from __future__ import annotations
 
 import abc
+import json
 import logging
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from card.engine.shared.config import MAX_LOGIT_BIAS_ENTRIES, ChainPolicy, SamplingParams
+from card.engine.shared.config import MAX_LOGIT_BIAS_ENTRIES, ChainPolicy, Constraint, SamplingParams
 from card.engine.shared.errors import InvalidArgument, NotFound
+from card.target_service import tools as tool_calls
 from card.target_service.validation import Prompt, Validator, ValidRequest, check_choices
 
 log = logging.getLogger(__name__)
@@ -41,8 +51,7 @@ log = logging.getLogger(__name__)
 # Fields of OpenAI's or vLLM's requests that change the output and that card-target does not serve:
 # refused (400) when set to anything but their default (None, or an empty list, is never refused).
 NOT_SERVED: dict[str, object] = {
-    "use_beam_search": False, "length_penalty": 1.0, "guided_json": None, "guided_regex": None,
-    "guided_choice": None, "guided_grammar": None, "structured_outputs": None, "allowed_token_ids": None,
+    "use_beam_search": False, "length_penalty": 1.0, "allowed_token_ids": None,
     "bad_words": None, "prompt_logprobs": None, "truncate_prompt_tokens": None, "prompt_embeds": None,
     "skip_special_tokens": True, "spaces_between_special_tokens": True, "logits_processors": None,
     "return_tokens_as_token_ids": False, "documents": None, "continue_final_message": False,
@@ -98,6 +107,14 @@ class _Common(_Open):
     # ---- vLLM's ----
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
+    # structured outputs: vLLM's ``structured_outputs`` ({json, regex, choice, grammar,
+    # json_object}) and its older ``guided_*`` fields; ``constraints()``
+    structured_outputs: dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None  # OpenAI's (chat), vLLM's on completions too
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
     # ---- extensions ----
     mode: Literal["card", "card-auto", "vanilla"] = "card"
     draft: str = ""
@@ -109,6 +126,58 @@ class _Common(_Open):
 
     def logprobs_wanted(self) -> int | None:
         """Alternatives per token to report, or None for no logprobs."""
+        return None
+
+    def constraints(self) -> list[Constraint]:
+        """The output constraints this body asks for (at most one is served)."""
+        out = []
+        rf = self.response_format or {}
+        kind = rf.get("type", "text")
+        if kind == "json_object":
+            out.append(Constraint("json_object"))
+        elif kind == "json_schema":
+            spec = rf.get("json_schema")
+            if not isinstance(spec, dict) or "schema" not in spec:
+                raise InvalidArgument("response_format.json_schema needs {name, schema[, strict]}")
+            out.append(_schema_constraint(spec["schema"], "response_format.json_schema.schema"))
+        elif kind != "text":
+            raise InvalidArgument(f"response_format.type must be text, json_object or json_schema, "
+                                  f"got {kind!r}")
+        so = dict(self.structured_outputs or {})
+        if "json" in so and so["json"] is not None:
+            out.append(_schema_constraint(so.pop("json"), "structured_outputs.json"))
+        if so.pop("json_object", None):
+            out.append(Constraint("json_object"))
+        for key, kind in (("regex", "regex"), ("grammar", "grammar")):
+            if so.get(key) is not None:
+                if not isinstance(so[key], str):
+                    raise InvalidArgument(f"structured_outputs.{key} must be a string")
+                out.append(Constraint(kind, so.pop(key)))
+        if so.get("choice") is not None:
+            out.append(_choice_constraint(so.pop("choice"), "structured_outputs.choice"))
+        asked = [k for k, v in so.items() if v not in (None, False, "", [], {})]
+        if asked:
+            raise InvalidArgument(f"structured_outputs.{asked[0]}: not served by card-target (json, "
+                                  "json_object, regex, choice and grammar are)")
+        if self.guided_json is not None:
+            out.append(_schema_constraint(self.guided_json, "guided_json"))
+        if self.guided_regex is not None:
+            out.append(Constraint("regex", self.guided_regex))
+        if self.guided_choice is not None:
+            out.append(_choice_constraint(self.guided_choice, "guided_choice"))
+        if self.guided_grammar is not None:
+            out.append(Constraint("grammar", self.guided_grammar))
+        return out
+
+    def constraint(self) -> Constraint | None:
+        found = self.constraints()
+        if len(found) > 1:
+            raise InvalidArgument("one output constraint per request (response_format, tools with "
+                                  "tool_choice required, structured_outputs, guided_*)")
+        return found[0] if found else None
+
+    def tool_list(self) -> list[dict[str, Any]] | None:
+        """The tools the chat template is shown (chat only)."""
         return None
 
     def refusals(self) -> list[str]:
@@ -166,6 +235,7 @@ class _Common(_Open):
             top_k=max(self.top_k or 0, 0),  # vLLM's -1 is off, as card's 0
             top_p=1.0 if self.top_p is None else self.top_p,
             seed=self.seed or 0,
+            constraint=self.constraint(),
             **self.processors(),
         )
         prompt, chat = self.prompt_input()
@@ -176,7 +246,7 @@ class _Common(_Open):
             entropy_threshold=self.verify_entropy_threshold, window=self.verify_window,
             logprobs=self.logprobs_wanted(), mode=self.mode, draft=self.draft, seeded=self.seed is not None,
             stop_token_ids=tuple(self.stop_token_ids or ()), include_stop_str=self.include_stop_str_in_output,
-            template_kwargs=self.template_kwargs())
+            template_kwargs=self.template_kwargs(), tools=self.tool_list())
 
     @property
     def choices(self) -> int:
@@ -223,9 +293,23 @@ class TextPart(_Open):
 
 
 class Message(_Open):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool message: the call it answers
+
+    def for_template(self) -> dict[str, Any]:
+        """The message as the chat template reads it."""
+        role = "system" if self.role == "developer" else self.role
+        out: dict[str, Any] = {"role": role, "content": self.text}
+        if self.tool_calls:
+            out["tool_calls"] = self.tool_calls
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        if self.name is not None and self.role == "tool":
+            out["name"] = self.name
+        return out
 
     @property
     def text(self) -> str:
@@ -242,13 +326,30 @@ class ChatBody(_Common):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
-    response_format: dict[str, Any] | None = None
     chat_template_kwargs: dict[str, Any] | None = None  # variables of the template (enable_thinking)
     chat_template: str | None = None  # per request: refused (vLLM's default too); --chat-template
 
     def prompt_input(self) -> tuple[Prompt, bool]:
-        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text}
-                for m in self.messages], True
+        return tool_calls.template_messages([m.for_template() for m in self.messages]), True
+
+    def check_model(self, validator: Validator) -> None:
+        super().check_model(validator)
+        if self.tool_use()[0] == "required":  # the grammar writes Hermes blocks: the model's format?
+            tool_calls.check_format(getattr(validator.model.tokenizer, "chat_template", None))
+
+    def tool_use(self) -> tuple[str, list[tool_calls.Tool]]:
+        """(none / auto / required, the functions the answer may call)."""
+        return tool_calls.chosen(tool_calls.read_tools(self.tools), self.tool_choice)
+
+    def tool_list(self) -> list[dict[str, Any]] | None:
+        return self.tools or None
+
+    def constraints(self) -> list[Constraint]:
+        out = super().constraints()
+        use, functions = self.tool_use()
+        if use == "required":
+            out.append(tool_calls.calls_constraint(functions, self.parallel_tool_calls is not False))
+        return out
 
     def budget(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -263,8 +364,6 @@ class ChatBody(_Common):
 
     def refusals(self) -> list[str]:
         return super().refusals() + _asked({
-            "tools": self.tools or self.tool_choice not in (None, "none"),
-            "response_format": self.response_format and self.response_format.get("type") != "text",
             "chat_template (per request; start card-target with --chat-template)": self.chat_template,
             "add_special_tokens: true": (self.model_extra or {}).get("add_special_tokens") is True})
 
@@ -300,6 +399,24 @@ def check_model(model: str | None, validator: Validator) -> None:
     if model is not None and model not in names:
         raise NotFound(f"model {model!r} is not served here; GET /v1/models lists "
                        f"{', '.join(map(repr, names))}")
+
+
+def _schema_constraint(schema: object, where: str) -> Constraint:
+    """A JSON schema given as an object (or as JSON text) as a constraint."""
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except ValueError:
+            raise InvalidArgument(f"{where}: not valid JSON") from None
+    if not isinstance(schema, dict | bool):
+        raise InvalidArgument(f"{where}: a JSON schema is an object")
+    return Constraint("json_schema", json.dumps(schema))
+
+
+def _choice_constraint(choices: object, where: str) -> Constraint:
+    if not isinstance(choices, list) or not all(isinstance(c, str) for c in choices):
+        raise InvalidArgument(f"{where}: a list of strings")
+    return Constraint("choice", json.dumps(choices))
 
 
 def _differs(value: object, default: object) -> bool:

@@ -26,6 +26,7 @@ from card.engine.shared.errors import CardError
 from card.engine.shared.stats import GenerationStats
 from card.engine.target.generation import GenerationResult
 from card.engine.target.verify import TokenLogprob
+from card.target_service.tools import CallStream, Tool, parse_calls
 
 FINISH = {"eos": "stop", "stop": "stop", "length": "length"}
 
@@ -132,9 +133,10 @@ class Shape(abc.ABC):
 
     def whole(self, choices: Sequence[Finished], draft: str) -> dict:
         stats = combined([c.result.stats for c in choices])
+        # a choice's own shape may say why it finished (tool calls)
         body = {**self._head(self.whole_object),
-                "choices": [{"index": i, **self.whole_choice(i, c.result.text, c.result.logprobs),
-                             "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+                "choices": [{"index": i, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
+                             **self.whole_choice(i, c.result.text, c.result.logprobs)}
                             for i, c in enumerate(choices)],
                 "usage": usage(stats, draft), "metrics": spec_metrics(stats)}
         return self._dump(self.whole_type.model_validate(body))
@@ -208,13 +210,53 @@ class CompletionShape(Shape):
 
 
 class ChatShape(Shape):
+    """Chat answers; with ``tools`` (a request whose tool_choice is not none: ``use_tools``), the
+    text's Hermes call blocks come back as ``tool_calls`` (finish_reason ``tool_calls``), whole
+    or as stream deltas (target_service.tools)."""
+
     whole_type, chunk_type = ChatCompletion, ChatCompletionChunk
     whole_object, chunk_object = "chat.completion", "chat.completion.chunk"
     prefix = "chatcmpl"
+    def __init__(self, model: str, decode: Callable[[list[int]], str], seed: int, n: int = 1) -> None:
+        super().__init__(model, decode, seed, n)
+        self.tools: list[Tool] = []
+        self._streams: list[CallStream] = []
+
+    def use_tools(self, tools: list[Tool]) -> None:
+        self.tools = tools
+        self._streams = [CallStream(tools) for _ in self.offsets]
 
     def whole_choice(self, index: int, text: str, logprobs: Sequence[TokenLogprob]) -> dict:
-        return {"message": {"role": "assistant", "content": text},
-                "logprobs": self._logprobs(index, logprobs)}
+        out: dict[str, Any] = {"message": {"role": "assistant", "content": text},
+                               "logprobs": self._logprobs(index, logprobs)}
+        if self.tools:
+            content, calls = parse_calls(text, self.tools)
+            if calls:
+                out["message"] = {"role": "assistant", "content": content,
+                                  "tool_calls": [c.as_json() for c in calls]}
+                out["finish_reason"] = "tool_calls"
+        return out
+
+    def chunk(self, index: int, text: str, *, first: bool = False, finish: Finished | None = None,
+              logprobs: Sequence[TokenLogprob] = (), extra: dict | None = None) -> dict:
+        if not self.tools:
+            return super().chunk(index, text, first=first, finish=finish, logprobs=logprobs, extra=extra)
+        stream = self._streams[index]
+        content, calls = stream.feed(text)
+        if finish is not None:
+            content += stream.finish()
+        delta: dict[str, Any] = self.delta(content, first)["delta"]
+        if calls:
+            delta["tool_calls"] = calls
+        reason = None
+        if finish is not None:
+            reason = "tool_calls" if stream.calls else finish.finish_reason
+        choice: dict[str, Any] = {"index": index, "delta": delta, "logprobs": self._logprobs(index, logprobs),
+                                  "finish_reason": reason}
+        if finish is not None:
+            choice["stop_reason"] = finish.stop_reason
+        return self._dump(self.make_chunk({**self._head(self.chunk_object), "choices": [choice],
+                                           **(extra or {})}))
 
     def _entry(self, token: int, logprob: float) -> dict:
         text = self.decode([token])

@@ -30,6 +30,7 @@ from card.engine.shared.config import (
     check_logprobs,
 )
 from card.engine.shared.errors import InvalidArgument
+from card.engine.target.grammar import GrammarCompiler, compiler_for
 from card.target_service.config import TargetConfig
 
 SERVED_MODES = (Mode.CARD, Mode.CARD_AUTO, Mode.VANILLA)  # sd runs in process only
@@ -103,17 +104,27 @@ class Validator:
         vocab = model.tokenizer.get_vocab() if hasattr(model.tokenizer, "get_vocab") else {}
         self.token_chars = max(map(len, vocab), default=0)  # 0: no character bound
 
+    @property
+    def grammars(self) -> GrammarCompiler:
+        """The model's grammar compiler (the one Frontend.start's generations use)."""
+        model = self.model
+        return compiler_for(model.tokenizer, model.model.get_input_embeddings().num_embeddings, model.eos_ids)
+
     def validate(self, prompt: Prompt, *, sampling: SamplingParams, chain: ChainPolicy,
                  chat: bool | None = None, max_new_tokens: int | None = None, stop: Sequence[str] = (),
                  ignore_eos: bool = False, verify: str = "", entropy_threshold: float | None = None,
                  window: int | None = None, logprobs: int | None = None, mode: str = "card",
                  draft: str = "", seeded: bool = True, stop_token_ids: Sequence[int] = (),
                  include_stop_str: bool = False,
-                 template_kwargs: Mapping[str, Any] | None = None) -> ValidRequest:
+                 template_kwargs: Mapping[str, Any] | None = None,
+                 tools: Sequence[Mapping[str, Any]] | None = None) -> ValidRequest:
         """``chat``: the chat template for text (None = the model's default; a conversation takes
         it unless False), with ``template_kwargs`` as template variables; ``verify`` with its FLy
         settings (the server's where None); ``max_new_tokens`` None: the rest of the context;
-        ``seeded`` False: the request set no seed, a sampled one gets a fresh one."""
+        ``seeded`` False: the request set no seed, a sampled one gets a fresh one; ``tools``: the
+        function definitions the chat template is shown (OpenAI's ``tools``). A constraint
+        (``sampling.constraint``) is compiled against the model's tokenizer here: one that does
+        not compile is refused with the compiler's words."""
         parsed = Mode.parse(mode, SERVED_MODES, " (sd runs in-process only: card-client generate "
                             "--inprocess --mode sd)")
         policy = self._verify_policy(verify, entropy_threshold, window)
@@ -131,6 +142,10 @@ class Validator:
         check_logprobs(logprobs)
         chain.over(TreeParams())  # refuse bad values here, not at the cache mid-request
         kwargs = check_template_kwargs(template_kwargs)
+        if tools:
+            kwargs["tools"] = [dict(t) for t in tools]
+        if sampling.constraint is not None:  # compiled once here; the generation takes it from the cache
+            self.grammars.check(sampling.constraint)
         ids = self._prompt_ids(prompt, chat, kwargs)
         room = self.context_window - len(ids)
         wanted = (max_new_tokens or room) if cap is None else min(max_new_tokens or room, cap)

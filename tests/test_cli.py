@@ -412,3 +412,24 @@ def test_the_readme_maps_vllm_serve_flags_to_card_target_flags_that_exist():
             "--chat-template", "--disable-log-requests"} <= vllm
     flags = {opt for param in target.params for opt in (*param.opts, *param.secondary_opts)}
     assert ours and not ours - flags, ours - flags
+
+
+def test_a_constraint_holds_and_card_equals_vanilla_through_the_cli(models, tmp_path):
+    """--constraint (structured outputs): the output matches it, card's equals plain decoding's;
+    a schema from a file; a constraint that does not compile is one line naming the problem."""
+    import re
+
+    regex = ("--constraint", "regex=[0-9]{3}-[a-z]{2,5}")
+    plain, card = generate_json(models, "vanilla", *regex), generate_json(models, "card", *regex)
+    assert card["token_ids"] == plain["token_ids"]
+    assert re.fullmatch(r"[0-9]{3}-[a-z]{2,5}", plain["text"]), plain["text"]
+    schema = tmp_path / "schema.json"
+    schema.write_text(json.dumps({"type": "object", "properties": {"ok": {"type": "boolean"}},
+                                  "required": ["ok"], "additionalProperties": False}))
+    answer = generate_json(models, "card", "--constraint", f"json_schema=@{schema}")
+    assert json.loads(answer["text"]) in ({"ok": True}, {"ok": False})
+    proc = run_cli("generate", "hi", "--inprocess", "--target-model", str(models["target"]),
+                   "--constraint", "regex=([a-z")
+    _assert_one_line_error(proc, "INVALID_ARGUMENT", "regex")
+    proc = run_cli("generate", "hi", "--inprocess", "--constraint", "yaml")
+    assert proc.returncode == 2 and "KIND=TEXT" in proc.stderr

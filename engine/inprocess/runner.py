@@ -37,6 +37,7 @@ from card.engine.shared.tree import Layer
 from card.engine.target.chain_source import ChainSource, NoDraft
 from card.engine.target.drafting_policy import DraftingConfig, DraftingPolicy
 from card.engine.target.generation import Chunk, Generation, GenerationResult
+from card.engine.target.grammar import compiler_for
 from card.engine.target.scheduler import TargetEngine, run_alone
 
 
@@ -204,6 +205,8 @@ class InProcessRunner:
             mode=self.config.mode.value,
             model_name=self.target.name,
             vocab_size=self._vocab,
+            grammars=compiler_for(self.target.tokenizer, self._vocab, self.target.eos_ids),
+            grammar_drafts=self.config.mode is not Mode.VANILLA,
         )
 
     def stream(self, gen: Generation) -> Iterator[Chunk]:

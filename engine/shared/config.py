@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -117,6 +118,56 @@ MAX_LOGIT_BIAS = 100.0
 MAX_LOGIT_BIAS_ENTRIES = 300
 
 
+# A request's output constraint (engine.target.grammar): its kinds, and bounds on its text (a JSON
+# schema, a regex, a Lark grammar or a JSON list of choices): a grammar compiles in time and memory
+# that grow with its text, so the text is bounded where the request is built.
+CONSTRAINT_KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
+MAX_CONSTRAINT_CHARS = 64 * 1024
+MAX_CHOICES = 256
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """What the output must match: ``kind`` one of CONSTRAINT_KINDS, ``text`` its description:
+
+        json_schema   a JSON schema (as JSON text)
+        json_object   any JSON object (text empty)
+        regex         a regular expression the whole output matches
+        choice        a JSON list of strings, the output one of them
+        grammar       a Lark grammar (llguidance's dialect; GBNF is read too)
+
+    Checked here for form (kind, size, JSON where JSON is due); whether a schema, regex or grammar
+    compiles is checked against the model's tokenizer where the request enters
+    (engine.target.grammar.GrammarCompiler.check), before any work."""
+
+    kind: str
+    text: str = ""
+
+    def __post_init__(self) -> None:
+        if self.kind not in CONSTRAINT_KINDS:
+            raise InvalidArgument(f"constraint kind must be one of {', '.join(CONSTRAINT_KINDS)}, "
+                                  f"got {self.kind!r}")
+        if not isinstance(self.text, str) or len(self.text) > MAX_CONSTRAINT_CHARS:
+            raise InvalidArgument(f"a {self.kind} constraint is text of at most "
+                                  f"{MAX_CONSTRAINT_CHARS} characters")
+        if self.kind == "json_object":
+            object.__setattr__(self, "text", "")
+            return
+        if not self.text:
+            raise InvalidArgument(f"a {self.kind} constraint needs its text "
+                                  "(schema, regex, choices or grammar)")
+        if self.kind in ("json_schema", "choice"):
+            try:
+                value = json.loads(self.text)
+            except ValueError as exc:
+                raise InvalidArgument(f"the {self.kind} constraint is not valid JSON: {exc}") from None
+            if self.kind == "json_schema" and not isinstance(value, dict | bool):
+                raise InvalidArgument("a JSON schema must be a JSON object")
+            if self.kind == "choice" and not (isinstance(value, list) and 0 < len(value) <= MAX_CHOICES
+                                              and all(isinstance(c, str) and c for c in value)):
+                raise InvalidArgument(f"choice: a list of 1 to {MAX_CHOICES} non-empty strings")
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How the target picks each token.
@@ -132,6 +183,10 @@ class SamplingParams:
     ``repetition_penalty`` (over prompt and output tokens), ``presence_penalty`` and
     ``frequency_penalty`` (over output tokens). ``min_p`` filters after the temperature (sampled
     requests only, as in vLLM).
+
+    ``constraint``: the output must match it (a JSON schema, a regex, ...): the grammar's mask
+    is one more processor, applied last (engine.target.grammar), and EOS is allowed only where the
+    grammar accepts.
     """
 
     temperature: float = 0.0
@@ -144,6 +199,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()
     min_tokens: int = 0
+    constraint: Constraint | None = None
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.temperature) and 0 <= self.temperature <= MAX_TEMPERATURE):
@@ -195,7 +251,8 @@ class SamplingParams:
         """Some logits processor changes the target's logits (so also its argmax: a greedy
         request's token is then read off the processed logits, never the device's argmax)."""
         return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
-                or self.frequency_penalty != 0.0 or bool(self.logit_bias) or self.min_tokens > 0)
+                or self.frequency_penalty != 0.0 or bool(self.logit_bias) or self.min_tokens > 0
+                or self.constraint is not None)
 
 
 @dataclass(frozen=True)

@@ -23,8 +23,9 @@ import torch
 from card.engine.shared.config import MAX_CHAIN, GenerationRequest, SamplingParams
 from card.engine.shared.errors import InvalidArgument
 from card.engine.shared.stats import GenerationStats
-from card.engine.shared.tree import Correction, Outcome, Proposal
+from card.engine.shared.tree import NO_NODE, Correction, Outcome, Proposal
 from card.engine.target.chain_source import ChainSource, StepResult
+from card.engine.target.grammar import GrammarCompiler
 from card.engine.target.stopping import OutputTracker
 from card.engine.target.verify import RowPicks, TargetState, TokenLogprob
 
@@ -73,7 +74,10 @@ def check_prompt(prompt_ids: Sequence[int], context_window: int, model_name: str
 class Generation:
     """One generation; ``result`` is set once it ends. An engine drives it through ``open /
     next_input (prefill) or correction + take_step (decode) / absorb / close``. ``vocab_size``:
-    the target's (a chain token outside it is cut; 0: no check)."""
+    the target's (a chain token outside it is cut; 0: no check). ``grammars``: the model's
+    grammar compiler, needed by a request with a constraint; ``grammar_drafts``: where the grammar
+    forces the next tokens, verify those (a chain no model drafted) instead of a source's chain
+    that leaves them (engine.target.grammar; off for plain decoding, which verifies no chain)."""
 
     def __init__(
         self,
@@ -86,6 +90,8 @@ class Generation:
         mode: str,
         model_name: str = "the target model",
         vocab_size: int = 0,
+        grammars: GrammarCompiler | None = None,
+        grammar_drafts: bool = True,
     ) -> None:
         check_prompt(request.prompt_ids, context_window, model_name)
         self.request = request
@@ -96,9 +102,16 @@ class Generation:
                                      verify=request.verify.effective(request.sampling).value)
         if vocab_size and any(t >= vocab_size for t, _ in request.sampling.logit_bias):
             raise InvalidArgument(f"logit_bias names a token id outside the vocabulary [0, {vocab_size})")
+        constraint = request.sampling.constraint
+        if constraint is not None and grammars is None:
+            raise InvalidArgument("this target cannot constrain its output "
+                                  "(no grammar compiler for its tokenizer)")
+        grammar = grammars.state(constraint) if constraint is not None and grammars is not None else None
+        self.grammar_drafts = grammar_drafts and grammar is not None
+        self.grammar_drafted = 0  # chain tokens the grammar forced (no model drafted them)
         # min_tokens holds back every token that would end the generation
         self.target = TargetState(request.prompt_ids, request.sampling, request.verify, request.logprobs,
-                                  ending_ids={*eos_ids, *request.stop.stop_token_ids})
+                                  ending_ids={*eos_ids, *request.stop.stop_token_ids}, grammar=grammar)
         self.logprobs: list[TokenLogprob] = []  # of the tokens streamed so far, when asked for
         self._vocab = vocab_size or 2**62
         self.result: GenerationResult | None = None
@@ -196,7 +209,34 @@ class Generation:
         # cut at a bad token is not, and is verified exactly (lossless whatever the chain)
         drawn = chain.proposal is not None and bad is None
         self._pending_q = chain.proposal.head(len(self._pending)) if drawn and chain.proposal else None
+        if self.target.processors.grammar is not None:
+            self._follow_grammar(max(room, 0))
         return [token, *self._pending], len(committed) - 1
+
+    def _follow_grammar(self, room: int) -> None:
+        """Cut the pending chain where it leaves the grammar (its next token would get -inf in
+        its row: no rule keeps it); with grammar drafts, verify the tokens the grammar forces
+        where the chain does not begin with them, and continue a chain (not a drawn one: its
+        proposal covers its own tokens) with the tokens the grammar forces after it. Either way
+        exact: the rows the target judges are plain decoding's rows, only which chain it judges
+        changes."""
+        grammar = self.target.processors.grammar
+        assert grammar is not None
+        keep = grammar.valid_prefix(self._pending)
+        if keep < len(self._pending):
+            self.trim_chain(keep)
+        if not self.grammar_drafts:
+            return
+        forced = grammar.forced(room)
+        if forced and list(self._pending[:len(forced)]) != forced:
+            self._pending, self._pending_ids, self._pending_q = forced, (NO_NODE,) * len(forced), None
+            self.grammar_drafted += len(forced)
+        if self._pending_q is None and self._pending:
+            more = grammar.forced(room - len(self._pending), after=self._pending)
+            if more:
+                self._pending = [*self._pending, *more]
+                self._pending_ids = (*self._pending_ids, *(NO_NODE,) * len(more))
+                self.grammar_drafted += len(more)
 
     def trim_chain(self, length: int) -> list[int]:
         """Verify only the chain's first ``length`` tokens (the engine's speculation budget; the

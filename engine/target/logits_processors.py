@@ -10,8 +10,10 @@ vllm/v1/sample/sampler.py, and its built-in processors, vllm/v1/sample/logits_pr
                            a negative one multiplied
     4. frequency_penalty   times the token's count in the output, subtracted; then
        presence_penalty    subtracted once for a token the output holds
+    5. the grammar         tokens the request's constraint does not allow get -inf
+                           (engine.target.grammar: its state follows the row's context too)
     -- a greedy request takes the argmax here
-    5. temperature, min_p (relative to the likeliest token's probability), top-k, top-p:
+    6. temperature, min_p (relative to the likeliest token's probability), top-k, top-p:
        engine.target.sampling.filtered_probs
 
 Exact under speculation: the target judges a chain ``[next, *chain]`` row by row, and row j must
@@ -31,6 +33,7 @@ from collections.abc import Iterable, Sequence
 import torch
 
 from card.engine.shared.config import SamplingParams
+from card.engine.target.grammar import GrammarState
 
 
 class LogitsProcessors:
@@ -39,8 +42,9 @@ class LogitsProcessors:
     pass through untouched, on the device where they are)."""
 
     def __init__(self, params: SamplingParams, prompt_ids: Sequence[int],
-                 ending_ids: Iterable[int] = ()) -> None:
+                 ending_ids: Iterable[int] = (), grammar: GrammarState | None = None) -> None:
         self.params = params
+        self.grammar = grammar  # the request's constraint, compiled (None: unconstrained)
         self.active = params.adjusts_logits
         self.outputs = 0  # output tokens committed
         self.version = 0  # bumped by every commit: rows computed before it are stale after it
@@ -63,6 +67,8 @@ class LogitsProcessors:
         """Output tokens the target committed (its next token included)."""
         self.outputs += len(tokens)
         self.version += 1
+        if self.grammar is not None:
+            self.grammar.commit(tokens)
         if self._penalized:
             for token in tokens:
                 self._see(token, output=True)
@@ -95,6 +101,15 @@ class LogitsProcessors:
             if p.presence_penalty != 0.0:
                 values = values - p.presence_penalty * (counts > 0).to(torch.float64)
             x[ids] = values
+        if self.grammar is not None:
+            allowed = self.grammar.mask(prefix)
+            n = min(vocab, allowed.numel())
+            x[:n].masked_fill_(~allowed[:n], float("-inf"))
+            x[n:] = float("-inf")  # ids past the tokenizer's are no grammar's
+            if not bool(torch.isfinite(x).any()):  # min_tokens held back the only ending left:
+                ending = self._ending[(self._ending < n)]  # the grammar's end wins
+                ending = ending[allowed[ending]]
+                x[ending] = row.detach().to("cpu", torch.float64)[ending]
         return x
 
     # ---- the penalty context -----------------------------------------------------------------

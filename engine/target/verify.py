@@ -36,6 +36,7 @@ import torch
 
 from card.engine.shared.config import SamplingParams, Verify, VerifyPolicy
 from card.engine.shared.tree import Proposal
+from card.engine.target.grammar import GrammarState
 from card.engine.target.logits_processors import LogitsProcessors, ProcessedRows
 from card.engine.target.sampling import draw, filtered_probs, position_uniform, select_token
 
@@ -150,12 +151,12 @@ class TargetState:
 
     def __init__(self, prompt_ids: Sequence[int], sampling: SamplingParams,
                  verify: VerifyPolicy | None = None, logprobs: int | None = None,
-                 ending_ids: Iterable[int] = ()) -> None:
+                 ending_ids: Iterable[int] = (), grammar: GrammarState | None = None) -> None:
         self.sampling = sampling
         self.verify = verify or VerifyPolicy()
         self.logprobs = logprobs
         self.committed: list[int] = list(prompt_ids)
-        self.processors = LogitsProcessors(sampling, prompt_ids, ending_ids)
+        self.processors = LogitsProcessors(sampling, prompt_ids, ending_ids, grammar)
         self.forwards = 0
         self.loose_kept = 0  # drafted tokens kept that were not the target's own (loose only)
         self.fallbacks = 0  # rejection: chains verified exactly for want of a usable proposal

@@ -348,9 +348,10 @@ def test_a_grpc_call_without_a_deadline_is_served(trio):
 # ---- refusals, auth, health --------------------------------------------------------------------
 @pytest.mark.parametrize("extra", [{"n": 17}, {"top_logprobs": 2}, {"logprobs": True, "top_logprobs": 21},
                                    {"verify": "lossy"}, {"verify": "loose", "verify_window": 1},
-                                   {"tools": [{"type": "function", "function": {
-    "name": "f", "parameters": {}}}]}, {"presence_penalty": 2.5}, {"logit_bias": {"49152": 1}},
-    {"min_tokens": 5}, {"repetition_penalty": 0}, {"top_p": 0}, {"guided_regex": "a+"},
+                                   {"tools": [{"type": "function", "function": {"name": "f"}}],
+                                    "tool_choice": {"type": "function", "function": {"name": "g"}}},
+    {"presence_penalty": 2.5}, {"logit_bias": {"49152": 1}},
+    {"min_tokens": 5}, {"repetition_penalty": 0}, {"top_p": 0}, {"guided_regex": "(a+"},
     {"stop": [chr(97 + i) for i in range(MAX_STOP_STRINGS + 1)]}])
 def test_fields_that_would_change_output_are_refused(api, model_id, extra):
     with pytest.raises(openai.BadRequestError) as err:

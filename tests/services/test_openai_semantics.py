@@ -327,7 +327,7 @@ def test_fields_a_client_adds_are_ignored_and_streams_carry_usage(api, model_id)
     assert usage == sorted(usage) and usage[-1] == 8
 
 
-@pytest.mark.parametrize("extra", [{"guided_json": {"type": "object"}}, {"use_beam_search": True},
+@pytest.mark.parametrize("extra", [{"guided_json": {"type": "objectx"}}, {"use_beam_search": True},
                                    {"add_generation_prompt": False}, {"chat_template": "{{ 1 }}"},
                                    {"chat_template_kwargs": {"tokenize": False}}, {"stop_token_ids": [10**6]},
                                    {"seed": 2**64}])
@@ -345,9 +345,9 @@ def test_unknown_fields_make_one_debug_line(model, caplog):
         CompletionBody.model_validate(body).valid(validator)
     lines = [r.getMessage() for r in caplog.records if "ignored fields" in r.getMessage()]
     assert lines == ["ignored fields this server does not know: store, use_beam_search, stream_options.other"]
-    message = {"role": "user", "content": "hi", "tool_calls": []}
+    message = {"role": "user", "content": "hi", "reasoning": "none"}
     chat = ChatBody.model_validate({"model": model.name, "messages": [message]})
-    assert chat.unknown() == ["messages[0].tool_calls"]
+    assert chat.unknown() == ["messages[0].reasoning"]
 
 
 # ---- templates, /tokenize, /detokenize ------------------------------------------------------------
