@@ -22,6 +22,7 @@ import contextlib
 import itertools
 import json
 import os
+import resource
 import statistics
 import subprocess
 import threading
@@ -35,10 +36,18 @@ import torch
 from card.client.bench import data, report
 from card.client.bench.load import one_request
 from card.client.bench.report import percentile
-from card.client.trio import HTTP_LISTENING, LocalTrio, ServiceProcess, console_script, die_with_parent
+from card.client.trio import (
+    HTTP_LISTENING,
+    LocalTrio,
+    ServiceProcess,
+    console_script,
+    die_with_parent,
+    free_port,
+)
 from card.engine.loading.models import LoadedModel, ModelConfig, load_model
 from card.engine.shared.config import GenerationRequest, SamplingParams, StopParams
 from card.engine.shared.kv_pool import KVPool
+from card.engine.shared.torch_threads import name_os_thread
 from card.engine.target.chain_source import NoDraft
 from card.engine.target.generation import Generation
 from card.engine.target.scheduler import TargetEngine
@@ -52,21 +61,26 @@ def thread_cpu(pid: int) -> dict[str, float]:
     thread and its OpenMP workers, which take its name), "serving" (every other thread, gRPC,
     HTTP, metrics), and "process" (all of them, threads that ended included). On a loaded machine
     CPU time per token is what a side costs; wall time is what the load left it."""
-    def ticks(stat: str) -> tuple[str, float]:
+    def ticks(stat: str) -> tuple[str, float, float]:
         comm = stat[stat.index("(") + 1:stat.rindex(")")]
         fields = stat[stat.rindex(")") + 2:].split()
-        return comm, (int(fields[11]) + int(fields[12])) * _TICK_S
+        return comm, int(fields[11]) * _TICK_S, int(fields[12]) * _TICK_S
 
-    out = {"engine": 0.0, "serving": 0.0}
+    out = {"engine": 0.0, "engine_sys": 0.0, "serving": 0.0}
     with open(f"/proc/{pid}/stat") as f:
-        out["process"] = ticks(f.read())[1] + 0.0
+        _, user, system = ticks(f.read())
+        out["process"] = user + system
     for tid in os.listdir(f"/proc/{pid}/task"):
         try:
             with open(f"/proc/{pid}/task/{tid}/stat") as f:
-                comm, cpu = ticks(f.read())
+                comm, user, system = ticks(f.read())
         except OSError:  # ended meanwhile
             continue
-        out["engine" if comm.startswith("target-engine") else "serving"] += cpu
+        if comm.startswith("target-engine"):
+            out["engine"] += user + system
+            out["engine_sys"] += system
+        else:
+            out["serving"] += user + system
     return out
 
 
@@ -107,10 +121,13 @@ def _closed_loop(prompts: Sequence[Sequence[int]], clients: int,
 class InProcess:
     """The engine on this thread, ``slots`` KV slots, closed loop of ``clients`` generations."""
 
-    name = "inprocess"
-    pid = None  # this process: its engine is this thread (time.thread_time)
+    pid = None  # this process: the engine's CPU is its thread's (``cpu``: user, system seconds)
 
-    def __init__(self, model: LoadedModel, threads: int, slots: int, max_len: int) -> None:
+    def __init__(self, model: LoadedModel, threads: int, slots: int, max_len: int,
+                 on_thread: bool = False) -> None:
+        self.name = "inprocess-thread" if on_thread else "inprocess"
+        self.on_thread = on_thread
+        self.cpu = (0.0, 0.0)
         self.model = model
         self.threads = threads
         torch.set_num_threads(threads)
@@ -126,7 +143,23 @@ class InProcess:
 
     def run(self, prompts: Sequence[Sequence[int]], clients: int,
             max_new_tokens: int) -> tuple[list[Record], float]:
+        if not self.on_thread:
+            return self._run(prompts, clients, max_new_tokens)
+        out: list = []  # as card-target runs it: on a thread of its own, started for it
+
+        def run() -> None:
+            name_os_thread("target-engine")
+            out.append(self._run(prompts, clients, max_new_tokens))
+
+        thread = threading.Thread(target=run, name="target-engine")
+        thread.start()
+        thread.join()
+        return out[0]
+
+    def _run(self, prompts: Sequence[Sequence[int]], clients: int,
+             max_new_tokens: int) -> tuple[list[Record], float]:
         torch.set_num_threads(self.threads)
+        usage0 = resource.getrusage(resource.RUSAGE_THREAD)
         engine = self.engine
         queues = [[(c + k) % len(prompts) for k in range(len(prompts))] for c in range(clients)]
         live: dict[Generation, Record] = {}
@@ -143,9 +176,15 @@ class InProcess:
         t0 = time.perf_counter()
         for c in range(clients):
             admit(c)
+        self.phases = {"plan": 0.0, "forward": 0.0, "commit": 0.0, "iterations": 0.0}
         while live:
             events = engine.step()
             now = time.perf_counter()
+            if (times := engine.last) is not None:
+                engine.last = None
+                for phase in ("plan", "forward", "commit"):
+                    self.phases[phase] += getattr(times, phase)
+                self.phases["iterations"] += 1
             for event in events:
                 rec = live[event.generation]
                 if event.chunk is not None and event.chunk.token_ids:
@@ -158,6 +197,8 @@ class InProcess:
                     rec["wall_s"] = now - rec["t0"]
                     records.append(rec)
                     admit(rec["client"])
+        usage = resource.getrusage(resource.RUSAGE_THREAD)
+        self.cpu = (usage.ru_utime - usage0.ru_utime, usage.ru_stime - usage0.ru_stime)
         return records, time.perf_counter() - t0
 
     def close(self) -> None:
@@ -167,8 +208,8 @@ class InProcess:
 class OverGrpc:
     """A card-target's gRPC Generate, streamed (card.client.bench.load.one_request)."""
 
-    def __init__(self, name: str, addr: str, pid: int) -> None:
-        self.name, self.addr, self.pid = name, addr, pid
+    def __init__(self, name: str, addr: str, pid: int, metrics_port: int = 0) -> None:
+        self.name, self.addr, self.pid, self.metrics_port = name, addr, pid, metrics_port
 
     def run(self, prompts: Sequence[Sequence[int]], clients: int,
             max_new_tokens: int) -> tuple[list[Record], float]:
@@ -184,8 +225,9 @@ class OverHttp:
     """A card-target's OpenAI API: streamed /v1/completions of the prompt's token ids, as AIPerf
     streams (one httpx client per request)."""
 
-    def __init__(self, name: str, addr: str, model: str, pid: int) -> None:
+    def __init__(self, name: str, addr: str, model: str, pid: int, metrics_port: int = 0) -> None:
         self.name, self.url, self.model, self.pid = name, f"http://{addr}/v1/completions", model, pid
+        self.metrics_port = metrics_port
 
     def run(self, prompts: Sequence[Sequence[int]], clients: int,
             max_new_tokens: int) -> tuple[list[Record], float]:
@@ -246,7 +288,8 @@ def target_alone(model: str, threads: int, http: bool, log_dir: Path, name: str 
     of that source tree instead of this one."""
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / f"card-{name}-alone.log"
-    args = ["--model", model, "--port", "0", "--threads", str(threads), "--metrics-port", "0",
+    metrics_port = free_port()
+    args = ["--model", model, "--port", "0", "--threads", str(threads), "--metrics-port", str(metrics_port),
             *(["--http-port", "0"] if http else ["--no-http"])]
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
     if tree is not None:
@@ -255,7 +298,7 @@ def target_alone(model: str, threads: int, http: bool, log_dir: Path, name: str 
         proc = subprocess.Popen(die_with_parent([console_script("card-target"), *args]), stdout=log,
                                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
                                 env=env)
-    service = ServiceProcess("card-target", proc, log_path)
+    service = ServiceProcess("card-target", proc, log_path, metrics_port=metrics_port)
     try:
         service.addr = service.wait_listening(600)
         service.wait_serving(600)
@@ -266,6 +309,22 @@ def target_alone(model: str, threads: int, http: bool, log_dir: Path, name: str 
             proc.wait(10)
         except subprocess.TimeoutExpired:
             proc.kill()
+
+
+def scrape_phases(metrics_port: int) -> dict[str, float]:
+    """card-target's iteration seconds by phase (sums) and its iteration count, from /metrics."""
+    import urllib.request
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    out = {"plan": 0.0, "forward": 0.0, "commit": 0.0, "iterations": 0.0}
+    for line in text.splitlines():
+        if line.startswith("card_target_iteration_seconds_sum{"):
+            phase = line.split('phase="', 1)[1].split('"', 1)[0]
+            out[phase] = float(line.rsplit(" ", 1)[1])
+        elif line.startswith('card_target_iteration_seconds_count{phase="forward"}'):
+            out["iterations"] = float(line.rsplit(" ", 1)[1])
+    return out
 
 
 def summarize(records: list[Record], wall: float, max_new_tokens: int) -> dict:
@@ -300,29 +359,31 @@ def main(model: str, threads: int | None, trio_target_threads: int | None, sides
     wanted = [s.strip() for s in sides.split(",") if s.strip()]
     level_list = [int(x) for x in levels.split(",")]
     ds = data.load(f"prompts={prompt_file}", n_prompts, None)
-    loaded = load_model(ModelConfig(spec=model))
+    # as card-client generate and card-target load it (--exact on: the batch-invariant forward)
+    loaded = load_model(ModelConfig(spec=model, exact=True))
     prompts = [loaded.encode_prompt(p) for p in ds.prompts]
     log_dir = out.with_name(out.stem + "-logs")
     with contextlib.ExitStack() as stack:
         built: list = []
         for side in wanted:
-            if side == "inprocess":
-                built.append(InProcess(loaded, threads, max(level_list), 2048))
+            if side in ("inprocess", "inprocess-thread"):
+                built.append(InProcess(loaded, threads, max(8, *level_list), loaded.context_window,
+                                       on_thread=side == "inprocess-thread"))
             elif side in ("target", "target-base"):
                 if side == "target-base" and baseline_tree is None:
                     raise click.BadParameter("side target-base needs --baseline-tree")
                 svc = stack.enter_context(target_alone(model, threads, http, log_dir, side,
                                                        baseline_tree if side == "target-base" else None))
                 http_addr = svc.wait_listening(60, HTTP_LISTENING) if http else ""
-                built.append(_front(side, http_addr or svc.addr, svc.proc.pid, http, model))
+                built.append(_front(side, http_addr or svc.addr, svc.proc.pid, http, model, svc.metrics_port))
             elif side == "trio":
                 trio = stack.enter_context(LocalTrio(
                     target_model=model, draft_model="default", draft_quantize="int8",
                     target_threads=trio_target_threads, log_dir=log_dir / "trio",
-                    http_port=0 if http else None))
+                    http_port=0 if http else None, metrics=True))
                 addr = trio.http_addr if http else trio.target_addr
                 pid = next(p.proc.pid for p in trio.processes if p.name == "card-target")
-                built.append(_front("trio", addr, pid, http, model))
+                built.append(_front("trio", addr, pid, http, model, trio.metrics_ports["card-target"]))
             else:
                 raise click.BadParameter(f"unknown side {side}")
         for side in built:  # warm-up
@@ -339,10 +400,12 @@ def main(model: str, threads: int | None, trio_target_threads: int | None, sides
                         for r in row["records"]:
                             reference.setdefault(r["prompt_index"], r["token_ids"])
                     results.append(row)
-                    cpu = row["cpu_ms_per_token"]
+                    cpu, it = row["cpu_ms_per_token"], row.get("iteration_ms", {})
                     click.echo(f"round {rnd} {side.name} x{level}: {row['tok_s']:.2f} tok/s, itl p50 "
                                f"{row['itl_p50_ms']:.1f} ms, cpu ms/token engine {cpu['engine']:.2f} "
-                               f"serving {cpu['serving']:.2f} client {cpu['client']:.2f}", err=True)
+                               f"(sys {cpu['engine_sys']:.2f}) "
+                               f"serving {cpu['serving']:.2f} client {cpu['client']:.2f}; iteration ms "
+                               + " ".join(f"{k} {v:.2f}" for k, v in it.items()), err=True)
     for row in results:
         if reference and "token_ids" in row["records"][0]:
             row["exact"] = all(r["token_ids"] == reference.get(r["prompt_index"], r["token_ids"])
@@ -358,8 +421,8 @@ def main(model: str, threads: int | None, trio_target_threads: int | None, sides
                                "machine": machine, "table": table, "rows": results}, indent=1))
 
 
-def _front(name: str, addr: str, pid: int, http: bool, model: str) -> OverGrpc | OverHttp:
-    return OverHttp(name, addr, model, pid) if http else OverGrpc(name, addr, pid)
+def _front(name: str, addr: str, pid: int, http: bool, model: str, metrics_port: int) -> OverGrpc | OverHttp:
+    return OverHttp(name, addr, model, pid, metrics_port) if http else OverGrpc(name, addr, pid, metrics_port)
 
 
 def measured(side: InProcess | OverGrpc | OverHttp, prompts: Sequence[Sequence[int]], level: int,
@@ -367,14 +430,26 @@ def measured(side: InProcess | OverGrpc | OverHttp, prompts: Sequence[Sequence[i
     """One side at one level: the summary, its CPU ms per token (the server's by thread group,
     this process's: the clients, or the in-process engine) and the records."""
     server0 = thread_cpu(side.pid) if side.pid else None
-    here0, engine0 = time.process_time(), time.thread_time()
+    port = getattr(side, "metrics_port", 0)
+    phases0 = scrape_phases(port) if port else None
+    here0 = time.process_time()
     recs, wall = side.run(prompts, level, max_new_tokens)
-    here, engine = time.process_time() - here0, time.thread_time() - engine0
+    here = time.process_time() - here0
+    engine_sys = side.cpu[1] if isinstance(side, InProcess) else 0.0
+    engine = side.cpu[0] + engine_sys if isinstance(side, InProcess) else 0.0
     row = summarize(recs, wall, max_new_tokens)
+    phases = getattr(side, "phases", None)
+    if phases0 is not None:
+        after = scrape_phases(port)
+        phases = {k: after[k] - phases0[k] for k in after}
+    if phases and phases["iterations"]:  # ms per iteration, and iterations per token
+        row["iteration_ms"] = {k: phases[k] / phases["iterations"] * 1e3
+                               for k in ("plan", "forward", "commit")}
+        row["iterations"] = phases["iterations"]
     per = 1e3 / max(row["tokens"], 1)
     if server0 is None:
-        row["cpu_ms_per_token"] = {"engine": engine * per, "serving": 0.0, "process": here * per,
-                                   "client": 0.0}
+        row["cpu_ms_per_token"] = {"engine": engine * per, "engine_sys": engine_sys * per, "serving": 0.0,
+                                   "process": here * per, "client": 0.0}
     else:
         server = thread_cpu(side.pid)
         row["cpu_ms_per_token"] = {k: (server[k] - server0[k]) * per for k in server} | {"client": here * per}
@@ -407,7 +482,8 @@ def _table(rows: list[dict], sides: list[str], levels: list[int]) -> str:
                          f"{statistics.median(r['cpu_ms_per_token']['serving'] for r in rs):.2f} | "
                          f"{statistics.median(r['cpu_ms_per_token']['client'] for r in rs):.2f} | "
                          f"{all(r.get('exact', True) for r in rs)} |" if ratios else
-                         f"| {side} | {level} | {statistics.median(r['tok_s'] for r in rs):.1f} | - | - | - | - |")
+                         f"| {side} | {level} | {statistics.median(r['tok_s'] for r in rs):.1f} | - |"
+                         " - | - | - | - | - | - |")
     return "\n".join(lines)
 
 
