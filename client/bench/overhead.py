@@ -47,7 +47,7 @@ from card.client.trio import (
 from card.engine.loading.models import LoadedModel, ModelConfig, load_model
 from card.engine.shared.config import GenerationRequest, SamplingParams, StopParams
 from card.engine.shared.kv_pool import KVPool
-from card.engine.shared.torch_threads import name_os_thread
+from card.engine.shared.torch_threads import name_os_thread, on_passing_thread
 from card.engine.target.chain_source import NoDraft
 from card.engine.target.generation import Generation
 from card.engine.target.scheduler import TargetEngine
@@ -235,7 +235,7 @@ class OverHttp:
 
         def one(prompt: Sequence[int]) -> Record:
             body = {"model": self.model, "prompt": list(prompt), "max_tokens": max_new_tokens,
-                    "temperature": 0, "ignore_eos": True, "stream": True,
+                    "temperature": 0, "ignore_eos": True, "stream": True, "mode": "vanilla",
                     "stream_options": {"include_usage": True}}
             stamps: list[tuple[float, int]] = []
             text: list[str] = []
@@ -359,8 +359,11 @@ def main(model: str, threads: int | None, trio_target_threads: int | None, sides
     wanted = [s.strip() for s in sides.split(",") if s.strip()]
     level_list = [int(x) for x in levels.split(",")]
     ds = data.load(f"prompts={prompt_file}", n_prompts, None)
-    # as card-client generate and card-target load it (--exact on: the batch-invariant forward)
-    loaded = load_model(ModelConfig(spec=model, exact=True))
+    # as card-client generate and card-target load it (--exact on: the batch-invariant forward),
+    # on a passing thread at the forwards' thread count as card-target does (its start-up probes
+    # check that count, and no OpenMP pool outlives the load: card.engine.shared.torch_threads)
+    config = ModelConfig(spec=model, exact=True)
+    loaded = on_passing_thread(lambda: load_model(config), threads, "load-target")
     prompts = [loaded.encode_prompt(p) for p in ds.prompts]
     log_dir = out.with_name(out.stem + "-logs")
     with contextlib.ExitStack() as stack:
@@ -410,6 +413,11 @@ def main(model: str, threads: int | None, trio_target_threads: int | None, sides
         if reference and "token_ids" in row["records"][0]:
             row["exact"] = all(r["token_ids"] == reference.get(r["prompt_index"], r["token_ids"])
                                for r in row["records"])
+    for row in results:  # the raw file keeps each request's timings, not its tokens and gaps
+        row["records"] = [{"prompt_index": r["prompt_index"], "wall_s": r["wall_s"],
+                           "ttft_s": r.get("ttft_s", r["stamps"][0][0] if r.get("stamps") else None),
+                           "new_tokens": len(r["token_ids"]) if "token_ids" in r else r.get("new_tokens")}
+                          for r in row["records"]]
     table = _table(results, wanted, level_list)
     click.echo(table)
     out.parent.mkdir(parents=True, exist_ok=True)
