@@ -194,6 +194,7 @@ class InProcess:
                     result = event.generation.result
                     assert result is not None and event.error is None, event.error
                     rec["token_ids"] = list(result.token_ids)
+                    rec["text"] = result.text
                     rec["wall_s"] = now - rec["t0"]
                     records.append(rec)
                     admit(rec["client"])
@@ -262,22 +263,21 @@ class OverHttp:
         return _closed_loop(prompts, clients, one)
 
 
-# the import package ``card`` of a source tree: its folders as the editable install maps them
-_PACKAGES = {"cache_service": "cache_service", "client": "client", "common": "card_common",
-             "draft_service": "draft_service", "engine": "engine", "target_service": "target_service"}
-
-
 def package_of(tree: Path, into: Path) -> Path:
     """A folder whose ``card`` package is ``tree``'s (another checkout, e.g. ``git archive HEAD``
     before a change), for PYTHONPATH: a service started with it runs that code, beside this
-    one's, in the same run."""
+    one's, in the same run. Its folders as ``tree``'s pyproject.toml maps them (package-dir)."""
+    import tomllib
+
+    dirs = tomllib.loads((tree / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
     card = into / "card"
     if not card.exists():
         card.mkdir(parents=True)
-        for item in (tree / "protos" / "card").iterdir():
+        for item in (tree / dirs["card"]).iterdir():
             (card / item.name).symlink_to(item.resolve())
-        for name, folder in _PACKAGES.items():
-            (card / name).symlink_to((tree / folder).resolve())
+        for name, folder in dirs.items():
+            if name != "card":
+                (card / name.removeprefix("card.")).symlink_to((tree / folder).resolve())
     return into
 
 
@@ -393,6 +393,7 @@ def main(model: str, threads: int | None, trio_target_threads: int | None, sides
             side.run(prompts[:1], 1, 8)
         results: list[dict] = []
         reference: dict[int, list[int]] = {}
+        texts: dict[int, str] = {}
         for rnd in range(rounds):
             for level in level_list:
                 shift = (rnd + level) % len(built)
@@ -402,6 +403,7 @@ def main(model: str, threads: int | None, trio_target_threads: int | None, sides
                     if side.name == "inprocess":
                         for r in row["records"]:
                             reference.setdefault(r["prompt_index"], r["token_ids"])
+                            texts.setdefault(r["prompt_index"], r["text"])
                     results.append(row)
                     cpu, it = row["cpu_ms_per_token"], row.get("iteration_ms", {})
                     click.echo(f"round {rnd} {side.name} x{level}: {row['tok_s']:.2f} tok/s, itl p50 "
@@ -409,10 +411,10 @@ def main(model: str, threads: int | None, trio_target_threads: int | None, sides
                                f"(sys {cpu['engine_sys']:.2f}) "
                                f"serving {cpu['serving']:.2f} client {cpu['client']:.2f}; iteration ms "
                                + " ".join(f"{k} {v:.2f}" for k, v in it.items()), err=True)
-    for row in results:
-        if reference and "token_ids" in row["records"][0]:
-            row["exact"] = all(r["token_ids"] == reference.get(r["prompt_index"], r["token_ids"])
-                               for r in row["records"])
+    for row in results:  # token ids over gRPC; over HTTP the text (OpenAI streams carry no ids)
+        key, want = ("token_ids", reference) if "token_ids" in row["records"][0] else ("text", texts)
+        if want:
+            row["exact"] = all(r[key] == want.get(r["prompt_index"], r[key]) for r in row["records"])
     for row in results:  # the raw file keeps each request's timings, not its tokens and gaps
         row["records"] = [{"prompt_index": r["prompt_index"], "wall_s": r["wall_s"],
                            "ttft_s": r.get("ttft_s", r["stamps"][0][0] if r.get("stamps") else None),
