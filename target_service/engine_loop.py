@@ -43,10 +43,10 @@ class LoopSink:
     """A generation's sink on an asyncio event loop (the HTTP front's streams): ``put`` runs on
     ``aio``. Called alone it is one ``call_soon_threadsafe``; the engine's thread hands every
     stream of one loop an iteration's events in ONE call instead (``EngineLoop._deliver_all``):
-    each call writes the loop's wake-up pipe, wakes its thread and takes the GIL, and on a
-    machine whose cores the forward's OpenMP threads hold, every wake-up is time taken from the
-    forward. Each stream still gets its events in order: the loop runs its callbacks in the
-    order they were scheduled."""
+    each call writes the loop's wake-up pipe and wakes its thread, which takes the GIL from the
+    forward's Python; one per iteration, not one per stream (its gain is small: docs/performance.md,
+    "What the services add per token"). Each stream still gets its events in order: the loop runs
+    its callbacks in the order they were scheduled."""
 
     __slots__ = ("aio", "put")
 
