@@ -439,7 +439,8 @@ def measured(side: InProcess | OverGrpc | OverHttp, prompts: Sequence[Sequence[i
              max_new_tokens: int) -> dict:
     """One side at one level: the summary, its CPU ms per token (the server's by thread group,
     this process's: the clients, or the in-process engine) and the records."""
-    server0 = thread_cpu(side.pid) if side.pid else None
+    pid = side.pid
+    server0 = thread_cpu(pid) if pid else None
     port = getattr(side, "metrics_port", 0)
     phases0 = scrape_phases(port) if port else None
     here0 = time.process_time()
@@ -457,11 +458,11 @@ def measured(side: InProcess | OverGrpc | OverHttp, prompts: Sequence[Sequence[i
                                for k in ("plan", "forward", "commit")}
         row["iterations"] = phases["iterations"]
     per = 1e3 / max(row["tokens"], 1)
-    if server0 is None:
+    if server0 is None or not pid:
         row["cpu_ms_per_token"] = {"engine": engine * per, "engine_sys": engine_sys * per, "serving": 0.0,
                                    "process": here * per, "client": 0.0}
     else:
-        server = thread_cpu(side.pid)
+        server = thread_cpu(pid)
         row["cpu_ms_per_token"] = {k: (server[k] - server0[k]) * per for k in server} | {"client": here * per}
     row["records"] = recs
     return row
