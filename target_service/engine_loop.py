@@ -19,6 +19,7 @@ intervals, tokens, and the spec-decode counters, labelled with the served model 
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 import time
@@ -36,6 +37,34 @@ from card.engine.target.scheduler import Event, TargetEngine
 from card.target_service import metrics
 
 log = logging.getLogger(__name__)
+
+
+class LoopSink:
+    """A generation's sink on an asyncio event loop (the HTTP front's streams): ``put`` runs on
+    ``aio``. Called alone it is one ``call_soon_threadsafe``; the engine's thread hands every
+    stream of one loop an iteration's events in ONE call instead (``EngineLoop._deliver_all``):
+    each call writes the loop's wake-up pipe and wakes its thread, which takes the GIL from the
+    forward's Python; one per iteration, not one per stream (its gain is small: docs/performance.md,
+    "What the services add per token"). Each stream still gets its events in order: the loop runs
+    its callbacks in the order they were scheduled."""
+
+    __slots__ = ("aio", "put")
+
+    def __init__(self, aio: asyncio.AbstractEventLoop, put: Callable[[Event], None]) -> None:
+        self.aio = aio
+        self.put = put
+
+    def __call__(self, event: Event) -> None:
+        self.aio.call_soon_threadsafe(self.put, event)
+
+
+def _put_all(items: list[tuple[Callable[[Event], None], Event]]) -> None:
+    """On the event loop: one iteration's events of its streams, in order."""
+    for put, event in items:
+        try:
+            put(event)
+        except Exception:  # one stream's failure must not keep the others' events from them
+            log.exception("delivering a generation's event failed")
 
 
 def drafting_policy(speculation: str) -> DraftingPolicy:
@@ -257,14 +286,24 @@ class EngineLoop:
             self.served.flush()
         except Exception:  # a metric must never stop the engine
             log.exception("observing generations' metrics failed")
+        batches: dict[asyncio.AbstractEventLoop, list[tuple[Callable[[Event], None], Event]]] = {}
         for event, sink, _, callback in handoffs:
-            if callback is not None:
+            if callback is not None:  # before the event: a loop runs its callbacks in order
                 try:
                     callback()
                 except Exception:
                     log.exception("an admission callback failed")
-            if sink is not None:
-                try:
-                    sink(event)
-                except Exception:  # a front that cannot take its event must not stop the engine
-                    log.exception("delivering a generation's event failed")
+            if sink is None:
+                continue
+            if isinstance(sink, LoopSink):
+                batches.setdefault(sink.aio, []).append((sink.put, event))
+                continue
+            try:
+                sink(event)
+            except Exception:  # a front that cannot take its event must not stop the engine
+                log.exception("delivering a generation's event failed")
+        for aio, items in batches.items():
+            try:
+                aio.call_soon_threadsafe(_put_all, items)
+            except Exception:  # its loop closed (shutdown): nobody reads these streams any more
+                log.exception("delivering %d event(s) to an event loop failed", len(items))

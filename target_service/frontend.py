@@ -28,12 +28,20 @@ from card.engine.target.scheduler import Event
 from card.target_service import metrics
 from card.target_service.cache_link import CacheClient, CacheTarget
 from card.target_service.config import TargetConfig
-from card.target_service.engine_loop import EngineLoop
+from card.target_service.engine_loop import EngineLoop, LoopSink
 from card.target_service.remote_card import RemoteCard
 from card.target_service.validation import Validator, ValidRequest, check_choices, choice_seed
 from card.v1 import cache_pb2_grpc
 
 log = logging.getLogger(__name__)
+
+
+def merged(chunks: list[Chunk]) -> Chunk | None:
+    """Consecutive chunks of one generation as one (None for none)."""
+    if len(chunks) <= 1:
+        return chunks[0] if chunks else None
+    return Chunk(tuple(t for c in chunks for t in c.token_ids), "".join(c.text for c in chunks),
+                 tuple(lp for c in chunks for lp in c.logprobs))
 
 
 class Running:
@@ -56,13 +64,11 @@ class Running:
             loop.submit(gen, self._box.put, self._slot.set)
             return
 
-        def sink(event: Event) -> None:  # on the engine's thread, as is ``admit``
-            aio.call_soon_threadsafe(self._abox.put_nowait, event)
-
-        def admit() -> None:
+        def admit() -> None:  # on the engine's thread
             aio.call_soon_threadsafe(self._aslot.set)
 
-        loop.submit(gen, sink, admit)
+        # the engine hands every stream of this loop an iteration's events at once (LoopSink)
+        loop.submit(gen, LoopSink(aio, self._abox.put_nowait), admit)
 
     @property
     def admitted(self) -> bool:
@@ -107,19 +113,35 @@ class Running:
         return event.done
 
     def __iter__(self) -> Iterator[Chunk]:
+        """Chunks as they come; a gRPC thread that fell behind the engine (its events waiting in
+        the box) sends what waits as one chunk: the same tokens, text and logprobs in order, one
+        message and one wake-up instead of several (``merged``)."""
         while True:
-            event = self._box.get()
-            if event.chunk is not None:
-                yield event.chunk
-            if self._ended(event):
+            events = [self._box.get()]
+            while not (events[-1].done or events[-1].error is not None):
+                try:
+                    events.append(self._box.get_nowait())
+                except queue.Empty:
+                    break
+            chunk = merged([e.chunk for e in events if e.chunk is not None])
+            if chunk is not None:
+                yield chunk
+            if self._ended(events[-1]):
                 return
 
     async def __aiter__(self) -> AsyncIterator[Chunk]:
+        """``__iter__`` on the event loop, waiting events merged alike."""
         while True:
-            event = await self._abox.get()
-            if event.chunk is not None:
-                yield event.chunk
-            if self._ended(event):
+            events = [await self._abox.get()]
+            while not (events[-1].done or events[-1].error is not None):
+                try:
+                    events.append(self._abox.get_nowait())
+                except asyncio.QueueEmpty:
+                    break
+            chunk = merged([e.chunk for e in events if e.chunk is not None])
+            if chunk is not None:
+                yield chunk
+            if self._ended(events[-1]):
                 return
 
     def not_admitted(self) -> ResourceExhausted:
