@@ -181,3 +181,17 @@ def test_the_pacer_pays_back_and_bounds_a_prompts_wait() -> None:
     off = PrefillPacer(0.0)
     off.observe(100.0, decoding=True, prefilled=True, held=False)
     assert off.admits()
+
+
+def test_the_flag_is_checked_at_start() -> None:
+    """--max-decode-slowdown: > 1, or 0 (off); 1 would hold every chunk beside decoding until
+    MAX_PREFILL_WAIT, so it is refused with the rest."""
+    from card.engine.loading.models import ModelConfig
+    from card.engine.shared.errors import InvalidArgument
+    from card.target_service.config import TargetConfig
+
+    assert TargetConfig(model=ModelConfig("default")).max_decode_slowdown == 1.5
+    assert TargetConfig(model=ModelConfig("default"), max_decode_slowdown=0).max_decode_slowdown == 0
+    for bad in (1.0, 0.5, -1.0):
+        with pytest.raises(InvalidArgument, match="max-decode-slowdown"):
+            TargetConfig(model=ModelConfig("default"), max_decode_slowdown=bad)
