@@ -119,7 +119,8 @@ class PrefillPacer:
     its median, the iterations without chunks, is theirs alone), while prompts get the rest: 1/3 of
     the time at 1.5. Nothing decoding: prompts take every iteration and the debt is forgiven.
     ``slowdown`` <= 1: off (chunks go whenever the token budget holds them). A chunk never waits
-    more than MAX_PREFILL_WAIT iterations (``waited``)."""
+    more than MAX_PREFILL_WAIT iterations (``waited``). Only prompts of more than one chunk wait
+    (TargetEngine._one_chunk); a one-chunk prompt's cost counts all the same."""
 
     DECAY = 0.2  # weight of the newest decoding iteration in ``decode_s``
 
@@ -144,12 +145,11 @@ class PrefillPacer:
             return
         if prefilled:
             self.debt = max(self.debt, 0.0) + seconds - (self.decode_s or 0.0)
-            self.waited = 0
-            return
-        self.decode_s = seconds if self.decode_s is None else (
-            self.DECAY * seconds + (1 - self.DECAY) * self.decode_s)
-        if self.on:
-            self.debt = max(self.debt - (self.slowdown - 1) * seconds, 0.0)
+        else:
+            self.decode_s = seconds if self.decode_s is None else (
+                self.DECAY * seconds + (1 - self.DECAY) * self.decode_s)
+            if self.on:
+                self.debt = max(self.debt - (self.slowdown - 1) * seconds, 0.0)
         self.waited = self.waited + 1 if held else 0
 
 
@@ -259,17 +259,24 @@ class TargetEngine:
             plan.append(planned)
         fit_rows(plan, budget)  # decoding rows are tokens of this forward too
         budget -= sum(len(p.tokens) for p in plan)
-        prefilling = [g for g in self.running if g.prefilling]
-        self._held = bool(plan and prefilling and not self.pacer.admits())
-        if self._held:  # beside decoding rows, the chunks wait for the pacer
-            return plan
-        for gen in prefilling:
+        paced = bool(plan) and not self.pacer.admits()  # beside decoding rows, chunks may wait
+        self._held = False
+        for gen in [g for g in self.running if g.prefilling]:
+            if paced and not self._one_chunk(gen):
+                self._held = True
+                continue
             if plan and budget < min(self.prefill_chunk, gen.prefill_left):
                 continue
             tokens, start = gen.next_input(self.prefill_chunk)
             plan.append(Planned(gen, list(tokens), start, decoding=False))
             budget -= len(tokens)
         return plan
+
+    def _one_chunk(self, gen: Generation) -> bool:
+        """Whether ``gen``'s whole prefill (after its cached prefix) is one chunk: such a prompt
+        (a chat turn, a cached document's question) is not paced, its first token is one forward
+        away, and each costs the decoding streams one iteration once (its cost still counts)."""
+        return len(gen.request.prompt_ids) - gen.stats.cached_tokens <= self.prefill_chunk
 
     def _budget(self, plan: list[Planned]) -> None:
         """Cut each step's chain to what pays at this iteration's measured cost (``adaptive``);

@@ -64,12 +64,9 @@ def _cost(rows: int) -> float:
     return COST_FIXED + COST_ROW * rows
 
 
-def _beside(model: torch.nn.Module, requests: list[GenerationRequest], slowdown: float,
-            ) -> tuple[list[Generation], list[tuple[int, bool, float, bool]]]:
-    """The short requests decoding, then the long one joining: each iteration's (decoding rows,
-    whether a chunk went, its cost by the deterministic clock), and every generation at its end.
-    Asserts that every decoding generation advanced in every iteration."""
-    engine = TargetEngine(model, KVPool(model, slots=4, max_len=WINDOW), max_batch_tokens=512,
+def _engine(model: torch.nn.Module, slowdown: float, slots: int = 4) -> TargetEngine:
+    """An engine whose pacer sees each iteration's cost by the deterministic clock."""
+    engine = TargetEngine(model, KVPool(model, slots=slots, max_len=WINDOW), max_batch_tokens=512,
                           max_decode_slowdown=slowdown)
     observe = engine.pacer.observe
 
@@ -78,6 +75,15 @@ def _beside(model: torch.nn.Module, requests: list[GenerationRequest], slowdown:
         observe(_cost(engine.last.rows), decoding, prefilled, held)
 
     engine.pacer.observe = clocked  # type: ignore[method-assign]
+    return engine
+
+
+def _beside(model: torch.nn.Module, requests: list[GenerationRequest], slowdown: float,
+            ) -> tuple[list[Generation], list[tuple[int, bool, float, bool]]]:
+    """The short requests decoding, then the long one joining: each iteration's (decoding rows,
+    whether a chunk went, its cost by the deterministic clock), and every generation at its end.
+    Asserts that every decoding generation advanced in every iteration."""
+    engine = _engine(model, slowdown)
     shorts = [_gen(model, r) for r in requests[:3]]
     for g in shorts:
         engine.add(g)
@@ -195,3 +201,31 @@ def test_the_flag_is_checked_at_start() -> None:
     for bad in (1.0, 0.5, -1.0):
         with pytest.raises(InvalidArgument, match="max-decode-slowdown"):
             TargetConfig(model=ModelConfig("default"), max_decode_slowdown=bad)
+
+
+def test_a_one_chunk_prompt_is_not_held_behind_a_long_one() -> None:
+    """While the long prompt's chunks wait for the pacer, a short request that joins is prefilled
+    in the very next iteration (its first token one forward away), and its cost is owed all the
+    same: the long prompt waits longer."""
+    model = _model(torch.float32)
+    requests = _requests(False)
+    engine = _engine(model, SLOWDOWN, slots=5)
+    shorts = [_gen(model, r) for r in requests[:3]]
+    for g in shorts:
+        engine.add(g)
+    while any(g.prefilling for g in shorts):
+        engine.step()
+    engine.step()
+    long = _gen(model, requests[3])
+    engine.add(long)
+    engine.step()  # nothing owed: its first chunk goes at once
+    assert long.prefill_left == LONG - B
+    engine.step()
+    assert long.prefill_left == LONG - B and engine.pacer.debt > 0  # held back
+    late = _gen(model, GenerationRequest(tuple(_tokens(9, seed=3)), SamplingParams(),
+                                         StopParams(max_new_tokens=2, ignore_eos=True)))
+    engine.add(late)
+    before = engine.pacer.debt
+    engine.step()
+    assert not late.prefilling and long.prefill_left == LONG - B
+    assert engine.pacer.debt >= before  # its chunk was charged, not paid back
