@@ -27,7 +27,7 @@ import threading
 import time
 import uuid
 import weakref
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -51,6 +51,10 @@ HITS = (Outcome.HIT, Outcome.SECONDARY_HIT)
 # model's context, so only a target that lies about its text meets it (each Step's accepted tokens
 # grow the text, and the model-free lookup reads it).
 MAX_SESSION_TOKENS = 1 << 20
+# Model-free lookups of recently closed sessions kept for a conversation's next turn (EarlierTurns):
+# at most this many, holding at most this many tokens of text together
+EARLIER_TURNS = 64
+EARLIER_TURN_TOKENS = 1 << 20
 
 log = logging.getLogger(__name__)
 
@@ -105,6 +109,56 @@ class Session:
         }
 
 
+class EarlierTurns:
+    """The model-free lookups (PromptLookup) of recently closed sessions, LRU, bounded in entries
+    and in tokens. A new session whose prompt extends one's text (a conversation's next turn: the
+    earlier prompt, its answer, the new message) takes it and reads only the new tokens instead of
+    the whole conversation again. What it then holds is exactly what reading its whole prompt gives
+    (PromptLookup.open), so no session's text reaches another's chains beyond its own prompt."""
+
+    def __init__(self, entries: int = EARLIER_TURNS, tokens: int = EARLIER_TURN_TOKENS) -> None:
+        self.entries = entries
+        self.max_tokens = tokens
+        self._lock = threading.Lock()  # a leaf: nothing waits under it
+        self._held: OrderedDict[int, tuple[object, PromptLookup]] = OrderedDict()  # by id(lookup)
+        self._tokens = 0
+        self.reused = 0  # tokens a new session did not read again
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+    def put(self, key: object, lookup: PromptLookup) -> None:
+        """Keep a closed session's lookup (``key``: its tokenizer) for a next turn."""
+        n = len(lookup.text)
+        if not 0 < n <= self.max_tokens:
+            return
+        with self._lock:
+            self._held[id(lookup)] = (key, lookup)
+            self._tokens += n
+            while len(self._held) > self.entries or self._tokens > self.max_tokens:
+                _, (_, old) = self._held.popitem(last=False)
+                self._tokens -= len(old.text)
+
+    def take(self, key: object, prompt: Sequence[int]) -> PromptLookup | None:
+        """The kept lookup with the longest text that ``prompt`` starts with, handed over (no
+        longer kept); None if none."""
+        with self._lock:
+            best: tuple[int, PromptLookup] | None = None
+            for ident, (k, lookup) in self._held.items():
+                text = lookup.text
+                n = len(text)
+                if (k != key or n > len(prompt) or (best is not None and n <= len(best[1].text))
+                        or text[-1] != prompt[n - 1] or list(prompt[:n]) != text):
+                    continue
+                best = (ident, lookup)
+            if best is None:
+                return None
+            del self._held[best[0]]
+            self._tokens -= len(best[1].text)
+            self.reused += len(best[1].text)
+            return best[1]
+
+
 class SessionTable:
     """``records``: the writer of finished records (the cache's; started and stopped by it). Without
     one the table makes and starts its own. ``assignments`` decides which worker serves each."""
@@ -127,6 +181,8 @@ class SessionTable:
         self._budgets: weakref.WeakValueDictionary[str, TreeBudget] = weakref.WeakValueDictionary()
         self._budgets_lock = threading.Lock()  # a leaf: nothing waits under it
         self.closing = False  # set by close_all at shutdown: no new sessions
+        # closed sessions' model-free lookups, for the next turn of their conversations
+        self.earlier = EarlierTurns()
 
     # ---- lookup -------------------------------------------------------------------------------
     def get(self, session_id: str) -> Session:
@@ -174,7 +230,10 @@ class SessionTable:
         route = self.assignments.route(draft, fingerprint, target_model or "the target", measured)
         # model-free chains from the session's own text where its tree holds nothing (a miss while
         # the draft restarts, no worker free): the target verifies something every step
-        lookup = PromptLookup(vocab_size) if self.config.model_free_chains and vocab_size else None
+        lookup = None
+        if self.config.model_free_chains and vocab_size:  # an earlier turn's, read on from its end
+            lookup = (self.earlier.take((fingerprint, vocab_size), prompt_ids) if draw is None else None
+                      ) or PromptLookup(vocab_size)
         card = CardSession(params, self.device, draw=draw, lookup=lookup)
         card.open(prompt_ids)
         seat = Seat(uuid.uuid4().hex, fingerprint, card, route, default_pool, paused=paused)
@@ -285,6 +344,10 @@ class SessionTable:
         if session is None:
             raise NotFound(f"session {session_id!r} is not open on this cache service")
         session.card.close()  # StopDraft to the worker; the tree's tensors are freed now
+        with session.card.lock:  # a Step still in flight no longer reads on
+            lookup, session.card.lookup = session.card.lookup, None
+        if isinstance(lookup, PromptLookup):  # for the conversation's next turn
+            self.earlier.put((session.seat.fingerprint, session.vocab_size), lookup)
         self.assignments.leave(session.seat)  # the freed place may serve a waiting session
         metrics.SESSIONS_OPEN.dec()
         return session

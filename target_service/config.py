@@ -51,6 +51,9 @@ class TargetConfig:
     # (card.engine.shared.prefix_cache; vLLM's --enable-prefix-caching); the outputs are the same bits
     enable_prefix_caching: bool = True
     max_batch_tokens: int = 512
+    # beside decoding rows, prefill chunks are paced so that decoding streams' mean time between
+    # tokens stays within this multiple of theirs alone (engine.target.scheduler.PrefillPacer); 0: off
+    max_decode_slowdown: float = 1.5
     adaptive_chains: bool = True
     speculation: str = "auto"  # the drafting policy's regime (card.engine.target.drafting_policy)
     decode_step: str = "auto"  # decoding rows at static shapes (card.engine.shared.static_step)
@@ -103,6 +106,9 @@ class TargetConfig:
         VerifyPolicy(Verify.REJECTION, q_floor=self.rejection_q_floor)  # refused here
         if self.max_batch_tokens < 1:
             raise InvalidArgument(f"max-batch-tokens must be >= 1, got {self.max_batch_tokens}")
+        if not (self.max_decode_slowdown == 0 or self.max_decode_slowdown > 1):
+            raise InvalidArgument(f"max-decode-slowdown must be > 1, or 0 (off), "
+                                  f"got {self.max_decode_slowdown}")
         if self.max_tokens_cap is not None and self.max_tokens_cap < 1:
             raise InvalidArgument(f"max-tokens-cap must be >= 1, got {self.max_tokens_cap}")
         _ = self.chat_template_text  # a missing file or a template that does not parse: at start

@@ -120,7 +120,7 @@ def load_engine(config: TargetConfig) -> tuple[LoadedModel, TargetEngine]:
              "on" if config.enable_prefix_caching else "off (--enable-prefix-caching turns it on)")
     engine = TargetEngine(model.model, pool, config.max_batch_tokens, adaptive=config.adaptive_chains,
                           exact=model.exact, policy=drafting_policy(config.speculation),
-                          decode_step=config.decode_step)
+                          decode_step=config.decode_step, max_decode_slowdown=config.max_decode_slowdown)
     return model, engine
 
 
@@ -234,6 +234,12 @@ def serve(config: TargetConfig) -> None:
 @option("--max-batch-tokens", default=512, type=int,
         help="Tokens per forward: decoding rows count (the longest chains are cut to fit; every request "
              "keeps its next token), and prefill chunks past it go in the next one.")
+@option("--max-decode-slowdown", default=1.5, type=float, show_default=True,
+        help="While requests decode, the chunks of prompts longer than one chunk (256 tokens after "
+             "their cached prefix) are paced so that the decoding requests' mean time between tokens "
+             "stays within this multiple of theirs alone (the median stays theirs alone); prompts get "
+             "the rest of the time, all of it when nothing decodes. 0: off, every chunk "
+             "--max-batch-tokens holds goes at once. Outputs do not change (docs/engine.md).")
 @option("--adaptive-chains/--no-adaptive-chains", default=True,
         help="Cut each iteration's chains to what pays at the measured cost of a verified row and "
              "each request's acceptance; off: verify every chain the cache hands out.")

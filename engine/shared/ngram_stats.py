@@ -201,9 +201,19 @@ class PromptLookup:
         self.config = config or NgramConfig(table_mb=0.0)
         self.proposer = Proposer(vocab_size, self.config, None)
 
+    @property
+    def text(self) -> list[int]:
+        """The tokens read so far (the committed text)."""
+        return self.proposer.committed
+
     def open(self, committed: Sequence[int]) -> None:
-        self.proposer = Proposer(self.vocab_size, self.config, None)
-        self.proposer.extend(committed)
+        """Read ``committed`` from scratch, or only its rest where this lookup has read a prefix of
+        it (a conversation's earlier turn, handed on by the cache): the tables are the same either
+        way, since ``extend`` is incremental and a session's own table evicts nothing."""
+        known = self.proposer.committed
+        if len(known) > len(committed) or list(committed[:len(known)]) != known:
+            self.proposer = Proposer(self.vocab_size, self.config, None)
+        self.proposer.extend(committed[len(self.proposer.committed):])
 
     def extend(self, tokens: Sequence[int]) -> None:
         self.proposer.extend(tokens)

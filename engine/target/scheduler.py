@@ -11,7 +11,8 @@ generation (continuous batching, nano-vllm's shape). An iteration has seven phas
     plan     each running generation gives its next input: a prefill chunk, or [t_next, *chain]
              after its chain source's step; steps first, their chains cut (longest first) so that
              their rows fit the iteration's token budget (``max_batch_tokens``; t_next always
-             goes), then prefill chunks while the budget lasts (the first input always goes)
+             goes), then prefill chunks while the budget lasts (the first input always goes) and,
+             beside decoding rows, while the prefill pacer allows (``PrefillPacer``)
     budget   each chain is cut to what pays at this iteration's measured cost
              (card.engine.target.speculation); a generation not drafting verifies none
     forward  one flattened forward over all of them (card.engine.shared.kv_pool.forward), timed
@@ -22,7 +23,12 @@ generation (continuous batching, nano-vllm's shape). An iteration has seven phas
 
 Requests join and leave between iterations. A prompt is prefilled in chunks of ``prefill_chunk``
 tokens, so a long prompt does not stall everyone else's decoding; the chunk size is fixed (not a
-function of the load), so a generation's arithmetic is the same alone and in any batch.
+function of the load), so a generation's arithmetic is the same alone and in any batch. One chunk
+can still cost many decoding steps (on a CPU, a 256-token chunk at position 7k of SmolLM2-135M
+takes ~20 of them), so beside decoding rows chunks are paced, not packed: ``PrefillPacer`` lets a
+chunk in only once the time earlier chunks added to decoding iterations has been paid back, so a
+decoding stream's mean time between tokens stays within ``max_decode_slowdown`` of its time alone.
+Only *when* a chunk runs changes, never its boundaries: outputs are the same bits.
 
 One generation failing (its source raised, its input was bad) ends that generation only.
 
@@ -99,10 +105,60 @@ class Event:
     error: BaseException | None = None
 
 
+# Decoding iterations a pending prefill chunk waits at most, whatever the pacer's clock says: a
+# prompt's progress has a bound counted in iterations, not only in seconds
+MAX_PREFILL_WAIT = 1024
+
+
+class PrefillPacer:
+    """When a prefill chunk may join an iteration that has decoding rows: a deficit counter in
+    seconds (a token bucket without a burst). An iteration with decoding rows and a chunk costs the
+    decoding streams its time minus a decoding iteration's (``decode_s``, a moving average of
+    iterations without chunks): that is ``debt``. Each decoding iteration without a chunk pays back
+    (``slowdown`` - 1) times its time. A chunk may go while nothing is owed, so over any stretch the
+    decoding streams' time between tokens averages at most ``slowdown`` times their time alone (and
+    its median, the iterations without chunks, is theirs alone), while prompts get the rest: 1/3 of
+    the time at 1.5. Nothing decoding: prompts take every iteration and the debt is forgiven.
+    ``slowdown`` <= 1: off (chunks go whenever the token budget holds them). A chunk never waits
+    more than MAX_PREFILL_WAIT iterations (``waited``). Only prompts of more than one chunk wait
+    (TargetEngine._one_chunk); a one-chunk prompt's cost counts all the same."""
+
+    DECAY = 0.2  # weight of the newest decoding iteration in ``decode_s``
+
+    def __init__(self, slowdown: float) -> None:
+        self.slowdown = slowdown
+        self.debt = 0.0
+        self.decode_s: float | None = None
+        self.waited = 0  # decoding iterations a pending chunk was held back since the last chunk
+
+    @property
+    def on(self) -> bool:
+        return self.slowdown > 1
+
+    def admits(self) -> bool:
+        """Whether a chunk may join this iteration's decoding rows."""
+        return not self.on or self.debt <= 0 or self.waited >= MAX_PREFILL_WAIT
+
+    def observe(self, seconds: float, decoding: bool, prefilled: bool, held: bool) -> None:
+        """One iteration of ``seconds``: it had decoding rows, prefill chunks, or held a chunk back."""
+        if not decoding:
+            self.debt, self.waited = 0.0, 0
+            return
+        if prefilled:
+            self.debt = max(self.debt, 0.0) + seconds - (self.decode_s or 0.0)
+        else:
+            self.decode_s = seconds if self.decode_s is None else (
+                self.DECAY * seconds + (1 - self.DECAY) * self.decode_s)
+            if self.on:
+                self.debt = max(self.debt - (self.slowdown - 1) * seconds, 0.0)
+        self.waited = self.waited + 1 if held else 0
+
+
 class TargetEngine:
     def __init__(self, model: torch.nn.Module, pool: KVPool, max_batch_tokens: int = 2048,
                  prefill_chunk: int = PREFILL_CHUNK, adaptive: bool = True, exact: bool = True,
-                 policy: DraftingPolicy | None = None, decode_step: str = "eager") -> None:
+                 policy: DraftingPolicy | None = None, decode_step: str = "eager",
+                 max_decode_slowdown: float = 0.0) -> None:
         self.model = model
         self.pool = pool
         # decoding rows at static shapes (card.engine.shared.static_step), or None: every input
@@ -118,6 +174,9 @@ class TargetEngine:
         self.cost = CostModel()
         self.max_batch_tokens = max(max_batch_tokens, 1)
         self.prefill_chunk = prefill_chunk
+        # beside decoding rows, prefill chunks wait until the time earlier ones cost is paid back
+        self.pacer = PrefillPacer(max_decode_slowdown)
+        self._held = False  # this iteration held a prefill chunk back (the pacer)
         # prefix caching where the pool keeps an index of whole prefill chunks (KVPool(prefix_caching=
         # True)): a prompt starts from its longest cached prefix, and its chunks keep their boundaries
         self.prefix_caching = pool.prefix is not None and pool.prefix.block == prefill_chunk
@@ -169,6 +228,7 @@ class TargetEngine:
                 steps = [Stepped(p.gen, p.offered, len(p.tokens) - 1, p.committed, p.outcome)
                          for p in plan if p.decoding]
                 self.policy.observe(steps, t2 - t0, clean)
+                self.pacer.observe(t2 - t0, bool(steps), any(not p.decoding for p in plan), self._held)
         finally:  # the policy forgets the generations that ended (after their last step counted)
             for event in events:
                 if event.done:
@@ -200,13 +260,24 @@ class TargetEngine:
             plan.append(planned)
         fit_rows(plan, budget)  # decoding rows are tokens of this forward too
         budget -= sum(len(p.tokens) for p in plan)
+        paced = bool(plan) and not self.pacer.admits()  # beside decoding rows, chunks may wait
+        self._held = False
         for gen in [g for g in self.running if g.prefilling]:
+            if paced and not self._one_chunk(gen):
+                self._held = True
+                continue
             if plan and budget < min(self.prefill_chunk, gen.prefill_left):
                 continue
             tokens, start = gen.next_input(self.prefill_chunk)
             plan.append(Planned(gen, list(tokens), start, decoding=False))
             budget -= len(tokens)
         return plan
+
+    def _one_chunk(self, gen: Generation) -> bool:
+        """Whether ``gen``'s whole prefill (after its cached prefix) is one chunk: such a prompt
+        (a chat turn, a cached document's question) is not paced, its first token is one forward
+        away, and each costs the decoding streams one iteration once (its cost still counts)."""
+        return len(gen.request.prompt_ids) - gen.stats.cached_tokens <= self.prefill_chunk
 
     def _budget(self, plan: list[Planned]) -> None:
         """Cut each step's chain to what pays at this iteration's measured cost (``adaptive``);
