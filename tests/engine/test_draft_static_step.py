@@ -209,3 +209,25 @@ def test_tree_step_modes() -> None:
     with pytest.raises(ValueError):
         tree_step_for(model, pool, "fast", 4)
     assert ROW_BUCKETS[-1] >= 256
+
+
+def test_the_worker_and_card_draft_take_the_decode_step() -> None:
+    from click.testing import CliRunner
+
+    from card.draft_service.config import DraftConfig
+    from card.draft_service.server import main
+    from card.engine.draft.worker import DraftWorker
+    from card.engine.loading.models import ModelConfig
+    from card.engine.shared.errors import InvalidArgument
+
+    model = _model(torch.float32)
+    worker = DraftWorker(model, PARAMS, lambda *_: None, slots=2, max_len=64, decode_step="static")
+    assert worker.step is not None and worker.step.max_rows == 8  # 2 sessions x width 3, a bucket
+    assert DraftWorker(model, PARAMS, lambda *_: None, slots=2, max_len=64).step is None  # auto on the CPU
+    with pytest.raises(InvalidArgument):
+        DraftConfig(cache_addr="127.0.0.1:1", model=ModelConfig("ngram"), name="x", tokenizer="t",
+                    decode_step="fast")
+    runner = CliRunner()
+    assert "--decode-step" in runner.invoke(main, ["--help"]).output
+    bad = runner.invoke(main, ["--cache", "127.0.0.1:1"], env={"CARD_DRAFT_DECODE_STEP": "fast"})
+    assert bad.exit_code != 0 and "decode-step" in bad.output
