@@ -118,6 +118,7 @@ class TreeStep:
             raise ValueError("CUDA graphs need a CUDA device")
         self.model = model
         self.pool = pool
+        pool.tree_blocks = True  # the eager rounds beside the step attend tree rows as it does
         self.mode = mode
         self.buckets = row_buckets(max_rows)
         self.batch = TreeBatch(pool, self.buckets[-1], model.config.vocab_size)

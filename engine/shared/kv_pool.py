@@ -79,9 +79,9 @@ class Segment:
 
     positions: [length] rotary positions; None = the rows (start, start+1, ...).
     visible:   [length, start+length] bool, the rows each query attends to (a draft's tree rows:
-               attended by the block tree, card.engine.shared.exact_attention.tree_attention, whose
-               result for a row does not depend on the segment's shape); None = causal (every row
-               up to the query's own).
+               SDPA per segment, or with ``KVPool.tree_blocks`` the block tree,
+               card.engine.shared.exact_attention.tree_attention, whose result for a row does not
+               depend on the segment's shape); None = causal (every row up to the query's own).
     exact:     causal rows whose attention must not depend on the segment's length (the target's
                decoding rows): card.engine.shared.exact_attention instead of SDPA.
     """
@@ -124,6 +124,12 @@ class KVPool:
         self.values = [alloc(shape, dtype=dtype, device=param.device) for _ in layers]
         self.slots = slots
         self.scratch = slots
+        # tree segments (Segment.visible) through the block tree (exact_attention.tree_attention,
+        # whose result for a row does not depend on the forward's shape) rather than SDPA per
+        # session: set by the draft's static tree step (card.engine.draft.static_tree), so that its
+        # rounds and any eager round beside them share one arithmetic. Off by default: on the CPU
+        # the block tree costs 0.16x of SDPA's draft rounds/s at 8 sessions (docs/performance.md)
+        self.tree_blocks = False
         self.max_len = max_len
         self.device = param.device
         heads = cfg.num_attention_heads
@@ -393,9 +399,9 @@ class _Batch:
             self.offsets.append(self.offsets[-1] + s.length)
         # per segment: None (every row up to its end is visible to every query: one query, or a
         # causal block from row 0) or a boolean mask [length, end]
-        self.masks = [None if s.visible is not None or s.length == 1 or s.exact else _causal(s, dev)
-                      for s in segments]
-        self.tree = TreeRows.of(pool, segments, self.offsets)
+        self.tree = TreeRows.of(pool, segments, self.offsets) if pool.tree_blocks else None
+        self.masks = [(None if self.tree is not None else s.visible.to(dev)) if s.visible is not None
+                      else None if s.length == 1 or s.exact else _causal(s, dev) for s in segments]
         # every exact segment's rows in one batched attention, where that is invariant here
         exact = [Rows(s.slot, s.start, s.length, q0) for s, q0 in zip(segments, self.offsets, strict=False)
                  if s.exact]
@@ -481,7 +487,7 @@ def _slot_attention(module: CausalLM, query: torch.Tensor, key: torch.Tensor, va
     if card_batch.tree is not None:  # every tree segment at once
         card_batch.tree.attend(query[0], keys, values, scale, out[0])
     for seg, q0, mask in zip(card_batch.segments, card_batch.offsets, card_batch.masks, strict=False):
-        if (seg.exact and planned is not None) or seg.visible is not None:
+        if (seg.exact and planned is not None) or (seg.visible is not None and card_batch.tree is not None):
             continue
         q = query[:, :, q0:q0 + seg.length]  # [1, heads, n, dim]
         if seg.exact:

@@ -34,6 +34,7 @@ def _prompt(n: int, seed: int) -> list[int]:
 def _sessions(model: torch.nn.Module, count: int, slots: int = 8) -> tuple[KVPool, list[Drafter]]:
     """``count`` drafters on one pool, prompts of different lengths (spans of 1-3 key blocks)."""
     pool = KVPool(model, slots=slots, max_len=200 + 64)
+    pool.tree_blocks = True  # the eager forward on the block tree (a static step sets it on its pool)
     drafters = []
     for i in range(count):
         d = Drafter(model, PARAMS, pool=pool)
@@ -231,3 +232,19 @@ def test_the_worker_and_card_draft_take_the_decode_step() -> None:
     assert "--decode-step" in runner.invoke(main, ["--help"]).output
     bad = runner.invoke(main, ["--cache", "127.0.0.1:1"], env={"CARD_DRAFT_DECODE_STEP": "fast"})
     assert bad.exit_code != 0 and "decode-step" in bad.output
+
+
+def test_the_block_tree_forward_is_sdpa_s_within_tolerance() -> None:
+    """The same first tree round with the pool's tree rows on SDPA (the default) and on the block
+    tree: logits within float32 rounding, not the same bits (the arithmetic differs)."""
+    model = _model(torch.float32)
+    got = []
+    for blocks in (False, True):
+        pool, drafters = _sessions(model, 3)
+        pool.tree_blocks = blocks
+        grow_round(model, pool, drafters)  # the prompts' prefill, the root's children
+        works = _plan(drafters)
+        tokens = torch.cat([w.tokens for _, w in works])
+        got.append(forward(model, pool, [w.segment for _, w in works], tokens, torch.arange(tokens.numel())))
+    torch.testing.assert_close(got[1], got[0], rtol=1e-5, atol=1e-5)
+    assert not torch.equal(got[1], got[0])
