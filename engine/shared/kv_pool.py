@@ -128,7 +128,7 @@ class KVPool:
         # whose result for a row does not depend on the forward's shape) rather than SDPA per
         # session: set by the draft's static tree step (card.engine.draft.static_tree), so that its
         # rounds and any eager round beside them share one arithmetic. Off by default: on the CPU
-        # the block tree costs 0.16x of SDPA's draft rounds/s at 8 sessions (docs/performance.md)
+        # the block tree gives 0.21x of SDPA's draft rounds/s at 8 sessions (docs/performance.md)
         self.tree_blocks = False
         self.max_len = max_len
         self.device = param.device
