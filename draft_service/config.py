@@ -11,6 +11,7 @@ from pathlib import Path
 from card.common.drafts import POOL_NAME, pool_name
 from card.common.tls import TlsConfig
 from card.engine.draft.drafter import tree_rows
+from card.engine.draft.static_tree import DRAFT_STEP_MODES
 from card.engine.loading.models import ModelConfig
 from card.engine.shared.config import DrafterKind, NgramConfig, TreeParams, tree_params
 from card.engine.shared.errors import InvalidArgument
@@ -63,6 +64,8 @@ class DraftConfig:
     # that keys and values may take (vLLM's --gpu-memory-utilization, which counts the whole card)
     kv_cache_memory_fraction: float = DEVICE_KV_SHARE
     threads: int | None = None
+    # tree rows at static shapes (card.engine.draft.static_tree): eager, static, graphs, auto
+    decode_step: str = "auto"
     draft_token: str | None = field(default=None, repr=False)  # presented to the cache (a secret)
     pool_token: str | None = field(default=None, repr=False)  # its pool's, at RegisterDraft (a secret)
     tls: TlsConfig = field(default_factory=TlsConfig)  # dials the cache with it; serves the health port
@@ -100,6 +103,9 @@ class DraftConfig:
         if self.capacity < 1:
             raise InvalidArgument(f"capacity must be >= 1, got {self.capacity}")
         check_sizing(self.kv_cache_gb, self.max_model_len, self.kv_cache_memory_fraction)
+        if self.decode_step not in DRAFT_STEP_MODES:
+            raise InvalidArgument(f"decode-step must be one of {', '.join(DRAFT_STEP_MODES)}, "
+                                  f"got {self.decode_step!r}")
         if self.threads is not None and self.threads < 1:
             raise InvalidArgument(f"threads must be >= 1, got {self.threads}")
         if not 0 <= self.port <= 65535 or not 0 <= self.metrics_port <= 65535:

@@ -42,6 +42,7 @@ from card.common.tls import PLAINTEXT, TlsConfig
 from card.draft_service.config import NGRAM_CAPACITY, NGRAM_MAX_MODEL_LEN, DraftConfig
 from card.draft_service.link import CacheLink
 from card.engine.draft.drafter import tree_rows
+from card.engine.draft.static_tree import DRAFT_STEP_MODES
 from card.engine.draft.worker import DraftWorker, Publish
 from card.engine.loading.fingerprint import tokenizer_fingerprint
 from card.engine.loading.models import QUANTIZE, load_model, load_tokenizer
@@ -113,7 +114,7 @@ def build_worker(config: DraftConfig, publish: Publish, on_forward: Callable[[in
         table = shared_table(len(model.tokenizer), config.ngram, encode)
     worker = DraftWorker.of_kind(config.drafter, model.model, config.tree, publish, slots=slots,
                                  max_len=max_len, threads=config.threads, ngram_config=config.ngram,
-                                 ngram=table, **callbacks)
+                                 ngram=table, decode_step=config.decode_step, **callbacks)
     assert worker.pool is not None
     log.info("draft %s; each slot also holds %d tree rows", shape.describe(worker.pool.nbytes),
              tree_rows(config.tree))
@@ -160,6 +161,11 @@ def build_worker(config: DraftConfig, publish: Publish, on_forward: Callable[[in
              "that keys and values may take, in (0, 1].")
 @tree_options(DRAFT_SHAPE, note="The draft worker owns its tree's shape.")
 @option("--threads", default=None, type=int, help="torch threads (default: torch's choice).")
+@option("--decode-step", type=click.Choice(DRAFT_STEP_MODES), default="auto", show_default=True,
+        help="How the tree rows of a round run: eager (the flat eager forward); static (every "
+             "session's tree rows in one batch padded to a bucket, from preallocated buffers, the "
+             "eager forward's bits); graphs (CUDA graphs of it, CUDA only); auto: graphs on CUDA, "
+             "eager on the CPU (docs/engine.md). Prefill chunks run eager.")
 @option("--draft-token", default=None,
         help="Present this token to the cache (authorization: Bearer), where card-cache requires one "
              "(its --draft-token).")

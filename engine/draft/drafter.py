@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 import torch
 
 from card.engine.draft.ngram import NgramDrafter
+from card.engine.draft.static_tree import TreeStep
 from card.engine.shared.config import DRAW_BRANCH, ChainDraw, NgramConfig, TreeParams
 from card.engine.shared.errors import Aborted, InvalidArgument, ResourceExhausted
 from card.engine.shared.hf import CausalLM
@@ -460,11 +461,14 @@ class Grown:
 
 def grow_round(model: CausalLM | None, pool: KVPool | None,
                drafters: Sequence[Drafter | NgramDrafter],
-               on_forward: Callable[[int], None] = lambda sessions: None) -> list[Grown]:
+               on_forward: Callable[[int], None] = lambda sessions: None,
+               step: TreeStep | None = None) -> list[Grown]:
     """plan -> one forward -> finish, for every session that can grow: the one place a draft
     round is run. A session whose plan, forward or finish fails gets its error and the others go
     on: should the shared forward fail, each work is retried alone so that only the sessions
-    that fail alone drop. ``on_forward(sessions)`` after each forward that ran."""
+    that fail alone drop. ``on_forward(sessions)`` after each forward that ran. ``step``: the
+    tree rows go through the static tree step (card.engine.draft.static_tree; prefill chunks stay
+    eager), which gives them the eager forward's bits."""
     out = [Grown() for _ in drafters]
     works: list[tuple[int, DraftWork]] = []
     for i, drafter in enumerate(drafters):
@@ -482,7 +486,7 @@ def grow_round(model: CausalLM | None, pool: KVPool | None,
     if not works:
         return out
     assert model is not None and pool is not None
-    logits_of = _forward(model, pool, [w for _, w in works], on_forward)
+    logits_of = _forward(model, pool, [w for _, w in works], on_forward, step)
     for (i, work), logits in zip(works, logits_of, strict=True):
         if isinstance(logits, BaseException):
             out[i].error = logits
@@ -495,9 +499,14 @@ def grow_round(model: CausalLM | None, pool: KVPool | None,
     return out
 
 
-def _forward(model: CausalLM, pool: KVPool, works: list[DraftWork],
-             on_forward: Callable[[int], None]) -> list[torch.Tensor | BaseException]:
-    """One flattened forward over every work; each work's logits rows [r_i, V]."""
+def _forward(model: CausalLM, pool: KVPool, works: list[DraftWork], on_forward: Callable[[int], None],
+             step: TreeStep | None = None) -> list[torch.Tensor | BaseException]:
+    """One flattened forward over every work; each work's logits rows [r_i, V]. With ``step``,
+    the expansions' tree rows run on it and the prefill chunks on the eager forward."""
+    if step is not None:
+        trees = [i for i, w in enumerate(works) if w.frontier is not None]
+        if trees and step.fits([works[i].segment for i in trees]):
+            return _forward_static(model, pool, works, trees, on_forward, step)
     tokens = torch.cat([w.tokens for w in works])  # [sum n_i]
     offsets = [0]
     for w in works:
@@ -517,4 +526,30 @@ def _forward(model: CausalLM, pool: KVPool, works: list[DraftWork],
         n = w.logit_rows.numel()
         out.append(logits[r:r + n])
         r += n
+    return out
+
+
+def _forward_static(model: CausalLM, pool: KVPool, works: list[DraftWork], trees: list[int],
+                    on_forward: Callable[[int], None], step: TreeStep) -> list[torch.Tensor | BaseException]:
+    """``_forward`` with the expansions ``trees`` (indices into ``works``) on the static tree
+    step: every row's logits (an expansion needs them all), then each work's ``logit_rows``."""
+    out: list[torch.Tensor | BaseException] = [torch.empty(0)] * len(works)
+    chunks = [i for i in range(len(works)) if i not in set(trees)]
+    if chunks:
+        for i, got in zip(chunks, _forward(model, pool, [works[i] for i in chunks], on_forward), strict=True):
+            out[i] = got
+    tree_works = [works[i] for i in trees]
+    try:
+        logits = step.run([w.segment for w in tree_works], torch.cat([w.tokens for w in tree_works]))
+    except Exception as exc:  # e.g. a capture that fails: the eager forward serves from now on
+        log.exception("draft step: eager from now on; the %s static tree step failed", step.mode)
+        step.failed = f"{type(exc).__name__}: {exc}"
+        for i, got in zip(trees, _forward(model, pool, tree_works, on_forward), strict=True):
+            out[i] = got
+        return out
+    on_forward(len(tree_works))
+    r = 0
+    for i, w in zip(trees, tree_works, strict=True):
+        out[i] = logits[r + w.logit_rows.to(logits.device)]
+        r += w.tokens.numel()
     return out

@@ -37,6 +37,7 @@ import torch
 
 from card.engine.draft.drafter import Drafter, grow_round, tree_rows
 from card.engine.draft.ngram import NgramDrafter
+from card.engine.draft.static_tree import tree_step_for
 from card.engine.shared.commands import AdvanceDraft, DraftCommand, StartDraft, StopDraft
 from card.engine.shared.config import ChainDraw, DrafterKind, NgramConfig, TreeParams
 from card.engine.shared.errors import CardError, InvalidArgument, ResourceExhausted
@@ -90,7 +91,8 @@ class DraftWorker:
                  max_len: int, threads: int | None = None, name: str = "draft",
                  ngram_config: NgramConfig | None = None, ngram: NgramTable | None = None,
                  vocab_size: int | None = None, on_forward: Callable[[int], None] | None = None,
-                 on_drop: Callable[[str], None] | None = None, prefix_caching: bool = True) -> None:
+                 on_drop: Callable[[str], None] | None = None, prefix_caching: bool = True,
+                 decode_step: str = "auto") -> None:
         if model is None and ngram_config is None:
             raise InvalidArgument("a draft worker needs a model, n-gram settings, or both")
         self.model = model
@@ -110,6 +112,9 @@ class DraftWorker:
         # (card.engine.shared.prefix_cache; the draft's prefill is what a card session waits for first)
         self.pool = (KVPool(model, slots, max_len + tree_rows(params), prefix_caching=prefix_caching)
                      if model is not None else None)
+        # the tree rows at static shapes (card.engine.draft.static_tree), or None: the eager forward
+        lookahead = ngram_config.lookahead if ngram_config is not None else 0
+        self.step = tree_step_for(model, self.pool, decode_step, params.width * (1 + lookahead))
         self.forwards = 0  # draft forwards run (each for every session that had work that round)
         self.batch_rows = 0  # sessions those forwards served, summed (mean batch = rows / forwards)
         self._on_forward = on_forward or (lambda sessions: None)  # after each forward (metrics)
@@ -248,7 +253,8 @@ class DraftWorker:
         """Grow every session that can grow by one forward (engine.draft.drafter.grow_round);
         False when none could."""
         sessions = list(self._sessions.items())
-        grown = grow_round(self.model, self.pool, [s.drafter for _, s in sessions], self._forwarded)
+        grown = grow_round(self.model, self.pool, [s.drafter for _, s in sessions], self._forwarded,
+                           self.step)
         progressed = False
         for (sid, s), g in zip(sessions, grown, strict=True):
             if g.error is not None:

@@ -231,3 +231,97 @@ def batched_is_invariant(device: torch.device, dtype: torch.dtype, kv_heads: int
     finally:
         torch.set_num_threads(threads)
     return True
+
+
+# ---- the block tree: attention whose per-row arithmetic is fixed by 64-key blocks ---------------
+
+def read_blocks(keys: torch.Tensor, blocks: int) -> int:
+    """Of a span of ``blocks`` KV_BLOCKs, how many the pool ``keys`` [slots, kv_heads, L, dim]
+    holds (the rest count as masked)."""
+    return min(blocks, keys.shape[2] // KV_BLOCK)
+
+
+def block_tree(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor,
+               hidden: torch.Tensor, blocks: int, scaling: float) -> torch.Tensor:
+    """Attention of ``query`` [heads, R, dim] (row r over slot ``slots[r]`` of ``keys``/``values``
+    [slots, kv_heads, L, dim]) over a span of ``blocks`` KV_BLOCKs (a power of two), returning
+    [R, heads, dim]; ``hidden`` (broadcastable to [R, 1, read_blocks, 1, KV_BLOCK], True = the row
+    does not see that key) is the mask. Every key row read must be finite (0 * NaN is NaN).
+
+    Each 64-key block is one matmul of one shape whatever the span or the rows beside it, giving
+    the block's maximum, sum and weighted values; the blocks are combined by a fixed binary tree.
+    The blocks a longer span adds sit in right subtrees, entirely masked when no row sees them, and
+    combining with a masked subtree multiplies by exp(0) = 1 and adds exact zeros: a row's result
+    is the one the longest span gives, bit for bit, whatever the step's shape (the target's static
+    step, card.engine.shared.static_step, and the draft's tree rows, ``tree_attention``)."""
+    heads, R, dim = query.shape
+    kv_heads = keys.shape[1]
+    group = heads // kv_heads
+    real = read_blocks(keys, blocks)
+    k = keys[:, :, :real * KV_BLOCK].index_select(0, slots).view(R, kv_heads, real, KV_BLOCK, dim)
+    v = values[:, :, :real * KV_BLOCK].index_select(0, slots).view(R, kv_heads, real, KV_BLOCK, dim)
+    # heads h = kv * group + g (transformers' repeat_kv order): the group rides in M
+    q = query.transpose(0, 1).reshape(R, kv_heads, 1, group, dim)
+    # scores, softmax and the combine in float32 (float64 for a float64 model), as SDPA does inside
+    wide = torch.promote_types(query.dtype, torch.float32)
+    scores = torch.matmul(q, k.transpose(-1, -2)).to(wide) * scaling  # [R, kvh, real, group, 64]
+    scores = scores.masked_fill(hidden, float("-inf"))
+    m = scores.amax(dim=-1)  # [R, kvh, real, group]; -inf for a block the row does not reach
+    p = torch.exp(scores - _finite(m)[..., None])
+    lsum = p.sum(dim=-1)
+    acc = torch.matmul(p.to(v.dtype), v).to(wide)  # [R, kvh, real, group, dim]
+    if real < blocks:  # the blocks past the pool: masked, the neutral element of the combine
+        pad = blocks - real
+        m = torch.cat([m, m.new_full((R, kv_heads, pad, group), float("-inf"))], dim=2)
+        lsum = torch.cat([lsum, lsum.new_zeros(R, kv_heads, pad, group)], dim=2)
+        acc = torch.cat([acc, acc.new_zeros(R, kv_heads, pad, group, dim)], dim=2)
+    n = blocks
+    while n > 1:  # the fixed tree: block pairs (0,1), (2,3), ... then their pairs
+        n //= 2
+        m2 = m.view(R, kv_heads, n, 2, group)
+        l2 = lsum.view(R, kv_heads, n, 2, group)
+        a2 = acc.view(R, kv_heads, n, 2, group, dim)
+        m = torch.maximum(m2[:, :, :, 0], m2[:, :, :, 1])
+        base = _finite(m)
+        w0 = torch.exp(m2[:, :, :, 0] - base)
+        w1 = torch.exp(m2[:, :, :, 1] - base)
+        lsum = l2[:, :, :, 0] * w0 + l2[:, :, :, 1] * w1
+        acc = a2[:, :, :, 0] * w0[..., None] + a2[:, :, :, 1] * w1[..., None]
+    out = acc[:, :, 0] / lsum[:, :, 0, :, None]  # [R, kvh, group, dim]
+    return out.to(query.dtype).reshape(R, heads, dim)
+
+
+
+
+def tree_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor,
+                   visible: torch.Tensor, blocks: int, scaling: float) -> torch.Tensor:
+    """The draft's tree rows: ``query`` [heads, R, dim], row r over slot ``slots[r]``, seeing the
+    key rows where ``visible`` [R, W] is True (its ancestors, itself and the committed prefix: a
+    tree row sits at a KV row in expansion order, not at its position); keys past W are hidden.
+    ``block_tree`` over ``blocks`` KV_BLOCKs (a power of two with blocks x KV_BLOCK >= the last
+    visible key), so a row's result depends on its keys and its mask alone: not on its segment's
+    length, the other sessions beside it, the span, or padding rows."""
+    real = read_blocks(keys, blocks)
+    width = real * KV_BLOCK
+    R = visible.shape[0]
+    if visible.shape[1] >= width:
+        seen = visible[:, :width]
+    else:
+        seen = torch.zeros(R, width, dtype=torch.bool, device=visible.device)
+        seen[:, :visible.shape[1]] = visible
+    hidden = (~seen).view(R, 1, real, 1, KV_BLOCK)
+    return block_tree(query, keys, values, slots, hidden, blocks, scaling)
+
+
+def pow2_blocks(rows: int) -> int:
+    """KV_BLOCKs of the smallest power-of-two span holding key rows [0, rows)."""
+    need = max(1, -(-rows // KV_BLOCK))
+    blocks = 1
+    while blocks < need:
+        blocks *= 2
+    return blocks
+
+
+def _finite(m: torch.Tensor) -> torch.Tensor:
+    """A block maximum to subtract: -inf (nothing visible) becomes 0, so exp(-inf - 0) = 0."""
+    return torch.where(torch.isinf(m), torch.zeros_like(m), m)

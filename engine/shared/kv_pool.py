@@ -49,7 +49,9 @@ from card.engine.shared.exact_attention import (
     Rows,
     attend_rows,
     batched_is_invariant,
+    pow2_blocks,
     span,
+    tree_attention,
 )
 from card.engine.shared.hf import CausalLM
 from card.engine.shared.prefix_cache import PrefixCache
@@ -76,8 +78,10 @@ class Segment:
     """One session's part of a forward: ``length`` tokens written at rows ``start...`` of ``slot``.
 
     positions: [length] rotary positions; None = the rows (start, start+1, ...).
-    visible:   [length, start+length] bool, the rows each query attends to; None = causal
-               (every row up to the query's own).
+    visible:   [length, start+length] bool, the rows each query attends to (a draft's tree rows:
+               SDPA per segment, or with ``KVPool.tree_blocks`` the block tree,
+               card.engine.shared.exact_attention.tree_attention, whose result for a row does not
+               depend on the segment's shape); None = causal (every row up to the query's own).
     exact:     causal rows whose attention must not depend on the segment's length (the target's
                decoding rows): card.engine.shared.exact_attention instead of SDPA.
     """
@@ -120,6 +124,12 @@ class KVPool:
         self.values = [alloc(shape, dtype=dtype, device=param.device) for _ in layers]
         self.slots = slots
         self.scratch = slots
+        # tree segments (Segment.visible) through the block tree (exact_attention.tree_attention,
+        # whose result for a row does not depend on the forward's shape) rather than SDPA per
+        # session: set by the draft's static tree step (card.engine.draft.static_tree), so that its
+        # rounds and any eager round beside them share one arithmetic. Off by default: on the CPU
+        # the block tree gives 0.21x of SDPA's draft rounds/s at 8 sessions (docs/performance.md)
+        self.tree_blocks = False
         self.max_len = max_len
         self.device = param.device
         heads = cfg.num_attention_heads
@@ -389,7 +399,8 @@ class _Batch:
             self.offsets.append(self.offsets[-1] + s.length)
         # per segment: None (every row up to its end is visible to every query: one query, or a
         # causal block from row 0) or a boolean mask [length, end]
-        self.masks = [s.visible.to(dev) if s.visible is not None
+        self.tree = TreeRows.of(pool, segments, self.offsets) if pool.tree_blocks else None
+        self.masks = [(None if self.tree is not None else s.visible.to(dev)) if s.visible is not None
                       else None if s.length == 1 or s.exact else _causal(s, dev) for s in segments]
         # every exact segment's rows in one batched attention, where that is invariant here
         exact = [Rows(s.slot, s.start, s.length, q0) for s, q0 in zip(segments, self.offsets, strict=False)
@@ -407,6 +418,46 @@ class _Batch:
         self.pool.keys[layer_idx][self.slot_index, :, self.rows] = key[0].transpose(0, 1)
         self.pool.values[layer_idx][self.slot_index, :, self.rows] = value[0].transpose(0, 1)
         return key, value
+
+
+@dataclass(frozen=True)
+class TreeRows:
+    """Every tree segment's rows of a forward (``Segment.visible``), attended in one call of the
+    block tree: flat query rows ``rows`` [R] of slots ``slots`` [R], each seeing ``visible`` [R, W]
+    over a span of ``blocks`` KV_BLOCKs (the power of two holding the furthest segment's end)."""
+
+    rows: torch.Tensor
+    slots: torch.Tensor
+    visible: torch.Tensor
+    blocks: int
+
+    @staticmethod
+    def of(pool: KVPool, segments: Sequence[Segment], offsets: Sequence[int]) -> TreeRows | None:
+        trees = [(s, q0) for s, q0 in zip(segments, offsets, strict=False) if s.visible is not None]
+        if not trees:
+            return None
+        width = max(s.end for s, _ in trees)
+        blocks = pow2_blocks(width)
+        held = pool.keys[0].shape[2]
+        visible = torch.zeros(sum(s.length for s, _ in trees), width, dtype=torch.bool)
+        r = 0
+        for s, _ in trees:
+            assert s.visible is not None
+            visible[r:r + s.length, :s.end] = s.visible
+            r += s.length
+            # key rows of the span past the segment are read masked: they must be finite
+            pool.ready(s.slot, s.end, min(blocks * KV_BLOCK, held))
+        dev = pool.device
+        rows = torch.cat([torch.arange(q0, q0 + s.length) for s, q0 in trees])
+        slots = torch.cat([torch.full((s.length,), s.slot, dtype=torch.int64) for s, _ in trees])
+        return TreeRows(rows.to(dev), slots.to(dev), visible.to(dev), blocks)
+
+    def attend(self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float,
+               out: torch.Tensor) -> None:
+        """``query`` [heads, T, dim] (the forward's rows); writes the tree rows of ``out`` [T, heads, dim]."""
+        got = tree_attention(query.index_select(1, self.rows), keys, values, self.slots, self.visible,
+                             self.blocks, scaling)
+        out.index_copy_(0, self.rows, got)
 
 
 def _causal(seg: Segment, device: torch.device) -> torch.Tensor:
@@ -433,8 +484,10 @@ def _slot_attention(module: CausalLM, query: torch.Tensor, key: torch.Tensor, va
     planned = card_batch.row_plan
     if planned is not None:  # every exact segment at once
         planned.attend(query[0], keys, values, scale, out[0])
+    if card_batch.tree is not None:  # every tree segment at once
+        card_batch.tree.attend(query[0], keys, values, scale, out[0])
     for seg, q0, mask in zip(card_batch.segments, card_batch.offsets, card_batch.masks, strict=False):
-        if seg.exact and planned is not None:
+        if (seg.exact and planned is not None) or (seg.visible is not None and card_batch.tree is not None):
             continue
         q = query[:, :, q0:q0 + seg.length]  # [1, heads, n, dim]
         if seg.exact:

@@ -52,7 +52,7 @@ import numpy as np
 import torch
 
 from card.engine.shared.config import SamplingParams
-from card.engine.shared.exact_attention import KV_BLOCK
+from card.engine.shared.exact_attention import KV_BLOCK, block_tree, read_blocks
 from card.engine.shared.hf import CausalLM
 from card.engine.target.sampling import (
     FilterShape,
@@ -251,41 +251,12 @@ def block_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
     """Attention of ``query`` [heads, R, dim] (row r of slot ``slots[r]`` at ``positions[r]``)
     over the first ``blocks`` KV_BLOCKs of its slot in ``keys``/``values`` [slots, kv_heads, L,
     dim]; returns [R, heads, dim]. Blocks past L count as masked. Keys at or before a row's
-    position must be written and every key row read must be finite (0 * NaN is NaN)."""
-    heads, R, dim = query.shape
-    kv_heads = keys.shape[1]
-    group = heads // kv_heads
-    real = min(blocks, keys.shape[2] // KV_BLOCK)
-    k = keys[:, :, :real * KV_BLOCK].index_select(0, slots).view(R, kv_heads, real, KV_BLOCK, dim)
-    v = values[:, :, :real * KV_BLOCK].index_select(0, slots).view(R, kv_heads, real, KV_BLOCK, dim)
-    # heads h = kv * group + g (transformers' repeat_kv order): the group rides in M
-    q = query.transpose(0, 1).reshape(R, kv_heads, 1, group, dim)
-    scores = torch.matmul(q, k.transpose(-1, -2)).float() * scaling  # [R, kvh, real, group, 64]
+    position must be written and every key row read must be finite (0 * NaN is NaN). The block
+    tree itself: card.engine.shared.exact_attention.block_tree."""
+    R = query.shape[1]
+    real = read_blocks(keys, blocks)
     cols = torch.arange(real * KV_BLOCK, device=keys.device).view(1, 1, real, 1, KV_BLOCK)
-    scores = scores.masked_fill(cols > positions.view(R, 1, 1, 1, 1), float("-inf"))
-    m = scores.amax(dim=-1)  # [R, kvh, real, group]; -inf for a block the row does not reach
-    p = torch.exp(scores - _finite(m)[..., None])
-    lsum = p.sum(dim=-1)
-    acc = torch.matmul(p.to(v.dtype), v).float()  # [R, kvh, real, group, dim]
-    if real < blocks:  # the blocks past the pool: masked, the neutral element of the combine
-        pad = blocks - real
-        m = torch.cat([m, m.new_full((R, kv_heads, pad, group), float("-inf"))], dim=2)
-        lsum = torch.cat([lsum, lsum.new_zeros(R, kv_heads, pad, group)], dim=2)
-        acc = torch.cat([acc, acc.new_zeros(R, kv_heads, pad, group, dim)], dim=2)
-    n = blocks
-    while n > 1:  # the fixed tree: block pairs (0,1), (2,3), ... then their pairs
-        n //= 2
-        m2 = m.view(R, kv_heads, n, 2, group)
-        l2 = lsum.view(R, kv_heads, n, 2, group)
-        a2 = acc.view(R, kv_heads, n, 2, group, dim)
-        m = torch.maximum(m2[:, :, :, 0], m2[:, :, :, 1])
-        base = _finite(m)
-        w0 = torch.exp(m2[:, :, :, 0] - base)
-        w1 = torch.exp(m2[:, :, :, 1] - base)
-        lsum = l2[:, :, :, 0] * w0 + l2[:, :, :, 1] * w1
-        acc = a2[:, :, :, 0] * w0[..., None] + a2[:, :, :, 1] * w1[..., None]
-    out = acc[:, :, 0] / lsum[:, :, 0, :, None]  # [R, kvh, group, dim]
-    return out.to(query.dtype).reshape(R, heads, dim)
+    return block_tree(query, keys, values, slots, cols > positions.view(R, 1, 1, 1, 1), blocks, scaling)
 
 
 def _attention_for(attention: str, device: torch.device, head_dim: int) -> str:
@@ -298,11 +269,6 @@ def _attention_for(attention: str, device: torch.device, head_dim: int) -> str:
     except ImportError:
         return "blocks"
     return "triton"
-
-
-def _finite(m: torch.Tensor) -> torch.Tensor:
-    """A block maximum to subtract: -inf (nothing visible) becomes 0, so exp(-inf - 0) = 0."""
-    return torch.where(torch.isinf(m), torch.zeros_like(m), m)
 
 
 def decode_forward(model: CausalLM, batch: StaticBatch) -> tuple[torch.Tensor, torch.Tensor]:
