@@ -50,10 +50,10 @@ from card.common.convert import correction_to_msg, step_result_from_msg
 from card.common.status import error_from_rpc, error_from_status, status_from_value
 from card.engine.shared.config import ChainDraw, ChainPolicy
 from card.engine.shared.errors import CardError, InvalidArgument
+from card.engine.shared.sampling import private_seed
 from card.engine.shared.stats import GenerationStats
 from card.engine.shared.tree import NO_NODE, Chain, Correction
 from card.engine.target.chain_source import DraftKind, SourceStats, StepResult
-from card.engine.target.sampling import private_seed
 from card.target_service import metrics
 from card.target_service.cache_link import CACHE_TROUBLE, CacheClient
 from card.v1 import cache_pb2

@@ -19,7 +19,7 @@ batch padded to a bucket, run from preallocated buffers, so that it can be compi
 Seeded sampling on the device: a row sampled with a request's (temperature, top-k, top-p, min-p,
 seed) gets its position-keyed uniform from the host (``position_uniforms``, the numbers the host
 path draws with) and the same float64 filtering and inverse-CDF draw the host runs
-(card.engine.target.sampling: ``filter_rows``, ``draw_rows``; the host's ``filtered_probs`` is
+(card.engine.shared.sampling: ``filter_rows``, ``draw_rows``; the host's ``filtered_probs`` is
 their one-row case), for every row of the step at once; the acceptance (row j of a session kept
 iff its own token at j-1 is chain[j] and every earlier row's was) is ``exact_accepted``
 (card.engine.target.verify). Which filters run is fixed per step on the host (``FilterShape``):
@@ -54,15 +54,15 @@ import torch
 from card.engine.shared.config import SamplingParams
 from card.engine.shared.exact_attention import KV_BLOCK, block_tree, read_blocks
 from card.engine.shared.hf import CausalLM
-from card.engine.target.sampling import (
+from card.engine.shared.sampling import (
     FilterShape,
     RowBuffers,
     RowFilters,
     draw_rows,
+    exact_accepted,
     filter_rows,
     position_uniforms,
 )
-from card.engine.target.verify import exact_accepted
 
 log = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ vllm/v1/sample/sampler.py, and its built-in processors, vllm/v1/sample/logits_pr
                            (engine.target.grammar: its state follows the row's context too)
     -- a greedy request takes the argmax here
     6. temperature, min_p (relative to the likeliest token's probability), top-k, top-p:
-       engine.target.sampling.filtered_probs
+       engine.shared.sampling.filtered_probs
 
 Exact under speculation: the target judges a chain ``[next, *chain]`` row by row, and row j must
 be what plain decoding computes after committing ``chain[:j]``: its penalty context is the

@@ -35,10 +35,10 @@ from dataclasses import dataclass
 import torch
 
 from card.engine.shared.config import SamplingParams, Verify, VerifyPolicy
+from card.engine.shared.sampling import draw, filtered_probs, position_uniform, select_token
 from card.engine.shared.tree import Proposal
 from card.engine.target.grammar import GrammarState
 from card.engine.target.logits_processors import LogitsProcessors, ProcessedRows
-from card.engine.target.sampling import draw, filtered_probs, position_uniform, select_token
 
 # vLLM's floor for a token the distribution gives no mass (JSON has no -inf): a loose request can
 # keep a drafted token outside its top-k / top-p
@@ -105,21 +105,6 @@ def residual(p: torch.Tensor, tokens: torch.Tensor, q: torch.Tensor) -> torch.Te
     leave none, p itself."""
     left = p.clone().index_add_(0, tokens, -q.to(p.dtype)).clamp_(min=0)
     return left if float(left.sum()) > 0 else p
-
-
-def exact_accepted(picks: torch.Tensor, following: torch.Tensor, first: torch.Tensor) -> torch.Tensor:
-    """The exact rule for every session of a flat step at once, on the device: ``picks`` [R] each
-    row's own token (argmax or seeded draw), ``following`` [R] the next input token of the row's
-    session (its chain token there; -1 at a session's last row and at ghosts), ``first`` [R] the
-    row where its session starts. Row j of a session is kept iff it and every row before it in
-    the session picked the chain's next token; returns [R] int64 holding, at each session's first
-    row, how many chain tokens it keeps (the same count ``TargetState._exact`` finds), 0 elsewhere.
-    Integer ops only: exact on any device."""
-    miss = (picks != following).to(torch.int64)
-    misses = torch.cumsum(miss, 0)
-    # misses in the session up to and including the row: the running count since its first row
-    upto = misses - misses.gather(0, first) + miss.gather(0, first)
-    return torch.zeros_like(picks).scatter_add_(0, first, (upto == 0).to(torch.int64))
 
 
 def top3_entropy(logits: torch.Tensor) -> list[float]:

@@ -1,5 +1,5 @@
 """Seeded sampling and the exact acceptance rule on the device (card.engine.shared.static_step's
-``select_rows``): the same tokens, bit for bit, as the host path (card.engine.target.sampling's
+``select_rows``): the same tokens, bit for bit, as the host path (card.engine.shared.sampling's
 ``select_token``, card.engine.target.verify's ``TargetState._exact``) at every bucket, fp32 and
 bf16, plain decoding and card; negative controls: uniforms of the wrong position, or an
 acceptance count off by one, and the outputs differ."""
@@ -24,25 +24,26 @@ from card.engine.shared.config import (
     VerifyPolicy,
 )
 from card.engine.shared.kv_pool import KVPool
-from card.engine.shared.session import StepResult
-from card.engine.shared.static_step import DecodeRows, StaticStep, select_rows
-from card.engine.shared.tree import Chain, Correction
-from card.engine.target import verify
-from card.engine.target.chain_source import NoDraft
-from card.engine.target.generation import Generation
-from card.engine.target.sampling import (
+from card.engine.shared.sampling import (
     RowBuffers,
     RowFilters,
     draw,
     draw_rows,
+    exact_accepted,
     filter_rows,
     filtered_probs,
     position_uniform,
     position_uniforms,
     select_token,
 )
+from card.engine.shared.session import StepResult
+from card.engine.shared.static_step import DecodeRows, StaticStep, select_rows
+from card.engine.shared.tree import Chain, Correction
+from card.engine.target import verify
+from card.engine.target.chain_source import NoDraft
+from card.engine.target.generation import Generation
 from card.engine.target.scheduler import TargetEngine, finish_alone, run_alone
-from card.engine.target.verify import TargetState, exact_accepted
+from card.engine.target.verify import TargetState
 from tests.engine.support import card_source, letters, prompt_cases, run_batched, target_model
 from tests.tiny_models import tiny_model
 

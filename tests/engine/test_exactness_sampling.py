@@ -15,8 +15,8 @@ import torch
 
 from card.engine.inprocess.sources import SyncDraft
 from card.engine.shared.config import SamplingParams, TreeParams
+from card.engine.shared.sampling import position_uniform, select_token
 from card.engine.target.chain_source import NoDraft
-from card.engine.target.sampling import position_uniform, select_token
 from tests.engine.support import assert_fits, card_source, draft_model, generate, plain_forward, target_model
 
 SAMPLINGS = [
@@ -33,7 +33,7 @@ def with_seed(params: SamplingParams, seed: int) -> SamplingParams:
 
 
 def reference_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """The filtered distribution, written independently of card.engine.target.sampling: temperature, then the
+    """The filtered distribution, written independently of card.engine.shared.sampling: temperature, then the
     k most likely tokens, then the smallest most-likely set whose mass reaches top_p."""
     probs = torch.softmax(logits.double() / params.temperature, -1)
     order = torch.argsort(probs, descending=True).tolist()
@@ -150,7 +150,7 @@ def test_different_seeds_give_different_tokens() -> None:
 def test_a_vanishing_temperature_samples_greedily_in_every_mode(temperature: float) -> None:
     """Below SAMPLING_EPS a temperature is greedy: the output equals greedy decoding's in vanilla,
     sd and card (whatever the seed), never a run of one token drawn from NaN probabilities."""
-    from card.engine.target.sampling import filtered_probs
+    from card.engine.shared.sampling import filtered_probs
 
     target = target_model("llama")
     greedy = generate(target, NoDraft(), PROMPT, max_new_tokens=24).tokens

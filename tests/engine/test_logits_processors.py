@@ -28,12 +28,12 @@ from card.engine.shared.config import (
 )
 from card.engine.shared.errors import InvalidArgument
 from card.engine.shared.kv_pool import KVPool
+from card.engine.shared.sampling import filtered_probs
 from card.engine.shared.session import StepResult
 from card.engine.shared.tree import Chain, Correction
 from card.engine.target.chain_source import ChainSource, NoDraft
 from card.engine.target.generation import Generation
 from card.engine.target.logits_processors import LogitsProcessors, ProcessedRows
-from card.engine.target.sampling import filtered_probs
 from card.engine.target.scheduler import TargetEngine, finish_alone
 from card.engine.target.verify import TargetState
 from tests.engine.support import (

@@ -29,9 +29,9 @@ from card.engine.shared.config import (
     VerifyPolicy,
 )
 from card.engine.shared.errors import InvalidArgument
+from card.engine.shared.sampling import filtered_probs
 from card.engine.shared.tree import NO_NODE, Layer, Proposal, TwoTierTree
 from card.engine.target.chain_source import NoDraft
-from card.engine.target.sampling import filtered_probs
 from card.engine.target.verify import TargetState, proposal_holds
 from tests.engine.support import VOCAB, assert_fits, chi_square, generate, plain_forward, target_model
 from tests.tiny_models import sharpened, tiny_model

@@ -26,8 +26,8 @@ import pytest
 import torch
 
 from card.engine.shared.config import SamplingParams, Verify, VerifyPolicy
+from card.engine.shared.sampling import filtered_probs, position_uniform, private_seed
 from card.engine.shared.tree import Proposal
-from card.engine.target.sampling import filtered_probs, position_uniform, private_seed
 from card.engine.target.verify import TargetState
 from tests.engine.support import assert_fits, chi_square
 

@@ -20,7 +20,7 @@ from card.engine.shared.config import (
     StopParams,
 )
 from card.engine.shared.errors import InvalidArgument
-from card.engine.target.sampling import filtered_probs, select_token
+from card.engine.shared.sampling import filtered_probs, select_token
 
 
 def refused(err: pytest.ExceptionInfo[InvalidArgument]) -> str:

@@ -1,4 +1,7 @@
-"""Token selection by the target: greedy, or seeded sampling keyed by committed position.
+"""Token selection by the target: greedy, or seeded sampling keyed by committed position; the
+same arithmetic for every row of a step at once (``filter_rows``, ``draw_rows``) and the exact
+acceptance rule on the device (``exact_accepted``). In engine/shared because the static step
+(card.engine.shared.static_step) runs it inside its captured graph; only the target calls it.
 
 A position-keyed uniform (not a stateful generator) is what makes sampling exact across modes:
 vanilla draws position t after t forwards, card may draw it inside a 6-token verification, and
@@ -238,3 +241,18 @@ def draw(probs: torch.Tensor, u: float) -> int:
     while probs[idx] == 0 and idx > 0:
         idx -= 1
     return idx
+
+
+def exact_accepted(picks: torch.Tensor, following: torch.Tensor, first: torch.Tensor) -> torch.Tensor:
+    """The exact rule for every session of a flat step at once, on the device: ``picks`` [R] each
+    row's own token (argmax or seeded draw), ``following`` [R] the next input token of the row's
+    session (its chain token there; -1 at a session's last row and at ghosts), ``first`` [R] the
+    row where its session starts. Row j of a session is kept iff it and every row before it in
+    the session picked the chain's next token; returns [R] int64 holding, at each session's first
+    row, how many chain tokens it keeps (the same count ``TargetState._exact`` finds), 0 elsewhere.
+    Integer ops only: exact on any device."""
+    miss = (picks != following).to(torch.int64)
+    misses = torch.cumsum(miss, 0)
+    # misses in the session up to and including the row: the running count since its first row
+    upto = misses - misses.gather(0, first) + miss.gather(0, first)
+    return torch.zeros_like(picks).scatter_add_(0, first, (upto == 0).to(torch.int64))
