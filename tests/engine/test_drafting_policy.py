@@ -17,7 +17,6 @@ from collections.abc import Sequence
 import pytest
 
 from card.engine.draft.worker import DraftWorker
-from card.engine.inprocess.sources import LocalCard
 from card.engine.shared.config import GenerationRequest, SamplingParams, StopParams, TreeParams
 from card.engine.shared.errors import InvalidArgument
 from card.engine.shared.session import StepResult
@@ -33,7 +32,7 @@ from card.engine.target.drafting_policy import (
 )
 from card.engine.target.generation import Generation, GenerationResult
 from card.engine.target.scheduler import run_alone
-from tests.engine.support import generate, letters, target_model, wait_until
+from tests.engine.support import LockstepCard, generate, letters, target_model, wait_until
 
 CONTROL = DraftingConfig(first_hold=4, hold=(4, 32), settle=(1, 1), judge=4)
 LOOKUP, WORKER = DraftKind.LOOKUP, DraftKind.WORKER
@@ -475,7 +474,8 @@ def test_calibration_steps_decode_alone_then_the_draft_starts_and_output_is_unch
     params = TreeParams(width=1, branch=2, max_depth=4, max_chain=3)
     prompt, budget = [3, 14, 15, 92, 65], 40
     want = generate(model, NoDraft(), prompt, max_new_tokens=budget).tokens
-    card = LocalCard(None, params)
+    # lockstep once drafting: each step waits for a layer, so the draft runs whatever the load
+    card = LockstepCard(None, params, depth=1)
     card.worker = worker = DraftWorker(model, params, card.publish, slots=8, max_len=512, name="test")
     started: list[int] = []  # committed length at each draft session start
     start_session = worker.start_session
