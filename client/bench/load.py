@@ -14,7 +14,7 @@ import itertools
 import statistics
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 from card.client.bench import report
@@ -67,35 +67,30 @@ def one_request(addr: str, prompt: Prompt, mode: str,
             "ttft_s": stamps[0][0] if stamps else wall, "itl_s": gaps}
 
 
-def run_level(addr: str, mode: BenchMode, prompts: Sequence[Prompt], concurrency: int,
-              max_new_tokens: int, ignore_eos: bool, ramp_s: float = 0.0,
-              tls: TlsConfig = PLAINTEXT, api_key: str | None = None,
-              pools: Mapping[DrafterKind, str] = SERVICE_POOLS) -> tuple[list[dict], float]:
-    """Every one of ``concurrency`` clients sends every prompt, client c starting ``c * ramp_s``
-    after the first (so that equal requests do not arrive, and end, in waves); records and the
-    load's wall time."""
+def closed_loop(prompts: int, clients: int, one: Callable[[int, int], dict],
+                ramp_s: float = 0.0) -> tuple[list[dict], float]:
+    """``clients`` threads, client c sending every prompt index from c on (``one(c, i)``, a record),
+    starting ``c * ramp_s`` after the first (so that equal requests do not arrive, and end, in
+    waves); the records and the load's wall time. The first error ends its client and is raised."""
     records: list[dict] = []
     errors: list[BaseException] = []
     lock = threading.Lock()
-    remote_mode, draft = service_request(mode, pools)
 
     def client(c: int) -> None:
         time.sleep(c * ramp_s)
-        order = [(c + k) % len(prompts) for k in range(len(prompts))]
-        for i in order:
+        for k in range(prompts):
+            i = (c + k) % prompts
             try:
-                rec = one_request(addr, prompts[i], remote_mode, max_new_tokens, ignore_eos, tls=tls,
-                                  api_key=api_key, draft=draft)
+                rec = one(c, i)
             except BaseException as exc:
                 with lock:
                     errors.append(exc)
                 return
-            rec.update(mode=mode.name, concurrency=concurrency, client=c, prompt_index=i)
             with lock:
                 records.append(rec)
 
     t0 = time.perf_counter()
-    threads = [threading.Thread(target=client, args=(c,), daemon=True) for c in range(concurrency)]
+    threads = [threading.Thread(target=client, args=(c,), daemon=True) for c in range(clients)]
     for t in threads:
         t.start()
     for t in threads:
@@ -103,6 +98,23 @@ def run_level(addr: str, mode: BenchMode, prompts: Sequence[Prompt], concurrency
     if errors:
         raise errors[0]
     return records, time.perf_counter() - t0
+
+
+def run_level(addr: str, mode: BenchMode, prompts: Sequence[Prompt], concurrency: int,
+              max_new_tokens: int, ignore_eos: bool, ramp_s: float = 0.0,
+              tls: TlsConfig = PLAINTEXT, api_key: str | None = None,
+              pools: Mapping[DrafterKind, str] = SERVICE_POOLS) -> tuple[list[dict], float]:
+    """Every one of ``concurrency`` clients sends every prompt (``closed_loop``); records and the
+    load's wall time."""
+    remote_mode, draft = service_request(mode, pools)
+
+    def one(c: int, i: int) -> dict:
+        rec = one_request(addr, prompts[i], remote_mode, max_new_tokens, ignore_eos, tls=tls,
+                          api_key=api_key, draft=draft)
+        rec.update(mode=mode.name, concurrency=concurrency, client=c, prompt_index=i)
+        return rec
+
+    return closed_loop(len(prompts), concurrency, one, ramp_s)
 
 
 def run_load(addr: str, modes: Sequence[BenchMode], prompts: Sequence[Prompt],

@@ -34,7 +34,7 @@ import click
 import torch
 
 from card.client.bench import data, report
-from card.client.bench.load import one_request
+from card.client.bench.load import closed_loop, one_request
 from card.client.bench.report import percentile
 from card.client.trio import (
     HTTP_LISTENING,
@@ -91,31 +91,12 @@ def _gaps(stamps: Sequence[tuple[float, int]]) -> list[float]:
 def _closed_loop(prompts: Sequence[Sequence[int]], clients: int,
                  one: Callable[[Sequence[int]], Record]) -> tuple[list[Record], float]:
     """``clients`` threads, client c sending every prompt from prompt c on; records and wall time."""
-    records: list[Record] = []
-    errors: list[BaseException] = []
-    lock = threading.Lock()
+    def record(c: int, i: int) -> Record:
+        rec = one(prompts[i])
+        rec["prompt_index"] = i
+        return rec
 
-    def client(c: int) -> None:
-        for k in range(len(prompts)):
-            i = (c + k) % len(prompts)
-            try:
-                rec = one(prompts[i])
-            except BaseException as exc:
-                errors.append(exc)
-                return
-            rec["prompt_index"] = i
-            with lock:
-                records.append(rec)
-
-    t0 = time.perf_counter()
-    threads = [threading.Thread(target=client, args=(c,), daemon=True) for c in range(clients)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[0]
-    return records, time.perf_counter() - t0
+    return closed_loop(len(prompts), clients, record)
 
 
 class InProcess:
