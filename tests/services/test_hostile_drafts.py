@@ -317,6 +317,8 @@ class LyingDraft(threading.Thread):
         self._ids = iter(range(10**6, 10**12))
 
     def run(self) -> None:
+        beat = threading.Thread(target=self._beat, daemon=True)
+        beat.start()
         while True:
             command = self.hand.commands.get()
             if command is None:
@@ -341,7 +343,16 @@ class LyingDraft(threading.Thread):
             try:
                 self.hand.publish_msgs([layer_to_msg(command.session_id, lay, self.hand.worker_id)
                                         for lay in layers])
-            except grpc.RpcError:
+            except (grpc.RpcError, ValueError):  # the cache went, or close() closed the channel
+                return
+
+    def _beat(self) -> None:
+        """Heartbeat as a worker does: a loaded machine can stretch the test past the registration's
+        3 missed beats, and an expired liar serves nothing."""
+        while not self.hand.stream_ended.wait(self.hand.heartbeat_interval_s / 2):
+            try:
+                self.hand.heartbeat()
+            except (grpc.RpcError, ValueError):
                 return
 
 
@@ -355,7 +366,9 @@ def test_a_lying_draft_cannot_choose_a_rejection_requests_tokens(redis_server, t
     from card.v1 import target_pb2, target_pb2_grpc
     from tests.tiny_models import save_tiny_checkpoint
 
-    model = str(save_tiny_checkpoint(tmp_path / "target", seed=0))
+    # idle layers: the same logits at a dearer step, so the liar (a Python thread beside pytest)
+    # mostly wins its race with the target's steps even on a loaded machine
+    model = str(save_tiny_checkpoint(tmp_path / "target", seed=0, idle_layers=96))
     prompt, favourite, seeds = [1, 2, 3, 4, 5], 12345, (3, 4, 5)
     no_adapt = ["--no-adaptive-chains"]  # verify every lying chain, whatever its acceptance
     with LocalTrio(speculation="always", target_model=model, draft_model=model, draft_name="honest",
@@ -380,21 +393,35 @@ def test_a_lying_draft_cannot_choose_a_rejection_requests_tokens(redis_server, t
         liar.start()
         try:
             stop = StopParams(12, ignore_eos=True)
+            # the target itself never draws the favourite (its p ~ 1e-48 under the bias; unbiased, a
+            # tiny random model's flat p, 2e-5, over 36 draws, put it in an honest output by chance
+            # about once in 1,400 runs): every favourite in an output is one the rule kept
+            unlikely = ((favourite, -100.0),)
 
             def run(addr: str, seed: int, **kw: object):  # type: ignore[no-untyped-def]
-                return generate_remote(addr, prompt, sampling=SamplingParams(1.0, seed=seed), stop=stop,
+                sampling = SamplingParams(1.0, seed=seed, logit_bias=unlikely)
+                return generate_remote(addr, prompt, sampling=sampling, stop=stop,
                                        timeout_s=120, **kw)  # type: ignore[arg-type]
 
             plain = {s: run(addrs["default"], s, mode="vanilla").token_ids for s in seeds}
             assert all(favourite not in p for p in plain.values())
             runs: dict[str, list] = {label: [] for label in addrs}
+            seeded: dict[str, list[int]] = {label: [] for label in addrs}  # each run's seed
             for s in seeds:
                 liar.script = [*prompt, *plain[s]]  # one request at a time: the liar knows its text
                 for label, addr in addrs.items():
-                    runs[label].append(run(addr, s, draft="liar", verify=verify_to_msg(Verify.REJECTION)))
-            assert all(r.draft == "liar" for rs in runs.values() for r in rs), "the liar served every request"
+                    # the liar races the target's steps (nothing waits for a draft); on a loaded
+                    # machine it can lose every step of a request: ask again until a lie was judged
+                    for _ in range(8):
+                        r = run(addr, s, draft="liar", verify=verify_to_msg(Verify.REJECTION))
+                        runs[label].append(r)
+                        seeded[label].append(s)
+                        if r.stats.draft_tokens:
+                            break
+            assert all(r.draft == "liar" for rs in runs.values() for r in rs), \
+                str([(label, r.draft, r.stats.draft_tokens) for label, rs in runs.items() for r in rs])
             # default: verified exactly, plain decoding's tokens seed for seed, no drawn chain asked
-            assert [r.token_ids for r in runs["default"]] == [plain[s] for s in seeds]
+            assert [r.token_ids for r in runs["default"]] == [plain[s] for s in seeded["default"]]
             assert {r.stats.verify for r in runs["default"]} == {"exact"}
             assert sum(r.stats.draft_tokens for r in runs["default"]) >= len(seeds), "the lies were verified"
             # allowed, with the floor: the rule runs on the lies (no fallback) and keeps none
@@ -403,7 +430,8 @@ def test_a_lying_draft_cannot_choose_a_rejection_requests_tokens(redis_server, t
             assert sum(r.stats.draft_tokens for r in allowed) > 0
             assert sum(r.stats.rejection_fallbacks for r in allowed) == 0
             assert sum(r.stats.accepted_draft_tokens for r in allowed) == 0
-            assert all(favourite not in r.token_ids for r in allowed)
+            assert all(favourite not in r.token_ids for r in allowed), \
+                str([(r.token_ids, r.stats) for r in allowed])
             # negative control, no floor: every verified lie is kept
             unfloored = runs["unfloored"]
             kept = sum(r.stats.accepted_draft_tokens for r in unfloored)
