@@ -228,9 +228,10 @@ def serve(config: TargetConfig) -> None:
              "KV budget holds --max-batch-size of it, else the longest length it does, at least 4096; "
              "the start-up log says which and why).")
 @option("--enable-prefix-caching/--no-enable-prefix-caching", default=True,
-        help="Reuse the keys and values of a prompt's longest cached prefix of whole prefill chunks "
-             "(a chat's earlier turns, a shared document or system prompt) instead of prefilling it "
-             "again; the outputs are the same bits as with it off (docs/engine.md, prefix caching).")
+        help="Reuse the keys and values of a prompt's longest cached prefix of whole 16-token blocks "
+             "(a chat's earlier turns and answers, a shared document or system prompt) instead of "
+             "prefilling it again; the outputs are the same bits as with it off (docs/engine.md, "
+             "prefix caching).")
 @option("--max-batch-tokens", default=512, type=int,
         help="Tokens per forward: decoding rows count (the longest chains are cut to fit; every request "
              "keeps its next token), and prefill chunks past it go in the next one.")

@@ -121,7 +121,9 @@ class Drafter:
         self._check_room(len(committed))
         cached = 0  # committed tokens whose keys and values the slot holds already (prefix caching)
         if self.slot is None:
-            got = self.pool.acquire_prefix(committed)
+            # whole prefill chunks: the draft's prompt rows (SDPA) are then the bits a cold
+            # prefill gives, and a session's tree does not depend on what was cached
+            got = self.pool.acquire_prefix(committed, PREFILL_CHUNK)
             if got is None:
                 raise ResourceExhausted(f"the draft's KV cache has no free slot (all {self.pool.slots} held)")
             self.slot, cached = got

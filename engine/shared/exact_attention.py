@@ -233,6 +233,89 @@ def batched_is_invariant(device: torch.device, dtype: torch.dtype, kv_heads: int
     return True
 
 
+# ---- a prompt's rows: one KV block of queries per matmul ------------------------------------------
+
+def attend_blocks(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int,
+                  scaling: float) -> torch.Tensor:
+    """``attend_rows`` for a prompt's rows, at prefill speed: rows in blocks of KV_BLOCK query rows
+    aligned to absolute positions (block b holds positions b*KV_BLOCK ...), each block one score
+    and one value matmul of exactly ``group * KV_BLOCK`` rows (rows outside the call padded with
+    zeros, their output dropped) over its key span ``span`` of its rows, all of which share it.
+    Same arguments and result as ``attend_rows``.
+
+    Why: a prompt's rows then get, where ``blocks_are_invariant`` holds on this device, the very
+    bits a decoding row at the same position gets (a row's result depends on its own query and
+    its span only), whatever the chunk they came in: a prompt may be prefilled from any cached
+    row, and the rows a session decoded are as reusable as the ones it prefilled
+    (card.engine.shared.prefix_cache). The decoding rows' tiles of QUERY_TILE rows would cost a
+    prompt 16 times the matmuls, each over its own copy of the keys."""
+    heads, n, dim = query.shape
+    kv_heads = keys.shape[0]
+    group = heads // kv_heads
+    end = start + n
+    keys[:, end:span(end - 1)] = 0  # junk rows of the last span (as attend_rows)
+    values[:, end:span(end - 1)] = 0
+    out = query.new_empty(n, heads, dim)
+    tile = query.new_zeros(heads, KV_BLOCK, dim)
+    first = start - start % KV_BLOCK
+    while first < end:
+        lo, hi, S = max(first, start), min(first + KV_BLOCK, end), first + KV_BLOCK
+        tile.zero_()
+        tile[:, lo - first:hi - first] = query[:, lo - start:hi - start]
+        # [kv_heads, group * KV_BLOCK, dim] @ [kv_heads, dim, S]: the head group rides in M (GQA)
+        scores = torch.matmul(tile.view(kv_heads, group * KV_BLOCK, dim), keys[:, :S].transpose(1, 2))
+        scores = scores.float().mul_(scaling).view(kv_heads, group, KV_BLOCK, S)
+        scores.masked_fill_(_block_mask(first, query.device), float("-inf"))
+        probs = torch.softmax(scores, dim=-1).to(values.dtype).view(kv_heads, group * KV_BLOCK, S)
+        mixed = torch.matmul(probs, values[:, :S]).view(heads, KV_BLOCK, dim)
+        out[lo - start:hi - start] = mixed[:, lo - first:hi - first].transpose(0, 1)
+        first = S
+    return out
+
+
+def _block_mask(first: int, device: torch.device) -> torch.Tensor:
+    """[KV_BLOCK, first + KV_BLOCK] True where the query at position first + i must not see the key
+    (the causal mask: only the block's own keys past the query are hidden)."""
+    hidden = torch.zeros(KV_BLOCK, first + KV_BLOCK, dtype=torch.bool, device=device)
+    hidden[:, first:] = _upper(device)
+    return hidden
+
+
+@functools.cache
+def _upper(device: torch.device) -> torch.Tensor:
+    return torch.ones(KV_BLOCK, KV_BLOCK, dtype=torch.bool, device=device).triu_(1)
+
+
+@functools.cache
+def blocks_are_invariant(device: torch.device, dtype: torch.dtype, kv_heads: int, group: int,
+                         dim: int) -> bool:
+    """Whether ``attend_blocks`` gives every row the bits ``attend_rows`` (a decoding row's tile)
+    gives it here: prompts starting at, ending at and crossing block edges, one thread and this
+    process's count. Always False on CUDA, whose libraries pick kernels by M (unverified here):
+    a prompt there keeps the vendor attention at fixed chunk boundaries."""
+    if device.type != "cpu":
+        return False
+    gen = torch.Generator().manual_seed(0)
+    rows = 5 * KV_BLOCK
+    keys = torch.randn(kv_heads, rows, dim, generator=gen).to(device, dtype)
+    values = torch.randn(kv_heads, rows, dim, generator=gen).to(device, dtype)
+    query = torch.randn(kv_heads * group, rows, dim, generator=gen).to(device, dtype)
+    threads = torch.get_num_threads()
+    try:
+        with torch.inference_mode():
+            for count in sorted({1, threads}):
+                torch.set_num_threads(count)
+                for start, n in ((0, 1), (0, 3 * KV_BLOCK), (5, 70), (KV_BLOCK - 1, 2), (130, 190)):
+                    q = query[:, start:start + n]
+                    blocks = attend_blocks(q, keys.clone(), values.clone(), start, dim ** -0.5)
+                    tiles = attend_rows(q, keys.clone(), values.clone(), start, dim ** -0.5)
+                    if not torch.equal(blocks, tiles):
+                        return False
+    finally:
+        torch.set_num_threads(threads)
+    return True
+
+
 # ---- the block tree: attention whose per-row arithmetic is fixed by 64-key blocks ---------------
 
 def read_blocks(keys: torch.Tensor, blocks: int) -> int:

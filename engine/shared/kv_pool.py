@@ -21,10 +21,12 @@ beside it, and the CPU's prepacked linears (card.engine.loading.cpu_linear) are 
 session's logits do not depend on its neighbours. No padding exists to change a value.
 
 Prefix caching (``prefix_caching=True``, card.engine.shared.prefix_cache): a released slot keeps
-its rows, and the whole prefill chunks among them stay indexed by their token prefix until the slot
-is taken again (free slots in LRU order); ``acquire_prefix`` gives a new sequence the slot holding
-its longest cached prefix, or copies those rows from a live session's slot. Every write says which
-rows it overwrites first (``written``), so the index never names a changed row.
+its rows, and the whole PREFIX_BLOCKs among them its owner said are final (``computed``,
+``settled``) stay indexed by their token prefix until the slot is taken again (free slots in LRU
+order); ``acquire_prefix`` gives a new sequence the slot holding its longest cached prefix (in
+whole prefill chunks where the owner's prompt rows depend on their chunking), or copies those
+rows from a live session's slot. Every write says which rows it overwrites first (``written``),
+so the index never names a changed row.
 
 Supported: decoder-only models whose ``*ForCausalLM`` is ``model.embed_tokens / layers / norm /
 rotary_emb`` + ``lm_head`` (Llama, Qwen2, Mistral without a sliding window, ...), the families the
@@ -47,8 +49,10 @@ from card.engine.shared.exact_attention import (
     KV_BLOCK,
     RowPlan,
     Rows,
+    attend_blocks,
     attend_rows,
     batched_is_invariant,
+    blocks_are_invariant,
     pow2_blocks,
     span,
     tree_attention,
@@ -72,6 +76,11 @@ DEVICE_KV_SHARE = 0.8
 # prompt in chunks does not stall the sessions decoding beside it (target and draft alike).
 PREFILL_CHUNK = 256
 
+# Tokens per prefix-cache block (vLLM's default block size): the index's granularity. A prompt
+# reuses whole blocks where its rows' bits do not depend on its chunking (the target's exact
+# prefill, KVPool.prefill_invariant), else whole prefill chunks only (KVPool.acquire_prefix).
+PREFIX_BLOCK = 16
+
 
 @dataclass(frozen=True, eq=False)
 class Segment:
@@ -84,6 +93,9 @@ class Segment:
                depend on the segment's shape); None = causal (every row up to the query's own).
     exact:     causal rows whose attention must not depend on the segment's length (the target's
                decoding rows): card.engine.shared.exact_attention instead of SDPA.
+    prefill:   with ``exact``, a prompt's rows: exact_attention.attend_blocks, a KV block of rows
+               per matmul, the bits of ``exact`` rows where ``KVPool.prefill_invariant`` (the
+               target's prompts, so that any cached row is reusable, card.engine.target.scheduler).
     """
 
     slot: int
@@ -92,6 +104,7 @@ class Segment:
     positions: torch.Tensor | None = None
     visible: torch.Tensor | None = None
     exact: bool = False
+    prefill: bool = False
 
     @property
     def end(self) -> int:
@@ -134,6 +147,10 @@ class KVPool:
         self.device = param.device
         heads = cfg.num_attention_heads
         self.batched_exact = batched_is_invariant(param.device, dtype, kv_heads, heads // kv_heads, head_dim)
+        # a prompt's rows through exact_attention.attend_blocks get a decoding row's bits here: an
+        # exact engine prefills that way, and any cached row is then reusable (TargetEngine)
+        self.prefill_invariant = blocks_are_invariant(param.device, dtype, kv_heads, heads // kv_heads,
+                                                      head_dim)
         self._scratch_zeroed = param.device.type != "cpu"  # torch.zeros above
         # free slots; with prefix caching in release order (the front: released longest ago, the
         # LRU victim), else a stack (the slot released last is taken first: its pages are resident)
@@ -141,7 +158,7 @@ class KVPool:
         self._ready = [0] * slots  # per slot: rows below this hold finite values (KVPool.ready)
         # prefix caching (card.engine.shared.prefix_cache): which rows hold which token prefix; a
         # free slot keeps its rows and its blocks until it is taken again
-        self.prefix = PrefixCache(slots, PREFILL_CHUNK, max_len) if prefix_caching else None
+        self.prefix = PrefixCache(slots, PREFIX_BLOCK, max_len) if prefix_caching else None
 
     def zero_scratch(self) -> None:
         """Zero the scratch slot (once): ghost rows read its keys and values under a mask, and a
@@ -178,19 +195,22 @@ class KVPool:
         self._ready[slot] = 0  # rows past the new session's writes: whatever the last one left
         return slot
 
-    def acquire_prefix(self, tokens: Sequence[int]) -> tuple[int, int] | None:
+    def acquire_prefix(self, tokens: Sequence[int],
+                       granularity: int = PREFIX_BLOCK) -> tuple[int, int] | None:
         """A free slot for a sequence that starts with ``tokens`` and how many of its first rows
-        already hold their keys and values (whole prefix blocks, at least one token left to
-        compute), or None when no slot is free. The longest cached prefix is taken where it is:
-        in a free slot, that slot (no copy); in a held one, its rows are copied into the LRU free
-        slot (every layer, keys and values: the same bits). Without prefix caching: (slot, 0)."""
+        already hold their keys and values (whole prefix blocks, in whole multiples of
+        ``granularity`` rows: a prefill chunk where a prompt's bits depend on its chunking; at
+        least one token left to compute), or None when no slot is free. The longest cached
+        prefix is taken where it is: in a free slot, that slot (no copy); in a held one, its rows
+        are copied into the LRU free slot (every layer, keys and values: the same bits). Without
+        prefix caching: (slot, 0)."""
         if not self._free:
             return None
         if self.prefix is None:
             slot = self.acquire()
             assert slot is not None
             return slot, 0
-        match = self.prefix.match(tokens, self._free)
+        match = self.prefix.match(tokens, self._free, -(-granularity // self.prefix.block))
         if match is not None and match.slot in self._free:
             slot = match.slot
             self._free.remove(slot)
@@ -227,6 +247,14 @@ class KVPool:
         ``tokens`` computed by a prefill chunk: their whole blocks may be reused."""
         if self.prefix is not None:
             self.prefix.computed(slot, start, tokens)
+
+    def settled(self, slot: int, tokens: Sequence[int]) -> None:
+        """Rows [0, len(tokens)) of ``slot`` hold the final keys and values of ``tokens`` (a session
+        ends: its prompt and what it decoded, where those are a prefill's bits): index the whole
+        blocks past the ones already indexed."""
+        if self.prefix is not None:
+            rows = self.prefix.rows(slot)
+            self.prefix.computed(slot, rows, tokens[rows:])
 
     def ready(self, slot: int, written: int, rows: int) -> None:
         """Make rows ``written...rows`` of ``slot`` finite before a query reads them masked
@@ -404,7 +432,7 @@ class _Batch:
                       else None if s.length == 1 or s.exact else _causal(s, dev) for s in segments]
         # every exact segment's rows in one batched attention, where that is invariant here
         exact = [Rows(s.slot, s.start, s.length, q0) for s, q0 in zip(segments, self.offsets, strict=False)
-                 if s.exact]
+                 if s.exact and not s.prefill]
         self.row_plan = None
         if exact and pool.batched_exact:
             for r in exact:
@@ -487,9 +515,14 @@ def _slot_attention(module: CausalLM, query: torch.Tensor, key: torch.Tensor, va
     if card_batch.tree is not None:  # every tree segment at once
         card_batch.tree.attend(query[0], keys, values, scale, out[0])
     for seg, q0, mask in zip(card_batch.segments, card_batch.offsets, card_batch.masks, strict=False):
-        if (seg.exact and planned is not None) or (seg.visible is not None and card_batch.tree is not None):
+        if (seg.exact and not seg.prefill and planned is not None) or (
+                seg.visible is not None and card_batch.tree is not None):
             continue
         q = query[:, :, q0:q0 + seg.length]  # [1, heads, n, dim]
+        if seg.exact and seg.prefill:
+            out[0, q0:q0 + seg.length] = attend_blocks(q[0], keys[seg.slot], values[seg.slot], seg.start,
+                                                       scale)
+            continue
         if seg.exact:
             out[0, q0:q0 + seg.length] = attend_rows(q[0], keys[seg.slot], values[seg.slot], seg.start, scale)
             continue

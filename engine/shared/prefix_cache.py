@@ -2,20 +2,22 @@
 target's pool and every draft worker's alike (one owner: card.engine.shared.kv_pool.KVPool keeps
 one per pool and keeps it true; nothing else writes it).
 
-Blocks, as in vLLM's KVCacheManager: a slot's rows are cut into blocks of ``block`` tokens (the
-prefill chunk, PREFILL_CHUNK), block i at rows [i*block, (i+1)*block). A block is addressed by
-the hash of (its parent block's hash, its tokens), so one hash names the whole prefix up to the
+Blocks, as in vLLM's KVCacheManager: a slot's rows are cut into blocks of ``block`` tokens
+(PREFIX_BLOCK, 16, vLLM's default), block i at rows [i*block, (i+1)*block). A block is addressed
+by the hash of (its parent block's hash, its tokens), so one hash names the whole prefix up to the
 block's end, and a prompt's longest cached prefix is the deepest hash of its chain found in the
 index (SGLang's RadixCache finds the same thing by walking a radix tree of tokens). sha256 makes a
 collision as good as impossible, and a hit is still checked token for token against what the slot
 holds before it is used: a wrong hit would break the exactness promise, not only the speed.
 
-What is indexed: a slot's blocks from row 0 on, each one whole, as a prefill chunk wrote it
-(``computed``: the caller says when KV rows are final; the target calls it for prompt chunks
-only). Anything that writes a row of a slot drops that slot's blocks from that row on
-(``truncate``): a slot taken for another sequence, a session's rows past its prompt, a draft's
-moved rows. The index is therefore bounded by slots x blocks per slot, and never outlives the
-rows it names.
+What is indexed: a slot's blocks from row 0 on, each one whole, once the caller says its rows are
+final (``computed``): the target's prompt chunks as they are prefilled, and when a session ends
+the rows it decoded too, where the target's prefill gives a decoding row's bits (its exact
+prefill, card.engine.target.scheduler); a draft's prompt chunks. Where a prompt's bits depend on
+its chunking (the vendor attention), a match is taken in whole prefill chunks only (``multiple``).
+Anything that writes a row of a slot drops that slot's blocks from that row on (``truncate``): a
+slot taken for another sequence, a session's rows past its prompt, a draft's moved rows. The index
+is therefore bounded by slots x blocks per slot, and never outlives the rows it names.
 """
 
 from __future__ import annotations
@@ -78,26 +80,27 @@ class PrefixCache:
         """(block, slot) pairs indexed: at most slots x max_blocks."""
         return sum(len(h) for h in self._held)
 
-    def match(self, tokens: Sequence[int], free: Collection[int] = ()) -> Match | None:
+    def match(self, tokens: Sequence[int], free: Collection[int] = (), multiple: int = 1) -> Match | None:
         """The longest cached whole-block prefix of ``tokens`` that leaves at least one token
-        to compute (a prompt's last token's logits are needed), None if no block is cached. Of
-        the slots holding it, a ``free`` one first (taken as it is, no copy)."""
+        to compute (a prompt's last token's logits are needed), in a whole ``multiple`` of blocks,
+        None if no block is cached. Of the slots holding it, a ``free`` one first (taken as it is,
+        no copy)."""
         limit = min((len(tokens) - 1) // self.block, self.max_blocks)
-        deepest: dict[int, None] = {}
-        blocks = 0
+        holders: list[dict[int, None]] = []  # per depth, the slots holding the prefix to there
         parent = ROOT
         for i in range(limit):
             parent = block_hash(parent, tokens[i * self.block:(i + 1) * self.block])
-            holders = self._index.get(parent)
-            if not holders:
+            found = self._index.get(parent)
+            if not found:
                 break
-            deepest, blocks = holders, i + 1
+            holders.append(found)
+        blocks = len(holders) - len(holders) % multiple
         if not blocks:
             return None
         # a hash is trusted only once the tokens agree (exactness does not rest on sha256)
         end = blocks * self.block
         prefix = list(tokens[:end])
-        agree = [s for s in deepest if self._tokens[s][:end] == prefix]
+        agree = [s for s in holders[blocks - 1] if self._tokens[s][:end] == prefix]
         if not agree:
             return None
         return Match(next((s for s in agree if s in free), agree[0]), blocks)

@@ -150,6 +150,12 @@ class Generation:
         return len(self.request.prompt_ids) - self._prefilled
 
     @property
+    def settled_rows(self) -> int:
+        """Rows of its slot that hold the final keys and values of its committed tokens: the
+        prompt prefilled so far, then every committed token but the next one."""
+        return self._prefilled if self.prefilling else len(self.target.committed) - 1
+
+    @property
     def prefilling(self) -> bool:
         return self.prefill_left > 0
 

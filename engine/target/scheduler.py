@@ -177,9 +177,21 @@ class TargetEngine:
         # beside decoding rows, prefill chunks wait until the time earlier ones cost is paid back
         self.pacer = PrefillPacer(max_decode_slowdown)
         self._held = False  # this iteration held a prefill chunk back (the pacer)
-        # prefix caching where the pool keeps an index of whole prefill chunks (KVPool(prefix_caching=
-        # True)): a prompt starts from its longest cached prefix, and its chunks keep their boundaries
-        self.prefix_caching = pool.prefix is not None and pool.prefix.block == prefill_chunk
+        # a prompt's rows through exact_attention.attend_blocks where that gives a decoding row's
+        # bits on this device (KVPool.prefill_invariant): a row's keys and values are then the same
+        # whatever chunk computed them, prefill or decoding, so a prompt may start from any cached
+        # row, the rows a session decoded included (a chat's next turn); else SDPA, whose bits
+        # depend on the chunking: prompts reuse whole prefill chunks only, at their boundaries
+        self.prefill_exact = exact and pool.prefill_invariant
+        # prefix caching where the pool keeps an index (KVPool(prefix_caching=True)): a prompt
+        # starts from its longest cached prefix (card.engine.shared.prefix_cache)
+        self.prefix_caching = pool.prefix is not None and (
+            self.prefill_exact or prefill_chunk % pool.prefix.block == 0)
+        # rows a prompt may reuse come in whole multiples of this many (KVPool.acquire_prefix)
+        self._reuse_unit = 1 if self.prefill_exact else prefill_chunk
+        # a session's decoded rows are a prefill's bits too where its decoding rows take the eager
+        # exact attention (the static step's block tree is another arithmetic): indexed as it ends
+        self._index_decoded = self.prefix_caching and self.prefill_exact and self.static is None
         self.waiting: deque[Generation] = deque()
         self.running: list[Generation] = []
         self.forwards = 0
@@ -330,7 +342,8 @@ class TargetEngine:
         segments, rows, offset = [], [], 0
         for p in plan:
             assert p.gen.slot is not None
-            segments.append(Segment(p.gen.slot, p.start, len(p.tokens), exact=self.exact and p.decoding))
+            exact = self.exact if p.decoding else self.prefill_exact
+            segments.append(Segment(p.gen.slot, p.start, len(p.tokens), exact=exact, prefill=not p.decoding))
             rows.append(torch.arange(offset + len(p.tokens) - p.rows, offset + len(p.tokens)))
             offset += len(p.tokens)
         flat = torch.tensor([t for p in plan for t in p.tokens], dtype=torch.int64)  # [sum n_i]
@@ -384,7 +397,8 @@ class TargetEngine:
                 events.append(self._fail(gen, ValueError(
                     f"generation needs {gen.kv_len} KV rows, the cache holds {self.pool.max_len}")))
                 continue
-            got = self.pool.acquire_prefix(gen.request.prompt_ids) if self.prefix_caching else None
+            got = (self.pool.acquire_prefix(gen.request.prompt_ids, self._reuse_unit) if self.prefix_caching
+                   else None)
             gen.slot, cached = got if got is not None else (self.pool.acquire(), 0)
             gen.reuse(cached)
             gen.stats.exact = self.exact
@@ -406,6 +420,8 @@ class TargetEngine:
         if gen in self.running:
             self.running.remove(gen)
         if gen.slot is not None:
+            if self._index_decoded:
+                self.pool.settled(gen.slot, gen.target.committed[:gen.settled_rows])
             self.pool.release(gen.slot)
             gen.slot = None
         try:

@@ -17,7 +17,7 @@ from card.engine.inprocess.runner import InProcessRunner, RunnerConfig
 from card.engine.loading.invariant import make_exact
 from card.engine.loading.models import LoadedModel
 from card.engine.shared.config import GenerationRequest, Mode, SamplingParams, StopParams, TreeParams
-from card.engine.shared.kv_pool import PREFILL_CHUNK, KVPool, Segment, forward
+from card.engine.shared.kv_pool import PREFILL_CHUNK, PREFIX_BLOCK, KVPool, Segment, forward
 from card.engine.shared.prefix_cache import PrefixCache, chain
 from card.engine.target.chain_source import NoDraft
 from card.engine.target.generation import Generation
@@ -39,7 +39,11 @@ def _tokens(n: int, seed: int) -> list[int]:
     return torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-DOC = _tokens(700, seed=1)  # a shared document: two whole blocks and a part
+DOC = _tokens(700, seed=1)  # a shared document: two whole prefill chunks and a part
+K = PREFIX_BLOCK
+# what the questions below reuse: DOC's whole prefix blocks, and for the prompt of exactly two
+# chunks its whole blocks but the one holding its last token (a token is always prefilled)
+REUSED = [0, len(DOC) // K * K, len(DOC) // K * K, (2 * B - 1) // K * K]
 
 
 def _requests(sampled: bool, n: int = 4) -> list[GenerationRequest]:
@@ -79,13 +83,13 @@ def test_questions_in_turn_equal_caching_off(dtype: torch.dtype, sampled: bool) 
     engine = _engine(model, caching=True)
     warm = _in_turn(engine, requests)
     assert [g.result.token_ids for g in warm] == [g.result.token_ids for g in cold]
-    # the cache was really used (the test could fail): 2 blocks for every later question, one
-    # for the prompt that ends at a block edge (its last token is prefilled, so its block is)
-    assert [g.stats.cached_tokens for g in warm] == [0, 2 * B, 2 * B, B]
+    # the cache was really used (the test could fail): the document's blocks for every later
+    # question (not at prefill-chunk boundaries: an exact prefill's rows do not depend on them)
+    assert [g.stats.cached_tokens for g in warm] == REUSED
     assert all(g.stats.cached_tokens == 0 for g in cold)
     pairs = zip(warm[1:], cold[1:], strict=True)
     assert all(w.stats.target_forwards < c.stats.target_forwards for w, c in pairs)
-    assert engine.pool.prefix is not None and engine.pool.prefix.hits == 5 * B
+    assert engine.pool.prefix is not None and engine.pool.prefix.hits == sum(REUSED)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -117,7 +121,7 @@ def test_the_copy_and_the_free_slot_paths() -> None:
     while gen.prefilling:
         engine.step()
     live = gen.slot
-    assert live is not None and pool.prefix.rows(live) == 2 * B
+    assert live is not None and pool.prefix.rows(live) == len(gen.request.prompt_ids) // K * K
     prompt = [*DOC[:2 * B], 1, 2, 3]
     got = pool.acquire_prefix(prompt)
     assert got is not None and got[0] != live and got[1] == 2 * B
@@ -201,14 +205,80 @@ def test_negative_controls_other_boundaries_or_parent_give_other_bits() -> None:
     assert index.entries == 0
 
 
-def test_an_engine_chunking_otherwise_does_not_use_the_cache() -> None:
-    """Chunks of another size are other bits: such an engine neither reuses nor indexes blocks."""
+def test_an_exact_prefill_does_not_depend_on_its_chunking() -> None:
+    """An exact engine's prompt rows are a decoding row's bits whatever chunk they came in: an
+    engine chunking otherwise gives the same tokens and reuses the same rows."""
     model = _model(torch.float32)
-    engine = _engine(model, caching=True, prefill_chunk=2 * B)
-    assert not engine.prefix_caching and _engine(model, caching=True).prefix_caching
+    requests = _requests(True)
+    want = _in_turn(_engine(model, caching=True), requests)
+    engine = _engine(model, caching=True, prefill_chunk=100)
+    assert engine.prefill_exact and engine.prefix_caching
+    got = _in_turn(engine, requests)
+    assert [g.result.token_ids for g in got] == [g.result.token_ids for g in want]
+    assert [g.stats.cached_tokens for g in got] == REUSED
+
+
+def test_an_inexact_prefill_reuses_whole_chunks_of_its_own_only() -> None:
+    """--exact off (SDPA, whose bits depend on the chunking): whole prefill chunks, at the engine's
+    own boundaries, and never the rows a session decoded."""
+    model = _model(torch.float32)
+    engine = _engine(model, caching=True, exact=False, prefill_chunk=2 * B)
+    assert engine.prefix_caching and not engine.prefill_exact
     gens = _in_turn(engine, _requests(False))
-    assert all(g.stats.cached_tokens == 0 for g in gens)
-    assert engine.pool.prefix is not None and engine.pool.prefix.entries == 0
+    assert [g.stats.cached_tokens for g in gens] == [0, 2 * B, 2 * B, 0]
+    assert engine.pool.prefix is not None
+    assert all(engine.pool.prefix.rows(s) <= len(DOC) + 26 for s in range(2))  # prompts only
+    assert _engine(model, caching=True, exact=False, prefill_chunk=100).prefix_caching is False
+
+
+CHAT = _tokens(150, seed=20)  # a system prompt and a first question
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("sampled", [False, True])
+def test_a_chat_turn_reuses_the_rows_its_answer_was_decoded_in(dtype: torch.dtype, sampled: bool) -> None:
+    """A conversation's second turn (the first prompt, its answer, a new question) starts after
+    the answer's rows too, as vLLM's does: a decoded row's keys and values are the bits a prefill
+    of the same tokens gives. Every output equals caching off."""
+    model = _model(dtype)
+    sampling = SamplingParams(0.9, seed=3) if sampled else SamplingParams()
+    stop = StopParams(max_new_tokens=40, ignore_eos=True)
+    first = GenerationRequest(tuple(CHAT), sampling, stop)
+    engine = _engine(model, caching=True)
+    (one,) = _in_turn(engine, [first])
+    answer = one.result.token_ids
+    second = GenerationRequest(tuple([*CHAT, *answer, *_tokens(9, seed=21)]), sampling, stop)
+    (two,) = _in_turn(engine, [second])
+    cold = _in_turn(_engine(model, caching=False), [first, second])
+    assert [one.result.token_ids, two.result.token_ids] == [g.result.token_ids for g in cold]
+    # every row of the first turn but its last token's (no keys yet), in whole blocks
+    assert two.stats.cached_tokens == (len(CHAT) + len(answer) - 1) // K * K > len(CHAT)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decoded_rows_are_the_bits_of_a_prefill_and_sdpa_ones_are_not(dtype: torch.dtype) -> None:
+    """The invariant the reuse of decoded rows rests on, bit for bit: keys and values of tokens
+    decoded one row at a time (the exact decoding rows) equal the same tokens prefilled in one
+    chunk through the prefill's block attention. Negative control: prefilled through SDPA (an
+    inexact engine's prefill), they differ."""
+    model = _model(dtype)
+    tokens = torch.tensor(_tokens(200, seed=7))
+    prompt = 130
+
+    def kv(prefill: list[Segment]) -> list[torch.Tensor]:
+        pool = KVPool(model, slots=1, max_len=WINDOW)
+        assert pool.prefill_invariant
+        for seg in prefill:
+            forward(model, pool, [seg], tokens[seg.start:seg.end], torch.empty(0, dtype=torch.int64))
+        return [t[0, :, :len(tokens)].clone() for t in (*pool.keys, *pool.values)]
+
+    decoded = kv([Segment(0, 0, prompt, exact=True, prefill=True),
+                  *(Segment(0, p, 1, exact=True) for p in range(prompt, len(tokens)))])
+    blocks = kv([Segment(0, 0, 37, exact=True, prefill=True),
+                 Segment(0, 37, len(tokens) - 37, exact=True, prefill=True)])
+    sdpa = kv([Segment(0, 0, 37), Segment(0, 37, len(tokens) - 37)])
+    assert all(torch.equal(a, b) for a, b in zip(decoded, blocks, strict=True))
+    assert not all(torch.equal(a, b) for a, b in zip(decoded, sdpa, strict=True))
 
 
 def _rss() -> int:
@@ -226,7 +296,7 @@ def test_rotating_prefixes_keep_the_index_and_memory_bounded() -> None:
     engine = _engine(model, caching=True, slots=slots)
     index = engine.pool.prefix
     assert index is not None
-    bound = slots * (WINDOW // B)
+    bound = slots * (WINDOW // K)
     prefixes = [_tokens(300 + 37 * i % 400, seed=100 + i) for i in range(30)]
     warm = 0
     for i in range(1000):
@@ -251,7 +321,7 @@ def test_the_in_process_runner_reuses_its_prefix() -> None:
     want = [off.run(r) for r in requests]
     got = [on.run(r) for r in requests]
     assert [r.token_ids for r in got] == [r.token_ids for r in want]
-    assert [r.stats.cached_tokens for r in got] == [0, 2 * B, 2 * B, B]
+    assert [r.stats.cached_tokens for r in got] == REUSED
     assert all(r.stats.cached_tokens == 0 for r in want)
 
 
@@ -294,7 +364,7 @@ def test_card_in_process_reuses_both_prefixes_and_equals_plain_decoding() -> Non
     finally:
         card.close()
     assert [r.token_ids for r in got] == want
-    assert [r.stats.cached_tokens for r in got] == [0, 2 * B, 2 * B, B]
+    assert [r.stats.cached_tokens for r in got] == REUSED
     assert sum(r.stats.draft_forwards for r in got) > 0
     assert draft_index is not None and draft_index.hits >= 5 * B  # the draft's prefills reused too
 
