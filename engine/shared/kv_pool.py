@@ -229,6 +229,13 @@ class KVPool:
         self.prefix.record(len(tokens), rows)
         return slot, rows
 
+    def copy_span(self, src: int, dst: int, start: int, end: int) -> None:
+        """Rows [start, end) of slot ``src`` into the same rows of slot ``dst``, every layer, keys
+        and values (``dst``'s blocks reaching them go first)."""
+        self.written(dst, start)
+        for t in (*self.keys, *self.values):
+            t[dst, :, start:end] = t[src, :, start:end]
+
     def copy_rows(self, src: int, dst: int, rows: int) -> None:
         """Rows [0, rows) of slot ``src`` into slot ``dst``, every layer, keys and values."""
         if self.prefix is not None:

@@ -178,6 +178,15 @@ class Generation:
         self._prefilled = cached
         self.stats.cached_tokens = cached
 
+    def adopt(self, rows: int) -> None:
+        """The next ``rows`` prompt rows' keys and values were copied into its slot (another
+        prompt in the batch computed them, card.engine.target.scheduler): prefill goes on after
+        them. At least one prompt token is always left to prefill."""
+        if not 0 < rows < self.prefill_left:
+            raise ValueError(f"cannot adopt {rows} rows with {self.prefill_left} prompt tokens left")
+        self._prefilled += rows
+        self.stats.cached_tokens += rows
+
     def next_input(self, prefill_chunk: int) -> tuple[Sequence[int], int]:
         """While prefilling: the next chunk of the prompt and the position of its first token."""
         n = min(prefill_chunk, self.prefill_left)

@@ -105,6 +105,24 @@ class Event:
     error: BaseException | None = None
 
 
+# Prompt rows another prompt must share (and compute) before a prompt follows it instead of
+# computing them itself (TargetEngine._follows): a block's worth, below which a copy buys nothing
+MIN_FOLLOW = 16
+
+
+def _common(a: Sequence[int], b: Sequence[int], limit: int) -> int:
+    """How many leading tokens ``a`` and ``b`` share, at most ``limit``: a bisection over slices
+    (C-speed comparisons, no Python loop over tokens)."""
+    lo, hi = 0, min(limit, len(a), len(b))  # a[:lo] == b[:lo]; they differ before hi + 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[lo:mid] == b[lo:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
 # Decoding iterations a pending prefill chunk waits at most, whatever the pacer's clock says: a
 # prompt's progress has a bound counted in iterations, not only in seconds
 MAX_PREFILL_WAIT = 1024
@@ -275,6 +293,8 @@ class TargetEngine:
         paced = bool(plan) and not self.pacer.admits()  # beside decoding rows, chunks may wait
         self._held = False
         for gen in [g for g in self.running if g.prefilling]:
+            if self.prefix_caching and self.prefill_exact and self._follows(gen):
+                continue  # another prompt is computing its next rows: copied once they are
             if paced and not self._one_chunk(gen):
                 self._held = True
                 continue
@@ -284,6 +304,34 @@ class TargetEngine:
             plan.append(Planned(gen, list(tokens), start, decoding=False))
             budget -= len(tokens)
         return plan
+
+    def _follows(self, gen: Generation) -> bool:
+        """Prompts admitted together over one new document (a RAG burst, an agent's parallel
+        calls): the cache holds none of it yet, and each would prefill it. Instead ``gen`` takes
+        the rows an earlier-admitted prompt sharing its next tokens has computed (copied by index:
+        an exact prefill's rows are the same bits whichever prompt computed them), and waits while
+        that prompt computes more of them; True: it waits this iteration. The earliest never waits,
+        so every wait ends."""
+        assert gen.slot is not None
+        prompt = gen.request.prompt_ids
+        start, last = gen.settled_rows, len(prompt) - 1  # its last token is always its own
+        for lead in self.running:
+            if lead is gen:
+                return False  # only earlier ones lead
+            if lead.slot is None:
+                continue
+            shared = _common(prompt, lead.request.prompt_ids, last)
+            if shared <= start:
+                continue
+            ready = min(shared, lead.settled_rows)  # rows the lead has computed of the shared part
+            if ready - start >= MIN_FOLLOW:
+                self.pool.copy_span(lead.slot, gen.slot, start, ready)
+                self.pool.computed(gen.slot, start, prompt[start:ready])
+                gen.adopt(ready - start)
+                start = ready
+            if lead.prefilling and shared - start >= MIN_FOLLOW:
+                return True
+        return False
 
     def _one_chunk(self, gen: Generation) -> bool:
         """Whether ``gen``'s whole prefill (after its cached prefix) is one chunk: such a prompt

@@ -400,3 +400,41 @@ def test_card_draft_counts_its_prefix_cache() -> None:
     after = [sample("card_draft_prefix_cache_queries_total"), sample("card_draft_prefix_cache_hits_total")]
     assert after[0] - before[0] == 2 * len(DOC) + 5
     assert after[1] - before[1] == 2 * B
+
+
+@pytest.mark.parametrize("sampled", [False, True])
+def test_prompts_admitted_together_compute_their_document_once(sampled: bool) -> None:
+    """Four questions about one new document admitted in one iteration on 4 slots: the first
+    computes the document, the others copy its rows as they come and prefill only their own
+    tails; every output equals caching off. Control: without prefix caching each computes all."""
+    model = _model(torch.float32)
+    requests = _requests(sampled)
+    want = [g.result.token_ids for g in _in_turn(_engine(model, caching=False), requests)]
+
+    def together(caching: bool) -> list[Generation]:
+        engine = _engine(model, caching=caching, slots=4)
+        gens = [_gen(model, r) for r in requests]
+        for g in gens:
+            engine.add(g)
+        while not engine.idle:
+            for event in engine.step():
+                assert event.error is None, event.error
+        return gens
+
+    gens = together(True)
+    assert [g.result.token_ids for g in gens] == want
+    own = [len(r.prompt_ids) - g.stats.cached_tokens for r, g in zip(requests, gens, strict=True)]
+    assert own[0] == len(requests[0].prompt_ids) and max(own[1:]) < 64, own
+    alone = together(False)
+    assert [g.result.token_ids for g in alone] == want
+    assert all(g.stats.cached_tokens == 0 for g in alone)
+
+
+def test_common_prefix_length() -> None:
+    from card.engine.target.scheduler import _common
+
+    a = list(range(100))
+    assert _common(a, a, 1000) == 100 and _common(a, a, 40) == 40
+    assert _common(a, [*a[:57], -1, *a[58:]], 1000) == 57
+    assert _common(a, [-1], 10) == 0 and _common((), a, 5) == 0
+    assert _common(tuple(a), tuple(a[:30]), 1000) == 30
