@@ -71,8 +71,9 @@ SHORTEST_DEFAULT_LEN = 4096
 # only what its slots need: the budget caps a large --max-batch-size x context window.
 DEVICE_KV_SHARE = 0.8
 
-# Prompt tokens per prefill chunk. Fixed for every entry point: the chunking is part of a
-# generation's arithmetic (in-process reference runs and card-target must chunk alike), and a long
+# Prompt tokens per prefill chunk. Fixed for every entry point: where prompts take SDPA (CUDA,
+# --exact off, drafts) the chunking is part of a generation's arithmetic (in-process reference runs
+# and card-target must chunk alike; an exact CPU prefill's bits do not depend on it), and a long
 # prompt in chunks does not stall the sessions decoding beside it (target and draft alike).
 PREFILL_CHUNK = 256
 
