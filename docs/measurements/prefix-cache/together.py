@@ -31,8 +31,9 @@ def together(model, caching: bool, asks: list[list[int]]):
     window = max(len(p) for p in asks) + NEW + 1
     engine = TargetEngine(model.model, KVPool(model.model, slots=len(asks), max_len=window,
                                               prefix_caching=caching))
-    gens = [Generation(GenerationRequest(tuple(p), SamplingParams(), StopParams(max_new_tokens=NEW, ignore_eos=True)),
-                       NoDraft(), eos_ids=frozenset(), decode=model.decode, context_window=window, mode="vanilla")
+    stop = StopParams(max_new_tokens=NEW, ignore_eos=True)
+    gens = [Generation(GenerationRequest(tuple(p), SamplingParams(), stop), NoDraft(), eos_ids=frozenset(),
+                       decode=model.decode, context_window=window, mode="vanilla")
             for p in asks]
     t0 = time.perf_counter()
     first: dict[int, float] = {}
