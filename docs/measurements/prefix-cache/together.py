@@ -63,8 +63,9 @@ def main() -> None:
             got = together(model, caching, asks)
             ttft[caching].append([t for t, _, _ in got])
             outputs[caching] = [ids for _, ids, _ in got]
-            print(f"round {r} caching {'on ' if caching else 'off'}: TTFT "
-                  f"{' / '.join(f'{t:.2f}' for t, _, _ in got)} s, cached {[c for _, _, c in got]}", flush=True)
+            times = " / ".join(f"{t:.2f}" for t, _, _ in got)
+            print(f"round {r} caching {'on ' if caching else 'off'}: TTFT {times} s, "
+                  f"cached {[c for _, _, c in got]}", flush=True)
     assert outputs[True] == outputs[False], "caching changed an output"
     for caching in (False, True):
         per = [statistics.median(r[i] for r in ttft[caching]) for i in range(len(asks))]
