@@ -17,7 +17,8 @@ mask), and hands each session's new layer to ``publish``. A round with 8 session
 one session's forward costs where the forward is bound by reading the weights, which is what
 makes drafting affordable under load. It sleeps only when no session has anything to grow (all
 trees at max depth), until the next command arrives. Drafters are touched by the worker thread
-alone; other threads talk to it through the command queue.
+alone; other threads talk to it through the command queue (bounded: MAX_QUEUED_COMMANDS, and a
+caller waits for room, so a worker far behind slows the link that feeds it instead of growing).
 
 ``idle`` is set while the worker sleeps with no command pending and cleared by the thread that
 queues a command, before the worker can wake: a target thread that sees it set may borrow the
@@ -66,6 +67,11 @@ class _Session:
     idle_since: float | None = None
 
 
+# Commands queued for a worker at most (starts, advances, stops: a few per session and target
+# step; a worker this far behind is overloaded, and apply() makes its callers wait)
+MAX_QUEUED_COMMANDS = 4096
+
+
 class DraftWorker:
     """``slots`` sessions at most, each of up to ``max_len`` committed tokens (plus its tree's
     rows); with a model, their keys and values live in one KVPool allocated here. ``ngram_config``
@@ -92,7 +98,7 @@ class DraftWorker:
                  ngram_config: NgramConfig | None = None, ngram: NgramTable | None = None,
                  vocab_size: int | None = None, on_forward: Callable[[int], None] | None = None,
                  on_drop: Callable[[str], None] | None = None, prefix_caching: bool = True,
-                 decode_step: str = "auto") -> None:
+                 decode_step: str = "auto", max_commands: int = MAX_QUEUED_COMMANDS) -> None:
         if model is None and ngram_config is None:
             raise InvalidArgument("a draft worker needs a model, n-gram settings, or both")
         self.model = model
@@ -124,6 +130,10 @@ class DraftWorker:
         self.threads = threads
         self.name = name
         self._commands: queue.Queue[DraftCommand | None] = queue.Queue()  # None: wake up
+        # the queue's bound: a command waits for room before it takes _idle_lock (the worker takes
+        # that lock to go idle, so a put blocking under it would wait for the worker forever); each
+        # command the worker takes gives its room back
+        self._room = threading.BoundedSemaphore(max_commands)
         self._sessions: dict[str, _Session] = {}
         self._stats_lock = threading.Lock()
         self._thread: threading.Thread | None = None
@@ -134,7 +144,8 @@ class DraftWorker:
     # ---- commands (any thread) ---------------------------------------------------------------
     def apply(self, command: DraftCommand) -> None:
         """Queue a command (engine.shared.commands); the worker's thread applies it before its
-        next round."""
+        next round. Blocks while ``max_commands`` wait already."""
+        self._room.acquire()  # a worker max_commands behind slows its callers (backpressure)
         with self._idle_lock:
             self.idle.clear()
             self._commands.put(command)
@@ -224,8 +235,9 @@ class DraftWorker:
                 return
 
     def _safe_apply(self, command: DraftCommand | None) -> None:
-        if command is None:
+        if command is None:  # close()'s wake-up: it took no room
             return
+        self._room.release()
         try:
             self._apply(command)
         except Exception as exc:  # one broken session must not take the worker (and every session) down

@@ -262,3 +262,30 @@ def test_a_session_beyond_the_kv_slots_is_not_drafted_and_frees_nothing_else() -
         assert dropped == ["long", "c"]  # told to stop: not a drop
     finally:
         worker.close()
+
+
+def test_the_command_queue_is_bounded_and_a_full_one_makes_its_caller_wait() -> None:
+    """A worker ``max_commands`` behind makes the next apply() wait for room (backpressure, not an
+    unbounded queue); the room comes back as the worker takes commands, and close() still wakes it
+    with a full queue (its wake-up takes no room)."""
+    from card.engine.draft.worker import DraftWorker
+    from card.engine.shared.commands import StopDraft
+    from tests.tiny_models import tiny_model
+
+    worker = DraftWorker(tiny_model("llama", seed=0), TreeParams(width=2, max_depth=2),
+                         lambda sid, layer: None, slots=2, max_len=64, max_commands=2)
+    worker.apply(StopDraft("a"))  # not started: nothing takes them yet
+    worker.apply(StopDraft("b"))
+    queued = threading.Event()
+    third = threading.Thread(target=lambda: (worker.apply(StopDraft("c")), queued.set()), daemon=True)
+    third.start()
+    assert not queued.wait(0.5), "a third command went into a queue bounded at two"
+    worker._drain(block=False)  # the worker takes both: room for the third
+    assert queued.wait(10), "the waiting caller never got the room back"
+    third.join(10)
+    worker._drain(block=False)
+    worker.apply(StopDraft("d"))
+    worker.apply(StopDraft("e"))  # full again
+    worker.start()
+    worker.close()  # wakes the worker and joins it, full queue or not
+    assert worker._thread is None
