@@ -253,8 +253,10 @@ class LocalTrio:
             tree_args = service_args(self.tree)
             self.extra_args = {name: [*tree_args.get(name, ()), *self.extra_args.get(name, ())]
                                for name in {*tree_args, *self.extra_args}}
-        t, d = default_thread_split()
-        self.target_threads = self.target_threads or t
+        _, d = default_thread_split()
+        # the target may use every core: its forwards drop to fewer threads while the draft worker's
+        # (or anything else's) hold cores (card-target --adaptive-threads, on by default)
+        self.target_threads = self.target_threads or os.cpu_count() or 1
         self.draft_threads = self.draft_threads or d
         self.processes: list[ServiceProcess] = []
         self.drafts: list[ServiceProcess] = []

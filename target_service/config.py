@@ -41,6 +41,9 @@ class TargetConfig:
     host: str = "127.0.0.1"
     port: int = 50051
     threads: int | None = None
+    # on a CPU, the forwards drop to fewer threads while other threads hold cores and climb back
+    # when they are idle (card.engine.shared.thread_governor); off: always ``threads``
+    adaptive_threads: bool = True
     max_batch_size: int = 8
     kv_cache_gb: float | None = None
     # without kv_cache_gb, on an accelerator: the share of the memory free once the model is loaded

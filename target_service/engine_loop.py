@@ -29,6 +29,7 @@ import torch
 
 from card.engine.shared.config import MAX_CHAIN
 from card.engine.shared.errors import ResourceExhausted, Unavailable
+from card.engine.shared.thread_governor import ProcCores, ThreadGovernor, decoder_layers
 from card.engine.shared.torch_threads import name_os_thread
 from card.engine.target.chain_source import DraftKind
 from card.engine.target.drafting_policy import Decision, DraftingConfig, DraftingPolicy, Regime
@@ -93,7 +94,8 @@ class EngineLoop:
     ``model_name``: the ``model_name`` label of its request metrics (the name clients call it by)."""
 
     def __init__(self, engine: TargetEngine, threads: int | None = None, max_waiting: int | None = None,
-                 on_death: Callable[[BaseException], None] | None = None, model_name: str = "") -> None:
+                 on_death: Callable[[BaseException], None] | None = None, model_name: str = "",
+                 adaptive_threads: bool = False) -> None:
         self.engine = engine
         # torch's count is per thread, and a thread that never sets its own takes the process-wide
         # value of the moment it first runs an op in parallel (its first forward, at the first
@@ -101,6 +103,8 @@ class EngineLoop:
         # does to torch's setting in between decides how many cores the forwards get
         self.threads = threads or torch.get_num_threads()
         self._threads_now = 0  # what the engine's thread last read back (the gauge's value)
+        self.adaptive_threads = adaptive_threads
+        self.governor: ThreadGovernor | None = None  # set on the engine's thread (its /proc entries)
         self.max_waiting = max_waiting
         self.on_death = on_death
         self._cv = threading.Condition()
@@ -205,7 +209,10 @@ class EngineLoop:
     def _loop(self) -> None:
         torch.set_num_threads(self.threads)  # per thread: this one runs every forward
         self._observe_threads()
-        log.info("the engine's thread runs its forwards on %d torch thread(s)", self._threads_now)
+        self.governor = self._governor()
+        log.info("the engine's thread runs its forwards on %s%d torch thread(s)",
+                 "at most " if self.governor else "", self._threads_now)
+        governor = self.governor
         engine = self.engine
         while True:
             with self._cv:
@@ -218,9 +225,13 @@ class EngineLoop:
             for gen in inbox:
                 engine.add(gen)
             self._deliver_all([engine.cancel(gen) for gen in cancels if gen.result is None])
+            if governor is not None:
+                governor.before_iteration()
             self._observe_threads()
             try:
                 events = engine.step()
+                if governor is not None:
+                    governor.after_iteration()
             except Exception as exc:  # the forward itself failed: every generation in it ends
                 log.exception("target forward failed")
                 events = [engine.cancel(gen) for gen in list(engine.running)]
@@ -242,6 +253,20 @@ class EngineLoop:
             inbox, self._inbox = self._inbox, []
         # shutdown: nothing is left half-open
         self._deliver_all([engine.cancel(gen) for gen in [*engine.running, *engine.waiting, *inbox]])
+
+    def _governor(self) -> ThreadGovernor | None:
+        """On a CPU with more than one thread and adaptive threads on: the governor of this thread's
+        count, checking before each decoder layer too (None where /proc does not tell)."""
+        if not self.adaptive_threads or self.threads < 2 or self.engine.pool.device.type != "cpu":
+            return None
+        cores = ProcCores.open()
+        if cores is None:
+            log.info("adaptive threads unavailable here (no /proc): the forwards keep %d", self.threads)
+            return None
+        governor = ThreadGovernor(self.threads, cores,
+                                   on_change=lambda d: metrics.ENGINE_THREAD_CHANGES.labels(d).inc())
+        governor.attach(decoder_layers(self.engine.model))
+        return governor
 
     def _observe_threads(self) -> None:
         """Publish the torch thread count this thread's next forward runs on (read here: another

@@ -53,6 +53,10 @@ ENGINE_ALIVE = Gauge("card_target_engine_alive", "1 while the engine's thread ru
 ENGINE_THREADS = Gauge("card_target_engine_threads",
                        "torch intra-op threads the engine's thread runs its forwards on, read in that "
                        "thread (torch's count is per thread: --threads, or torch's default)")
+ENGINE_THREAD_CHANGES = Counter("card_target_engine_thread_changes_total",
+                               "Times the engine's forwards dropped to fewer torch threads (other threads "
+                               "held cores) or climbed back (idle cores): --adaptive-threads",
+                               ["direction"])
 LOOSE_KEPT = Counter("card_target_loose_kept_tokens_total",
                      "Drafted tokens kept by verify loose that plain decoding would not have chosen (lossy)")
 REJECTION_FALLBACKS = Counter("card_target_rejection_fallbacks_total",

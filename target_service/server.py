@@ -168,8 +168,9 @@ def serve(config: TargetConfig) -> None:
     def engine_died(exc: BaseException) -> None:
         set_serving(health, False, [SERVICE_NAME])
 
+    # model_name: the name /v1/models reports, the metrics' model_name
     loop = EngineLoop(engine, threads=threads, max_waiting=config.max_waiting, on_death=engine_died,
-                      model_name=model.name)  # the name /v1/models reports: the metrics' model_name
+                      model_name=model.name, adaptive_threads=config.adaptive_threads)
     loop.start()
     front.ready(model, loop)
     set_serving(health, True, [SERVICE_NAME])
@@ -212,7 +213,14 @@ def serve(config: TargetConfig) -> None:
 @option("--dtype", default="auto", help="auto, float32, bfloat16, float16.")
 @option("--device", default="auto", help="auto (cuda if available), cpu, cuda, cuda:N.")
 @exact_option()
-@option("--threads", default=None, type=int, help="torch threads (default: torch's choice).")
+@option("--threads", default=None, type=int,
+        help="torch threads of the forwards, the most with --adaptive-threads (default: torch's choice, "
+             "every core).")
+@option("--adaptive-threads/--no-adaptive-threads", default=True,
+        help="On a CPU, run a forward on fewer threads while other threads (a draft worker, a load "
+             "generator) hold cores, and on all --threads again when they idle: a spinning OpenMP team "
+             "beside a busy thread runs many times slower than one thread. The outputs are the same "
+             "bits whatever the count (docs/engine.md, Threads).")
 @option("--max-batch-size", default=8, type=int,
         help="Most generations in one forward (KV slots); more wait for a slot until their deadline.")
 @option("--kv-cache-gb", default=None, type=float,

@@ -30,6 +30,7 @@ import torch
 
 from card.engine.loading.cpu_linear import PackedLinear, can_pack, pack_linears
 from card.engine.shared.hf import CausalLM
+from card.engine.shared.torch_threads import probe_counts
 
 log = logging.getLogger(__name__)
 
@@ -116,7 +117,7 @@ def probe(layer: torch.nn.Module) -> bool:
     try:
         with torch.inference_mode():
             alone = [layer(x[:, i:i + 1]) for i in range(max(PROBE_ROWS))]
-            for count in sorted({1, threads}):
+            for count in probe_counts():
                 torch.set_num_threads(count)
                 for m in PROBE_ROWS:
                     out = layer(x[:, :m])

@@ -52,6 +52,8 @@ from dataclasses import dataclass
 
 import torch
 
+from card.engine.shared.torch_threads import probe_counts
+
 QUERY_TILE = 4  # query rows per score matmul (longer chains take several tiles): a lone decoding
 # row pays for 4, not for 8 (the matmul's cost grows with its rows; docs/performance.md)
 KV_BLOCK = 64  # keys are attended in spans of whole blocks of this many rows
@@ -225,7 +227,7 @@ def batched_is_invariant(device: torch.device, dtype: torch.dtype, kv_heads: int
     try:
         with torch.inference_mode():
             alone = [run([s]) for s in sessions]
-            for count in sorted({1, threads}):
+            for count in probe_counts():
                 torch.set_num_threads(count)
                 for many in (2, 5, 9):
                     both = run(sessions[:many])
@@ -308,7 +310,7 @@ def blocks_are_invariant(device: torch.device, dtype: torch.dtype, kv_heads: int
     threads = torch.get_num_threads()
     try:
         with torch.inference_mode():
-            for count in sorted({1, threads}):
+            for count in probe_counts():
                 torch.set_num_threads(count)
                 for start, n in ((0, 1), (0, 3 * KV_BLOCK), (5, 70), (KV_BLOCK - 1, 2), (130, 190)):
                     q = query[:, start:start + n]

@@ -58,3 +58,21 @@ def on_passing_thread(fn: Callable[[], T], threads: int, name: str) -> T:
     if error:
         raise error[0]
     return result[0]
+
+
+def thread_ladder(most: int) -> tuple[int, ...]:
+    """The torch thread counts a forward may run on when ``most`` is the most it may use: 1, the
+    powers of two below ``most``, and ``most`` (card.engine.shared.thread_governor climbs and drops
+    between them; the invariance probes check each)."""
+    counts = {1, max(1, most)}
+    rung = 2
+    while rung < most:
+        counts.add(rung)
+        rung *= 2
+    return tuple(sorted(counts))
+
+
+def probe_counts() -> tuple[int, ...]:
+    """The thread counts a load-time invariance probe checks: every rung the calling thread's
+    forwards may run on (its current count is the most)."""
+    return thread_ladder(torch.get_num_threads())
