@@ -31,6 +31,7 @@ from card.common.cli import (
     tree_options,
 )
 from card.common.health import Health, HealthPort
+from card.common.niceness import lower_priority
 from card.common.serving import (
     serve_until_signal,
     set_serving,
@@ -173,8 +174,10 @@ def build_worker(config: DraftConfig, publish: Publish, on_forward: Callable[[in
         help="Present this token for --pool at registration, where card-cache binds pools to tokens "
              "(its --pool-tokens).")
 @option("--nice", default=10, type=click.IntRange(0, 19),
-        help="Scheduling niceness of this process: a draft that shares cores with a target, its cache or "
-             "their clients yields the CPU to them first (0: as they are).")
+        help="Scheduling niceness of this process (and of its session's scheduling group where it leads "
+             "its session, as card-client up starts it: Linux's autogroups would otherwise rank it only "
+             "against itself): a draft that shares cores with a target, its cache or their clients "
+             "yields the CPU to them first (0: as they are).")
 @option("--host", default="127.0.0.1", help="Interface of the health port (0.0.0.0 in containers).")
 @option("--port", default=50053, type=int, help="gRPC health port (0 = OS-chosen).")
 @option("--metrics-port", default=9093, type=int, help="Prometheus port (0 = disabled).")
@@ -188,7 +191,8 @@ def main(nice: int, **options: object) -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     setup_logging(options["log_level"], options["json_logs"])  # type: ignore[arg-type]
     if nice:
-        os.nice(nice)  # every thread of this process, the draft worker's torch threads included
+        lowered = lower_priority(nice)  # the draft worker's torch threads included
+        log.info("niceness %d for the %s", os.getpriority(os.PRIO_PROCESS, 0), lowered)
     with exit_on_error("card-draft"):
         config = DraftConfig.from_options(**options)  # type: ignore[arg-type]
         serve(config)
