@@ -192,8 +192,8 @@ def test_a_generation_is_the_same_bits_whatever_counts_the_governor_picks() -> N
         return clock.now
 
     seen: list[int] = []
-    governor = ThreadGovernor(2, Flipping(clock), GovernorSettings(hold_s=0.0, up_samples=1, min_window_s=0.0),
-                              clock=tick)
+    settings = GovernorSettings(hold_s=0.0, up_samples=1, min_window_s=0.0)
+    governor = ThreadGovernor(2, Flipping(clock), settings, clock=tick)
     # a forward starts at its first layer (the engine runs the layers itself): an iteration there
     def start(*_: object) -> None:
         governor.before_iteration()
@@ -257,7 +257,8 @@ def test_proc_sees_the_team_and_a_busy_neighbour() -> None:
                 for p in busy:
                     p.kill()
                     p.wait()
-            return seen, cores.team_delays_ns()[threading.get_native_id()] >= delays[threading.get_native_id()]
+            me = threading.get_native_id()
+            return seen, cores.team_delays_ns()[me] >= delays[me]
         finally:
             cores.close()
 
