@@ -16,12 +16,8 @@ worker that shares its core with the other thread, a scheduler slice at a time. 
 - **Idle cores, sampled.** Before an iteration: the machine's runnable tasks (``/proc/loadavg``'s
   fourth field) less this thread and its own spinning workers. When the next rung's cores have
   been idle at ``up_samples`` iterations in a row, and the hold since the last drop has passed,
-  the count climbs a rung.
-- **Or tried.** A busy neighbour may still leave room: a niced draft worker gets short slices only,
-  and the team keeps its cores nearly whole beside it. So one hold after the hold has passed, the
-  count climbs anyway, a probe that the run-queue delay judges within a window.
-  A drop soon after a climb doubles the hold (up to ``hold_max_s``), so a neighbour that holds its
-  core costs a failed probe (a window, ~20 ms) a minute at most.
+  the count climbs a rung. A drop soon after a climb doubles the hold (up to ``hold_max_s``), so a
+  neighbour that comes and goes costs a bounded share of the time.
 
 Linux only (``/proc``); elsewhere ``ProcCores.open`` gives None and the count stays fixed.
 """
@@ -176,11 +172,9 @@ class ThreadGovernor:
         self.count = self.ladder[-1]
         self.drops = 0
         self.climbs = 0
-        self.probes = 0  # climbs that the idle samples did not call for
         self._idle_samples = 0
         self._hold = settings.hold_s
         self._hold_until = 0.0
-        self._probe_at = 0.0
         self._climbed_at: float | None = None
         self._iterations = 0
         self._mark_t = clock()
@@ -201,8 +195,7 @@ class ThreadGovernor:
             upper = self.ladder[rung + 1]
             idle = self.cores.cpus - self.cores.others_running()
             self._idle_samples = self._idle_samples + 1 if idle >= upper else 0
-            if self._idle_samples >= s.up_samples or now >= self._probe_at:
-                self.probes += self._idle_samples < s.up_samples
+            if self._idle_samples >= s.up_samples:
                 self._idle_samples = 0
                 self.climbs += 1
                 self._climbed_at = now
@@ -229,7 +222,6 @@ class ThreadGovernor:
             self._hold = min(self._hold * 2, s.hold_max_s)  # the cores it climbed into were not free
         self._climbed_at = None
         self._hold_until = now + self._hold
-        self._probe_at = self._hold_until + self._hold
         self._idle_samples = 0
         self.drops += 1
         self._set(self.ladder[self.ladder.index(self.count) - 1], "down")

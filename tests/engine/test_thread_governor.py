@@ -301,27 +301,3 @@ def test_a_busy_neighbour_drops_a_real_forward_to_one_thread() -> None:
     assert isinstance(governor, ThreadGovernor)
     assert governor.count == 1 and governor.drops >= 1
 
-
-def test_beside_a_neighbour_that_stays_the_count_is_tried_again_ever_less_often() -> None:
-    """A probe: one hold after the hold, the count climbs though the samples see a busy core; a
-    neighbour that holds its core drops it again at the next window, and the next probe waits
-    twice as long, up to the cap."""
-    clock = Clock()
-    cores = Cores(clock)
-    cores.busy = 1  # the samples never see an idle core
-    governor, counts = governed(2, cores, clock, hold_s=1.0, hold_max_s=4.0, up_samples=3)
-    probed: list[float] = []
-    for _ in range(150):  # 30 s of iterations: 0.1 s to the iteration's start, 0.1 s of forward
-        clock.now += 0.1
-        climbs = governor.climbs
-        governor.before_iteration()
-        if governor.climbs > climbs:
-            probed.append(round(clock.now - 100.0, 1))
-        cores.share = 0.5 if governor.count == 2 else 0.0  # the neighbour takes half a team core
-        clock.now += 0.1
-        governor.check()
-    # dropped at 0.2 (hold 1 s): probe at 2.3, dropped at 2.4 (hold 2 s), probe at 6.5, dropped at
-    # 6.6 (hold 4 s, the cap), then a probe every 8.2 s
-    assert probed == [2.3, 6.5, 14.7, 22.9]
-    assert governor.probes == governor.climbs == 4 and governor.drops == 5
-    assert counts[-1] == 1
