@@ -251,5 +251,7 @@ class ThreadGovernor:
 
 
 def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
-    """A transformers causal LM's decoder layers (``model.model.layers``), the governor's checkpoints."""
-    return model.model.layers  # type: ignore[union-attr,return-value]
+    """A transformers causal LM's decoder layers (``model.model.layers``), the governor's checkpoints
+    inside a forward; none for a model without them (the governor then checks between iterations)."""
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    return layers if isinstance(layers, torch.nn.ModuleList) else torch.nn.ModuleList()

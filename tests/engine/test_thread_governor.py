@@ -301,3 +301,9 @@ def test_a_busy_neighbour_drops_a_real_forward_to_one_thread() -> None:
     assert isinstance(governor, ThreadGovernor)
     assert governor.count == 1 and governor.drops >= 1
 
+
+
+def test_the_checkpoints_are_the_decoder_layers_or_none() -> None:
+    model = tiny_model("llama", layers=3)
+    assert list(decoder_layers(model)) == list(model.model.layers)
+    assert len(decoder_layers(torch.nn.Linear(2, 2))) == 0  # checked between iterations only
