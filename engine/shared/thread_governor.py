@@ -101,11 +101,15 @@ class ProcCores:
         for tid in [t for t in self._team if t not in team]:
             self._close(tid)
         for tid in team - self._team.keys():
+            fds: list[int] = []
             try:
-                self._team[tid] = (os.open(f"/proc/self/task/{tid}/schedstat", os.O_RDONLY),
-                                   os.open(f"/proc/self/task/{tid}/stat", os.O_RDONLY))
-            except OSError:
+                for leaf in ("schedstat", "stat"):
+                    fds.append(os.open(f"/proc/self/task/{tid}/{leaf}", os.O_RDONLY))
+            except OSError:  # the thread ended between the listing and the opening
+                for fd in fds:
+                    os.close(fd)
                 continue
+            self._team[tid] = (fds[0], fds[1])
 
     def team_delays_ns(self) -> dict[int, int]:
         delays = {}
@@ -127,7 +131,8 @@ class ProcCores:
             except OSError:
                 self._close(tid)
                 continue
-            spinning += raw[raw.rindex(b")") + 2:raw.rindex(b")") + 3] == b"R"
+            state = raw.rindex(b")") + 2  # the field after the name, which may hold spaces
+            spinning += raw[state:state + 1] == b"R"
         return max(0, running - 1 - spinning)
 
     def close(self) -> None:
