@@ -9,10 +9,15 @@ worker that shares its core with the other thread, a scheduler slice at a time. 
 
 - **Contention, seen directly.** A team thread's run-queue delay (``/proc/self/task/TID/schedstat``,
   field 2: time it was runnable but not running) over a window of the forward. When one member
-  waited more than ``down_share`` of a window (``check``: before each decoder layer, and after the
-  iteration), the count drops a rung at once, mid-forward included, so a collapse costs a few
-  layers, not a forward. Counts do not change results: every count of the ladder is one the
-  load-time invariance probes checked (``card.engine.shared.torch_threads.probe_counts``).
+  waited more than ``down_share`` of ``down_windows`` windows in a row (``check``: before each
+  decoder layer, and after the iteration), the count drops a rung at once, mid-forward included,
+  so a collapse costs a few layers, not a forward. One window is not enough: a request arriving
+  (its chat template, tokenizing, a load generator's wake-up) preempts a team thread for a few
+  ms once, and through the services such bursts dropped the count on idle cores every few
+  seconds, the hold doubling each time, so plain decoding ran on one thread most of the time (2
+  of 14 s on two, 2026-11-28); a neighbour that really holds a core shows in every window.
+  Counts do not change results: every count of the ladder is one the load-time invariance
+  probes checked (``card.engine.shared.torch_threads.probe_counts``).
 - **Idle cores, sampled.** Before an iteration: the machine's runnable tasks (``/proc/loadavg``'s
   fourth field) less this thread and its own spinning workers. When the next rung's cores have
   been idle at ``up_samples`` iterations in a row, and the hold since the last drop has passed,
@@ -152,6 +157,7 @@ class GovernorSettings:
     # windows shorter than this are folded into the next: one preemption by a serving thread in a
     # 20 ms window is not contention (a collapsed forward waits tens of ms per layer)
     min_window_s: float = 0.02
+    down_windows: int = 2  # windows in a row over ``down_share`` before a drop (a burst is one)
     up_samples: int = 3  # iterations in a row that must see the next rung's cores idle
     hold_s: float = 0.5  # no climb this long after a drop; doubled by each drop soon after a climb
     hold_max_s: float = 30.0
@@ -182,6 +188,8 @@ class ThreadGovernor:
         self._hold_until = 0.0
         self._climbed_at: float | None = None
         self._iterations = 0
+        self._strikes = 0  # windows in a row over down_share
+        self._last_check = clock()
         self._mark_t = clock()
         self._mark = cores.team_delays_ns()
         self._thread = threading.get_ident()
@@ -193,6 +201,8 @@ class ThreadGovernor:
         if self._iterations % s.refresh_every == 0:
             self.cores.refresh()
         now = self.clock()
+        if now - self._last_check > 5 * s.min_window_s:  # windows in a row, not across an idle gap
+            self._strikes = 0
         if self._climbed_at is not None and now - self._climbed_at > s.settle_s:
             self._climbed_at, self._hold = None, s.hold_s
         rung = self.ladder.index(self.count)
@@ -220,9 +230,12 @@ class ThreadGovernor:
         before, self._mark_t, self._mark = self._mark, now, delays
         # a thread that joined the team during the window has no mark: it starts its own from here
         waited = max((d - before[t] for t, d in delays.items() if t in before), default=0) / 1e9
-        if waited <= self.settings.down_share * wall:
-            return
+        self._last_check = now
         s = self.settings
+        self._strikes = self._strikes + 1 if waited > s.down_share * wall else 0
+        if self._strikes < s.down_windows:
+            return
+        self._strikes = 0
         if self._climbed_at is not None and now - self._climbed_at < s.settle_s:
             self._hold = min(self._hold * 2, s.hold_max_s)  # the cores it climbed into were not free
         self._climbed_at = None

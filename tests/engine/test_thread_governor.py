@@ -93,18 +93,46 @@ def test_a_thread_that_waits_for_its_core_drops_the_count_a_rung_at_a_time() -> 
     cores.share = 0.5  # half of every window: another thread holds the core
     clock.now += 0.1
     governor.check()
-    assert counts == [4, 2]
+    assert counts == [4]  # one window over could be a burst
     clock.now += 0.1
     governor.check()
-    clock.now += 0.1
-    governor.check()  # already at one thread: nothing below
+    assert counts == [4, 2]  # two in a row: a neighbour
+    for _ in range(4):
+        clock.now += 0.1
+        governor.check()  # already at one thread after the next two: nothing below
     assert counts == [4, 2, 1] and governor.drops == 2
+
+
+def test_a_burst_in_one_window_drops_nothing() -> None:
+    """A request arriving preempts a team thread once (its tokenizing, a client's wake-up): windows
+    over the share that are not in a row, or that an idle gap separates, leave the count."""
+    clock = Clock()
+    cores = Cores(clock)
+    governor, counts = governed(2, cores, clock, down_windows=2)
+    for _ in range(10):
+        cores.share = 0.6  # one window over ...
+        clock.now += 0.03
+        governor.check()
+        cores.share = 0.0  # ... then a clean one
+        clock.now += 0.03
+        governor.check()
+    cores.share = 0.6
+    clock.now += 0.03
+    governor.check()  # over, at the end of an iteration
+    clock.now += 1.0  # the engine idled: no request
+    governor.before_iteration()
+    clock.now += 0.03
+    governor.check()  # over again, but not in a row with the last
+    assert counts == [2] and governor.drops == 0
+    clock.now += 0.03
+    governor.check()  # in a row now
+    assert counts == [2, 1]
 
 
 def test_short_windows_add_up_before_they_are_judged() -> None:
     clock = Clock()
     cores = Cores(clock)
-    governor, counts = governed(2, cores, clock, min_window_s=0.02)
+    governor, counts = governed(2, cores, clock, min_window_s=0.02, down_windows=1)
     cores.share = 0.6  # 3.3 ms waited in each 5.5 ms stretch
     for _ in range(3):
         clock.now += 0.0055
@@ -118,7 +146,7 @@ def test_short_windows_add_up_before_they_are_judged() -> None:
 def test_idle_cores_bring_the_count_back_after_the_hold() -> None:
     clock = Clock()
     cores = Cores(clock)
-    governor, counts = governed(2, cores, clock, hold_s=1.0, up_samples=3)
+    governor, counts = governed(2, cores, clock, hold_s=1.0, up_samples=3, down_windows=1)
     cores.share = 0.5
     clock.now += 0.1
     governor.check()
@@ -144,7 +172,8 @@ def test_idle_cores_bring_the_count_back_after_the_hold() -> None:
 def test_a_climb_into_busy_cores_doubles_the_hold_and_a_climb_that_held_resets_it() -> None:
     clock = Clock()
     cores = Cores(clock)
-    governor, _ = governed(2, cores, clock, hold_s=1.0, hold_max_s=4.0, up_samples=1, settle_s=10.0)
+    governor, _ = governed(2, cores, clock, hold_s=1.0, hold_max_s=4.0, up_samples=1, settle_s=10.0,
+                          down_windows=1)
 
     def drop() -> None:
         cores.share = 0.5
@@ -192,7 +221,7 @@ def test_a_generation_is_the_same_bits_whatever_counts_the_governor_picks() -> N
         return clock.now
 
     seen: list[int] = []
-    settings = GovernorSettings(hold_s=0.0, up_samples=1, min_window_s=0.0)
+    settings = GovernorSettings(hold_s=0.0, up_samples=1, min_window_s=0.0, down_windows=1)
     governor = ThreadGovernor(2, Flipping(clock), settings, clock=tick)
     # a forward starts at its first layer (the engine runs the layers itself): an iteration there
     def start(*_: object) -> None:
