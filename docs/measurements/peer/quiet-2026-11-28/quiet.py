@@ -26,7 +26,8 @@ def one(prompt: str) -> dict:
     first = last = None
     tokens = 0
     text = []
-    with httpx.Client(timeout=600) as client, client.stream("POST", f"{url}/v1/chat/completions", json=body) as r:
+    with httpx.Client(timeout=600) as client, \
+            client.stream("POST", f"{url}/v1/chat/completions", json=body) as r:
         r.raise_for_status()
         for line in r.iter_lines():
             if not line.startswith("data: {"):
@@ -52,7 +53,8 @@ for level in (1, 8):
     result["levels"][level] = {
         "output_tok_s": sum(r["tokens"] for r in runs) / wall,
         "ttft_p50_ms": 1000 * statistics.median(r["ttft"] for r in runs),
-        "itl_p50_ms": 1000 * statistics.median((r["last"] - r["ttft"]) / max(1, r["tokens"] - 1) for r in runs),
+        "itl_p50_ms": 1000 * statistics.median((r["last"] - r["ttft"]) / max(1, r["tokens"] - 1)
+                                               for r in runs),
         "tokens": [r["tokens"] for r in runs],
         "texts": [r["text"] for r in runs]}
     level_view = {k: v for k, v in result["levels"][level].items() if k not in ("tokens", "texts")}
