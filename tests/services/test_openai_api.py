@@ -492,3 +492,39 @@ def test_fifty_cancelled_requests_leave_nothing(trio, model_id, redis_server):
     after = rss_mib(target.proc.pid), rss_mib(trio.drafts[0].proc.pid)
     for b, a in zip(before, after, strict=True):
         assert a - b < 48, f"resident memory grew from {b:.0f} to {a:.0f} MiB over 50 cancelled requests"
+
+
+# ---- card.client.bench.peer --client quiet against this front ----------------------------------
+def test_the_quiet_peer_client_measures_the_front_and_compares_outputs(trio, model_id, tmp_path):
+    """`peer run --client quiet` (httpx threads that never spin): every level's figures from the
+    streamed replies, the server's own TTFT and acceptance from /metrics read around each level,
+    and every output kept; `report` says how many of a second server's outputs equal the first's
+    (greedy card = plain decoding), and a changed output shows (the negative control)."""
+    from click.testing import CliRunner
+
+    from card.client.bench import peer
+
+    base = ["run", "--client", "quiet", "--url", f"http://{trio.http_addr}", "--model", model_id,
+            "--prompts", "mt_bench:3", "--concurrency", "1,2", "--tokens", "8", "--api-key", KEY,
+            "--out", str(tmp_path)]
+    for label, extra in (("plain", '{"mode": "vanilla"}'), ("card", "{}")):
+        result = CliRunner().invoke(peer.main, [*base, "--label", label, "--extra", extra])
+        assert result.exit_code == 0, result.output
+    plain, card = (json.loads((tmp_path / f"{label}.json").read_text()) for label in ("plain", "card"))
+    for run in (plain, card):
+        assert run["client"] == "quiet" and set(run["levels"]) == {"1", "2"}
+        for row in run["levels"].values():
+            assert row["requests"] == 3 and row["errors"] == 0
+            assert row["output_tok_s"] > 0 and row["ttft_ms"] > 0 and row["itl_ms"] > 0
+            assert row["server_ttft_ms"] > 0  # from the target's /metrics, behind its key
+        assert all(len(texts) == 3 and all(texts) for texts in run["texts"].values())
+    assert "acceptance_rate" in card["levels"]["1"] and "acceptance_rate" not in plain["levels"]["1"]
+    assert card["texts"] == plain["texts"]
+    changed = dict(card, label="changed", texts={lv: [t + "!" if i == 0 else t for i, t in enumerate(texts)]
+                                                 for lv, texts in card["texts"].items()})
+    (tmp_path / "changed.json").write_text(json.dumps(changed))
+    reports = [str(tmp_path / f"{label}.json") for label in ("plain", "card", "changed")]
+    result = CliRunner().invoke(peer.main, ["report", *reports])
+    assert result.exit_code == 0, result.output
+    assert "card: outputs equal to plain's: 3/3 at 1, 3/3 at 2" in result.output
+    assert "changed: outputs equal to plain's: 2/3 at 1, 2/3 at 2" in result.output
