@@ -44,7 +44,7 @@ from card.engine.draft.static_tree import TreeStep
 from card.engine.shared.config import DRAW_BRANCH, ChainDraw, NgramConfig, TreeParams
 from card.engine.shared.errors import Aborted, InvalidArgument, ResourceExhausted
 from card.engine.shared.hf import CausalLM
-from card.engine.shared.kv_pool import PREFILL_CHUNK, KVPool, Segment, forward
+from card.engine.shared.kv_pool import PREFILL_CHUNK, PREFIX_BLOCK, KVPool, Segment, forward
 from card.engine.shared.ngram_stats import NgramTable, Proposer
 from card.engine.shared.tree import NO_NODE, Advance, Layer, TwoTierTree, draw_index, tier_b_probs
 
@@ -121,9 +121,14 @@ class Drafter:
         self._check_room(len(committed))
         cached = 0  # committed tokens whose keys and values the slot holds already (prefix caching)
         if self.slot is None:
-            # whole prefill chunks: the draft's prompt rows (SDPA) are then the bits a cold
-            # prefill gives, and a session's tree does not depend on what was cached
-            got = self.pool.acquire_prefix(committed, PREFILL_CHUNK)
+            # The draft's prompt rows (SDPA) are the bits a cold prefill gives only at its chunk
+            # boundaries. A drawn session's chains are drawn from the draft's distributions, so
+            # its output depends on those bits: it reuses whole prefill chunks only, and its tree
+            # never depends on what was cached. Any other session's draft numbers only choose
+            # what the target verifies (never what it emits): it reuses every whole block, as the
+            # target does, so a chat's system prompt and a conversation's earlier turns are not
+            # prefilled again (whole 256-token chunks left a 200-token conversation nothing)
+            got = self.pool.acquire_prefix(committed, PREFILL_CHUNK if draw is not None else PREFIX_BLOCK)
             if got is None:
                 raise ResourceExhausted(f"the draft's KV cache has no free slot (all {self.pool.slots} held)")
             self.slot, cached = got

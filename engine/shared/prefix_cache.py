@@ -14,7 +14,8 @@ What is indexed: a slot's blocks from row 0 on, each one whole, once the caller 
 final (``computed``): the target's prompt chunks as they are prefilled, and when a session ends
 the rows it decoded too, where the target's prefill gives a decoding row's bits (its exact
 prefill, card.engine.target.scheduler); a draft's prompt chunks. Where a prompt's bits depend on
-its chunking (the vendor attention), a match is taken in whole prefill chunks only (``multiple``).
+its chunking (the vendor attention) and its bits matter (the target's; a drawn draft session's),
+a match is taken in whole prefill chunks only (``multiple``).
 Anything that writes a row of a slot drops that slot's blocks from that row on (``truncate``): a
 slot taken for another sequence, a session's rows past its prompt, a draft's moved rows. The index
 is therefore bounded by slots x blocks per slot, and never outlives the rows it names.

@@ -16,7 +16,14 @@ from card.engine.draft.drafter import Drafter
 from card.engine.inprocess.runner import InProcessRunner, RunnerConfig
 from card.engine.loading.invariant import make_exact
 from card.engine.loading.models import LoadedModel
-from card.engine.shared.config import GenerationRequest, Mode, SamplingParams, StopParams, TreeParams
+from card.engine.shared.config import (
+    ChainDraw,
+    GenerationRequest,
+    Mode,
+    SamplingParams,
+    StopParams,
+    TreeParams,
+)
 from card.engine.shared.kv_pool import PREFILL_CHUNK, PREFIX_BLOCK, KVPool, Segment, forward
 from card.engine.shared.prefix_cache import PrefixCache, chain
 from card.engine.target.chain_source import NoDraft
@@ -325,11 +332,15 @@ def test_the_in_process_runner_reuses_its_prefix() -> None:
     assert all(r.stats.cached_tokens == 0 for r in want)
 
 
-def test_a_draft_session_starts_from_its_cached_prefix() -> None:
+@pytest.mark.parametrize("drawn", [False, True])
+def test_a_draft_session_starts_from_its_cached_prefix(drawn: bool) -> None:
     """The draft worker's pool: a second session over the same document prefills only its own
-    tail, and grows the tree a cold drafter grows (the same rows, the same chunk boundaries)."""
+    tail. A session whose chains only choose what the target verifies reuses every whole block of
+    the document, as the target does; a drawn one (rejection: its output depends on the draft's
+    distributions) whole prefill chunks only, so that its tree is bitwise a cold drafter's."""
     model = tiny_model("llama", seed=0, vocab=VOCAB, dtype=torch.float64)
     params = TreeParams(width=2, max_depth=3)
+    draw = ChainDraw(0.8, seed=7) if drawn else None
     pool = KVPool(model, slots=2, max_len=WINDOW, prefix_caching=True)
     first = Drafter(model, params, pool=pool)
     first.start([*DOC, 1, 2])
@@ -337,13 +348,17 @@ def test_a_draft_session_starts_from_its_cached_prefix() -> None:
         first.grow()
     first.release()
     second = Drafter(model, params, pool=pool)
-    second.start([*DOC, 3, 4, 5])
-    assert second.n_committed == 2 * B and len(second.pending) == len(DOC) + 3 - 2 * B
+    second.start([*DOC, 3, 4, 5], draw=draw)
+    reused = 2 * B if drawn else len(DOC) // PREFIX_BLOCK * PREFIX_BLOCK
+    assert reused > 2 * B or drawn  # the blocks reach past the chunks (a control of the parameter)
+    assert second.n_committed == reused and len(second.pending) == len(DOC) + 3 - reused
     cold = Drafter(model, params, max_len=WINDOW)
-    cold.start([*DOC, 3, 4, 5])
+    cold.start([*DOC, 3, 4, 5], draw=draw)
     a, b = second.grow(), cold.grow()
     assert a is not None and b is not None
     assert torch.equal(a[0].tokens, b[0].tokens)
+    if drawn:
+        assert torch.equal(a[0].local_logp, b[0].local_logp) and torch.equal(a[0].b_logp, b[0].b_logp)
     assert second.forwards < cold.forwards
 
 
@@ -371,7 +386,7 @@ def test_card_in_process_reuses_both_prefixes_and_equals_plain_decoding() -> Non
 
 def test_card_draft_counts_its_prefix_cache() -> None:
     """card-draft's card_draft_prefix_cache_{queries,hits}_total follow its worker's pool: a
-    second session over the document reuses its two blocks, and the counters say so."""
+    second session over the document reuses its whole blocks, and the counters say so."""
     from prometheus_client import REGISTRY
 
     from card.draft_service.config import DraftConfig
@@ -399,7 +414,7 @@ def test_card_draft_counts_its_prefix_cache() -> None:
         worker._apply(StopDraft(f"s{i}"))
     after = [sample("card_draft_prefix_cache_queries_total"), sample("card_draft_prefix_cache_hits_total")]
     assert after[0] - before[0] == 2 * len(DOC) + 5
-    assert after[1] - before[1] == 2 * B
+    assert after[1] - before[1] == len(DOC) // PREFIX_BLOCK * PREFIX_BLOCK  # every whole block
 
 
 @pytest.mark.parametrize("sampled", [False, True])
