@@ -5,11 +5,12 @@ OpenMP team needs, and a fixed 2-thread team beside a spinning thread collapses 
 process for card-target's forwards, docs/performance.md, "Adaptive threads"). On the 2-core VM
 vLLM's inter-token latency was 83 ms under AIPerf one day and 38-47 ms beside this client the
 next, which reversed the side-by-side verdict (docs/performance.md, "With a client that does not
-spin"; two days, so the VM's own drift is in that figure too). Here each of ``level`` closed-loop clients is a thread that sleeps in its
-socket (httpx, streamed chat completions); nothing polls. The figures are AIPerf's, computed the
-same way: output tokens/s over the level's wall time, requests/s, TTFT (to the first content
-chunk) and inter-token latency ((last - first content chunk) / (output tokens - 1), per request)
-at p50 and p90, the output tokens from the stream's ``usage``. The server's own view comes from
+spin"; two days, so the VM's own drift is in that figure too). Here each of ``level``
+closed-loop clients is a thread that sleeps in its socket (httpx, streamed chat completions);
+nothing polls. The figures are AIPerf's, computed the same way: output tokens/s over the level's
+wall time, requests/s, TTFT (to the first content chunk) and inter-token latency ((last - first
+content chunk) / (output tokens - 1), per request) at p50 and p90, the output tokens from the
+stream's ``usage``. The server's own view comes from
 its ``/metrics`` page read before and after the level (``server_view``), as AIPerf scrapes it.
 """
 
