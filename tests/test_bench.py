@@ -402,3 +402,37 @@ def test_card_modes_run_once_under_each_acceptance_rule():
         _in_process_modes([BenchMode.parse("sd")], {}, [exact, loose])
     with pytest.raises(InvalidArgument, match="services alone"):
         _in_process_modes([BenchMode.parse("svc-card")], {}, [exact])
+
+
+def test_the_quiet_client_reads_the_servers_view_between_two_metrics_pages():
+    """card.client.bench.quiet.server_view: the movement between two /metrics pages, card-target's
+    names or vLLM's: TTFT and ITL p50 from the buckets that moved (linear inside the bucket, as
+    histogram_quantile), acceptance from the spec_decode counters; a page without them gives no
+    acceptance (the negative control), and what happened before the first page does not count."""
+    from card.client.bench.quiet import server_view
+
+    def page(prefix: str, ttft: dict[float, int], accepted: int, drafted: int, drafts: int,
+             spec: bool = True) -> str:
+        lines = [f"# TYPE {prefix}time_to_first_token_seconds histogram"]
+        lines += [f'{prefix}time_to_first_token_seconds_bucket{{le="{le}",model_name="m"}} {n}'
+                  for le, n in ttft.items()]
+        total = max(ttft.values())
+        lines += [f'{prefix}time_to_first_token_seconds_count{{model_name="m"}} {total}',
+                  f'{prefix}time_to_first_token_seconds_sum{{model_name="m"}} {0.1 * total}']
+        if spec:
+            for name, value in (("accepted_tokens", accepted), ("draft_tokens", drafted), ("drafts", drafts)):
+                lines += [f"# TYPE {prefix}spec_decode_num_{name} counter",
+                          f'{prefix}spec_decode_num_{name}_total{{model_name="m"}} {value}']
+        return "\n".join(lines) + "\n"
+
+    for prefix in ("card_target_", "vllm:"):
+        # before: 10 requests all under 0.1 s; between the pages 4 more: 2 under 0.1, 2 in (0.1, 0.5]
+        before = page(prefix, {0.1: 10, 0.5: 10, float("inf"): 10}, 50, 100, 40)
+        after = page(prefix, {0.1: 12, 0.5: 14, float("inf"): 14}, 80, 140, 50)
+        row = server_view(before, after)
+        assert row["server_ttft_ms"] == pytest.approx(100.0)  # the median of the 4: the 2nd of them
+        assert row["acceptance_rate"] == pytest.approx(30 / 40)
+        assert row["mean_acceptance_length"] == pytest.approx(1 + 30 / 10)
+        plain = server_view(page(prefix, {0.1: 1, 0.5: 3, float("inf"): 3}, 0, 0, 0, spec=False),
+                            page(prefix, {0.1: 1, 0.5: 7, float("inf"): 7}, 0, 0, 0, spec=False))
+        assert set(plain) == {"server_ttft_ms"} and 100.0 < plain["server_ttft_ms"] < 500.0
