@@ -109,7 +109,7 @@ def test_rolling_one_pool_out_for_another_loses_nothing(checkpoints, redis_serve
                                                         reference) -> None:
     """Two pools; six requests stream on the first; its workers are SIGTERMed one by one while the
     second takes over: no request fails, every output is exact, speculation resumes within 2 s of
-    each handover, and each worker exits 0 within its drain timeout."""
+    each handover, and each worker drains within its drain timeout and exits 0."""
     # the weights keep every session on the old pool while it has a worker (new takes the rest);
     # chains of one token make the requests outlive the rollout: the draft is the target's own
     # model, so longer chains would all be accepted and end them within it
@@ -132,11 +132,14 @@ def test_rolling_one_pool_out_for_another_loses_nothing(checkpoints, redis_serve
                 assert not any(f.done() for f in futures), "a request ended before the rollout did"
                 handovers.append(hand_over(trio, worker, f"old-{i}", signal.SIGTERM))
             rolled = time.monotonic() - started
-            for worker in old:
-                assert worker.wait(15) == 0  # drained, then exited cleanly
-            pools = {p.name: p for p in cache_status(trio.cache_addr).pools}
             results = [f.result() for f in futures]
-        took = time.monotonic() - started
+            took = time.monotonic() - started
+        for worker in old:
+            # each drained at once, then exited cleanly; the exit itself runs at the draft's nice 10
+            # and can starve for many seconds on a busy 2-core box, so it is awaited last
+            assert worker.wait(60) == 0
+            assert "every session handed over" in worker.log_path.read_text()
+        pools = {p.name: p for p in cache_status(trio.cache_addr).pools}
         print(f"handovers (SIGTERM to speculation resumed): {', '.join(f'{h:.2f}s' for h in handovers)}; "
               f"rolled out {rolled:.1f}s after the requests began, which took {took:.1f}s")
         assert max(handovers) < HANDOVER_S
