@@ -14,9 +14,13 @@ RMSNorm), choosing per device the fastest path that is invariant:
                      (Thinking Machines' fixed-tile matmul idea, without a custom kernel)
 
 Invariance is checked, not assumed: ``probe`` runs each distinct layer on 1, 2, 3, 9 and 40 rows,
-with one thread and with the current count, and compares every row bitwise with that row alone; a
-layer kind that fails is wrapped in fixed tiles, which are invariant by construction whenever a
-kernel is deterministic for a fixed shape.
+with one thread and with the current count, and compares every row bitwise with that row alone. On
+a CPU, a layer kind that fails is probed again at every row count up to CHUNK_PROBE_ROWS
+(``invariant_rows``): a kernel that switches paths only above some count (oneDNN's bf16 matmul on
+AMX: one kernel up to 32 rows, another above) runs in unpadded chunks of at most that many rows
+(``RowChunks``: a decoding row costs one call, a 256-row prefill chunk eight). Otherwise, and on
+CUDA, the layer is wrapped in fixed tiles, which are invariant by construction whenever a kernel
+is deterministic for a fixed shape.
 
 ``exact=False`` (--exact off) keeps the packing where it is faster and drops the rest: no padding,
 no tiles; outputs are then marked inexact (GenerationStats.exact).
@@ -39,6 +43,9 @@ TILE_ROWS = 64  # rows per fixed tile on CUDA: a decode batch of 8 sessions x 8-
 # decode row would pay 64 rows of it (the LM head's above all): tiles there are a chain's width
 CPU_TILE_ROWS = 8
 PROBE_ROWS = (1, 2, 3, 9, 40)
+# the most rows ``invariant_rows`` tries on a CPU: every count up to it is one forward per thread
+# count (about 2,100 rows of each distinct layer shape; under a second for a 49k-row LM head)
+CHUNK_PROBE_ROWS = 64
 
 
 class FixedTiles(torch.nn.Module):
@@ -72,6 +79,27 @@ class FixedTiles(torch.nn.Module):
         return f"tile={self.tile}"
 
 
+class RowChunks(torch.nn.Module):
+    """``inner`` applied to consecutive chunks of at most ``rows`` rows, the last one as it comes
+    (no padding): for a kernel that ``invariant_rows`` found to give every row its alone bits at
+    every count up to ``rows``, so each chunk's rows are as alone, and so is every row."""
+
+    def __init__(self, inner: torch.nn.Module, rows: int) -> None:
+        super().__init__()
+        self.inner = inner
+        self.rows = rows
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., width] -> [..., out]
+        flat = x.reshape(-1, x.shape[-1])
+        if flat.shape[0] <= self.rows:
+            return self.inner(x)
+        out = torch.cat([self.inner(part) for part in flat.split(self.rows)])
+        return out.reshape(*x.shape[:-1], out.shape[-1])
+
+    def extra_repr(self) -> str:
+        return f"rows<={self.rows}"
+
+
 def make_exact(model: torch.nn.Module, exact: bool = True, prepack: bool = True) -> str:
     """Prepare ``model``'s row-wise layers for the engine (in place); returns how, for the logs."""
     device = next(model.parameters()).device
@@ -86,14 +114,25 @@ def make_exact(model: torch.nn.Module, exact: bool = True, prepack: bool = True)
     if device.type == "cuda":  # split-K in reduced precision would make a row's sum depend on M
         torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
         torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = False
+    chunked: dict[str, int] = {}
     for layers in _row_wise_layers(model).values():
         if device.type == "cuda" or not probe(layers[0]):
+            chunk = invariant_rows(layers[0]) if device.type == "cpu" else 0
+            # chunks of up to ``chunk`` rows: fewer calls than tiles, no padding; kept only if the
+            # chunked layer passes the same probe as any other (other inputs, other row counts)
+            if chunk >= CPU_TILE_ROWS and probe(RowChunks(layers[0], chunk)):
+                name = type(layers[0]).__name__
+                chunked[name] = min(chunk, chunked.get(name, chunk))
+                _wrap(model, {id(layer) for layer in layers}, chunk, chunks=True)
+                continue
             tiled.add(type(layers[0]).__name__)
             rows = probe_direct(layers[0], tile) if device.type == "cuda" else frozenset()
             if rows:
                 direct.add(type(layers[0]).__name__)
             _wrap(model, {id(layer) for layer in layers}, tile, rows)
     how = "oneDNN-packed linears" if packed else "vendor row-wise kernels"
+    if chunked:
+        how += "; " + ", ".join(f"chunks of <= {n} rows for {name}" for name, n in sorted(chunked.items()))
     if tiled:
         how += f"; fixed {tile}-row tiles for {', '.join(sorted(tiled))}"
     if direct:
@@ -105,14 +144,9 @@ def make_exact(model: torch.nn.Module, exact: bool = True, prepack: bool = True)
 def probe(layer: torch.nn.Module) -> bool:
     """Whether ``layer`` gives every row the same bits in forwards of PROBE_ROWS rows as alone,
     with one thread and with this process's thread count."""
-    inner = layer.inner if isinstance(layer, FixedTiles) else layer
-    if isinstance(inner, PackedLinear):
-        device, dtype = torch.device("cpu"), inner.dtype
-    else:
-        param = next(inner.parameters())
-        device, dtype = param.device, param.dtype
+    device, dtype = _device_dtype(layer)
     gen = torch.Generator().manual_seed(0)
-    x = torch.randn(1, max(PROBE_ROWS), _width(inner), generator=gen).to(device, dtype)
+    x = torch.randn(1, max(PROBE_ROWS), _width(layer), generator=gen).to(device, dtype)
     threads = torch.get_num_threads()
     try:
         with torch.inference_mode():
@@ -126,6 +160,30 @@ def probe(layer: torch.nn.Module) -> bool:
     finally:
         torch.set_num_threads(threads)
     return True
+
+
+def invariant_rows(layer: torch.nn.Module, most: int = CHUNK_PROBE_ROWS) -> int:
+    """The largest power of two ``n <= most`` such that a forward of every count ``m <= n`` of
+    rows gives each row the same bits as that row alone, with one thread and with this process's
+    thread count (0 if even two rows differ): the chunk ``RowChunks`` may run ``layer`` in."""
+    device, dtype = _device_dtype(layer)
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(1, most, _width(layer), generator=gen).to(device, dtype)
+    threads = torch.get_num_threads()
+    good = most
+    try:
+        with torch.inference_mode():
+            alone = [layer(x[:, i:i + 1]) for i in range(most)]
+            for count in probe_counts():
+                torch.set_num_threads(count)
+                for m in range(2, good + 1):
+                    out = layer(x[:, :m])
+                    if not all(torch.equal(out[:, i:i + 1], alone[i]) for i in range(m)):
+                        good = m - 1
+                        break
+    finally:
+        torch.set_num_threads(threads)
+    return 1 << (good.bit_length() - 1) if good >= 2 else 0
 
 
 def probe_direct(layer: torch.nn.Module, tile: int) -> frozenset[int]:
@@ -146,6 +204,14 @@ def probe_direct(layer: torch.nn.Module, tile: int) -> frozenset[int]:
     return frozenset(ROW_BUCKETS) | {tile}
 
 
+def _device_dtype(layer: torch.nn.Module) -> tuple[torch.device, torch.dtype]:
+    inner = layer.inner if isinstance(layer, FixedTiles | RowChunks) else layer
+    if isinstance(inner, PackedLinear):  # its weight is opaque: it keeps its dtype aside
+        return torch.device("cpu"), inner.dtype
+    param = next(inner.parameters())
+    return param.device, param.dtype
+
+
 def _row_wise_layers(model: torch.nn.Module) -> dict[tuple, list[torch.nn.Module]]:
     """The row-wise layers (linears, packed or not, and RMSNorms) grouped by kind and shape: a
     kernel's path depends on the shape, so each group is probed on its own."""
@@ -158,16 +224,19 @@ def _row_wise_layers(model: torch.nn.Module) -> dict[tuple, list[torch.nn.Module
     return groups
 
 
-def _wrap(model: torch.nn.Module, chosen: set[int], tile: int, direct: frozenset[int] = frozenset()) -> None:
+def _wrap(model: torch.nn.Module, chosen: set[int], tile: int, direct: frozenset[int] = frozenset(),
+          chunks: bool = False) -> None:
     for parent in list(model.modules()):
-        if isinstance(parent, FixedTiles):
+        if isinstance(parent, FixedTiles | RowChunks):
             continue
         for name, child in list(parent.named_children()):
             if id(child) in chosen:
-                setattr(parent, name, FixedTiles(child, tile, direct))
+                setattr(parent, name, RowChunks(child, tile) if chunks else FixedTiles(child, tile, direct))
 
 
 def _width(layer: CausalLM) -> int:  # a Linear, or a layer with ``weight`` [.., in]
+    if isinstance(layer, FixedTiles | RowChunks):
+        layer = layer.inner
     if hasattr(layer, "in_features"):
         return int(layer.in_features)
     return int(layer.weight.shape[-1])

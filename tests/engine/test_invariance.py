@@ -16,7 +16,14 @@ import torch
 
 from card.engine.inprocess.runner import InProcessRunner, RunnerConfig
 from card.engine.loading.cpu_linear import PackedLinear, can_pack
-from card.engine.loading.invariant import FixedTiles, make_exact, probe, probe_direct
+from card.engine.loading.invariant import (
+    FixedTiles,
+    RowChunks,
+    invariant_rows,
+    make_exact,
+    probe,
+    probe_direct,
+)
 from card.engine.loading.models import LoadedModel, ModelConfig, load_model
 from card.engine.shared.config import GenerationRequest, Mode, SamplingParams, StopParams, TreeParams
 from card.engine.shared.exact_attention import (
@@ -200,14 +207,60 @@ def test_fixed_tiles_make_any_layer_invariant() -> None:
     assert torch.equal(tiled(x), layer(torch.cat([x, torch.zeros(1, 1, 8)], dim=1))[:, :3])
 
 
+class _SwitchesAbove(torch.nn.Module):
+    """A layer whose kernel changes above ``above`` rows (rounds through fp16 there), as oneDNN's
+    bf16 matmul on AMX does above 32: every row is the row alone up to that count."""
+
+    def __init__(self, above: int, width: int = 8) -> None:
+        super().__init__()
+        self.above = above
+        self.in_features = width
+        self.weight = torch.nn.Parameter(torch.randn(width, generator=torch.Generator().manual_seed(0)))
+        self.calls: list[int] = []
+
+    def forward(self, x):
+        self.calls.append(x.reshape(-1, x.shape[-1]).shape[0])
+        y = x * self.weight  # row-wise by construction: only the switch can make rows differ
+        return y.half().float() if x.shape[-2] > self.above else y
+
+
+def test_a_kernel_invariant_up_to_some_rows_runs_in_chunks_of_them() -> None:
+    """invariant_rows finds the largest power of two of rows below the switch; RowChunks runs the
+    layer in unpadded chunks of that many, which the probe then passes at every count, while the
+    layer alone fails it (the control). A layer that differs already at two rows gets no chunk."""
+    layer = _SwitchesAbove(above=37)
+    assert not probe(layer)
+    assert invariant_rows(layer) == 32
+    assert invariant_rows(_SwitchesAbove(above=1)) == 0
+    chunks = RowChunks(layer, 32)
+    assert probe(chunks) and invariant_rows(chunks) == 64
+    x = torch.randn(1, 70, 8)
+    layer.calls.clear()
+    out = chunks(x)
+    assert layer.calls == [32, 32, 6]  # no padding: the tail runs as it comes
+    assert torch.equal(out, torch.cat([layer(x[:, i:i + 1]) for i in range(70)], dim=1))
+
+
+@needs_onednn_bf16
+def test_make_exact_chunks_a_packed_bf16_linear_only_where_the_probe_says() -> None:
+    """Where oneDNN's bf16 matmul switches kernels above some row count (AMX: 32), the packed
+    linears run in chunks of that many rows, not in 8-row tiles; where it does not, unwrapped."""
+    model = tiny_model("qwen2", vocab=VOCAB, hidden=256, layers=1, dtype=torch.bfloat16)
+    make_exact(model)
+    linears = [m for m in model.modules() if isinstance(m, PackedLinear)]
+    assert linears and not any(isinstance(m, FixedTiles) for m in model.modules())
+    for wrapper in (m for m in model.modules() if isinstance(m, RowChunks)):
+        assert wrapper.rows >= 8 and not probe(wrapper.inner) and probe(wrapper)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_make_exact_leaves_every_row_wise_layer_invariant(dtype: torch.dtype) -> None:
     model = tiny_model("qwen2", vocab=VOCAB, hidden=256, layers=2, dtype=dtype)
     how = make_exact(model)
     assert "linears" in how or "kernels" in how
-    row_wise = (torch.nn.Linear, PackedLinear, FixedTiles)
-    # a tiled layer is probed as tiled: its inner kernel alone is what failed the probe
-    inner = {id(m.inner) for m in model.modules() if isinstance(m, FixedTiles)}
+    row_wise = (torch.nn.Linear, PackedLinear, FixedTiles, RowChunks)
+    # a tiled or chunked layer is probed as such: its inner kernel alone is what failed the probe
+    inner = {id(m.inner) for m in model.modules() if isinstance(m, FixedTiles | RowChunks)}
     layers = [m for m in model.modules() if (isinstance(m, row_wise) or type(m).__name__.endswith("RMSNorm"))
               and id(m) not in inner]
     failing = [m for m in layers if not probe(m)]
