@@ -9,10 +9,12 @@ two threads even a one-row forward is faster (254 vs 360 ms per token for Qwen2.
 Exactness: the packed kernel is batch-invariant and thread-invariant for two rows or more: row
 ``i`` of a forward of ``M >= 2`` rows is bitwise equal to the same row in any other forward of two
 or more rows, with 1 or N threads (fp32 and bf16, measured on AVX-512 with and without AVX512-BF16;
-card.engine.loading.invariant probes it again at load). One row alone takes oneDNN's matrix-vector
-path, whose reduction order differs once ``in_features`` is large (1536: every output differs in
-fp32 and bf16), so ``pad_single_row`` runs a lone row as two. MKL's unpacked path is not invariant
-at all in fp32 (rows differ by ~1e-4 between M=1 and M=7).
+card.engine.loading.invariant probes it again at load). On AMX, bf16 matrices of 33 rows or more
+take another kernel (measured on a Xeon with AMX-BF16): there the probe finds every count up to
+32 invariant and the layer runs in chunks of at most 32 rows (invariant.RowChunks). One row alone
+takes oneDNN's matrix-vector path, whose reduction order differs once ``in_features`` is large
+(1536: every output differs in fp32 and bf16), so ``pad_single_row`` runs a lone row as two.
+MKL's unpacked path is not invariant at all in fp32 (rows differ by ~1e-4 between M=1 and M=7).
 
 The packed weight replaces the dense one (an opaque mkldnn tensor of the same size): no extra
 memory, except for an output projection tied to the input embeddings, whose dense copy the
@@ -20,6 +22,9 @@ embedding keeps. Packed models cannot be saved; pack after loading, as ``card.en
 """
 
 from __future__ import annotations
+
+import itertools
+import weakref
 
 import torch
 
@@ -32,6 +37,25 @@ def _packable_dtypes() -> tuple[torch.dtype, ...]:
     # bf16 through oneDNN needs AVX512-BF16 or AMX-BF16 (or an emulation oneDNN accepts): asked, not assumed
     bf16 = torch.ops.mkldnn._is_mkldnn_bf16_supported()
     return (torch.float32, torch.bfloat16) if bf16 else (torch.float32,)
+
+
+# Packed layers by key, for the compiled step: the packed weight is an opaque oneDNN tensor that
+# dynamo cannot trace, so a compiled forward calls ``card::packed_linear(x, key)`` instead, an op
+# it treats as a black box (inductor fuses everything between the linears). Weak: a model's
+# layers leave with the model.
+_LAYERS: weakref.WeakValueDictionary[int, PackedLinear] = weakref.WeakValueDictionary()
+_KEYS = itertools.count()
+
+
+@torch.library.custom_op("card::packed_linear", mutates_args=())
+def packed_linear(x: torch.Tensor, key: int) -> torch.Tensor:
+    """The packed layer ``key``'s forward on ``x``, as an op a compiler does not look into."""
+    return _LAYERS[key].run(x)
+
+
+@packed_linear.register_fake
+def _packed_linear_shape(x: torch.Tensor, key: int) -> torch.Tensor:
+    return x.new_empty(*x.shape[:-1], _LAYERS[key].out_features)
 
 
 class PackedLinear(torch.nn.Module):
@@ -47,8 +71,15 @@ class PackedLinear(torch.nn.Module):
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, _BATCH_HINT)  # opaque [out, in]
         # a copy: the checkpoint may be memory-mapped, and a view would keep the whole file resident
         self.bias = None if linear.bias is None else linear.bias.detach().clone()
+        self.key = next(_KEYS)
+        _LAYERS[self.key] = self
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
+        if torch.compiler.is_compiling():  # traced: an opaque op (the comment on ``_LAYERS``)
+            return packed_linear(x, self.key)
+        return self.run(x)
+
+    def run(self, x: torch.Tensor) -> torch.Tensor:
         if self.pad_single_row and x.numel() == self.in_features:
             # one row: run it as two (the matrix-matrix kernel every larger forward takes)
             pair = torch.ops.mkldnn._linear_pointwise(x.reshape(1, -1).expand(2, -1), self.packed, self.bias,

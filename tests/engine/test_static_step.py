@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from card.engine.loading.cpu_linear import PackedLinear
 from card.engine.loading.invariant import make_exact
 from card.engine.shared import static_step
 from card.engine.shared.config import GenerationRequest, SamplingParams, StopParams, TreeParams
@@ -187,16 +188,24 @@ def test_decode_step_modes() -> None:
         StaticStep(model, pool, 8, mode="graphs")  # no CUDA here
 
 
-def test_static_step_compiles_as_one_graph_per_shape() -> None:
+@pytest.mark.parametrize("prepack", [True, False], ids=["packed-inductor", "dense-aot_eager"])
+def test_static_step_compiles_as_one_graph_per_shape(prepack: bool) -> None:
     """fullgraph=True: no graph break; after warm-up, three buckets replay without recompiling
-    (dynamo's counters), and the compiled rows keep their bits across buckets."""
+    (dynamo's counters), and the compiled rows keep their bits across buckets. Packed linears
+    (opaque oneDNN weights, which inductor cannot lower: a LoweringException without the op) are
+    traced as the ``card::packed_linear`` op, and inductor compiles the rest around them; aot_eager
+    runs the eager ops, so its rows are the eager bits too."""
     import torch._dynamo
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
     counters.clear()
-    step = _step(_model(torch.float32, prepack=False), rows=16)
-    step._fn = torch.compile(static_step.decode_forward, fullgraph=True, dynamic=False, backend="aot_eager")
+    model = _model(torch.float32, prepack=prepack)
+    assert any(isinstance(m, PackedLinear) for m in model.modules()) == prepack
+    step = _step(model, rows=16)
+    eager = step.run([DecodeRows(0, 10, _tokens(4, 3))], 4).logits[:1].clone()
+    step._fn = torch.compile(static_step.decode_forward, fullgraph=True, dynamic=False,
+                             backend="inductor" if prepack else "aot_eager")
     tokens = _tokens(4, 3)
     first = {b: step.run([DecodeRows(0, 10, tokens[:min(b, 4)])], b).logits[:1].clone() for b in (1, 4, 16)}
     graphs = counters["stats"]["unique_graphs"]
@@ -205,6 +214,8 @@ def test_static_step_compiles_as_one_graph_per_shape() -> None:
     assert counters["stats"]["unique_graphs"] == graphs  # no recompile
     assert all(torch.equal(first[b], again[b]) for b in first)
     assert torch.equal(first[1], first[4]) and torch.equal(first[1], first[16])
+    if not prepack:
+        assert torch.equal(first[4], eager)  # aot_eager runs the same ops: the same bits
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

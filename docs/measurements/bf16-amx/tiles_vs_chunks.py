@@ -1,6 +1,10 @@
 """bf16 on AMX, in process: packed linears in 8-row tiles (before) vs chunks of <= 32 rows (after),
 plain decoding at 1 and 8 in flight and a ~300-token prefill, alternating, one process."""
-import logging, time, torch
+import logging
+import time
+
+import torch
+
 import card.engine.loading.invariant as inv
 from card.engine.loading.models import ModelConfig, load_model
 from card.engine.shared.config import GenerationRequest, SamplingParams, StopParams
@@ -8,6 +12,7 @@ from card.engine.shared.kv_pool import KVPool
 from card.engine.target.chain_source import NoDraft
 from card.engine.target.generation import Generation
 from card.engine.target.scheduler import TargetEngine
+
 PROMPTS = ["Write a story about a cat.", "Explain gravity.", "List ten fruits.", "What is 17 times 23?",
            "Describe Paris.", "Tell a joke.", "How do planes fly?", "Name the planets."]
 LONG = " ".join(["The quick brown fox jumps over the lazy dog while the river runs to the sea."] * 18)
@@ -18,10 +23,13 @@ def run(model, prompts, in_flight, new=48):
                        eos_ids=frozenset(), decode=model.decode, context_window=2048, mode="vanilla")
             for i in range(in_flight)]
     t0 = time.perf_counter()
-    for g in gens: engine.add(g)
-    while any(g.slot is None or g.prefilling for g in gens if g.result is None): engine.step()
+    for g in gens:
+        engine.add(g)
+    while any(g.slot is None or g.prefilling for g in gens if g.result is None):
+        engine.step()
     t1 = time.perf_counter()
-    while not engine.idle: engine.step()
+    while not engine.idle:
+        engine.step()
     toks = [g.result.token_ids for g in gens]
     return t1 - t0, (sum(len(t) for t in toks) - in_flight) / (time.perf_counter() - t1), toks
 logging.basicConfig(level=logging.INFO)
@@ -44,5 +52,7 @@ for n in (1, 8):
             prompts = [m.encode_prompt(p) for p in PROMPTS]
             pf, r, toks = run(m, prompts, n)
             outs.setdefault((n, name), toks)
-            print(f"{name} in flight {n} round {rnd}: decode {r:.1f} tok/s (prefill {pf*1000:.0f} ms)", flush=True)
-    print(f"in flight {n}: outputs equal tiles8 vs chunks32: {outs[(n, 'tiles8')] == outs[(n, 'chunks32')]}", flush=True)
+            print(f"{name} in flight {n} round {rnd}: decode {r:.1f} tok/s (prefill {pf * 1000:.0f} ms)",
+                  flush=True)
+    same = outs[(n, "tiles8")] == outs[(n, "chunks32")]
+    print(f"in flight {n}: outputs equal tiles8 vs chunks32: {same}", flush=True)
