@@ -31,8 +31,8 @@ def ms_per_step(mode: str) -> float:
     engine = TargetEngine(model.model, KVPool(model.model, slots=8, max_len=1024), decode_step=mode)
     prompt = tuple(model.encode_prompt("Write a story about a cat."))
     stop = StopParams(max_new_tokens=300, ignore_eos=True)
-    gen = Generation(GenerationRequest(prompt, SamplingParams(), stop), eos_ids=frozenset(), decode=model.decode,
-                     context_window=2048, mode="vanilla")
+    gen = Generation(GenerationRequest(prompt, SamplingParams(), stop), NoDraft(), eos_ids=frozenset(),
+                     decode=model.decode, context_window=2048, mode="vanilla")
     engine.add(gen)
     for _ in range(40):
         engine.step()
