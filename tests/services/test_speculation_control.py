@@ -73,8 +73,11 @@ def test_the_controller_pauses_a_draft_that_does_not_pay(checkpoints, redis_serv
         assert pauses >= 1  # the worker was told to stop, not only ignored
     elif speculation == "always":
         assert stats.drafting_pauses == 0 and stats.drafting_paused_steps == 0 and pauses == 0
-        # the draft spent compute throughout (the cost cut still verifies none of its chains)
-        assert stats.draft_forwards > stats.target_forwards and out.draft == "junk"
+        # the draft spent compute throughout (the cost cut still verifies none of its chains): a
+        # forward for every few target steps at least. Not more forwards than the target's: the
+        # niced draft's tree forwards (many rows) are slower than the target's one-row steps, and
+        # a busy box skews the two (102 against 142 in one full-suite run)
+        assert stats.draft_forwards > stats.target_forwards // 4 and out.draft == "junk"
     else:
         assert stats.draft_forwards == 0 and stats.draft_tokens == 0 and out.draft == ""
         assert stats.drafting_paused_steps == stats.target_forwards - 1
