@@ -98,3 +98,21 @@ def pack_sharp(model: torch.nn.Module) -> torch.nn.Module:
     model = sharpened(model)
     pack_linears(model)
     return model
+
+
+@torch.inference_mode()
+def test_the_traced_op_runs_the_layer_and_its_registry_lets_layers_go() -> None:
+    """``card::packed_linear`` (what a compiled step calls for a packed layer) gives the layer's
+    own bits, and the key registry holds no layer alive: a dropped model's weights are freed."""
+    import gc
+
+    from card.engine.loading import cpu_linear
+
+    _, layer = packed_layer(48, 24, bias=True)
+    x = torch.randn(3, 48)
+    assert torch.equal(torch.ops.card.packed_linear(x, layer.key), layer(x))
+    key = layer.key
+    assert cpu_linear._LAYERS[key] is layer
+    del layer
+    gc.collect()
+    assert key not in cpu_linear._LAYERS
