@@ -260,7 +260,8 @@ def serve(config: TargetConfig) -> None:
 @option("--decode-step", type=click.Choice(STEP_MODES), default="auto", show_default=True,
         help="How decoding rows run: eager (the flat eager forward); static (every step's rows in one "
              "batch padded to a bucket, from preallocated buffers); compiled (that step through "
-             "torch.compile, one graph per bucket); graphs (CUDA graphs of it, CUDA only); auto: graphs "
+             "torch.compile, one graph per bucket and key span, each compiled at start-up or on first "
+             "use: minutes a graph on a small CPU); graphs (CUDA graphs of it, CUDA only); auto: graphs "
              "on CUDA, eager on the CPU. A static step is probed for bitwise invariance at start-up "
              "and falls back to eager where the probe fails (docs/engine.md).")
 @option("--max-tokens-cap", default=None, type=int,
