@@ -51,6 +51,13 @@ def server_options(max_receive_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[str
         ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
         ("grpc.max_receive_message_length", max_receive_bytes),
         ("grpc.max_concurrent_streams", STREAMS_PER_CONNECTION),
+        # Flow-control windows stay at HTTP/2's 64 KiB a stream: with grpc's bandwidth-delay probe
+        # on, they grow to megabytes on a fast link, and a call refused before its message is read
+        # (an unauthenticated one) still had that much of the message taken into the server's
+        # memory (24 calls of 20 MiB cost the target 15-115 MiB; without the probe, 2). 64 KiB a
+        # stream carries a 4 MiB prompt over loopback as fast (8 ms) and over a LAN at hundreds
+        # of MB/s; only a link of tens of ms round trip would feel it.
+        ("grpc.http2.bdp_probe", 0),
         ("grpc.server_handshake_timeout_ms", HANDSHAKE_TIMEOUT_MS),
         # Clients ping every 30 s (card.common.channels); the server must allow that or it answers
         # with GOAWAY "too_many_pings" and long-lived streams (draft commands) drop.

@@ -373,7 +373,7 @@ def test_twenty_four_unauthenticated_20_mb_messages_cost_the_target_no_memory(tr
     print(f"target RSS {rss.base:.0f} MiB, peak {rss.peak:.0f} MiB during 24 unauthenticated 20 MiB "
           f"messages (+{rss.growth:.1f} MiB)")
     assert codes == [grpc.StatusCode.UNAUTHENTICATED] * 24
-    assert rss.growth < 100
+    assert rss.growth < 40  # HTTP/2's 64 KiB windows: ~2 MiB for the 24 (card.common.serving)
     assert generate(trio.target_addr)[-1].final.finish_reason == "length"  # and it still serves
     # a key holder's message past the target's bound (--max-body-mb, 4 MiB) is refused too
     payload = target_pb2.GenerateRequest(prompt="x" * (5 * MIB))
