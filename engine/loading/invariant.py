@@ -33,6 +33,7 @@ import logging
 import torch
 
 from card.engine.loading.cpu_linear import PackedLinear, can_pack, pack_linears
+from card.engine.loading.fused_linear import fuse_siblings
 from card.engine.shared.hf import CausalLM
 from card.engine.shared.torch_threads import probe_counts
 
@@ -104,10 +105,13 @@ def make_exact(model: torch.nn.Module, exact: bool = True, prepack: bool = True)
     """Prepare ``model``'s row-wise layers for the engine (in place); returns how, for the logs."""
     device = next(model.parameters()).device
     packed = prepack and can_pack(model)
+    fused = 0
     if packed:
+        fused = fuse_siblings(model, lambda linear: PackedLinear(linear, pad_single_row=exact))
         pack_linears(model, pad_single_row=exact)
+    packing = f"oneDNN-packed linears ({fused} sibling groups fused)" if fused else "oneDNN-packed linears"
     if not exact:
-        return "oneDNN-packed linears" if packed else "vendor kernels"
+        return packing if packed else "vendor kernels"
     tiled: set[str] = set()
     tile = CPU_TILE_ROWS if device.type == "cpu" else TILE_ROWS
     direct: set[str] = set()
@@ -130,7 +134,7 @@ def make_exact(model: torch.nn.Module, exact: bool = True, prepack: bool = True)
             if rows:
                 direct.add(type(layers[0]).__name__)
             _wrap(model, {id(layer) for layer in layers}, tile, rows)
-    how = "oneDNN-packed linears" if packed else "vendor row-wise kernels"
+    how = packing if packed else "vendor row-wise kernels"
     if chunked:
         how += "; " + ", ".join(f"chunks of <= {n} rows for {name}" for name, n in sorted(chunked.items()))
     if tiled:
