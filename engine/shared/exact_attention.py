@@ -272,7 +272,9 @@ def attend_blocks(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
         # [kv_heads, group * KV_BLOCK, dim] @ [kv_heads, dim, S]: the head group rides in M (GQA)
         scores = torch.matmul(tile.view(kv_heads, group * KV_BLOCK, dim), keys[:, :S].transpose(1, 2))
         scores = scores.float().mul_(scaling).view(kv_heads, group, KV_BLOCK, S)
-        scores.masked_fill_(_block_mask(first, query.device), float("-inf"))
+        # the causal mask hides only keys of the block's own span past each query: fill just that
+        # corner (a mask over all S columns cost a prompt ~6% of its prefill, for the same bits)
+        scores[..., first:].masked_fill_(_upper(query.device), float("-inf"))
         probs = torch.softmax(scores, dim=-1).to(values.dtype).view(kv_heads, group * KV_BLOCK, S)
         mixed = torch.matmul(probs, values[:, :S]).view(heads, KV_BLOCK, dim)
         out[lo - start:hi - start] = mixed[:, lo - first:hi - first].transpose(0, 1)
@@ -280,16 +282,9 @@ def attend_blocks(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     return out
 
 
-def _block_mask(first: int, device: torch.device) -> torch.Tensor:
-    """[KV_BLOCK, first + KV_BLOCK] True where the query at position first + i must not see the key
-    (the causal mask: only the block's own keys past the query are hidden)."""
-    hidden = torch.zeros(KV_BLOCK, first + KV_BLOCK, dtype=torch.bool, device=device)
-    hidden[:, first:] = _upper(device)
-    return hidden
-
-
 @functools.cache
 def _upper(device: torch.device) -> torch.Tensor:
+    """[KV_BLOCK, KV_BLOCK] True where the query at a block's row i must not see the block's key j."""
     return torch.ones(KV_BLOCK, KV_BLOCK, dtype=torch.bool, device=device).triu_(1)
 
 
