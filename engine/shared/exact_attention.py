@@ -127,9 +127,11 @@ class _Group:
     (padding repeats the tile's first row: a matmul's rows are independent, its output is
     dropped); ``bias`` [B, 1, 1, QUERY_TILE, span] float32, 0 where a query sees a key and -inf
     past it (the causal mask, added: cheaper than a masked fill); the tile rows ``take`` land on
-    flat rows ``dest``."""
+    flat rows ``dest``; ``alone``: the slot of a group of one tile, whose keys and values are read
+    in place (a view of the pool) instead of gathered, else -1."""
 
     span: int
+    alone: int
     slots: torch.Tensor
     query: torch.Tensor
     bias: torch.Tensor
@@ -172,7 +174,8 @@ class RowPlan:
             dest.extend(s.offset + first + i for i in range(m))
         bias = torch.zeros(len(tiles), 1, 1, QUERY_TILE, S).masked_fill_(
             torch.stack(masked)[:, None, None], float("-inf"))
-        return _Group(S, torch.tensor(slots, device=device), torch.tensor(query, device=device),
+        return _Group(S, slots[0] if len(slots) == 1 else -1,
+                      torch.tensor(slots, device=device), torch.tensor(query, device=device),
                       bias.to(device), torch.tensor(take, device=device), torch.tensor(dest, device=device))
 
     def attend(self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float,
@@ -188,8 +191,15 @@ class RowPlan:
             # in the order attend_rows' tile has it
             q = query.index_select(1, g.query).view(kv_heads, group, B, QUERY_TILE, dim)
             q = q.permute(2, 0, 1, 3, 4).reshape(B, kv_heads, group * QUERY_TILE, dim)
-            k = keys[:, :, :g.span].index_select(0, g.slots)  # [B, kv_heads, S, dim]
-            v = values[:, :, :g.span].index_select(0, g.slots)
+            if g.alone >= 0:
+                # one tile: its slot's keys in place. A gather copies the whole span each layer, and
+                # the fresh buffer's page faults made attention 2-4x slower at 512-1,536 keys; the
+                # bits are the gathered copy's (batched_is_invariant compares this path with it)
+                k = keys[g.alone:g.alone + 1, :, :g.span]  # [1, kv_heads, S, dim]
+                v = values[g.alone:g.alone + 1, :, :g.span]
+            else:
+                k = keys[:, :, :g.span].index_select(0, g.slots)  # [B, kv_heads, S, dim]
+                v = values[:, :, :g.span].index_select(0, g.slots)
             scores = torch.matmul(q, k.transpose(2, 3)).float().mul_(scaling)  # [B, kvh, group*QT, S]
             scores = scores.view(B, kv_heads, group, QUERY_TILE, g.span).add_(g.bias)
             probs = torch.softmax(scores, dim=-1).to(v.dtype).view(B, kv_heads, group * QUERY_TILE, g.span)

@@ -136,6 +136,18 @@ def test_many_sessions_rows_in_one_plan_equal_each_alone(dtype: torch.dtype) -> 
         torch.testing.assert_close(together[part].float(), want.float(), atol=2e-2, rtol=2e-2)
 
 
+def test_a_lone_tile_reads_its_slot_in_place_and_a_shared_span_gathers() -> None:
+    """The plan's two reads, which the test above compares bit for bit: a group of one tile (a
+    session decoding alone, a chain of up to QUERY_TILE rows) reads its slot's keys as a view of
+    the pool; tiles that share a span are gathered into one batch."""
+    cpu = torch.device("cpu")
+    assert [g.alone for g in RowPlan([Rows(3, 70, 1, 0)], cpu).groups] == [3]
+    assert [g.alone for g in RowPlan([Rows(3, 70, 4, 0)], cpu).groups] == [3]
+    assert [g.alone for g in RowPlan([Rows(3, 70, 6, 0)], cpu).groups] == [-1]  # two tiles
+    assert [g.alone for g in RowPlan([Rows(3, 70, 1, 0), Rows(1, 80, 1, 1)], cpu).groups] == [-1]
+    assert [g.alone for g in RowPlan([Rows(3, 70, 1, 0), Rows(1, 200, 1, 1)], cpu).groups] == [3, 1]
+
+
 def test_the_pool_makes_never_written_rows_safe_for_the_plan() -> None:
     """RowPlan reads whole spans: KVPool.ready zeroes a slot's rows past the session's end once,
     so NaN left in never-written memory changes nothing; without it the rows come out NaN (the
