@@ -192,9 +192,9 @@ class RowPlan:
             q = query.index_select(1, g.query).view(kv_heads, group, B, QUERY_TILE, dim)
             q = q.permute(2, 0, 1, 3, 4).reshape(B, kv_heads, group * QUERY_TILE, dim)
             if g.alone >= 0:
-                # one tile: its slot's keys in place. A gather copies the whole span each layer, and
-                # the fresh buffer's page faults made attention 2-4x slower at 512-1,536 keys; the
-                # bits are the gathered copy's (batched_is_invariant compares this path with it)
+                # one tile: its slot's keys in place, no copy of the span (attention alone ~2x faster
+                # at 1,024 keys, the step 1.04-1.09x); the bits are the gathered copy's
+                # (batched_is_invariant compares the two paths)
                 k = keys[g.alone:g.alone + 1, :, :g.span]  # [1, kv_heads, S, dim]
                 v = values[g.alone:g.alone + 1, :, :g.span]
             else:
