@@ -42,6 +42,9 @@ of the same fixed shape). A matrix's result in a batched matmul must not depend 
 others ride with it: ``batched_is_invariant`` checks that on this device and dtype, with one
 thread and with the process's count, against each tile alone; where it fails, and on CUDA (whose
 library picks kernels by batch count, unverified here), sessions are attended one at a time.
+A group of one tile (a session decoding alone) reads its slot's keys and values in place, a view
+of the pool; larger groups gather theirs. The probe's lone tiles take the view and its batches the
+gather, so it checks that the two read the same bits.
 """
 
 from __future__ import annotations
