@@ -6,6 +6,8 @@ A model spec is one of:
     - a local folder holding a transformers checkpoint (config.json + weights), or a folder with
       exactly one ``.gguf`` file (tokenizer files beside it are used when present);
     - a path to a ``.gguf`` file (transformers dequantizes it; needs ``gguf`` and ``accelerate``);
+      its first load keeps it converted as a checkpoint folder, which later loads read in seconds
+      (card.engine.loading.gguf_cache; ``CARD_GGUF_CACHE=off`` turns that off);
     - ``default``: the embedded SmolLM2-135M-Instruct (card.engine.loading.embedded fetches it once).
 
 Options: dtype (auto, float32, bfloat16, float16, float64), device (auto, cpu, cuda, cuda:N), and
@@ -34,6 +36,7 @@ from typing import Any, Literal
 
 import torch
 
+from card.engine.loading import gguf_cache
 from card.engine.loading.devices import resolve_device
 from card.engine.loading.fingerprint import tokenizer_fingerprint
 from card.engine.loading.invariant import make_exact
@@ -186,6 +189,8 @@ def _locate(spec: str) -> tuple[str, str | None]:
 
 def load_tokenizer(spec: str) -> Tokenizer:
     where, gguf = _locate(spec)
+    if gguf and (converted := gguf_cache.existing(Path(where) / gguf)) is not None:
+        return _tokenizer(str(converted), None)  # the same tokenizer, without parsing the GGUF
     return _tokenizer(where, gguf)
 
 
@@ -241,13 +246,10 @@ def _one_gguf_reader_per_file() -> Iterator[None]:
         readers.clear()
 
 
-def load_model(config: ModelConfig) -> LoadedModel:
-    """Load a model and its tokenizer; errors name the spec and say what to do."""
+def _from_pretrained(spec: str, where: str, gguf: str | None, dtype: torch.dtype) -> tuple[CausalLM, Tokenizer]:
+    """transformers' own load of a folder, a Hugging Face id or a GGUF file; errors name the spec."""
     from transformers import AutoModelForCausalLM
 
-    where, gguf = _locate(config.spec)
-    device = resolve_device(config.device)
-    dtype = resolve_dtype(config.dtype, device)
     kwargs: dict = {"dtype": dtype}
     if gguf:
         kwargs["gguf_file"] = gguf
@@ -260,9 +262,42 @@ def load_model(config: ModelConfig) -> LoadedModel:
             tokenizer = _tokenizer(where, gguf)
     except OSError as exc:
         raise NotFound(
-            f"cannot load model {config.spec!r}: {str(exc).splitlines()[0]} "
+            f"cannot load model {spec!r}: {str(exc).splitlines()[0]} "
             "(give a local folder, a .gguf file, a Hugging Face id in the local cache, or 'default')"
         ) from exc
+    return model, tokenizer
+
+
+def _save_checkpoint(model: CausalLM, tokenizer: Tokenizer, dest: Path) -> None:
+    """``model`` (plain modules: packed or tiled layers cannot be saved) and its tokenizer as a
+    transformers checkpoint folder."""
+    # a dequantized GGUF model still carries its quantizer, which refuses to serialize
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    with contextlib.redirect_stderr(io.StringIO()):  # a progress bar per shard
+        model.save_pretrained(dest)
+    tokenizer.save_pretrained(dest)
+
+
+def _converted(spec: str, where: str, gguf: str) -> Path | None:
+    """The GGUF as a checkpoint folder, converted on its first load (card.engine.loading.gguf_cache):
+    fp32, the dtype transformers dequantizes to, so any dtype cast from it is the direct load's."""
+    def write(dest: Path) -> None:
+        model, tokenizer = _from_pretrained(spec, where, gguf, torch.float32)
+        _save_checkpoint(model, tokenizer, dest)
+
+    return gguf_cache.convert_once(Path(where) / gguf, write)
+
+
+def load_model(config: ModelConfig) -> LoadedModel:
+    """Load a model and its tokenizer; errors name the spec and say what to do."""
+    where, gguf = _locate(config.spec)
+    device = resolve_device(config.device)
+    dtype = resolve_dtype(config.dtype, device)
+    if gguf and (converted := _converted(config.spec, where, gguf)) is not None:
+        where, gguf = str(converted), None
+    model, tokenizer = _from_pretrained(config.spec, where, gguf, dtype)
     model = model.to(device).eval()
     if config.layers:
         from card.engine.loading.draft_variants import truncate_layers
@@ -314,20 +349,14 @@ def export_checkpoint(spec: str, dest: Path, dtype: str = "float32") -> LoadedMo
 
     GGUF files are dequantized on every load (minutes for a 1.5B model); the exported folder holds
     the same dequantized weights as safetensors plus the tokenizer (chat template included) and
-    loads in seconds. Models exported this way get a tokenizer fingerprint of their own, so export
-    a draft and its target alike.
+    loads in seconds, with the same tokenizer fingerprint (what a GGUF load keeps converted on
+    its own, card.engine.loading.gguf_cache, is this folder in fp32).
     """
     if dest.exists() and any(dest.iterdir()):
         raise InvalidArgument(f"{dest} exists and is not empty")
     # plain modules: packed or tiled layers cannot be saved
     loaded = load_model(ModelConfig(spec=spec, dtype=dtype, device="cpu", prepack=False, exact=False))
-    model = loaded.model
-    # a dequantized GGUF model still carries its quantizer, which refuses to serialize
-    model.hf_quantizer = None
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
-    model.save_pretrained(dest)
-    loaded.tokenizer.save_pretrained(dest)
+    _save_checkpoint(loaded.model, loaded.tokenizer, dest)
     return loaded
 
 
