@@ -59,8 +59,8 @@ PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
 SCRIPTS: dict[str, str] = PYPROJECT["project"]["scripts"]
 VERSION: str = PYPROJECT["project"]["version"]
 SERVICE_SCRIPTS = ("card-cache", "card-target", "card-draft")
-# Read by the engine itself (engine/loading/embedded.py), not by a click option; the image sets them.
-ENGINE_ENVVARS = frozenset({"CARD_MODELS_DIR", "CARD_DEFAULT_MODEL_FIND_LINKS"})
+# Read by the engine itself (engine/loading/embedded.py, gguf_cache.py), not by a click option.
+ENGINE_ENVVARS = frozenset({"CARD_MODELS_DIR", "CARD_DEFAULT_MODEL_FIND_LINKS", "CARD_GGUF_CACHE"})
 KUSTOMIZATION_KEYS = frozenset(
     {"apiVersion", "kind", "resources", "components", "configMapGenerator", "patches", "images"}
 )
@@ -1169,7 +1169,8 @@ def test_image_has_no_entrypoint_runs_as_non_root_and_caches_models_on_the_volum
 
 def test_image_bundles_the_default_model_wheel_the_engine_asks_for() -> None:
     embedded = importlib.import_module("card.engine.loading.embedded")
-    assert {embedded.MODELS_DIR_ENV, embedded.FIND_LINKS_ENV} == ENGINE_ENVVARS
+    gguf_cache = importlib.import_module("card.engine.loading.gguf_cache")
+    assert {embedded.MODELS_DIR_ENV, embedded.FIND_LINKS_ENV, gguf_cache.CACHE_ENV} == ENGINE_ENVVARS
     match = re.search(r"^ARG DEFAULT_MODEL_WHEEL=(\S+)$", DOCKERFILE, re.M)
     assert match and match.group(1) == embedded.SMOLLM2.requirement
     folder = re.search(r"\bCARD_DEFAULT_MODEL_FIND_LINKS=(\S+)", DOCKERFILE)

@@ -246,7 +246,8 @@ def _one_gguf_reader_per_file() -> Iterator[None]:
         readers.clear()
 
 
-def _from_pretrained(spec: str, where: str, gguf: str | None, dtype: torch.dtype) -> tuple[CausalLM, Tokenizer]:
+def _from_pretrained(spec: str, where: str, gguf: str | None,
+                     dtype: torch.dtype) -> tuple[CausalLM, Tokenizer]:
     """transformers' own load of a folder, a Hugging Face id or a GGUF file; errors name the spec."""
     from transformers import AutoModelForCausalLM
 

@@ -15,7 +15,8 @@ from card.engine.loading.models import ModelConfig, load_model, load_tokenizer
 
 CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."}]
 # what a saved config gains or loses that no forward reads
-CONFIG_BOOKKEEPING = {"architectures", "quantization_config", "_name_or_path", "transformers_version", "dtype", "torch_dtype"}
+CONFIG_BOOKKEEPING = {"architectures", "quantization_config", "_name_or_path", "transformers_version",
+                      "dtype", "torch_dtype"}
 
 
 @pytest.fixture
@@ -53,9 +54,11 @@ def test_the_converted_default_model_is_the_direct_load_bit_for_bit(
         assert _config(loaded.model) == _config(direct.model)
         assert loaded.fingerprint == direct.fingerprint
         assert loaded.eos_ids == direct.eos_ids and loaded.context_window == direct.context_window
-        assert (loaded.tokenizer.apply_chat_template(CHAT, tokenize=False, add_generation_prompt=True)
-                == direct.tokenizer.apply_chat_template(CHAT, tokenize=False, add_generation_prompt=True))
-    assert not [p for p in cache_root.iterdir() if p.is_dir() and p.name.startswith(".")]  # no half-written folder
+        prompts = [m.tokenizer.apply_chat_template(CHAT, tokenize=False, add_generation_prompt=True)
+                   for m in (loaded, direct)]
+        assert prompts[0] == prompts[1]
+    half_written = [p for p in cache_root.iterdir() if p.is_dir() and p.name.startswith(".")]
+    assert not half_written
 
     text = "The quick brown fox jumps over the lazy dog."
     tok = load_tokenizer(spec)  # from the folder now: the same ids
@@ -79,7 +82,11 @@ def test_concurrent_first_loads_convert_once(tmp_path: Path, cache_root: Path) -
     gguf = _fake_gguf(tmp_path, "m")
     calls: list[Path] = []
     results: dict[str, Path | None] = {}
-    second = threading.Thread(target=lambda: results.__setitem__("second", gguf_cache.convert_once(gguf, _writer(calls))))
+
+    def ask() -> None:
+        results["second"] = gguf_cache.convert_once(gguf, _writer(calls))
+
+    second = threading.Thread(target=ask)
 
     def first_write(dest: Path) -> None:
         second.start()  # it asks while this conversion holds the lock
@@ -95,7 +102,8 @@ def test_concurrent_first_loads_convert_once(tmp_path: Path, cache_root: Path) -
     assert (results["first"] / "config.json").is_file()
 
 
-def test_a_failed_conversion_leaves_nothing_and_the_load_goes_direct(tmp_path: Path, cache_root: Path) -> None:
+def test_a_failed_conversion_leaves_nothing_and_the_load_goes_direct(tmp_path: Path,
+                                                                     cache_root: Path) -> None:
     gguf = _fake_gguf(tmp_path, "m")
 
     def full_disk(dest: Path) -> None:
@@ -108,14 +116,16 @@ def test_a_failed_conversion_leaves_nothing_and_the_load_goes_direct(tmp_path: P
     assert gguf_cache.convert_once(gguf, _writer(calls)) is not None and len(calls) == 1
 
 
-def test_a_changed_gguf_converts_again_and_the_least_recently_used_go(tmp_path: Path, cache_root: Path) -> None:
+def test_a_changed_gguf_converts_again_and_the_least_recently_used_go(tmp_path: Path,
+                                                                      cache_root: Path) -> None:
     calls: list[Path] = []
     ggufs = [_fake_gguf(tmp_path, f"m{i}") for i in range(gguf_cache.MAX_CONVERTED)]
     folders = [gguf_cache.convert_once(g, _writer(calls)) for g in ggufs]
     assert len(calls) == gguf_cache.MAX_CONVERTED and all(f is not None and f.is_dir() for f in folders)
     # m0 is the oldest by conversion; using it makes m1 the least recently used
-    for i, g in enumerate(ggufs):
-        os.utime(folders[i] / ".used", (1000 + i, 1000 + i))
+    for i, folder in enumerate(folders):
+        assert folder is not None
+        os.utime(folder / ".used", (1000 + i, 1000 + i))
     assert gguf_cache.existing(ggufs[0]) == folders[0]
 
     newer = _fake_gguf(tmp_path, "m1")  # rewritten: another size, another key
