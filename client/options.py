@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from card.engine.inprocess.runner import RunnerConfig
 from card.engine.loading.models import DEFAULT_MODEL, ModelConfig
 from card.engine.shared.config import (
     ChainPolicy,
@@ -18,6 +18,9 @@ from card.engine.shared.config import (
     Verify,
     VerifyPolicy,
 )
+
+if TYPE_CHECKING:  # the runner imports the whole engine (transformers: seconds); only in-process runs need it
+    from card.engine.inprocess.runner import RunnerConfig
 
 # The embedded default pair: SmolLM2-135M-Instruct drafting for itself, dynamically quantized to
 # int8 (training-free; docs/default-draft.md has the measurement behind the choice).
@@ -71,6 +74,8 @@ class GenerateOptions:
                             base.window if self.loose_window is None else self.loose_window)
 
     def runner_config(self) -> RunnerConfig:
+        from card.engine.inprocess.runner import RunnerConfig
+
         if self.mode is Mode.VANILLA:
             return RunnerConfig(mode=Mode.VANILLA, target_threads=self.target_threads or os.cpu_count() or 1)
         d: int | None  # None: the in-process drafter runs on the target's thread

@@ -433,3 +433,18 @@ def test_a_constraint_holds_and_card_equals_vanilla_through_the_cli(models, tmp_
     _assert_one_line_error(proc, "INVALID_ARGUMENT", "regex")
     proc = run_cli("generate", "hi", "--inprocess", "--constraint", "yaml")
     assert proc.returncode == 2 and "KIND=TEXT" in proc.stderr
+
+
+def _imports_transformers(module: str) -> bool:
+    code = f"import sys, {module}; print('transformers' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         check=True)
+    return out.stdout.strip().splitlines()[-1] == "True"
+
+
+def test_the_client_starts_without_importing_transformers() -> None:
+    """transformers' import is most of a cold start (~5 of card-client's 9 s on the project's VM);
+    the client needs it only for in-process runs and exports, which import it when they run. The
+    in-process runner, which does need it, is the control that the check can see it."""
+    assert not _imports_transformers("card.client.cli")
+    assert _imports_transformers("card.engine.inprocess.runner")
