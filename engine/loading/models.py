@@ -189,8 +189,10 @@ def _locate(spec: str) -> tuple[str, str | None]:
 
 def load_tokenizer(spec: str) -> Tokenizer:
     where, gguf = _locate(spec)
-    if gguf and (converted := gguf_cache.existing(Path(where) / gguf)) is not None:
-        return _tokenizer(str(converted), None)  # the same tokenizer, without parsing the GGUF
+    if gguf:
+        for dtype in (torch.float32, torch.bfloat16, torch.float16):  # any conversion holds it
+            if (converted := gguf_cache.existing(Path(where) / gguf, dtype)) is not None:
+                return _tokenizer(str(converted), None)  # the same tokenizer, without the GGUF's parse
     return _tokenizer(where, gguf)
 
 
@@ -281,14 +283,14 @@ def _save_checkpoint(model: CausalLM, tokenizer: Tokenizer, dest: Path) -> None:
     tokenizer.save_pretrained(dest)
 
 
-def _converted(spec: str, where: str, gguf: str) -> Path | None:
-    """The GGUF as a checkpoint folder, converted on its first load (card.engine.loading.gguf_cache):
-    fp32, the dtype transformers dequantizes to, so any dtype cast from it is the direct load's."""
+def _converted(spec: str, where: str, gguf: str, dtype: torch.dtype) -> Path | None:
+    """The GGUF as a checkpoint folder in ``dtype``, converted on its first load in that dtype
+    (card.engine.loading.gguf_cache): the direct load's weights, saved as they are."""
     def write(dest: Path) -> None:
-        model, tokenizer = _from_pretrained(spec, where, gguf, torch.float32)
+        model, tokenizer = _from_pretrained(spec, where, gguf, dtype)
         _save_checkpoint(model, tokenizer, dest)
 
-    return gguf_cache.convert_once(Path(where) / gguf, write)
+    return gguf_cache.convert_once(Path(where) / gguf, dtype, write)
 
 
 def load_model(config: ModelConfig) -> LoadedModel:
@@ -296,7 +298,7 @@ def load_model(config: ModelConfig) -> LoadedModel:
     where, gguf = _locate(config.spec)
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device)
-    if gguf and (converted := _converted(config.spec, where, gguf)) is not None:
+    if gguf and (converted := _converted(config.spec, where, gguf, dtype)) is not None:
         where, gguf = str(converted), None
     model, tokenizer = _from_pretrained(config.spec, where, gguf, dtype)
     model = model.to(device).eval()

@@ -4,6 +4,7 @@ a lock, a bound and a way out (card.engine.loading.gguf_cache)."""
 from __future__ import annotations
 
 import os
+import shutil
 import threading
 from pathlib import Path
 
@@ -13,6 +14,7 @@ import torch
 from card.engine.loading import gguf_cache
 from card.engine.loading.models import ModelConfig, load_model, load_tokenizer
 
+F32 = torch.float32
 CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."}]
 # what a saved config gains or loses that no forward reads
 CONFIG_BOOKKEEPING = {"architectures", "quantization_config", "_name_or_path", "transformers_version",
@@ -42,14 +44,17 @@ def test_the_converted_default_model_is_the_direct_load_bit_for_bit(
     first = load_model(ModelConfig(spec=spec, dtype="float32", prepack=False))  # converts
     (folder,) = [p for p in cache_root.iterdir() if not p.name.startswith(".")]
     assert (folder / "model.safetensors").is_file()
-    assert gguf_cache.existing(smollm2_gguf) == folder
-    bf16 = load_model(ModelConfig(spec=spec, dtype="bfloat16", prepack=False))  # reads the folder
+    assert gguf_cache.existing(smollm2_gguf, F32) == folder
+    again = load_model(ModelConfig(spec=spec, dtype="float32", prepack=False))  # reads the folder
+    bf16 = load_model(ModelConfig(spec=spec, dtype="bfloat16", prepack=False))  # a folder of its own
+    folders = {p for p in cache_root.iterdir() if not p.name.startswith(".")}
+    assert folders == {folder, gguf_cache.existing(smollm2_gguf, torch.bfloat16)}
 
     want = direct.model.state_dict()
-    for loaded, dtype in ((first, torch.float32), (bf16, torch.bfloat16)):
+    for loaded, dtype in ((first, torch.float32), (again, torch.float32), (bf16, torch.bfloat16)):
         got = loaded.model.state_dict()
         assert got.keys() == want.keys()
-        assert all(torch.equal(got[k], want[k].to(dtype)) for k in want)  # the same cast, every bit
+        assert all(torch.equal(got[k], want[k].to(dtype)) for k in want)  # every bit (bf16: the cast)
         assert [type(m) for m in loaded.model.modules()] == [type(m) for m in direct.model.modules()]
         assert _config(loaded.model) == _config(direct.model)
         assert loaded.fingerprint == direct.fingerprint
@@ -84,7 +89,7 @@ def test_concurrent_first_loads_convert_once(tmp_path: Path, cache_root: Path) -
     results: dict[str, Path | None] = {}
 
     def ask() -> None:
-        results["second"] = gguf_cache.convert_once(gguf, _writer(calls))
+        results["second"] = gguf_cache.convert_once(gguf, F32, _writer(calls))
 
     second = threading.Thread(target=ask)
 
@@ -95,7 +100,7 @@ def test_concurrent_first_loads_convert_once(tmp_path: Path, cache_root: Path) -
         second.join(timeout=2.0)
         _writer(calls)(dest)
 
-    results["first"] = gguf_cache.convert_once(gguf, first_write)
+    results["first"] = gguf_cache.convert_once(gguf, F32, first_write)
     second.join()
     assert len(calls) == 1
     assert results["first"] is not None and results["first"] == results["second"]
@@ -110,40 +115,66 @@ def test_a_failed_conversion_leaves_nothing_and_the_load_goes_direct(tmp_path: P
         (dest / "model.safetensors").write_bytes(b"partial")
         raise OSError(28, "No space left on device")
 
-    assert gguf_cache.convert_once(gguf, full_disk) is None
+    assert gguf_cache.convert_once(gguf, F32, full_disk) is None
     assert [p.name for p in cache_root.iterdir() if not p.name.endswith(".lock")] == []
     calls: list[Path] = []
-    assert gguf_cache.convert_once(gguf, _writer(calls)) is not None and len(calls) == 1
+    assert gguf_cache.convert_once(gguf, F32, _writer(calls)) is not None and len(calls) == 1
 
 
 def test_a_changed_gguf_converts_again_and_the_least_recently_used_go(tmp_path: Path,
                                                                       cache_root: Path) -> None:
     calls: list[Path] = []
     ggufs = [_fake_gguf(tmp_path, f"m{i}") for i in range(gguf_cache.MAX_CONVERTED)]
-    folders = [gguf_cache.convert_once(g, _writer(calls)) for g in ggufs]
+    folders = [gguf_cache.convert_once(g, F32, _writer(calls)) for g in ggufs]
     assert len(calls) == gguf_cache.MAX_CONVERTED and all(f is not None and f.is_dir() for f in folders)
     # m0 is the oldest by conversion; using it makes m1 the least recently used
     for i, folder in enumerate(folders):
         assert folder is not None
         os.utime(folder / ".used", (1000 + i, 1000 + i))
-    assert gguf_cache.existing(ggufs[0]) == folders[0]
+    assert gguf_cache.existing(ggufs[0], F32) == folders[0]
 
     newer = _fake_gguf(tmp_path, "m1")  # rewritten: another size, another key
     newer.write_bytes(b"m1, another version")
-    converted = gguf_cache.convert_once(newer, _writer(calls))
+    converted = gguf_cache.convert_once(newer, F32, _writer(calls))
     assert converted is not None and converted != folders[1]
     assert len(calls) == gguf_cache.MAX_CONVERTED + 1
     kept = {p for p in cache_root.iterdir() if p.is_dir() and not p.name.startswith(".")}
     assert kept == {folders[0], folders[2], folders[3], converted}  # bounded; the used one stays
-    assert gguf_cache.existing(ggufs[2]) == folders[2]
+    assert gguf_cache.existing(ggufs[2], F32) == folders[2]
 
 
 def test_off_reads_no_cache_and_writes_none(tmp_path: Path, cache_root: Path,
                                             monkeypatch: pytest.MonkeyPatch) -> None:
     gguf = _fake_gguf(tmp_path, "m")
     calls: list[Path] = []
-    assert gguf_cache.convert_once(gguf, _writer(calls)) is not None
+    assert gguf_cache.convert_once(gguf, F32, _writer(calls)) is not None
     monkeypatch.setenv(gguf_cache.CACHE_ENV, "off")
-    assert gguf_cache.existing(gguf) is None
-    assert gguf_cache.convert_once(gguf, _writer(calls)) is None
+    assert gguf_cache.existing(gguf, F32) is None
+    assert gguf_cache.convert_once(gguf, F32, _writer(calls)) is None
     assert len(calls) == 1
+
+
+def test_no_room_on_the_disk_means_no_conversion(tmp_path: Path, cache_root: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    gguf = _fake_gguf(tmp_path, "m")
+    free = 1 << 40
+    real = shutil.disk_usage
+    monkeypatch.setattr(gguf_cache.shutil, "disk_usage", lambda where: real(where)._replace(free=free))
+    calls: list[Path] = []
+    free = gguf_cache._SPARE  # the folder would not fit beside the spare room
+    assert gguf_cache.convert_once(gguf, F32, _writer(calls)) is None and not calls
+    free = 1 << 40
+    assert gguf_cache.convert_once(gguf, F32, _writer(calls)) is not None and len(calls) == 1
+
+
+def test_a_read_only_cache_is_still_read(tmp_path: Path, cache_root: Path,
+                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    gguf = _fake_gguf(tmp_path, "m")
+    folder = gguf_cache.convert_once(gguf, F32, _writer([]))
+    assert folder is not None
+
+    def read_only(self: Path, *args: object, **kwargs: object) -> None:
+        raise PermissionError(13, "Read-only file system", str(self))
+
+    monkeypatch.setattr(Path, "touch", read_only)  # marking it used fails; reading it must not
+    assert gguf_cache.existing(gguf, F32) == folder
