@@ -353,7 +353,7 @@ def export_checkpoint(spec: str, dest: Path, dtype: str = "float32") -> LoadedMo
     GGUF files are dequantized on every load (minutes for a 1.5B model); the exported folder holds
     the same dequantized weights as safetensors plus the tokenizer (chat template included) and
     loads in seconds, with the same tokenizer fingerprint (what a GGUF load keeps converted on
-    its own, card.engine.loading.gguf_cache, is this folder in fp32).
+    its own in each dtype, card.engine.loading.gguf_cache, is this folder).
     """
     if dest.exists() and any(dest.iterdir()):
         raise InvalidArgument(f"{dest} exists and is not empty")
