@@ -20,7 +20,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
 
 from card.engine.loading.embedded import ensure_default_model, models_dir
 from card.engine.shared.errors import Unavailable
@@ -69,6 +76,8 @@ def tiny_model(kind: str = "llama", seed: int = 0, vocab: int = 97, layers: int 
         model = LlamaForCausalLM(LlamaConfig(**common))
     elif kind == "qwen2":
         model = Qwen2ForCausalLM(Qwen2Config(**common))
+    elif kind == "qwen3":  # per-head RMSNorms of q and k before the rotary embedding
+        model = Qwen3ForCausalLM(Qwen3Config(**common, head_dim=hidden // 4))
     else:
         raise ValueError(f"unknown tiny model kind {kind!r}")
     model = model.to(dtype).eval()

@@ -29,8 +29,9 @@ rows from a live session's slot. Every write says which rows it overwrites first
 so the index never names a changed row.
 
 Supported: decoder-only models whose ``*ForCausalLM`` is ``model.embed_tokens / layers / norm /
-rotary_emb`` + ``lm_head`` (Llama, Qwen2, Mistral without a sliding window, ...), the families the
-tree attention of the drafter supports too.
+rotary_emb`` + ``lm_head`` and whose model forward does nothing else (``MODEL_TYPES``: Llama,
+Mistral without a sliding window, Qwen2, Qwen3), the families the tree attention of the drafter
+supports too.
 """
 
 from __future__ import annotations
@@ -58,6 +59,7 @@ from card.engine.shared.exact_attention import (
     tree_attention,
 )
 from card.engine.shared.hf import CausalLM
+from card.engine.shared.lean_layers import lean_layers
 from card.engine.shared.prefix_cache import PrefixCache
 
 ATTN = "card_slots"
@@ -543,6 +545,9 @@ def _slot_attention(module: CausalLM, query: torch.Tensor, key: torch.Tensor, va
 
 
 _registered = False
+# model families whose model forward is embed -> decoder layers -> norm -> LM head and nothing
+# else, which is what ``forward`` runs (SmolLM2 is a Llama)
+MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
 
 
 def enable(model: CausalLM) -> None:
@@ -554,6 +559,14 @@ def enable(model: CausalLM) -> None:
         raise FailedPrecondition(
             f"{type(model).__name__} is not a supported architecture (a decoder-only model "
             "with model.embed_tokens/layers/norm/rotary_emb and lm_head, e.g. Llama or Qwen2)")
+    kind = getattr(model.config, "model_type", None)
+    if kind not in MODEL_TYPES:
+        # the engine runs the decoder layers itself, from the embedding to the LM head: a family
+        # whose model forward does more (Gemma scales its embeddings, Granite multiplies them,
+        # Gemma 2 caps its logits) would decode, and every token would be wrong
+        raise FailedPrecondition(
+            f"{type(model).__name__} (model_type {kind!r}) is not a supported architecture; supported: "
+            f"{', '.join(sorted(MODEL_TYPES))}")
     if getattr(model.config, "sliding_window", None) and getattr(model.config, "use_sliding_window", False):
         raise FailedPrecondition(f"{type(model).__name__} uses a sliding window, which the KV "
                                  "cache does not support")
@@ -575,9 +588,14 @@ def forward(model: CausalLM, pool: KVPool, segments: Sequence[Segment], tokens: 
     hidden = inner.embed_tokens(tokens.to(pool.device)[None])  # [1, T, hidden]
     positions = batch.positions[None]
     rotary = inner.rotary_emb(hidden, positions)
-    for layer in inner.layers[: model.config.num_hidden_layers]:
-        hidden = layer(hidden, position_ids=positions, past_key_values=batch, position_embeddings=rotary,
-                       card_batch=batch)
+    lean = lean_layers(model, _slot_attention)
+    if lean is not None:  # transformers' ops without its Python around them (lean_layers)
+        for step in lean:
+            hidden = step(hidden, rotary, batch, card_batch=batch)
+    else:
+        for layer in inner.layers[: model.config.num_hidden_layers]:
+            hidden = layer(hidden, position_ids=positions, past_key_values=batch, position_embeddings=rotary,
+                           card_batch=batch)
     if not logit_rows.numel():
         return hidden.new_empty(0, 0)
     hidden = inner.norm(hidden[:, logit_rows.to(pool.device)])  # per-row: select first, then norm
