@@ -20,8 +20,8 @@ after them is elementwise or copies them. That is checked, not assumed: ``lean_l
 first layer both ways on a few rows (``_same_bits``) and keeps transformers' layers where a bit
 differs, or where the layer is not of a known kind (``KNOWN``).
 
-The thread governor's pre-hooks on the decoder layers (card.engine.shared.thread_governor) run
-before each layer as ``nn.Module.__call__`` would run them.
+A decoder layer's own hooks (the thread governor's pre-hooks, card.engine.shared.thread_governor)
+run before and after it as ``nn.Module.__call__`` would run them.
 """
 
 from __future__ import annotations
@@ -97,7 +97,18 @@ class LeanLayer:
                  **attention_kwargs: Any) -> torch.Tensor:
         layer = self.layer
         for hook in layer._forward_pre_hooks.values():  # the thread governor's checkpoints
-            hook(layer, (hidden,))
+            changed = hook(layer, (hidden,))
+            if changed is not None:  # nn.Module's rule: a pre-hook may replace the input
+                hidden = changed[0] if isinstance(changed, tuple) else changed
+        out = self._layer(hidden, rotary, cache, attention_kwargs)
+        for post in layer._forward_hooks.values():
+            changed = post(layer, (hidden,), out)
+            if changed is not None:
+                out = changed
+        return out
+
+    def _layer(self, hidden: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor], cache: Any,
+               attention_kwargs: dict[str, Any]) -> torch.Tensor:
         h = self.input_norm(hidden)
         if self.qkv is not None:
             fused, (wq, wk, _) = self.qkv
