@@ -42,12 +42,9 @@ of the same fixed shape). A matrix's result in a batched matmul must not depend 
 others ride with it: ``batched_is_invariant`` checks that on this device and dtype, with one
 thread and with the process's count, against each tile alone; where it fails, and on CUDA (whose
 library picks kernels by batch count, unverified here), sessions are attended one at a time.
-A group whose tiles are in distinct slots of a short range of the pool (a session decoding alone;
-sessions decoding one or a few rows each, the common case at 8 in flight) reads its slots' keys and
-values in place, a view of the pool over that range, its matmuls batched over every slot of the
-range (a slot of the range outside the group computes a matrix that is dropped); other groups
-(a chain of more than QUERY_TILE rows has two tiles in one slot) gather theirs. The probe's lone
-tiles take the view and its batches both, so it checks that the two read the same bits.
+A group of one tile (a session decoding alone) reads its slot's keys and values in place, a view
+of the pool; larger groups gather theirs. The probe's lone tiles take the view and its batches the
+gather, so it checks that the two read the same bits.
 """
 
 from __future__ import annotations
@@ -129,26 +126,20 @@ class Rows:
 @dataclass(frozen=True)
 class _Group:
     """Tiles sharing one key span, as index tensors built once per forward (every layer reuses
-    them): matrix ``b`` of the batched matmuls reads slot ``lo + b`` in place (``lo >= 0``: a view
-    of the pool over the group's slot range) or slot ``slots[b]``, gathered (``lo == -1``); its
-    QUERY_TILE query rows are flat rows ``query[b]`` (padding repeats a tile's first row, a matrix
-    of the range no tile uses repeats the first tile's: a matmul's rows and matrices are
-    independent, their output is dropped); ``bias`` [B, 1, 1, QUERY_TILE, span] float32, 0 where a
-    query sees a key and -inf past it (the causal mask, added: cheaper than a masked fill); the
-    matrices' rows ``take`` land on flat rows ``dest``."""
+    them): tile ``b`` reads slot ``slots[b]``; its QUERY_TILE query rows are flat rows ``query[b]``
+    (padding repeats the tile's first row: a matmul's rows are independent, its output is
+    dropped); ``bias`` [B, 1, 1, QUERY_TILE, span] float32, 0 where a query sees a key and -inf
+    past it (the causal mask, added: cheaper than a masked fill); the tile rows ``take`` land on
+    flat rows ``dest``; ``alone``: the slot of a group of one tile, whose keys and values are read
+    in place (a view of the pool) instead of gathered, else -1."""
 
     span: int
-    lo: int
+    alone: int
     slots: torch.Tensor
     query: torch.Tensor
     bias: torch.Tensor
     take: torch.Tensor
     dest: torch.Tensor
-
-
-# a group reads the pool in place when its slots' range holds at most this many matrices per tile
-# (the others computed and dropped cost less than the gather's copy of every tile's keys)
-IN_PLACE_SPREAD = 2
 
 
 class RowPlan:
@@ -171,29 +162,24 @@ class RowPlan:
 
     @staticmethod
     def _group(S: int, tiles: list[tuple[Rows, int, int]], device: torch.device) -> _Group:
-        slots = [s.slot for s, _, _ in tiles]
-        lo, hi = min(slots), max(slots)
-        in_place = len(set(slots)) == len(slots) and hi - lo + 1 <= IN_PLACE_SPREAD * len(slots)
-        # matrix of each tile: its slot's place in the range, or its own place in the gather
-        where = [slot - lo for slot in slots] if in_place else list(range(len(tiles)))
-        matrices = hi - lo + 1 if in_place else len(tiles)
-        s0, first0, _ = tiles[0]
-        rows_of = [[s0.offset + first0] * QUERY_TILE for _ in range(matrices)]
-        cols = torch.arange(S)
-        masked = torch.zeros(matrices, QUERY_TILE, S, dtype=torch.bool)
+        slots: list[int] = []
+        query: list[int] = []
+        masked: list[torch.Tensor] = []
         take: list[int] = []
         dest: list[int] = []
-        for b, (s, first, m) in zip(where, tiles, strict=True):
+        cols = torch.arange(S)
+        for b, (s, first, m) in enumerate(tiles):
             rows = [first + i if i < m else first for i in range(QUERY_TILE)]
-            rows_of[b] = [s.offset + r for r in rows]
-            masked[b] = cols[None, :] > torch.tensor([s.start + r for r in rows])[:, None]  # [QT, S]
+            slots.append(s.slot)
+            query.extend(s.offset + r for r in rows)
+            masked.append(cols[None, :] > torch.tensor([s.start + r for r in rows])[:, None])  # [QT, S]
             take.extend(b * QUERY_TILE + i for i in range(m))
             dest.extend(s.offset + first + i for i in range(m))
-        bias = torch.zeros(matrices, 1, 1, QUERY_TILE, S).masked_fill_(masked[:, None, None], float("-inf"))
-        query = [r for rows in rows_of for r in rows]
-        return _Group(S, lo if in_place else -1, torch.tensor(slots, device=device),
-                      torch.tensor(query, device=device), bias.to(device), torch.tensor(take, device=device),
-                      torch.tensor(dest, device=device))
+        bias = torch.zeros(len(tiles), 1, 1, QUERY_TILE, S).masked_fill_(
+            torch.stack(masked)[:, None, None], float("-inf"))
+        return _Group(S, slots[0] if len(slots) == 1 else -1,
+                      torch.tensor(slots, device=device), torch.tensor(query, device=device),
+                      bias.to(device), torch.tensor(take, device=device), torch.tensor(dest, device=device))
 
     def attend(self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float,
                out: torch.Tensor) -> None:
@@ -203,17 +189,17 @@ class RowPlan:
         kv_heads = keys.shape[1]
         group = heads // kv_heads
         for g in self.groups:
-            B = g.query.numel() // QUERY_TILE
+            B = g.slots.numel()
             # [heads, B*QT, dim] -> [B, kv_heads, group*QT, dim]: the head group rides in M (GQA),
             # in the order attend_rows' tile has it
             q = query.index_select(1, g.query).view(kv_heads, group, B, QUERY_TILE, dim)
             q = q.permute(2, 0, 1, 3, 4).reshape(B, kv_heads, group * QUERY_TILE, dim)
-            if g.lo >= 0:
-                # the slots' keys in place, no copy of the span (one session alone: attention ~2x
-                # faster at 1,024 keys, the step 1.04-1.09x); the bits are the gathered copy's
+            if g.alone >= 0:
+                # one tile: its slot's keys in place, no copy of the span (attention alone ~2x faster
+                # at 1,024 keys, the step 1.04-1.09x); the bits are the gathered copy's
                 # (batched_is_invariant compares the two paths)
-                k = keys[g.lo:g.lo + B, :, :g.span]  # [B, kv_heads, S, dim]
-                v = values[g.lo:g.lo + B, :, :g.span]
+                k = keys[g.alone:g.alone + 1, :, :g.span]  # [1, kv_heads, S, dim]
+                v = values[g.alone:g.alone + 1, :, :g.span]
             else:
                 k = keys[:, :, :g.span].index_select(0, g.slots)  # [B, kv_heads, S, dim]
                 v = values[:, :, :g.span].index_select(0, g.slots)

@@ -28,7 +28,6 @@ from card.engine.loading.models import LoadedModel, ModelConfig, load_model
 from card.engine.shared.config import GenerationRequest, Mode, SamplingParams, StopParams, TreeParams
 from card.engine.shared.exact_attention import (
     KV_BLOCK,
-    QUERY_TILE,
     RowPlan,
     Rows,
     attend_rows,
@@ -137,48 +136,16 @@ def test_many_sessions_rows_in_one_plan_equal_each_alone(dtype: torch.dtype) -> 
         torch.testing.assert_close(together[part].float(), want.float(), atol=2e-2, rtol=2e-2)
 
 
-def test_tiles_in_distinct_nearby_slots_read_the_pool_in_place_and_others_gather() -> None:
-    """The plan's two reads, which the test above compares bit for bit: a group whose tiles are in
-    distinct slots of a short range (a session decoding alone, a chain of up to QUERY_TILE rows,
-    sessions one row each) reads the keys as a view of the pool over that range; a chain's two
-    tiles of one slot, or slots spread far apart, are gathered into one batch."""
+def test_a_lone_tile_reads_its_slot_in_place_and_a_shared_span_gathers() -> None:
+    """The plan's two reads, which the test above compares bit for bit: a group of one tile (a
+    session decoding alone, a chain of up to QUERY_TILE rows) reads its slot's keys as a view of
+    the pool; tiles that share a span are gathered into one batch."""
     cpu = torch.device("cpu")
-
-    def reads(*rows: Rows) -> list[int]:
-        return [g.lo for g in RowPlan(list(rows), cpu).groups]
-
-    assert reads(Rows(3, 70, 1, 0)) == [3]
-    assert reads(Rows(3, 70, 4, 0)) == [3]
-    assert reads(Rows(3, 70, 6, 0)) == [-1]  # two tiles of one slot
-    assert reads(Rows(3, 70, 1, 0), Rows(1, 80, 1, 1)) == [1]  # slots 1-3: three matrices for two tiles
-    assert reads(Rows(0, 70, 1, 0), Rows(7, 80, 1, 1)) == [-1]  # slots 0-7: eight for two
-    assert reads(Rows(3, 70, 1, 0), Rows(1, 200, 1, 1)) == [3, 1]  # two spans, two groups
-    eight = [Rows(slot, 70 + slot, 1, slot) for slot in (5, 0, 7, 2, 1, 6, 3, 4)]
-    groups = RowPlan(eight, cpu).groups
-    assert [g.lo for g in groups] == [0] and groups[0].query.numel() == 8 * QUERY_TILE
-
-
-def test_a_slot_the_range_reads_for_nothing_cannot_leak_into_the_others() -> None:
-    """A group read in place computes a matrix for every slot of its range, the ones no tile uses
-    included (a free slot, never written: NaN here): their output is dropped, and the group's
-    sessions get the bits they get alone."""
-    gen = torch.Generator().manual_seed(5)
-    keys = torch.randn(4, 3, 2 * KV_BLOCK, 64, generator=gen)
-    values = torch.randn(4, 3, 2 * KV_BLOCK, 64, generator=gen)
-    keys[1], values[1] = float("nan"), float("nan")
-    query = torch.randn(9, 2, 64, generator=gen)
-    sessions = [Rows(0, 70, 1, 0), Rows(2, 75, 1, 1)]
-    assert [g.lo for g in RowPlan(sessions, torch.device("cpu")).groups] == [0]  # slots 0-2, slot 1 for nothing
-
-    def plan(chosen: list[Rows]) -> torch.Tensor:
-        out = query.new_zeros(2, 9, 64)
-        RowPlan(chosen, torch.device("cpu")).attend(query, keys, values, 0.125, out)
-        return out
-
-    together = plan(sessions)
-    assert not together.isnan().any()
-    for s in sessions:
-        assert torch.equal(together[s.offset], plan([s])[s.offset])
+    assert [g.alone for g in RowPlan([Rows(3, 70, 1, 0)], cpu).groups] == [3]
+    assert [g.alone for g in RowPlan([Rows(3, 70, 4, 0)], cpu).groups] == [3]
+    assert [g.alone for g in RowPlan([Rows(3, 70, 6, 0)], cpu).groups] == [-1]  # two tiles
+    assert [g.alone for g in RowPlan([Rows(3, 70, 1, 0), Rows(1, 80, 1, 1)], cpu).groups] == [-1]
+    assert [g.alone for g in RowPlan([Rows(3, 70, 1, 0), Rows(1, 200, 1, 1)], cpu).groups] == [3, 1]
 
 
 def test_the_pool_makes_never_written_rows_safe_for_the_plan() -> None:
