@@ -37,6 +37,13 @@ from card.engine.shared.tree import Advance
 log = logging.getLogger(__name__)
 
 
+# a session goes to the worker that drafted its conversation's earlier turn (whose pool holds the
+# prompt's front, card.cache_service.affinity) while that worker serves at most this many sessions
+# more than the least-loaded candidate: beyond it, balance wins (its prefill of the whole
+# conversation costs the new session less than a queue behind a busier worker costs every one)
+AFFINITY_SLACK = 2
+
+
 @dataclass(frozen=True)
 class WorkerLink:
     """A session's link to the worker serving it: commands queued for its Commands stream."""
@@ -67,6 +74,9 @@ class Seat:
     default_pool: str = ""  # the target's --default-pool, for an unnamed session
     worker: Worker | None = None
     paused: bool = False  # the target paused its drafting: no worker until a Step resumes it
+    # the worker that drafted the conversation's earlier turn (card.cache_service.affinity): it
+    # holds the keys and values of this prompt's front; "" = none known
+    prefers: str = ""
     # workers that dropped it (LayerMessage.dropped), by id, and until when (time.monotonic()) they
     # are not offered it again; other workers are at once (Assignments.dropped)
     refused_by: dict[str, float] = field(default_factory=dict)
@@ -392,7 +402,12 @@ class Assignments:
         now = time.monotonic()
         for seat in list(self._seats.values()) if seats is None else seats:
             if seat.worker is None and not (seat.paused or seat.closed):
-                worker = self._pick(seat.fingerprint, seat.route, seat.default_pool, seat.refuses(now))
+                worker = self._pick(seat.fingerprint, seat.route, seat.default_pool, seat.refuses(now),
+                                    seat.prefers)
+                if seat.prefers:
+                    kept = worker is not None and worker.worker_id == seat.prefers
+                    metrics.TURN_AFFINITY.labels("kept" if kept else "moved").inc()
+                    seat.prefers = ""  # its first placement only: a moved session has no such worker
                 if worker is not None:
                     worker.sessions.add(seat.session_id)
                     seat.worker = worker
@@ -400,12 +415,14 @@ class Assignments:
         return changed
 
     def _pick(self, fingerprint: str, route: Route = ANY, default_pool: str = "",
-              refused: frozenset[str] = frozenset()) -> Worker | None:
+              refused: frozenset[str] = frozenset(), prefers: str = "") -> Worker | None:
         """The worker for a new or orphaned session, or None (it waits without speculation):
 
         - the route's worker while it can take it, else the least-loaded one of the route's pool;
         - unnamed: the least-loaded one of ``default_pool`` while it has room, else of the pool the
-          router chooses among those with room.
+          router chooses among those with room;
+        - but among those candidates, ``prefers`` (the worker that drafted the conversation's
+          earlier turn) while it serves at most AFFINITY_SLACK sessions more than the least-loaded.
 
         Only workers whose command stream is open, not drained and not full are candidates, and
         none of ``refused`` (those that dropped the session, within their cooldown). A named
@@ -429,7 +446,12 @@ class Assignments:
                 candidates = [w for w in candidates if w.pool in chosen]
         if not candidates:
             return None
-        return min(candidates, key=lambda w: (w.load, len(w.sessions), w.registered_unix))
+        least = min(candidates, key=lambda w: (w.load, len(w.sessions), w.registered_unix))
+        if prefers and prefers != least.worker_id:
+            earlier = next((w for w in candidates if w.worker_id == prefers), None)
+            if earlier is not None and len(earlier.sessions) <= len(least.sessions) + AFFINITY_SLACK:
+                return earlier
+        return least
 
     # ---- with the lock released ---------------------------------------------------------------
     @staticmethod

@@ -53,6 +53,10 @@ STEP_LATENCY = Histogram(
 OUTCOMES = Counter("card_cache_outcomes", "Verdicts on the target's next token", ["outcome"])
 LOOKUP_CHAINS = Counter("card_cache_lookup_chains", "Chains answered by the session's own text (model-free "
                         "lookup) because its tree held nothing")
+TURN_AFFINITY = Counter("card_cache_turn_affinity",
+                        "Sessions whose prompt extends an earlier session's text, by where they went: "
+                        "kept (the worker that drafted the earlier turn) or moved (another: that one "
+                        "gone, full, refused or too busy)", ["outcome"])
 DRAFT_PAUSES = Counter("card_cache_draft_pauses", "Sessions whose drafting the target's speculation "
                        "controller paused (the worker stopped) or resumed", ["action"])
 LAYERS = Counter("card_cache_layers_received", "Draft layers received (applied or dropped)")

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 import torch
 
 from card.cache_service import metrics
+from card.cache_service.affinity import TurnAffinity
 from card.cache_service.assignment import Assignments, Seat, WorkerLink
 from card.cache_service.config import CacheConfig
 from card.cache_service.pools import PoolStats
@@ -183,6 +184,8 @@ class SessionTable:
         self.closing = False  # set by close_all at shutdown: no new sessions
         # closed sessions' model-free lookups, for the next turn of their conversations
         self.earlier = EarlierTurns()
+        # which worker drafted each closed session's text: a next turn goes back to it
+        self.affinity = TurnAffinity()
 
     # ---- lookup -------------------------------------------------------------------------------
     def get(self, session_id: str) -> Session:
@@ -236,7 +239,8 @@ class SessionTable:
                       ) or PromptLookup(vocab_size)
         card = CardSession(params, self.device, draw=draw, lookup=lookup)
         card.open(prompt_ids)
-        seat = Seat(uuid.uuid4().hex, fingerprint, card, route, default_pool, paused=paused)
+        seat = Seat(uuid.uuid4().hex, fingerprint, card, route, default_pool, paused=paused,
+                    prefers=self.affinity.prefer(fingerprint, prompt_ids))
         self.assignments.join(seat)  # ResourceExhausted: the worker it names is full
         session = Session(seat.session_id, target_model or "unknown", draft, seat, len(prompt_ids),
                           vocab_size=vocab_size, context_window=context_window,
@@ -348,6 +352,10 @@ class SessionTable:
             lookup, session.card.lookup = session.card.lookup, None
         if isinstance(lookup, PromptLookup):  # for the conversation's next turn
             self.earlier.put((session.seat.fingerprint, session.vocab_size), lookup)
+        worker = session.seat.worker
+        if worker is not None:  # its pool holds this text's rows: the next turn goes there
+            self.affinity.put(session.seat.fingerprint, session.card.committed, worker.worker_id,
+                              session.prompt_tokens)
         self.assignments.leave(session.seat)  # the freed place may serve a waiting session
         metrics.SESSIONS_OPEN.dec()
         return session

@@ -44,8 +44,9 @@ from card.engine.draft.static_tree import TreeStep
 from card.engine.shared.config import DRAW_BRANCH, ChainDraw, NgramConfig, TreeParams
 from card.engine.shared.errors import Aborted, InvalidArgument, ResourceExhausted
 from card.engine.shared.hf import CausalLM
-from card.engine.shared.kv_pool import PREFILL_CHUNK, PREFIX_BLOCK, KVPool, Segment, forward
+from card.engine.shared.kv_pool import PREFILL_CHUNK, KVPool, Segment, forward
 from card.engine.shared.ngram_stats import NgramTable, Proposer
+from card.engine.shared.prefix_cache import PREFIX_BLOCK
 from card.engine.shared.tree import NO_NODE, Advance, Layer, TwoTierTree, draw_index, tier_b_probs
 
 log = logging.getLogger(__name__)

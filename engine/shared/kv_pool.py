@@ -60,7 +60,7 @@ from card.engine.shared.exact_attention import (
 )
 from card.engine.shared.hf import CausalLM
 from card.engine.shared.lean_layers import lean_layers
-from card.engine.shared.prefix_cache import PrefixCache
+from card.engine.shared.prefix_cache import PREFIX_BLOCK, PrefixCache
 
 ATTN = "card_slots"
 
@@ -79,10 +79,6 @@ DEVICE_KV_SHARE = 0.8
 # prompt in chunks does not stall the sessions decoding beside it (target and draft alike).
 PREFILL_CHUNK = 256
 
-# Tokens per prefix-cache block (vLLM's default block size): the index's granularity. A prompt
-# reuses whole blocks where its rows' bits do not depend on its chunking (the target's exact
-# prefill, KVPool.prefill_invariant), else whole prefill chunks only (KVPool.acquire_prefix).
-PREFIX_BLOCK = 16
 
 
 @dataclass(frozen=True, eq=False)

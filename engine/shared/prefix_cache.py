@@ -28,6 +28,10 @@ from array import array
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
+# Tokens per prefix-cache block (vLLM's default block size): the index's granularity. A prompt
+# reuses whole blocks where its rows' bits do not depend on its chunking (the target's exact
+# prefill, KVPool.prefill_invariant), else whole prefill chunks only (KVPool.acquire_prefix).
+PREFIX_BLOCK = 16
 ROOT = b"card-prefix-root"  # the parent hash of a sequence's first block
 
 

@@ -24,8 +24,8 @@ from card.engine.shared.config import (
     StopParams,
     TreeParams,
 )
-from card.engine.shared.kv_pool import PREFILL_CHUNK, PREFIX_BLOCK, KVPool, Segment, forward
-from card.engine.shared.prefix_cache import PrefixCache, chain
+from card.engine.shared.kv_pool import PREFILL_CHUNK, KVPool, Segment, forward
+from card.engine.shared.prefix_cache import PREFIX_BLOCK, PrefixCache, chain
 from card.engine.target.chain_source import NoDraft
 from card.engine.target.generation import Generation
 from card.engine.target.scheduler import TargetEngine

@@ -16,7 +16,8 @@ import openai
 import pytest
 
 from card.client.trio import HTTP_LISTENING, console_script
-from card.engine.shared.kv_pool import PREFILL_CHUNK, PREFIX_BLOCK
+from card.engine.shared.kv_pool import PREFILL_CHUNK
+from card.engine.shared.prefix_cache import PREFIX_BLOCK
 from tests.services.conftest import stop_process
 from tests.services.e2e_support import labelled, wait_until
 from tests.tiny_models import save_tiny_checkpoint
