@@ -32,7 +32,8 @@ def _seat(a: Assignments, name: str, prefers: str = "", draft: str = "") -> Seat
 
 
 def _kept() -> tuple[float, float]:
-    return (metrics.TURN_AFFINITY.labels("kept")._value.get(), metrics.TURN_AFFINITY.labels("moved")._value.get())
+    counts = metrics.TURN_AFFINITY
+    return counts.labels("kept")._value.get(), counts.labels("moved")._value.get()
 
 
 def test_the_longest_whole_block_prefix_names_the_worker() -> None:
@@ -42,7 +43,8 @@ def test_the_longest_whole_block_prefix_names_the_worker() -> None:
     other = [50] * (3 * PREFIX_BLOCK)
     affinity.put("fp", other, "w2")
     assert affinity.prefer("fp", [*text, 7, 8]) == "w1"  # the next turn: the text and a new message
-    assert affinity.prefer("fp", [*text[:PREFIX_BLOCK + 3], 9, 9, 9]) == "w1"  # the earlier prompt, re-rendered on
+    # the earlier prompt, the answer re-rendered otherwise: the prompt's entry
+    assert affinity.prefer("fp", [*text[:PREFIX_BLOCK + 3], 9, 9, 9]) == "w1"
     assert affinity.prefer("fp", text[:PREFIX_BLOCK - 1]) == ""  # no whole block
     assert affinity.prefer("other-tokenizer", [*text, 7]) == ""
     assert affinity.prefer("fp", [2, *text]) == ""  # another prefix
