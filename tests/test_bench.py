@@ -109,9 +109,9 @@ def test_bench_through_services(pair, tmp_path):
     out = tmp_path / "r.json"
     result = CliRunner().invoke(main, [
         "--target-model", str(target), "--draft-model", str(draft), "--draft-quantize", "none",
-        # 64 tokens: a tiny model commits 24 faster than a loaded machine's cache answers the open
+        # 256 tokens: a tiny model commits 64 faster than a loaded machine's cache answers the open
         # (a late session catches up; it needs tokens left to step), and the test wants Steps
-        "--dataset", f"gsm8k={data}", "--n", "1", "--max-new-tokens", "64", "--modes", "vanilla",
+        "--dataset", f"gsm8k={data}", "--n", "1", "--max-new-tokens", "256", "--modes", "vanilla",
         "--services", "--ignore-eos", "--out", str(out), "--no-progress", "--warmup-tokens", "2",
     ])
     assert result.exit_code == 0, result.output
