@@ -26,7 +26,6 @@ run before and after it as ``nn.Module.__call__`` would run them.
 
 from __future__ import annotations
 
-import itertools
 import logging
 import weakref
 from collections.abc import Callable
@@ -55,19 +54,14 @@ def _call(module: Any) -> Linear:
 
 def _projections(parent: Any, names: tuple[str, ...]) -> tuple[Linear, tuple[int, ...]] | None:
     """One call computing ``names``' outputs side by side, and their widths: the fused layer where
-    ``names`` are slices of one, in order; None where they are separate layers."""
-    first = getattr(parent, names[0])
-    if not isinstance(first, SiblingSlice):
-        return None
-    group: FusedLinears = first.group
+    ``names`` are the slices of one (fuse_siblings lays them out in this order); None where they
+    are separate layers."""
     slices = [getattr(parent, n) for n in names]
-    if not all(isinstance(s, SiblingSlice) and s.group is group for s in slices):
+    group = getattr(slices[0], "group", None)
+    if not isinstance(group, FusedLinears) or not all(
+            isinstance(s, SiblingSlice) and s.group is group for s in slices):
         return None
-    bounds = [(s.start, s.stop) for s in slices]
-    if bounds[0][0] != 0 or any(a[1] != b[0] for a, b in itertools.pairwise(bounds)) or (
-            bounds[-1][1] != sum(group.widths)):
-        return None
-    return _call(group.linear), tuple(s.stop - s.start for s in slices)
+    return _call(group.linear), group.widths
 
 
 class LeanLayer:

@@ -31,6 +31,8 @@ def test_lean_layers_give_transformers_bits(kind: str, dtype: torch.dtype, exact
         make_exact(model)
     plan = _plan(model)
     assert plan is not None and len(plan) == 3
+    if exact and dtype == torch.float32:  # fused q/k/v and gate/up: read as one product's columns
+        assert plan[0].qkv is not None and plan[0].gate_up is not None
     theirs = _forwards_with(model, None)
     ours = _forwards_with(model, plan)
     assert len(theirs) == len(ours)
