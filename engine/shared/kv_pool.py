@@ -58,7 +58,7 @@ from card.engine.shared.exact_attention import (
     span,
     tree_attention,
 )
-from card.engine.shared.hf import CausalLM
+from card.engine.shared.hf import CACHE_KEYWORD, CausalLM, cache_keyword
 from card.engine.shared.lean_layers import lean_layers
 from card.engine.shared.prefix_cache import PREFIX_BLOCK, PrefixCache
 
@@ -414,7 +414,7 @@ def _kv_dtype(model: CausalLM) -> torch.dtype:
 
 
 class _Batch:
-    """What one forward's attention needs: handed to every layer as ``past_key_values`` (its
+    """What one forward's attention needs: handed to every layer as its KV cache (hf.CACHE_KEYWORD; its
     ``update`` writes the new keys and values in place) and as the ``card_batch`` keyword."""
 
     def __init__(self, pool: KVPool, segments: Sequence[Segment]) -> None:
@@ -563,6 +563,10 @@ def enable(model: CausalLM) -> None:
         raise FailedPrecondition(
             f"{type(model).__name__} (model_type {kind!r}) is not a supported architecture; supported: "
             f"{', '.join(sorted(MODEL_TYPES))}")
+    layer_class = type(model.model.layers[0])
+    if (keyword := cache_keyword(layer_class)) != CACHE_KEYWORD:
+        raise FailedPrecondition(f"{layer_class.__name__} takes its KV cache as {keyword!r}, the "
+                                 f"installed transformers' other decoder layers as {CACHE_KEYWORD!r}")
     if getattr(model.config, "sliding_window", None) and getattr(model.config, "use_sliding_window", False):
         raise FailedPrecondition(f"{type(model).__name__} uses a sliding window, which the KV "
                                  "cache does not support")
@@ -590,8 +594,8 @@ def forward(model: CausalLM, pool: KVPool, segments: Sequence[Segment], tokens: 
             hidden = step(hidden, rotary, batch, card_batch=batch)
     else:
         for layer in inner.layers[: model.config.num_hidden_layers]:
-            hidden = layer(hidden, position_ids=positions, past_key_values=batch, position_embeddings=rotary,
-                           card_batch=batch)
+            hidden = layer(hidden, position_ids=positions, position_embeddings=rotary, card_batch=batch,
+                           **{CACHE_KEYWORD: batch})
     if not logit_rows.numel():
         return hidden.new_empty(0, 0)
     hidden = inner.norm(hidden[:, logit_rows.to(pool.device)])  # per-row: select first, then norm

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from card.engine.loading.fused_linear import FusedLinears, SiblingSlice
-from card.engine.shared.hf import CausalLM
+from card.engine.shared.hf import CACHE_KEYWORD, CausalLM
 
 log = logging.getLogger(__name__)
 
@@ -202,8 +202,8 @@ def _same_bits(model: CausalLM, lean: LeanLayer, attention: Attention) -> bool:
         positions = torch.arange(3, 3 + rows, device=param.device)[None]
         rotary = inner.rotary_emb(hidden, positions)
         theirs, ours = _ProbeCache(), _ProbeCache()
-        expected = lean.layer(hidden, position_ids=positions, past_key_values=theirs,
-                              position_embeddings=rotary, card_batch=theirs)
+        expected = lean.layer(hidden, position_ids=positions, position_embeddings=rotary,
+                              card_batch=theirs, **{CACHE_KEYWORD: theirs})
         got = lean(hidden, rotary, ours, card_batch=ours)
         if not (torch.equal(expected, got) and len(theirs.written) == len(ours.written)
                 and all(torch.equal(a, b) for a, b in zip(theirs.written, ours.written, strict=True))):

@@ -53,7 +53,7 @@ import torch
 
 from card.engine.shared.config import SamplingParams
 from card.engine.shared.exact_attention import KV_BLOCK, block_tree, read_blocks
-from card.engine.shared.hf import CausalLM
+from card.engine.shared.hf import CACHE_KEYWORD, CausalLM
 from card.engine.shared.sampling import (
     FilterShape,
     RowBuffers,
@@ -136,8 +136,8 @@ class StepOutput:
 
 
 class StaticBatch:
-    """The buffers one static step reads, and its attention. Handed to every decoder layer as
-    ``past_key_values`` (``update`` writes the rows' keys and values by index) and as
+    """The buffers one static step reads, and its attention. Handed to every decoder layer as its
+    KV cache (hf.CACHE_KEYWORD; ``update`` writes the rows' keys and values by index) and as
     ``card_batch`` (card.engine.shared.kv_pool dispatches attention to ``attend``)."""
 
     static = True
@@ -282,8 +282,8 @@ def decode_forward(model: CausalLM, batch: StaticBatch) -> tuple[torch.Tensor, t
     hidden = inner.embed_tokens(tokens)
     rotary = inner.rotary_emb(hidden, positions)
     for layer in inner.layers[: model.config.num_hidden_layers]:
-        hidden = layer(hidden, position_ids=positions, past_key_values=batch, position_embeddings=rotary,
-                       card_batch=batch)
+        hidden = layer(hidden, position_ids=positions, position_embeddings=rotary, card_batch=batch,
+                       **{CACHE_KEYWORD: batch})
     logits = model.lm_head(inner.norm(hidden))[0]
     return logits, torch.argmax(logits, dim=-1)
 

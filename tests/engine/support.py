@@ -30,6 +30,7 @@ from card.engine.shared.config import (
     TreeParams,
     VerifyPolicy,
 )
+from card.engine.shared.hf import CACHE_KEYWORD
 from card.engine.shared.kv_pool import KVPool, Segment, forward
 from card.engine.shared.ngram_stats import NgramTable
 from card.engine.shared.session import CardSession, StepResult
@@ -86,7 +87,7 @@ def prompt_cases(n: int, seed: int, max_prompt: int = 30, max_new: int = 60) -> 
 def plain_forward(model: torch.nn.Module, tokens: Sequence[int]) -> tuple[torch.Tensor, DynamicCache]:
     """Causal forward over ``tokens`` from scratch: (logits [T, V], the filled cache)."""
     cache = DynamicCache()
-    out = model(input_ids=torch.tensor([list(tokens)]), past_key_values=cache, use_cache=True)
+    out = model(input_ids=torch.tensor([list(tokens)]), use_cache=True, **{CACHE_KEYWORD: cache})
     return out.logits[0], cache
 
 
