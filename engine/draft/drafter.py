@@ -99,6 +99,7 @@ class Drafter:
         self.tree = TwoTierTree(_CPU)
         self.n_committed = 0
         self.pending: list[int] = []
+        self.text: list[int] = []  # the committed text: rows [0, n_committed) hold its keys and values
         # [N] per tree row: its KV row after the committed ones, NOT_EXPANDED, or (inside finish) ADOPTED
         self.kv_slot = torch.empty(0, dtype=torch.int64)
         self.anc = torch.zeros(0, 0, dtype=torch.bool)  # [T, T]
@@ -128,8 +129,10 @@ class Drafter:
             # never depends on what was cached. Any other session's draft numbers only choose
             # what the target verifies (never what it emits): it reuses every whole block, as the
             # target does, so a chat's system prompt and a conversation's earlier turns are not
-            # prefilled again (whole 256-token chunks left a 200-token conversation nothing)
-            got = self.pool.acquire_prefix(committed, PREFILL_CHUNK if draw is not None else PREFIX_BLOCK)
+            # prefilled again (whole 256-token chunks left a 200-token conversation nothing), nor
+            # the rows an earlier session grew for its answer (loose blocks, ``release``)
+            got = (self.pool.acquire_prefix(committed, PREFILL_CHUNK) if draw is not None
+                   else self.pool.acquire_prefix(committed, PREFIX_BLOCK, exact_only=False))
             if got is None:
                 raise ResourceExhausted(f"the draft's KV cache has no free slot (all {self.pool.slots} held)")
             self.slot, cached = got
@@ -138,6 +141,7 @@ class Drafter:
         self._rng = random.Random(f"card-draft-draw:{draw.seed}:{epoch}") if draw is not None else None
         self.n_committed = cached
         self.pending = list(committed[cached:])
+        self.text = list(committed)
         self.kv_slot = torch.empty(0, dtype=torch.int64)
         self.anc = torch.zeros(0, 0, dtype=torch.bool)
         if self.ngram_config is not None:
@@ -145,12 +149,20 @@ class Drafter:
             self.proposer.extend(committed)
 
     def release(self) -> None:
-        """Give the slot back and drop the tree (session ended)."""
+        """Give the slot back and drop the tree (session ended). The rows of the text it followed
+        stay indexed, the ones it grew as tree nodes included (a conversation's answer: the next
+        turn's draft then prefills only the new message), as loose blocks: a tree row's numbers
+        are not a prefill's, and only sessions whose draft numbers never reach an output take
+        them. A drawn session's rows past its prefill are not indexed (its tree must be a cold
+        drafter's, whatever ran before)."""
         if self.slot is not None:
+            if self.draw is None:
+                self.pool.settled(self.slot, self.text[:self.n_committed], exact=False)
             self.pool.release(self.slot)
             self.slot = None
         self.tree.reset(self.tree.epoch)
         self.pending = []
+        self.text = []
         self.n_committed = 0
         self.kv_slot = torch.empty(0, dtype=torch.int64)
         self.anc = torch.zeros(0, 0, dtype=torch.bool)
@@ -206,7 +218,12 @@ class Drafter:
         self.forwards += 1
         if work.frontier is None:
             assert self.slot is not None
-            self.pool.computed(self.slot, work.segment.start, work.tokens.tolist())  # reusable rows
+            # reusable rows; a cold prefill's bits (exact, what a drawn session may reuse) only
+            # where the chunk is one a cold prefill of any longer text computes too: a whole
+            # PREFILL_CHUNK at a chunk boundary (the vendor attention's bits follow the chunking)
+            start, n = work.segment.start, work.tokens.numel()
+            self.pool.computed(self.slot, start, work.tokens.tolist(),
+                               exact=start % PREFILL_CHUNK == 0 and n == PREFILL_CHUNK)
             self.n_committed += work.tokens.numel()
             del self.pending[: work.tokens.numel()]
             if self.pending:
@@ -440,6 +457,7 @@ class Drafter:
             path_slots.append(int(self.kv_slot[r].item()))
         new_tokens = [*adv.accepted_tokens, adv.next_token]
         self._check_tokens(new_tokens)
+        self.text += new_tokens
         if self.proposer is not None:
             self.proposer.extend(new_tokens)
         rows = tree.reroot(adv)

@@ -194,12 +194,14 @@ class KVPool:
         self._ready[slot] = 0  # rows past the new session's writes: whatever the last one left
         return slot
 
-    def acquire_prefix(self, tokens: Sequence[int],
-                       granularity: int = PREFIX_BLOCK) -> tuple[int, int] | None:
+    def acquire_prefix(self, tokens: Sequence[int], granularity: int = PREFIX_BLOCK,
+                       exact_only: bool = True) -> tuple[int, int] | None:
         """A free slot for a sequence that starts with ``tokens`` and how many of its first rows
         already hold their keys and values (whole prefix blocks, in whole multiples of
         ``granularity`` rows: a prefill chunk where a prompt's bits depend on its chunking; at
-        least one token left to compute), or None when no slot is free. The longest cached
+        least one token left to compute; ``exact_only=False``: loose blocks too, a draft's rows of
+        a text it followed, for a sequence whose numbers need not be a cold prefill's), or None
+        when no slot is free. The longest cached
         prefix is taken where it is: in a free slot, that slot (no copy); in a held one, its rows
         are copied into the LRU free slot (every layer, keys and values: the same bits). Without
         prefix caching: (slot, 0)."""
@@ -209,7 +211,7 @@ class KVPool:
             slot = self.acquire()
             assert slot is not None
             return slot, 0
-        match = self.prefix.match(tokens, self._free, -(-granularity // self.prefix.block))
+        match = self.prefix.match(tokens, self._free, -(-granularity // self.prefix.block), exact_only)
         if match is not None and match.slot in self._free:
             slot = match.slot
             self._free.remove(slot)
@@ -248,19 +250,20 @@ class KVPool:
         if self.prefix is not None and slot < self.slots:
             self.prefix.truncate(slot, start)
 
-    def computed(self, slot: int, start: int, tokens: Sequence[int]) -> None:
+    def computed(self, slot: int, start: int, tokens: Sequence[int], exact: bool = True) -> None:
         """Rows [start, start+len(tokens)) of ``slot`` hold the final keys and values of
-        ``tokens`` computed by a prefill chunk: their whole blocks may be reused."""
+        ``tokens`` computed by a prefill chunk: their whole blocks may be reused; ``exact``: they
+        are the bits a cold prefill gives (else loose, prefix_cache)."""
         if self.prefix is not None:
-            self.prefix.computed(slot, start, tokens)
+            self.prefix.computed(slot, start, tokens, exact)
 
-    def settled(self, slot: int, tokens: Sequence[int]) -> None:
+    def settled(self, slot: int, tokens: Sequence[int], exact: bool = True) -> None:
         """Rows [0, len(tokens)) of ``slot`` hold the final keys and values of ``tokens`` (a session
-        ends: its prompt and what it decoded, where those are a prefill's bits): index the whole
-        blocks past the ones already indexed."""
+        ends: its prompt and what it decoded): index the whole blocks past the ones already
+        indexed; ``exact``: they are a prefill's bits, else loose (a draft's tree rows)."""
         if self.prefix is not None:
             rows = self.prefix.rows(slot)
-            self.prefix.computed(slot, rows, tokens[rows:])
+            self.prefix.computed(slot, rows, tokens[rows:], exact)
 
     def ready(self, slot: int, written: int, rows: int) -> None:
         """Make rows ``written...rows`` of ``slot`` finite before a query reads them masked

@@ -13,9 +13,12 @@ holds before it is used: a wrong hit would break the exactness promise, not only
 What is indexed: a slot's blocks from row 0 on, each one whole, once the caller says its rows are
 final (``computed``): the target's prompt chunks as they are prefilled, and when a session ends
 the rows it decoded too, where the target's prefill gives a decoding row's bits (its exact
-prefill, card.engine.target.scheduler); a draft's prompt chunks. Where a prompt's bits depend on
-its chunking (the vendor attention) and its bits matter (the target's; a drawn draft session's),
-a match is taken in whole prefill chunks only (``multiple``).
+prefill, card.engine.target.scheduler); a draft's prompt chunks, and when a draft session ends
+the rows of the text it followed (grown as tree nodes: another arithmetic than a prefill's, so
+those blocks are *loose*, ``exact=False``). Where a prompt's bits depend on its chunking (the
+vendor attention) and its bits matter (the target's; a drawn draft session's), a match is taken
+in whole prefill chunks only (``multiple``) and over exact blocks only (``exact_only``): a slot's
+blocks are exact up to its first loose one (the rows after it attended to loose rows).
 Anything that writes a row of a slot drops that slot's blocks from that row on (``truncate``): a
 slot taken for another sequence, a session's rows past its prompt, a draft's moved rows. The index
 is therefore bounded by slots x blocks per slot, and never outlives the rows it names.
@@ -71,6 +74,7 @@ class PrefixCache:
         self.max_blocks = max_rows // block
         self._held: list[list[bytes]] = [[] for _ in range(slots)]  # per slot: its blocks' hashes
         self._tokens: list[list[int]] = [[] for _ in range(slots)]  # per slot: the tokens they hold
+        self._exact: list[int] = [0] * slots  # per slot: its leading blocks that are a prefill's bits
         self._index: dict[bytes, dict[int, None]] = {}  # block hash -> the slots holding it (ordered)
         self.queries = 0
         self.hits = 0
@@ -85,17 +89,24 @@ class PrefixCache:
         """(block, slot) pairs indexed: at most slots x max_blocks."""
         return sum(len(h) for h in self._held)
 
-    def match(self, tokens: Sequence[int], free: Collection[int] = (), multiple: int = 1) -> Match | None:
+    def exact_blocks(self, slot: int) -> int:
+        """Leading blocks of ``slot`` whose rows are a prefill's bits (the rest are loose)."""
+        return self._exact[slot]
+
+    def match(self, tokens: Sequence[int], free: Collection[int] = (), multiple: int = 1,
+              exact_only: bool = True) -> Match | None:
         """The longest cached whole-block prefix of ``tokens`` that leaves at least one token
         to compute (a prompt's last token's logits are needed), in a whole ``multiple`` of blocks,
-        None if no block is cached. Of the slots holding it, a ``free`` one first (taken as it is,
-        no copy)."""
+        None if no block is cached; ``exact_only``: over blocks that are a prefill's bits alone.
+        Of the slots holding it, a ``free`` one first (taken as it is, no copy)."""
         limit = min((len(tokens) - 1) // self.block, self.max_blocks)
         holders: list[dict[int, None]] = []  # per depth, the slots holding the prefix to there
         parent = ROOT
         for i in range(limit):
             parent = block_hash(parent, tokens[i * self.block:(i + 1) * self.block])
             found = self._index.get(parent)
+            if found and exact_only:
+                found = {s: None for s in found if self._exact[s] > i}
             if not found:
                 break
             holders.append(found)
@@ -115,11 +126,13 @@ class PrefixCache:
         self.hits += hit
 
     # ---- keeping it true ------------------------------------------------------------------------
-    def computed(self, slot: int, start: int, tokens: Sequence[int]) -> None:
+    def computed(self, slot: int, start: int, tokens: Sequence[int], exact: bool = True) -> None:
         """Rows [start, start+len(tokens)) of ``slot`` now hold the final keys and values of
         ``tokens`` after the slot's earlier rows: index the whole blocks among them that extend
-        the slot's indexed prefix (rows after a gap, or a partial block, are not indexed)."""
+        the slot's indexed prefix (rows after a gap, or a partial block, are not indexed).
+        ``exact``: a prefill's bits (after exact blocks only do they count as exact)."""
         held, mine = self._held[slot], self._tokens[slot]
+        extends_exact = exact and self._exact[slot] == len(held)
         if start != len(held) * self.block:
             return
         for i in range(len(tokens) // self.block):
@@ -130,6 +143,8 @@ class PrefixCache:
             held.append(h)
             mine += part
             self._index.setdefault(h, {})[slot] = None
+        if extends_exact:
+            self._exact[slot] = len(held)
 
     def truncate(self, slot: int, rows: int) -> None:
         """Rows from ``rows`` on of ``slot`` are to be overwritten: drop its blocks that reach them."""
@@ -144,6 +159,7 @@ class PrefixCache:
                 del self._index[h]
         del held[keep:]
         del self._tokens[slot][keep * self.block:]
+        self._exact[slot] = min(self._exact[slot], keep)
 
     def copied(self, src: int, dst: int, blocks: int) -> None:
         """``dst`` now holds the first ``blocks`` blocks of ``src`` (its rows were copied; the
@@ -152,5 +168,6 @@ class PrefixCache:
         hashes = self._held[src][:blocks]
         self._held[dst] = list(hashes)
         self._tokens[dst] = self._tokens[src][:blocks * self.block]
+        self._exact[dst] = min(self._exact[src], blocks)
         for h in hashes:
             self._index[h][dst] = None

@@ -362,6 +362,74 @@ def test_a_draft_session_starts_from_its_cached_prefix(drawn: bool) -> None:
     assert second.forwards < cold.forwards
 
 
+def test_a_next_turn_draft_reuses_the_rows_its_answer_grew() -> None:
+    """A conversation's second turn through card in process: the draft worker's slot still holds
+    the first turn's prompt and the answer its tree grew (loose blocks, indexed when the session
+    ended), so the second session prefills only its new message on the draft side too; every
+    output is plain decoding's."""
+    model = _model(torch.float32)
+    target = LoadedModel("tiny", model, LetterTokenizer(), "fp", frozenset(), WINDOW)
+    plain = InProcessRunner(target, None, RunnerConfig(mode=Mode.VANILLA, prefix_caching=False))
+    first = GenerationRequest(tuple(DOC[:40]), SamplingParams(),
+                              StopParams(max_new_tokens=60, ignore_eos=True))
+    config = RunnerConfig(mode=Mode.CARD, tree=TreeParams(width=2, max_depth=3), backoff=False)
+    card = InProcessRunner(target, target, config)  # the target as its own draft: it follows every token
+    try:
+        one = card.run(first)
+        assert card.worker is not None and card.worker.pool is not None
+        index = card.worker.pool.prefix
+        assert index is not None
+        before = index.hits
+        second = GenerationRequest((*first.prompt_ids, *one.token_ids, *_tokens(9, seed=5)), SamplingParams(),
+                                   StopParams(max_new_tokens=12, ignore_eos=True))
+        two = card.run(second)
+        reused = index.hits - before
+    finally:
+        card.close()
+    assert one.token_ids == plain.run(first).token_ids and two.token_ids == plain.run(second).token_ids
+    # the first turn's text but its last tokens (a chain's worth may still wait to be prefilled),
+    # not only the first prompt's 2 blocks, which is all a prefill-only index had
+    assert reused >= (40 + 60 - 16) // K * K > 40 // K * K, reused
+
+
+def test_a_drawn_draft_session_never_reuses_rows_off_a_cold_prefills_chunks() -> None:
+    """A drawn session's tree must be a cold drafter's, so it reuses only rows a cold prefill
+    computes alike: whole chunks at chunk boundaries, after nothing loose. A session that reused 3
+    blocks and prefilled on from row 48 wrote rows whose chunks a cold prefill does not have:
+    block sessions may take them, a drawn one takes none of them (its tree equals a cold one's)."""
+    model = tiny_model("llama", seed=0, vocab=VOCAB, dtype=torch.float64)
+    params = TreeParams(width=2, max_depth=3)
+    pool = KVPool(model, slots=1, max_len=WINDOW, prefix_caching=True)
+    tail = _tokens(600, seed=3)
+
+    def session(prompt: list[int], draw: ChainDraw | None = None) -> Drafter:
+        d = Drafter(model, params, pool=pool)
+        d.start(prompt, draw=draw)
+        while d.pending:
+            d.grow()
+        return d
+
+    session([*DOC, 1]).release()  # two whole chunks (exact), then a part (loose)
+    shifted = session([*DOC[:48], *tail])
+    assert shifted.n_committed == len(DOC[:48] + tail)  # it reused DOC's first 3 blocks, then prefilled
+    shifted.release()
+    assert pool.prefix is not None and pool.prefix.exact_blocks(0) == 3
+    prompt = [*DOC[:48], *tail, 7, 7, 7]
+    assert pool.acquire_prefix(prompt, PREFIX_BLOCK, exact_only=False) == (0, (len(prompt) - 1) // K * K)
+    pool.release(0)  # control: a block session would take every block of it
+    draw = ChainDraw(0.8, seed=7)
+    drawn = Drafter(model, params, pool=pool)
+    drawn.start(prompt, draw=draw)
+    assert drawn.n_committed == 0  # no whole chunk of it is a cold prefill's
+    cold = Drafter(model, params, max_len=WINDOW)
+    cold.start(prompt, draw=draw)
+    a, b = drawn.grow(), cold.grow()
+    while not (a or b):
+        a, b = drawn.grow(), cold.grow()
+    assert a is not None and b is not None
+    assert torch.equal(a[0].tokens, b[0].tokens) and torch.equal(a[0].local_logp, b[0].local_logp)
+
+
 def test_card_in_process_reuses_both_prefixes_and_equals_plain_decoding() -> None:
     """card through the in-process runner: the target's slot and the draft worker's pool both
     reuse the document, and every output is plain decoding's (caching off)."""
