@@ -404,8 +404,8 @@ class Assignments:
             if seat.worker is None and not (seat.paused or seat.closed):
                 worker = self._pick(seat.fingerprint, seat.route, seat.default_pool, seat.refuses(now),
                                     seat.prefers)
-                if seat.prefers:
-                    kept = worker is not None and worker.worker_id == seat.prefers
+                if seat.prefers and worker is not None:  # no worker yet: it keeps its preference
+                    kept = worker.worker_id == seat.prefers
                     metrics.TURN_AFFINITY.labels("kept" if kept else "moved").inc()
                     seat.prefers = ""  # its first placement only: a moved session has no such worker
                 if worker is not None:

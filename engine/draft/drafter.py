@@ -457,10 +457,10 @@ class Drafter:
             path_slots.append(int(self.kv_slot[r].item()))
         new_tokens = [*adv.accepted_tokens, adv.next_token]
         self._check_tokens(new_tokens)
-        self.text += new_tokens
         if self.proposer is not None:
             self.proposer.extend(new_tokens)
         rows = tree.reroot(adv)
+        self.text += new_tokens
         kept_slots = self.kv_slot[rows] if rows.numel() else torch.empty(0, dtype=torch.int64)
         desc_slots = kept_slots[kept_slots >= 0]
         moved = self.n_committed + torch.cat([torch.tensor(path_slots, dtype=torch.int64), desc_slots])

@@ -322,9 +322,22 @@ def load_model(config: ModelConfig) -> LoadedModel:
         tokenizer=tokenizer,
         fingerprint=tokenizer_fingerprint(tokenizer),
         eos_ids=eos_ids_of(model, tokenizer),
-        context_window=int(getattr(model.config, "max_position_embeddings", 0) or 2048),
+        context_window=context_window_of(model.config),
         exact=config.exact,
     )
+
+
+def context_window_of(config: Any) -> int:
+    """Tokens one sequence may hold: the model's positions, and no more than its attention window
+    where one applies (Mistral-7B-v0.1: 4,096 of 32,768). Up to the window a sliding window sees
+    every earlier token, which is what the engine's attention computes; past it the model would
+    see fewer, and the engine would decode other tokens (Qwen2's per-layer windows are refused at
+    load instead, card.engine.shared.kv_pool.enable)."""
+    window = int(getattr(config, "max_position_embeddings", 0) or 2048)
+    sliding = getattr(config, "sliding_window", None)
+    if sliding and getattr(config, "use_sliding_window", True):  # Mistral has no switch: set = on
+        window = min(window, int(sliding))
+    return window
 
 
 def own_memory(model: CausalLM) -> None:

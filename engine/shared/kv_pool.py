@@ -30,8 +30,8 @@ so the index never names a changed row.
 
 Supported: decoder-only models whose ``*ForCausalLM`` is ``model.embed_tokens / layers / norm /
 rotary_emb`` + ``lm_head`` and whose model forward does nothing else (``MODEL_TYPES``: Llama,
-Mistral without a sliding window, Qwen2, Qwen3), the families the tree attention of the drafter
-supports too.
+Mistral (with a sliding window, up to its length: loading.models.context_window_of), Qwen2,
+Qwen3), the families the tree attention of the drafter supports too.
 """
 
 from __future__ import annotations

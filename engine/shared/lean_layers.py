@@ -160,10 +160,15 @@ def lean_layers(model: CausalLM, attention: Attention) -> list[LeanLayer] | None
         except AttributeError as exc:  # a known kind with another layout (a newer transformers)
             log.info("decoder layers through transformers: %s", exc)
         else:
-            if _same_bits(model, candidate[0], attention):
-                plan = candidate
+            try:
+                same = _same_bits(model, candidate[0], attention)
+            except Exception as exc:  # the lean forward cannot run this layout (a newer transformers)
+                log.warning("decoder layers through transformers: the lean layer failed its check: %r", exc)
             else:
-                log.warning("decoder layers through transformers: the lean layer's bits differ")
+                if same:
+                    plan = candidate
+                else:
+                    log.warning("decoder layers through transformers: the lean layer's bits differ")
     _PLANS[model] = plan
     return plan
 

@@ -79,6 +79,22 @@ def test_the_check_refuses_a_lean_layer_whose_bits_differ(monkeypatch: pytest.Mo
     assert _plan(model) is None
 
 
+def test_a_lean_layer_that_fails_its_check_keeps_transformers_layers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A layout the lean forward cannot run (a newer transformers' shapes: here it raises) keeps
+    transformers' layers, decided once, and the model decodes, rather than every forward failing."""
+    model = tiny_model("llama", layers=2, dtype=torch.float32)
+
+    def broken(self: lean_layers.LeanLayer, *args: object, **kwargs: object) -> torch.Tensor:
+        raise RuntimeError("shape mismatch")
+
+    monkeypatch.setattr(lean_layers.LeanLayer, "__call__", broken)
+    assert _plan(model) is None and model in lean_layers._PLANS
+    pool = KVPool(model, slots=1, max_len=64)
+    logits = forward(model, pool, [Segment(0, 0, 5)], torch.arange(5), torch.tensor([4]))
+    assert logits.shape == (1, 97)
+    lean_layers._PLANS.pop(model, None)
+
+
 def test_an_unknown_layer_kind_keeps_transformers_layers() -> None:
     """A layer class the lean layer does not know (here a Llama layer under another name, as a
     fine-tune's remote code would ship it) runs through transformers, and gives the same logits."""

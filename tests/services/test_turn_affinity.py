@@ -92,6 +92,20 @@ def test_a_worker_that_cannot_take_the_session_is_passed_over() -> None:
     assert _seat(a, "s3", prefers=w1.worker_id).worker is w1
 
 
+def test_a_session_that_waits_for_a_worker_keeps_its_preference() -> None:
+    """No worker has room when the next turn opens: it waits without a worker, its preference
+    neither counted nor dropped, and goes back to its worker once that one has room."""
+    a = Assignments()
+    w1 = _worker(a, "w1", capacity=1)
+    busy = _seat(a, "busy")
+    assert busy.worker is w1
+    kept, moved = _kept()
+    s = _seat(a, "next-turn", prefers=w1.worker_id)
+    assert s.worker is None and s.prefers == w1.worker_id and _kept() == (kept, moved)
+    a.leave(busy)
+    assert s.worker is w1 and _kept() == (kept + 1, moved) and s.prefers == ""
+
+
 def test_a_conversations_next_turn_goes_back_to_its_worker_through_the_table() -> None:
     """Through the session table: turn one is served by w1 and closed; a filler session then
     makes w1 the busier worker; turn two (the earlier prompt, the answer, a new message) still
