@@ -46,8 +46,8 @@ def run(ps: list[tuple[int, ...]], budget: int) -> None:
             if i not in first and g.stats.new_tokens > 0:
                 first[i] = time.perf_counter() - t0
     ts = sorted(first.values())
-    print(f"budget {budget}: TTFT ms", [round(1000 * t) for t in ts], "p50", round(1000 * statistics.median(ts)),
-          flush=True)
+    p50 = round(1000 * statistics.median(ts))
+    print(f"budget {budget}: TTFT ms", [round(1000 * t) for t in ts], "p50", p50, flush=True)
 
 
 for b in (2048, 512, 256, 128):

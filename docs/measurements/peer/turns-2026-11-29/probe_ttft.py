@@ -10,7 +10,8 @@ import time
 import httpx
 
 url, model, offset = sys.argv[1], sys.argv[2], int(sys.argv[3])
-WORDS = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta", "iota", "kappa", "lambda", "mu", "nu", "xi", "omicron", "pi", "rho", "sigma", "tau", "upsilon"]
+WORDS = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta", "iota", "kappa", "lambda",
+         "mu", "nu", "xi", "omicron", "pi", "rho", "sigma", "tau", "upsilon"]
 
 
 def prompt(n: int, seed: int) -> str:
