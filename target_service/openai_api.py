@@ -132,13 +132,36 @@ class Guard:
 
 
 # ---- the listener ---------------------------------------------------------------------------
+# How long a TLS connection the server closes waits for the client's close_notify. asyncio's
+# default is 30 s, which an idle pooled client (any OpenAI client between requests) never sends:
+# on SIGTERM such a connection held the shutdown for the whole grace although nothing was running.
+TLS_CLOSE_S = 2.0
+
+
 class _Server(uvicorn.Server):
     """uvicorn, plus a look at the TLS files once a second (on the event loop's thread, which runs
-    every handshake)."""
+    every handshake), and TLS connections that close within TLS_CLOSE_S."""
 
     def __init__(self, config: uvicorn.Config, reload_tls: Callable[[], None] | None) -> None:
         super().__init__(config)
         self.reload_tls = reload_tls
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        # uvicorn's create_server takes no ssl_shutdown_timeout: hand it one, for this call only
+        # (the loop is asyncio's: HttpServer's Config says so)
+        loop = asyncio.get_running_loop()
+        create = loop.create_server
+
+        async def create_server(*args: Any, **kwargs: Any) -> asyncio.Server:
+            if kwargs.get("ssl") is not None:
+                kwargs["ssl_shutdown_timeout"] = TLS_CLOSE_S
+            return await create(*args, **kwargs)
+
+        loop.create_server = create_server  # type: ignore[method-assign]
+        try:
+            await super().startup(sockets)
+        finally:
+            del loop.create_server
 
     async def on_tick(self, counter: int) -> bool:
         if self.reload_tls is not None and counter % 10 == 0:
@@ -164,7 +187,7 @@ class HttpServer:
                                   "another --http-port") from None
         self.port = self.sock.getsockname()[1]
         # BoundedH11: a request arrives whole within its deadline, and open connections are capped
-        config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
+        config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off", loop="asyncio",
                                 timeout_graceful_shutdown=int(grace_s), ssl_certfile=tls.cert,
                                 ssl_keyfile=tls.key, http=BoundedH11)
         config.load()  # builds the ssl context here, so that the reloader holds the one uvicorn serves

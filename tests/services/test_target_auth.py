@@ -38,7 +38,7 @@ from card.engine.loading.models import ModelConfig
 from card.engine.shared.errors import InvalidArgument
 from card.target_service.config import TargetConfig
 from card.target_service.frontend import Frontend
-from card.target_service.openai_api import HttpServer, create_app
+from card.target_service.openai_api import TLS_CLOSE_S, HttpServer, create_app
 from card.v1 import target_pb2, target_pb2_grpc
 from tests.services.certs import Pki, make_pki
 from tests.services.conftest import stop_process
@@ -335,6 +335,26 @@ def test_a_renewed_http_certificate_is_served_within_a_second(loading_front: Fro
             health(old.ca)
     finally:
         server.stop(5)
+
+
+def test_an_idle_tls_connection_does_not_hold_the_shutdown(loading_front: Frontend, tmp_path: Path) -> None:
+    """A pooled HTTPS client between requests (any OpenAI client) never sends TLS's close_notify.
+    The server closing its connection at shutdown waited for it asyncio's default 30 s, so a
+    SIGTERM took the whole grace (30 s) with nothing running; now it waits TLS_CLOSE_S."""
+    pki = make_pki(tmp_path / "pki")
+    server = HttpServer(create_app(loading_front), "127.0.0.1", 0, 30.0,
+                        tls=TlsConfig(cert=str(pki.cert), key=str(pki.key)))
+    server.start()
+    client = httpx.Client(verify=ssl.create_default_context(cafile=str(pki.ca)), timeout=10)
+    try:
+        assert client.get(f"https://127.0.0.1:{server.port}/health").status_code == 503
+        assert len(client._transport._pool.connections) == 1  # kept alive, idle
+        t0 = time.monotonic()
+        server.stop(30)
+        took = time.monotonic() - t0
+        assert not server._thread.is_alive() and took < TLS_CLOSE_S + 5, took  # the grace was 30 s
+    finally:
+        client.close()
 
 
 def test_http_tls_flags_are_checked_at_start(tmp_path: Path) -> None:
