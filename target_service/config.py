@@ -53,6 +53,10 @@ class TargetConfig:
     # a prompt reuses the keys and values of the longest whole-chunk prefix a KV slot still holds
     # (card.engine.shared.prefix_cache; vLLM's --enable-prefix-caching); the outputs are the same bits
     enable_prefix_caching: bool = True
+    # finished sequences kept for later prompts beyond the live slots (kv_pool.CACHED_PER_SLOT per
+    # slot): on the CPU without kv_cache_gb at most this many GB resident (vLLM's CPU KV space is
+    # 4 GB); with a KV budget, as many as it holds; 0: none (the free live slots still cache)
+    prefix_cache_gb: float = 4.0
     max_batch_tokens: int = 512
     # beside decoding rows, prefill chunks are paced so that decoding streams' mean time between
     # tokens stays within this multiple of theirs alone (engine.target.scheduler.PrefillPacer); 0: off
@@ -105,6 +109,8 @@ class TargetConfig:
         if self.max_batch_size < 1:
             raise InvalidArgument(f"max-batch-size must be >= 1, got {self.max_batch_size}")
         check_sizing(self.kv_cache_gb, self.max_model_len, self.kv_cache_memory_fraction)
+        if not self.prefix_cache_gb >= 0:
+            raise InvalidArgument(f"prefix-cache-gb must be >= 0, got {self.prefix_cache_gb}")
         VerifyPolicy(Verify.LOOSE, self.loose_entropy_threshold, self.loose_window)  # refused here
         VerifyPolicy(Verify.REJECTION, q_floor=self.rejection_q_floor)  # refused here
         if self.max_batch_tokens < 1:
@@ -207,7 +213,8 @@ class TargetConfig:
         memory (kv_pool.device_free_bytes), None on the CPU."""
         return size_pool(self.max_batch_size, self.max_model_len, context_window, bytes_per_token,
                          self.kv_cache_gb, free_bytes=free_bytes,
-                         memory_fraction=self.kv_cache_memory_fraction)
+                         memory_fraction=self.kv_cache_memory_fraction,
+                         prefix_cache_gb=self.prefix_cache_gb if self.enable_prefix_caching else None)
 
     def kv_shape(self, context_window: int, bytes_per_token: int) -> tuple[int, int]:
         shape = self.kv_sizing(context_window, bytes_per_token)

@@ -22,6 +22,14 @@ ACTIVE = Gauge("card_target_active_generations", "Generations in the engine's ba
 WAITING = Gauge("card_target_waiting_generations", "Generations waiting for a free KV slot")
 KV_SLOTS = Gauge("card_target_kv_slots", "KV cache slots (most generations in one forward)")
 KV_SLOTS_FREE = Gauge("card_target_kv_slots_free", "KV cache slots free now")
+# prefix caching beyond the live slots (kv_pool.KVPool.cached_slots, --prefix-cache-gb)
+KV_CACHED_SLOTS = Gauge("card_target_kv_cached_slots",
+                        "KV cache slots that hold finished sequences only, for prefix caching")
+PREFIX_CACHE_BYTES = Gauge("card_target_prefix_cache_kept_bytes",
+                           "Bytes of keys and values free KV slots keep for later prompts (rows written)")
+PREFIX_CACHE_EVICTIONS = Gauge("card_target_prefix_cache_evictions",
+                               "Free KV slots whose rows were given back to bound the prefix cache's "
+                               "memory, since start (a counter)")
 BATCH_SIZE = Histogram("card_target_batch_size", "Generations in each engine iteration",
                        buckets=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64))
 STEP_RTT = Histogram("card_target_step_rtt_seconds", "Step round trip to the cache service",

@@ -115,7 +115,8 @@ def load_engine(config: TargetConfig) -> tuple[LoadedModel, TargetEngine]:
     device = next(model.model.parameters()).device
     shape = config.kv_sizing(model.context_window, KVPool.bytes_per_token(model.model),
                              device_free_bytes(device))
-    pool = KVPool(model.model, shape.slots, shape.max_len, prefix_caching=config.enable_prefix_caching)
+    pool = KVPool(model.model, shape.slots, shape.max_len, prefix_caching=config.enable_prefix_caching,
+                  cached_slots=shape.cached_slots, cache_bytes=shape.cache_bytes)
     log.info("%s; prefix caching %s", shape.describe(pool.nbytes),
              "on" if config.enable_prefix_caching else "off (--enable-prefix-caching turns it on)")
     engine = TargetEngine(model.model, pool, config.max_batch_tokens, adaptive=config.adaptive_chains,
@@ -240,6 +241,11 @@ def serve(config: TargetConfig) -> None:
              "(a chat's earlier turns and answers, a shared document or system prompt) instead of "
              "prefilling it again; the outputs are the same bits as with it off (docs/engine.md, "
              "prefix caching).")
+@option("--prefix-cache-gb", default=4.0, type=float, show_default=True,
+        help="With prefix caching, finished sequences stay cached beyond the --max-batch-size slots "
+             "(4 more slots per slot): on the CPU without --kv-cache-gb they keep at most this many GB "
+             "resident (the least recently used go first); with a KV budget, as many as it holds. "
+             "0: only free slots keep their sequences.")
 @option("--max-batch-tokens", default=512, type=int,
         help="Tokens per forward: decoding rows count (the longest chains are cut to fit; every request "
              "keeps its next token), and prefill chunks past it go in the next one.")

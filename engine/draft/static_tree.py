@@ -144,7 +144,7 @@ class TreeStep:
         blocks = min(pow2_blocks(max(s.end for s in segments)), self.batch.max_blocks)
         held = self.pool.keys[0].shape[2]
         for s in segments:
-            self.pool.written(s.slot, s.start)
+            self.pool.written(s.slot, s.start, s.end)
             self.pool.ready(s.slot, s.end, min(blocks * KV_BLOCK, held))  # span rows read masked: finite
         live = self.batch.fill_tree(segments, tokens, bucket, blocks)
         if self.mode == "graphs":

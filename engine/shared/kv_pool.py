@@ -60,6 +60,7 @@ from card.engine.shared.exact_attention import (
 )
 from card.engine.shared.hf import CACHE_KEYWORD, CausalLM, cache_keyword
 from card.engine.shared.lean_layers import lean_layers
+from card.engine.shared.pages import release_pages
 from card.engine.shared.prefix_cache import PREFIX_BLOCK, PrefixCache
 
 ATTN = "card_slots"
@@ -78,6 +79,12 @@ DEVICE_KV_SHARE = 0.8
 # and card-target must chunk alike; an exact CPU prefill's bits do not depend on it), and a long
 # prompt in chunks does not stall the sessions decoding beside it (target and draft alike).
 PREFILL_CHUNK = 256
+
+# With prefix caching, slots that hold finished sequences only (for later prompts: a chat's next
+# turn, an agent's next call) beside each slot a live sequence may hold; fewer where a KV budget
+# holds fewer (size_pool). On the CPU such slots cost address space until written, and what they
+# keep resident is bounded in bytes (KVPool.cache_bytes, --prefix-cache-gb).
+CACHED_PER_SLOT = 4
 
 
 
@@ -113,9 +120,14 @@ class Segment:
 class KVPool:
     """Preallocated keys and values for ``slots`` sessions of at most ``max_len`` tokens each."""
 
-    def __init__(self, model: CausalLM, slots: int, max_len: int, prefix_caching: bool = False) -> None:
+    def __init__(self, model: CausalLM, slots: int, max_len: int, prefix_caching: bool = False,
+                 cached_slots: int = 0, cache_bytes: int | None = None) -> None:
         if slots < 1 or max_len < 2:
             raise ResourceExhausted(f"a KV cache needs >= 1 slot of >= 2 tokens, got {slots} x {max_len}")
+        if cached_slots < 0 or (cached_slots and not prefix_caching):
+            raise InvalidArgument(f"cached slots need prefix caching and a count >= 0, got {cached_slots}")
+        if cache_bytes is not None and cache_bytes < 0:
+            raise InvalidArgument(f"a prefix cache's memory bound must be >= 0, got {cache_bytes}")
         enable(model)
         cfg = model.config
         param = next(model.parameters())
@@ -126,7 +138,10 @@ class KVPool:
         # one slot more than sessions get: the scratch slot, where a static step's ghost rows write
         # (card.engine.shared.static_step), zeroed by the step that uses it (zero_scratch); the
         # budget (pool_shape) counts it
-        shape = (slots + 1, kv_heads, span(max_len - 1), head_dim)
+        # ``cached_slots`` more than that hold finished sequences only, for later prompts (prefix
+        # caching past the live sessions: vLLM keeps cached blocks while its KV memory lasts)
+        total = slots + cached_slots
+        shape = (total + 1, kv_heads, span(max_len - 1), head_dim)
         # torch.empty on the CPU: pages become resident only when a session first writes them, so
         # a generous max_len costs address space, not memory. No query reads an unwritten row
         # unmasked (exact attention zeroes the junk rows of its span first). Zeros elsewhere: a
@@ -134,8 +149,16 @@ class KVPool:
         alloc = torch.empty if param.device.type == "cpu" else torch.zeros
         self.keys = [alloc(shape, dtype=dtype, device=param.device) for _ in layers]
         self.values = [alloc(shape, dtype=dtype, device=param.device) for _ in layers]
-        self.slots = slots
-        self.scratch = slots
+        self.slots = slots  # sequences held at once (sessions); ``free_slots`` counts against it
+        self.cached_slots = cached_slots
+        self.scratch = total
+        itemsize = torch.empty(0, dtype=dtype).element_size()
+        self.bytes_per_row = 2 * len(layers) * kv_heads * head_dim * itemsize  # every layer's keys + values
+        # on the CPU, where a written page stays resident: the bytes of rows that free slots may keep
+        # (KVPool._bound_cache gives the least recently used ones' pages back past it); None: no bound
+        # (a budget that paid for every slot up front: an accelerator, --kv-cache-gb)
+        self.cache_bytes = cache_bytes
+        self.evictions = 0  # free slots whose rows were given back to bound the cache's memory
         # tree segments (Segment.visible) through the block tree (exact_attention.tree_attention,
         # whose result for a row does not depend on the forward's shape) rather than SDPA per
         # session: set by the draft's static tree step (card.engine.draft.static_tree), so that its
@@ -153,11 +176,12 @@ class KVPool:
         self._scratch_zeroed = param.device.type != "cpu"  # torch.zeros above
         # free slots; with prefix caching in release order (the front: released longest ago, the
         # LRU victim), else a stack (the slot released last is taken first: its pages are resident)
-        self._free = list(range(slots)) if prefix_caching else list(range(slots - 1, -1, -1))
-        self._ready = [0] * slots  # per slot: rows below this hold finite values (KVPool.ready)
+        self._free = list(range(total)) if prefix_caching else list(range(total - 1, -1, -1))
+        self._ready = [0] * total  # per slot: rows below this hold finite values (KVPool.ready)
+        self._touched = [0] * total  # per slot: rows below this may be resident (written or zeroed)
         # prefix caching (card.engine.shared.prefix_cache): which rows hold which token prefix; a
         # free slot keeps its rows and its blocks until it is taken again
-        self.prefix = PrefixCache(slots, PREFIX_BLOCK, max_len) if prefix_caching else None
+        self.prefix = PrefixCache(total, PREFIX_BLOCK, max_len) if prefix_caching else None
 
     def zero_scratch(self) -> None:
         """Zero the scratch slot (once): ghost rows read its keys and values under a mask, and a
@@ -181,16 +205,28 @@ class KVPool:
 
     @property
     def free_slots(self) -> int:
-        return len(self._free)
+        """Sequences that may start now: ``slots`` less the ones held (the cached slots are room for
+        finished sequences, not for more at once)."""
+        return len(self._free) - self.cached_slots
+
+    @property
+    def cached_rows(self) -> int:
+        """Rows that free slots may keep resident (their high-water marks): what ``cache_bytes``
+        bounds, in rows of ``bytes_per_row``."""
+        return sum(self._touched[s] for s in self._free)
 
     def acquire(self) -> int | None:
         """A free slot for a new sequence (its cached blocks, if any, are dropped): the LRU one
         with prefix caching."""
-        if not self._free:
+        if self.free_slots <= 0:
             return None
-        slot = self._free.pop(0 if self.prefix is not None else -1)
-        if self.prefix is not None:
-            self.prefix.truncate(slot, 0)
+        if self.prefix is None:
+            slot = self._free.pop()
+        else:  # a slot that caches nothing first, else the one released longest ago
+            prefix = self.prefix
+            slot = next((s for s in self._free if not prefix.rows(s)), self._free[0])
+            self._free.remove(slot)
+            prefix.truncate(slot, 0)
         self._ready[slot] = 0  # rows past the new session's writes: whatever the last one left
         return slot
 
@@ -205,7 +241,7 @@ class KVPool:
         prefix is taken where it is: in a free slot, that slot (no copy); in a held one, its rows
         are copied into the LRU free slot (every layer, keys and values: the same bits). Without
         prefix caching: (slot, 0)."""
-        if not self._free:
+        if self.free_slots <= 0:
             return None
         if self.prefix is None:
             slot = self.acquire()
@@ -233,21 +269,23 @@ class KVPool:
     def copy_span(self, src: int, dst: int, start: int, end: int) -> None:
         """Rows [start, end) of slot ``src`` into the same rows of slot ``dst``, every layer, keys
         and values (``dst``'s blocks reaching them go first)."""
-        self.written(dst, start)
+        self.written(dst, start, end)
         for t in (*self.keys, *self.values):
             t[dst, :, start:end] = t[src, :, start:end]
 
     def copy_rows(self, src: int, dst: int, rows: int) -> None:
         """Rows [0, rows) of slot ``src`` into slot ``dst``, every layer, keys and values."""
-        if self.prefix is not None:
-            self.prefix.truncate(dst, 0)
+        self.written(dst, 0, rows)
         for t in (*self.keys, *self.values):
             t[dst, :, :rows] = t[src, :, :rows]
 
-    def written(self, slot: int, start: int) -> None:
-        """Rows from ``start`` on of ``slot`` are about to be written: its cached blocks that
-        reach them go (every forward says so for each of its segments)."""
-        if self.prefix is not None and slot < self.slots:
+    def written(self, slot: int, start: int, end: int) -> None:
+        """Rows [start, end) of ``slot`` are about to be written: its cached blocks that reach
+        them go (every forward says so for each of its segments)."""
+        if slot == self.scratch:
+            return
+        self._touched[slot] = max(self._touched[slot], end)
+        if self.prefix is not None:
             self.prefix.truncate(slot, start)
 
     def computed(self, slot: int, start: int, tokens: Sequence[int], exact: bool = True) -> None:
@@ -276,19 +314,53 @@ class KVPool:
         for t in (*self.keys, *self.values):
             t[slot, :, first:rows] = 0
         self._ready[slot] = rows
+        self._touched[slot] = max(self._touched[slot], rows)
 
     def release(self, slot: int) -> None:
-        if not 0 <= slot < self.slots or slot in self._free:
+        if not 0 <= slot < self.scratch or slot in self._free:
             raise ValueError(f"slot {slot} is not held")
         self._free.append(slot)
+        self._bound_cache()
+
+    def _bound_cache(self) -> None:
+        """Past ``cache_bytes`` of rows kept by free slots, give the least recently used ones'
+        pages back (their blocks go first): memory stays bounded however many sequences pass,
+        and a slot given back is resident again only as its next sequence writes it."""
+        if self.cache_bytes is None:
+            return
+        kept = self.cached_rows * self.bytes_per_row
+        if kept <= self.cache_bytes:
+            return
+        rows = self.prefix.rows if self.prefix is not None else (lambda _slot: 0)
+        # resident pages that cache nothing first, then cached sequences, least recently used first
+        order = sorted((s for s in self._free if self._touched[s]), key=lambda s: rows(s) > 0)
+        for slot in order:
+            if kept <= self.cache_bytes:
+                return
+            kept -= self._touched[slot] * self.bytes_per_row
+            self.drop(slot)
+
+    def drop(self, slot: int) -> None:
+        """Forget a free slot's rows: its blocks leave the index and, on the CPU, its pages go back
+        to the system (zero pages when next touched; rows are made finite again before a read)."""
+        if slot not in self._free:
+            raise ValueError(f"slot {slot} is held: only a free slot's rows can be dropped")
+        if self.prefix is not None:
+            self.prefix.truncate(slot, 0)
+        if self.device.type == "cpu":
+            for t in (*self.keys, *self.values):
+                release_pages(t[slot])
+        self._touched[slot] = 0
+        self._ready[slot] = 0
+        self.evictions += 1
 
     def keep(self, slot: int, first: int, rows: torch.Tensor) -> None:
         """Move ``rows`` [n] of ``slot`` (any order, any rows) to rows ``first...first+n-1``."""
         if not rows.numel():
             return
-        self.written(slot, first)
-        rows = rows.to(self.device)
         end = first + rows.numel()
+        self.written(slot, first, end)
+        rows = rows.to(self.device)
         for t in (*self.keys, *self.values):
             t[slot, :, first:end] = t[slot, :, rows]  # the gather copies before the write
 
@@ -313,10 +385,19 @@ class PoolShape:
     slots: int
     max_len: int
     why: str
+    # prefix caching: slots beyond ``slots`` that keep finished sequences, and the bytes of rows
+    # they may keep resident (None: the budget paid for them up front)
+    cached_slots: int = 0
+    cache_bytes: int | None = None
 
     def describe(self, nbytes: int) -> str:
-        return (f"KV cache: {self.slots} slots x {self.max_len} tokens ({nbytes / 2**30:.2f} GB): "
-                f"{self.why}")
+        cached = ""
+        if self.cached_slots:
+            bound = ("within the KV budget" if self.cache_bytes is None
+                     else f"keeping at most {self.cache_bytes / 2**30:.2f} GB resident")
+            cached = f" + {self.cached_slots} slots of finished sequences for prefix caching ({bound})"
+        return (f"KV cache: {self.slots} slots x {self.max_len} tokens{cached} "
+                f"({nbytes / 2**30:.2f} GB): {self.why}")
 
 
 def device_free_bytes(device: torch.device) -> int | None:
@@ -330,7 +411,8 @@ def device_free_bytes(device: torch.device) -> int | None:
 
 def size_pool(max_slots: int, max_model_len: int | None, context_window: int, bytes_per_token: int,
               kv_cache_gb: float | None, extra_rows: int = 0, free_bytes: int | None = None,
-              slots_flag: str = "--max-batch-size", memory_fraction: float = DEVICE_KV_SHARE) -> PoolShape:
+              slots_flag: str = "--max-batch-size", memory_fraction: float = DEVICE_KV_SHARE,
+              prefix_cache_gb: float | None = None) -> PoolShape:
     """The one sizing rule of card-target and card-draft (vLLM's, on static slots):
 
     - the budget: ``kv_cache_gb`` (--kv-cache-gb); else ``memory_fraction`` (--kv-cache-memory-
@@ -344,7 +426,11 @@ def size_pool(max_slots: int, max_model_len: int | None, context_window: int, by
 
     The pool holds one slot more than sequences get (KVPool's scratch slot, where a static step's
     padding rows write): the budget pays for it too. Each slot also holds ``extra_rows`` (a draft's
-    tree)."""
+    tree).
+
+    ``prefix_cache_gb`` (prefix caching on): CACHED_PER_SLOT slots of finished sequences per slot
+    beside them; with a budget, as many as it holds past the others (paid for up front), else
+    (the CPU) keeping at most that many GB resident."""
     window = context_window
     if kv_cache_gb is not None:
         budget: int | None = int(kv_cache_gb * 2**30)
@@ -392,7 +478,14 @@ def size_pool(max_slots: int, max_model_len: int | None, context_window: int, by
     if budget is not None:
         why += f" (KV budget: {source})"
     why += hint
-    return PoolShape(slots, max_len, why)
+    cached, cache_bytes = 0, None
+    if prefix_cache_gb:  # None, 0: none
+        cached = CACHED_PER_SLOT * slots
+        if budget is None:
+            cache_bytes = int(prefix_cache_gb * 2**30)
+        else:
+            cached = max(0, min(cached, fits(max_len) - slots))
+    return PoolShape(slots, max_len, why, cached, cache_bytes)
 
 
 def pool_shape(max_slots: int, max_model_len: int | None, context_window: int, bytes_per_token: int,
@@ -425,7 +518,7 @@ class _Batch:
         self.segments = segments
         dev = pool.device
         for s in segments:
-            pool.written(s.slot, s.start)
+            pool.written(s.slot, s.start, s.end)
         self.slot_index = torch.cat(
             [torch.full((s.length,), s.slot, dtype=torch.int64) for s in segments]).to(dev)
         self.rows = torch.cat([torch.arange(s.start, s.end) for s in segments]).to(dev)

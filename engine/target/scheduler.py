@@ -368,7 +368,8 @@ class TargetEngine:
             assert p.gen.slot is not None
             if p.decoding:  # every row of [t_next, *chain] is judged
                 p.rows = len(p.tokens)
-                self.pool.written(p.gen.slot, p.start)  # the static step's rows too (eager: _Batch)
+                # the static step's rows too (eager: _Batch)
+                self.pool.written(p.gen.slot, p.start, p.start + p.rows)
             elif p.start + len(p.tokens) == len(p.gen.request.prompt_ids):  # the prompt's last chunk
                 p.rows = 1
         t0 = time.perf_counter()

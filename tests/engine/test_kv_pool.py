@@ -10,6 +10,7 @@ from card.engine.shared.config import TreeParams
 from card.engine.shared.errors import InvalidArgument, ResourceExhausted
 from card.engine.shared.exact_attention import KV_BLOCK
 from card.engine.shared.kv_pool import (
+    CACHED_PER_SLOT,
     DEVICE_KV_SHARE,
     SHORTEST_DEFAULT_LEN,
     check_sizing,
@@ -124,3 +125,34 @@ def test_the_kv_memory_fraction_sets_the_share_of_free_device_memory() -> None:
         with pytest.raises(InvalidArgument, match="kv-cache-memory-fraction"):
             DraftConfig(cache_addr="127.0.0.1:1", model=ModelConfig("default"), name="d",
                         kv_cache_memory_fraction=bad)
+
+
+def test_finished_sequences_get_slots_of_their_own_within_the_budget() -> None:
+    """Prefix caching past the live slots (kv_pool.CACHED_PER_SLOT): on the CPU (no budget) a
+    byte bound on what they keep resident; with a budget, only as many as it holds past the live
+    ones, which it pays for; none without prefix caching or at 0 GB."""
+    cpu = size_pool(8, None, 8192, 46 * KB, None, prefix_cache_gb=2.0)
+    assert (cpu.slots, cpu.cached_slots, cpu.cache_bytes) == (8, 8 * CACHED_PER_SLOT, 2 * 2**30)
+    assert "32 slots of finished sequences for prefix caching (keeping at most 2.00 GB resident)" in \
+        cpu.describe(0)
+    assert size_pool(8, None, 8192, 46 * KB, None).cached_slots == 0  # prefix caching off
+    assert size_pool(8, None, 8192, 46 * KB, None, prefix_cache_gb=0.0).cached_slots == 0
+    # 1 GiB of 1000-token slots at 46 KB per token: 22 fit, one the scratch slot, 8 live: 13 more
+    budget = size_pool(8, 1000, 32768, 46 * KB, 1.0, prefix_cache_gb=4.0)
+    assert (budget.slots, budget.cached_slots, budget.cache_bytes) == (8, 13, None)
+    assert "within the KV budget" in budget.describe(0)
+    # a budget with room for more than CACHED_PER_SLOT per slot takes no more than that
+    roomy = size_pool(2, 1000, 32768, 46 * KB, 1.0, prefix_cache_gb=4.0)
+    assert roomy.cached_slots == 2 * CACHED_PER_SLOT
+    # a budget that holds the live slots alone: none
+    exact_fit = 9 * 1000 * 46 * KB / 2**30
+    assert size_pool(8, 1000, 32768, 46 * KB, exact_fit, prefix_cache_gb=4.0).cached_slots == 0
+
+
+def test_the_services_size_the_cached_slots_from_their_flags() -> None:
+    target = TargetConfig(model=ModelConfig("default"), prefix_cache_gb=1.5)
+    assert target.kv_sizing(8192, 46 * KB).cache_bytes == int(1.5 * 2**30)
+    off = TargetConfig(model=ModelConfig("default"), enable_prefix_caching=False)
+    assert off.kv_sizing(8192, 46 * KB).cached_slots == 0
+    with pytest.raises(InvalidArgument, match="prefix-cache-gb"):
+        TargetConfig(model=ModelConfig("default"), prefix_cache_gb=-1.0)

@@ -294,16 +294,20 @@ def _rss() -> int:
 
 
 def test_rotating_prefixes_keep_the_index_and_memory_bounded() -> None:
-    """1,000 prompts over 30 rotating prefixes and a hot one on 3 slots: the index never holds
-    more than the slots' blocks, hashes and slots agree, the hot prefix stays (LRU), every slot
-    comes back free, and the process's memory after 1,000 requests is where it was after 100
-    (the pool is preallocated; nothing grows per request)."""
+    """1,000 prompts over 30 rotating prefixes and a hot one on 3 slots and 9 of finished
+    sequences bounded to about four sequences' rows: the index never holds more than the slots'
+    blocks, hashes and slots agree, what free slots keep stays within its bound (pages given
+    back), the hot prefix stays (LRU), every slot comes back free, and the process's memory after
+    1,000 requests is where it was after 100 (the pool is preallocated; nothing grows per
+    request)."""
     model = tiny_model("llama", seed=0, vocab=VOCAB, dtype=torch.float32)
-    slots = 3
-    engine = _engine(model, caching=True, slots=slots)
-    index = engine.pool.prefix
+    slots, cached = 3, 9
+    row = KVPool(model, slots=1, max_len=WINDOW).bytes_per_row
+    engine = _pool_engine(model, slots, cached, cache_bytes=4 * 700 * row)
+    pool = engine.pool
+    index = pool.prefix
     assert index is not None
-    bound = slots * (WINDOW // K)
+    bound = (slots + cached) * (WINDOW // K)
     prefixes = [_tokens(300 + 37 * i % 400, seed=100 + i) for i in range(30)]
     warm = 0
     for i in range(1000):
@@ -311,10 +315,11 @@ def test_rotating_prefixes_keep_the_index_and_memory_bounded() -> None:
         _in_turn(engine, [GenerationRequest(tuple(prompt), SamplingParams(),
                                             StopParams(max_new_tokens=2, ignore_eos=True))])
         assert index.entries <= bound and len(index._index) <= index.entries
+        assert pool.cache_bytes is not None and pool.cached_rows * row <= pool.cache_bytes
         if i == 99:
             warm = _rss()
     assert sum(len(v) for v in index._index.values()) == index.entries
-    assert engine.pool.free_slots == slots
+    assert engine.pool.free_slots == slots and pool.evictions > 0
     assert index.hits >= 333 * B  # the hot prefix, each time after its first
     assert _rss() - warm < 64 * 2**20, (warm, _rss())
 
@@ -521,3 +526,95 @@ def test_common_prefix_length() -> None:
     assert _common(a, [*a[:57], -1, *a[58:]], 1000) == 57
     assert _common(a, [-1], 10) == 0 and _common((), a, 5) == 0
     assert _common(tuple(a), tuple(a[:30]), 1000) == 30
+
+
+def _pool_engine(model: torch.nn.Module, slots: int, cached: int,
+                 cache_bytes: int | None = None) -> TargetEngine:
+    pool = KVPool(model, slots=slots, max_len=WINDOW, prefix_caching=True, cached_slots=cached,
+                  cache_bytes=cache_bytes)
+    return TargetEngine(model, pool)
+
+
+DOCS = [_tokens(300 + 16 * i, seed=200 + i) for i in range(6)]
+
+
+def _doc_requests(question: int, sampled: bool = False) -> list[GenerationRequest]:
+    return [GenerationRequest(tuple(d + _tokens(9, seed=question * 50 + i)),
+                              SamplingParams(0.9, seed=i) if sampled else SamplingParams(),
+                              StopParams(max_new_tokens=6, ignore_eos=True)) for i, d in enumerate(DOCS)]
+
+
+@pytest.mark.parametrize("sampled", [False, True])
+def test_cached_slots_keep_more_sequences_than_run_at_once(sampled: bool) -> None:
+    """Six documents asked about in turn on 2 live slots, then a second question about each: with
+    10 slots of finished sequences all six are still cached (the control, without them: none is
+    by the time its question comes), every output equals caching off, and no more than 2 run at
+    once."""
+    model = _model(torch.float32)
+    first, second = _doc_requests(0, sampled), _doc_requests(1, sampled)
+    cold = _in_turn(_engine(model, caching=False), second)
+    engine = _pool_engine(model, slots=2, cached=10)
+    _in_turn(engine, first)
+    warm = _in_turn(engine, second)
+    assert [g.result.token_ids for g in warm] == [g.result.token_ids for g in cold]
+    assert all(g.stats.cached_tokens == len(d) // K * K for g, d in zip(warm, DOCS, strict=True))
+    control = _pool_engine(model, slots=2, cached=0)
+    _in_turn(control, first)
+    # the two most recent documents were cached, and the first two questions took their slots
+    assert not any(g.stats.cached_tokens for g in _in_turn(control, second))
+    # the cached slots are room for finished sequences, not for more at once
+    gens = [_gen(model, r) for r in first[:3]]
+    for g in gens:
+        engine.add(g)
+    engine.step()
+    assert len(engine.running) == 2 and len(engine.waiting) == 1 and engine.pool.free_slots == 0
+    while not engine.idle:
+        engine.step()
+    assert engine.pool.free_slots == 2
+
+
+def test_the_cache_gives_pages_back_past_its_memory_bound() -> None:
+    """On the CPU, finished sequences keep at most ``cache_bytes`` of rows: the least recently
+    used slots' pages go back to the system (mincore: none resident), the most recent stay
+    cached, and a document whose slot was given back is served again with the same tokens (its
+    rows recomputed over zero pages). Control: without a bound every page stays resident."""
+    from card.engine.shared.pages import resident_pages
+
+    model = _model(torch.float32)
+    requests = _doc_requests(0)
+    cold = _in_turn(_engine(model, caching=False), requests)
+    pool_bytes = KVPool(model, slots=1, max_len=WINDOW).bytes_per_row
+    bound = 2 * 340 * pool_bytes  # about two finished sequences
+    engine = _pool_engine(model, slots=1, cached=6, cache_bytes=bound)
+    pool = engine.pool
+    warm, slots = _in_turn_slots(engine, requests)
+    assert [g.result.token_ids for g in warm] == [g.result.token_ids for g in cold]
+    assert pool.cached_rows * pool.bytes_per_row <= bound
+    assert pool.evictions >= 3
+    resident = [resident_pages(pool.keys[0][s]) for s in slots]
+    assert resident[0] == 0 and resident[-1] > 0, resident
+    again = _in_turn(engine, _doc_requests(1))
+    cold_again = _in_turn(_engine(model, caching=False), _doc_requests(1))
+    assert [g.result.token_ids for g in again] == [g.result.token_ids for g in cold_again]
+    assert again[0].stats.cached_tokens == 0  # given back: recomputed
+    # control: no bound, every finished sequence's pages stay
+    unbounded = _pool_engine(model, slots=1, cached=6)
+    _, slots = _in_turn_slots(unbounded, requests)
+    assert all(resident_pages(unbounded.pool.keys[0][s]) > 0 for s in slots)
+    assert unbounded.pool.evictions == 0
+
+
+def _in_turn_slots(engine: TargetEngine,
+                   requests: list[GenerationRequest]) -> tuple[list[Generation], list[int]]:
+    """``_in_turn``, and the KV slot each generation ran in."""
+    gens, slots = [], []
+    for r in requests:
+        gen = _gen(engine.model, r)
+        engine.add(gen)
+        engine.step()
+        assert gen.slot is not None
+        slots.append(gen.slot)
+        while not engine.idle:
+            engine.step()
+        gens.append(gen)
+    return gens, slots
