@@ -63,6 +63,10 @@ class DraftConfig:
     # without kv_cache_gb, on an accelerator: the share of the memory free once the model is loaded
     # that keys and values may take (vLLM's --gpu-memory-utilization, which counts the whole card)
     kv_cache_memory_fraction: float = DEVICE_KV_SHARE
+    # finished sessions' text kept for a conversation's next turn beyond the live slots
+    # (kv_pool.CACHED_PER_SLOT per slot): on the CPU without kv_cache_gb at most this many GB
+    # resident; with a KV budget, as many as it holds; 0: none (free live slots still cache)
+    prefix_cache_gb: float = 2.0
     threads: int | None = None
     # tree rows at static shapes (card.engine.draft.static_tree): eager, static, graphs, auto
     decode_step: str = "auto"
@@ -103,6 +107,8 @@ class DraftConfig:
         if self.capacity < 1:
             raise InvalidArgument(f"capacity must be >= 1, got {self.capacity}")
         check_sizing(self.kv_cache_gb, self.max_model_len, self.kv_cache_memory_fraction)
+        if not self.prefix_cache_gb >= 0:
+            raise InvalidArgument(f"prefix-cache-gb must be >= 0, got {self.prefix_cache_gb}")
         if self.decode_step not in DRAFT_STEP_MODES:
             raise InvalidArgument(f"decode-step must be one of {', '.join(DRAFT_STEP_MODES)}, "
                                   f"got {self.decode_step!r}")
@@ -142,7 +148,8 @@ class DraftConfig:
         accelerator's free memory, None on the CPU."""
         return size_pool(self.capacity, self.max_model_len, context_window, bytes_per_token,
                          self.kv_cache_gb, extra_rows=tree_rows(self.tree), free_bytes=free_bytes,
-                         slots_flag="--capacity", memory_fraction=self.kv_cache_memory_fraction)
+                         slots_flag="--capacity", memory_fraction=self.kv_cache_memory_fraction,
+                         prefix_cache_gb=self.prefix_cache_gb)
 
     def kv_shape(self, context_window: int, bytes_per_token: int) -> tuple[int, int]:
         shape = self.kv_sizing(context_window, bytes_per_token)

@@ -114,8 +114,10 @@ def build_worker(config: DraftConfig, publish: Publish, on_forward: Callable[[in
         encode = lambda text: model.tokenizer(text)["input_ids"]  # noqa: E731
         table = shared_table(len(model.tokenizer), config.ngram, encode)
     worker = DraftWorker.of_kind(config.drafter, model.model, config.tree, publish, slots=slots,
-                                 max_len=max_len, threads=config.threads, ngram_config=config.ngram,
-                                 ngram=table, decode_step=config.decode_step, **callbacks)
+                                 max_len=max_len, cached_slots=shape.cached_slots,
+                                 cache_bytes=shape.cache_bytes, threads=config.threads,
+                                 ngram_config=config.ngram, ngram=table, decode_step=config.decode_step,
+                                 **callbacks)
     assert worker.pool is not None
     log.info("draft %s; each slot also holds %d tree rows", shape.describe(worker.pool.nbytes),
              tree_rows(config.tree))
@@ -160,6 +162,11 @@ def build_worker(config: DraftConfig, publish: Publish, on_forward: Callable[[in
 @option("--kv-cache-memory-fraction", default=DEVICE_KV_SHARE, type=float,
         help="Without --kv-cache-gb, on a GPU: the share of the memory free once the model is loaded "
              "that keys and values may take, in (0, 1].")
+@option("--prefix-cache-gb", default=2.0, type=float, show_default=True,
+        help="Finished sessions' text stays cached beyond the --capacity slots for a conversation's "
+             "next turn (4 more slots per slot): on the CPU without --kv-cache-gb at most this many "
+             "GB resident (the least recently used go first); with a KV budget, as many as it holds. "
+             "0: only free slots keep theirs.")
 @tree_options(DRAFT_SHAPE, note="The draft worker owns its tree's shape.")
 @option("--threads", default=None, type=int, help="torch threads (default: torch's choice).")
 @option("--decode-step", type=click.Choice(DRAFT_STEP_MODES), default="auto", show_default=True,

@@ -98,6 +98,7 @@ class DraftWorker:
                  ngram_config: NgramConfig | None = None, ngram: NgramTable | None = None,
                  vocab_size: int | None = None, on_forward: Callable[[int], None] | None = None,
                  on_drop: Callable[[str], None] | None = None, prefix_caching: bool = True,
+                 cached_slots: int = 0, cache_bytes: int | None = None,
                  decode_step: str = "auto", max_commands: int = MAX_QUEUED_COMMANDS) -> None:
         if model is None and ngram_config is None:
             raise InvalidArgument("a draft worker needs a model, n-gram settings, or both")
@@ -115,8 +116,10 @@ class DraftWorker:
         if not self.vocab_size:
             raise InvalidArgument("a model-free draft worker needs the vocabulary size")
         # prefix caching: a new session starts from the longest prefix a slot still holds
-        # (card.engine.shared.prefix_cache; the draft's prefill is what a card session waits for first)
-        self.pool = (KVPool(model, slots, max_len + tree_rows(params), prefix_caching=prefix_caching)
+        # (card.engine.shared.prefix_cache; the draft's prefill is what a card session waits for
+        # first); ``cached_slots`` more keep finished sessions' text, within ``cache_bytes`` (KVPool)
+        self.pool = (KVPool(model, slots, max_len + tree_rows(params), prefix_caching=prefix_caching,
+                            cached_slots=cached_slots if prefix_caching else 0, cache_bytes=cache_bytes)
                      if model is not None else None)
         # the tree rows at static shapes (card.engine.draft.static_tree), or None: the eager forward
         lookahead = ngram_config.lookahead if ngram_config is not None else 0

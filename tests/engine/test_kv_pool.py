@@ -156,3 +156,11 @@ def test_the_services_size_the_cached_slots_from_their_flags() -> None:
     assert off.kv_sizing(8192, 46 * KB).cached_slots == 0
     with pytest.raises(InvalidArgument, match="prefix-cache-gb"):
         TargetConfig(model=ModelConfig("default"), prefix_cache_gb=-1.0)
+
+
+def test_the_draft_sizes_its_cached_slots_from_its_flag() -> None:
+    draft = DraftConfig(cache_addr="127.0.0.1:1", model=ModelConfig("default"), name="d", capacity=4)
+    shape = draft.kv_sizing(8192, 46 * KB)
+    assert (shape.cached_slots, shape.cache_bytes) == (4 * CACHED_PER_SLOT, 2 * 2**30)
+    with pytest.raises(InvalidArgument, match="prefix-cache-gb"):
+        DraftConfig(cache_addr="127.0.0.1:1", model=ModelConfig("default"), name="d", prefix_cache_gb=-2.0)

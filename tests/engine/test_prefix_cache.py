@@ -618,3 +618,30 @@ def _in_turn_slots(engine: TargetEngine,
             engine.step()
         gens.append(gen)
     return gens, slots
+
+
+def test_a_draft_pool_keeps_more_finished_sessions_than_it_runs() -> None:
+    """A draft worker's pool with cached slots: four sessions over four documents, one at a time on
+    one live slot, then a next session over each starts from its document's blocks (the control,
+    without cached slots: only the last one does)."""
+    model = tiny_model("llama", seed=0, vocab=VOCAB, dtype=torch.float32)
+    params = TreeParams(width=2, max_depth=3)
+    docs = DOCS[:4]
+
+    def reused(cached: int) -> list[int]:
+        pool = KVPool(model, slots=1, max_len=WINDOW, prefix_caching=True, cached_slots=cached)
+        for d in docs:
+            first = Drafter(model, params, pool=pool)
+            first.start([*d, 1, 2])
+            first.grow()
+            first.release()
+        got = []
+        for d in reversed(docs):
+            second = Drafter(model, params, pool=pool)
+            second.start([*d, 3, 4, 5])
+            got.append(second.n_committed)
+            second.release()
+        return got
+
+    assert all(n == len(d) // K * K for n, d in zip(reused(cached=4), reversed(docs), strict=True))
+    assert reused(cached=0)[1:] == [0, 0, 0]
