@@ -394,10 +394,11 @@ class PoolShape:
         cached = ""
         if self.cached_slots:
             bound = ("within the KV budget" if self.cache_bytes is None
-                     else f"keeping at most {self.cache_bytes / 2**30:.2f} GB resident")
-            cached = f" + {self.cached_slots} slots of finished sequences for prefix caching ({bound})"
-        return (f"KV cache: {self.slots} slots x {self.max_len} tokens{cached} "
-                f"({nbytes / 2**30:.2f} GB): {self.why}")
+                     else f"at most {self.cache_bytes / 2**30:.2f} GB of them resident")
+            cached = (f"; prefix caching keeps finished sequences in {self.cached_slots} more slots "
+                      f"({bound})")
+        return (f"KV cache: {self.slots} slots x {self.max_len} tokens ({nbytes / 2**30:.2f} GB): "
+                f"{self.why}{cached}")
 
 
 def device_free_bytes(device: torch.device) -> int | None:

@@ -133,8 +133,8 @@ def test_finished_sequences_get_slots_of_their_own_within_the_budget() -> None:
     ones, which it pays for; none without prefix caching or at 0 GB."""
     cpu = size_pool(8, None, 8192, 46 * KB, None, prefix_cache_gb=2.0)
     assert (cpu.slots, cpu.cached_slots, cpu.cache_bytes) == (8, 8 * CACHED_PER_SLOT, 2 * 2**30)
-    assert "32 slots of finished sequences for prefix caching (keeping at most 2.00 GB resident)" in \
-        cpu.describe(0)
+    assert cpu.describe(0).endswith("; prefix caching keeps finished sequences in 32 more slots (at most "
+                                    "2.00 GB of them resident)")
     assert size_pool(8, None, 8192, 46 * KB, None).cached_slots == 0  # prefix caching off
     assert size_pool(8, None, 8192, 46 * KB, None, prefix_cache_gb=0.0).cached_slots == 0
     # 1 GiB of 1000-token slots at 46 KB per token: 22 fit, one the scratch slot, 8 live: 13 more
