@@ -326,3 +326,28 @@ def test_http_requests_are_counted_by_route_template(trio):
     assert odd not in handlers
     assert handlers <= {"/v1/models", "/v1/completions", "/v1/chat/completions", "none"}
     assert not any(dict(labels).get("handler") in ("/health", "/metrics") for (_, labels) in after)
+
+
+def test_the_prefix_cache_past_the_live_slots_shows_its_slots_bytes_and_evictions():
+    """Three prompts one after another on one live slot and three cached ones, bounded to about
+    one finished sequence: the gauges say 3 cached slots, what free slots keep stays within the
+    bound, and the slots given back to keep it are counted."""
+    model = tiny_model(vocab=VOCAB)
+    pool = KVPool(model, slots=1, max_len=256, prefix_caching=True, cached_slots=3,
+                  cache_bytes=KVPool(model, slots=1, max_len=256).bytes_per_row * 150)
+    assert pool.cache_bytes is not None
+    loop = EngineLoop(TargetEngine(model, pool), model_name=f"inproc-{uuid.uuid4().hex[:8]}")
+    loop.start()
+    try:
+        for i in range(3):
+            request = GenerationRequest(tuple((PROMPT[0] + i + j) % VOCAB for j in range(90)),
+                                        stop=StopParams(4, ignore_eos=True))
+            box: queue.Queue = queue.Queue()
+            loop.submit(Generation(request, NoDraft(), eos_ids=frozenset(), decode=lambda ids: "",
+                                   context_window=256, mode="vanilla"), box.put)
+            _events(box)
+        assert _sample("card_target_kv_cached_slots") == 3
+        assert 0 < _sample("card_target_prefix_cache_kept_bytes") <= pool.cache_bytes
+        assert _sample("card_target_prefix_cache_evictions") == pool.evictions >= 1
+    finally:
+        loop.stop()
