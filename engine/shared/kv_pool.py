@@ -222,13 +222,20 @@ class KVPool:
             return None
         if self.prefix is None:
             slot = self._free.pop()
-        else:  # a slot that caches nothing first, else the one released longest ago
-            prefix = self.prefix
-            slot = next((s for s in self._free if not prefix.rows(s)), self._free[0])
+        else:
+            slot = self._victim()
             self._free.remove(slot)
-            prefix.truncate(slot, 0)
+            self.prefix.truncate(slot, 0)
         self._ready[slot] = 0  # rows past the new session's writes: whatever the last one left
         return slot
+
+    def _victim(self, spare: int | None = None) -> int:
+        """The free slot a new sequence takes (but ``spare``, which must not be the only one): one
+        that caches nothing first, else the one released longest ago (LRU)."""
+        assert self.prefix is not None
+        rows = self.prefix.rows
+        free = [s for s in self._free if s != spare]
+        return next((s for s in free if not rows(s)), free[0])
 
     def acquire_prefix(self, tokens: Sequence[int], granularity: int = PREFIX_BLOCK,
                        exact_only: bool = True) -> tuple[int, int] | None:
@@ -238,9 +245,11 @@ class KVPool:
         least one token left to compute; ``exact_only=False``: loose blocks too, a draft's rows of
         a text it followed, for a sequence whose numbers need not be a cold prefill's), or None
         when no slot is free. The longest cached
-        prefix is taken where it is: in a free slot, that slot (no copy); in a held one, its rows
-        are copied into the LRU free slot (every layer, keys and values: the same bits). Without
-        prefix caching: (slot, 0)."""
+        prefix is taken where it is when a free slot holds it and nothing more (no copy); else its
+        rows are copied (every layer, keys and values: the same bits) from the slot holding it,
+        live or free, into the slot ``acquire`` would take, so that a shared prefix (a system
+        prompt) never costs another finished sequence its blocks. Without prefix caching:
+        (slot, 0)."""
         if self.free_slots <= 0:
             return None
         if self.prefix is None:
@@ -248,13 +257,16 @@ class KVPool:
             assert slot is not None
             return slot, 0
         match = self.prefix.match(tokens, self._free, -(-granularity // self.prefix.block), exact_only)
-        if match is not None and match.slot in self._free:
+        if match is not None and match.slot in self._free and (
+                self.prefix.rows(match.slot) == match.blocks * self.prefix.block or len(self._free) == 1):
             slot = match.slot
             self._free.remove(slot)
             self._ready[slot] = 0
         else:
-            slot = self.acquire()
-            assert slot is not None
+            slot = self._victim(spare=match.slot if match is not None else None)
+            self._free.remove(slot)
+            self.prefix.truncate(slot, 0)
+            self._ready[slot] = 0
         rows = 0
         if match is not None:
             rows = match.blocks * self.prefix.block

@@ -98,7 +98,8 @@ class PrefixCache:
         """The longest cached whole-block prefix of ``tokens`` that leaves at least one token
         to compute (a prompt's last token's logits are needed), in a whole ``multiple`` of blocks,
         None if no block is cached; ``exact_only``: over blocks that are a prefill's bits alone.
-        Of the slots holding it, a ``free`` one first (taken as it is, no copy)."""
+        Of the slots holding it, a ``free`` one first, the one holding the fewest blocks past it
+        (taken as it is where it holds none, KVPool.acquire_prefix)."""
         limit = min((len(tokens) - 1) // self.block, self.max_blocks)
         holders: list[dict[int, None]] = []  # per depth, the slots holding the prefix to there
         parent = ROOT
@@ -119,7 +120,10 @@ class PrefixCache:
         agree = [s for s in holders[blocks - 1] if self._tokens[s][:end] == prefix]
         if not agree:
             return None
-        return Match(next((s for s in agree if s in free), agree[0]), blocks)
+        free_holders = [s for s in agree if s in free]
+        if free_holders:
+            return Match(min(free_holders, key=lambda s: len(self._held[s])), blocks)
+        return Match(agree[0], blocks)
 
     def record(self, queried: int, hit: int) -> None:
         self.queries += queried

@@ -645,3 +645,21 @@ def test_a_draft_pool_keeps_more_finished_sessions_than_it_runs() -> None:
 
     assert all(n == len(d) // K * K for n, d in zip(reused(cached=4), reversed(docs), strict=True))
     assert reused(cached=0)[1:] == [0, 0, 0]
+
+
+def test_a_shared_system_prompt_does_not_cost_another_conversation_its_turn() -> None:
+    """Two conversations behind one system prompt on two slots: the second one's first turn finds
+    the system prompt in the first one's free slot and copies those rows rather than taking that
+    slot (which would drop the first conversation's blocks), so the first one's next turn still
+    reuses its whole first turn; outputs equal caching off. (Before 2026-11-29 it took the slot:
+    the next turn reused the system prompt alone.)"""
+    model = _model(torch.float32)
+    system = _tokens(40, seed=300)
+    one, two = system + _tokens(120, seed=301), system + _tokens(90, seed=302)
+    requests = [GenerationRequest(tuple(p), SamplingParams(), StopParams(max_new_tokens=8, ignore_eos=True))
+                for p in (one, two, one + _tokens(20, seed=303))]
+    cold = _in_turn(_engine(model, caching=False), requests)
+    warm = _in_turn(_engine(model, caching=True, slots=2), requests)
+    assert [g.result.token_ids for g in warm] == [g.result.token_ids for g in cold]
+    assert warm[1].stats.cached_tokens == len(system) // K * K
+    assert warm[2].stats.cached_tokens == len(one) // K * K
