@@ -29,7 +29,7 @@ import torch
 
 from card.engine.shared.config import MAX_CHAIN
 from card.engine.shared.errors import ResourceExhausted, Unavailable
-from card.engine.shared.thread_governor import ProcCores, ThreadGovernor, decoder_layers
+from card.engine.shared.thread_governor import ProcCores, ShapeGovernors, decoder_layers
 from card.engine.shared.torch_threads import name_os_thread
 from card.engine.target.chain_source import DraftKind
 from card.engine.target.drafting_policy import Decision, DraftingConfig, DraftingPolicy, Regime
@@ -104,7 +104,7 @@ class EngineLoop:
         self.threads = threads or torch.get_num_threads()
         self._threads_now = 0  # what the engine's thread last read back (the gauge's value)
         self.adaptive_threads = adaptive_threads
-        self.governor: ThreadGovernor | None = None  # set on the engine's thread (its /proc entries)
+        self.governor: ShapeGovernors | None = None  # set on the engine's thread (its /proc entries)
         self.max_waiting = max_waiting
         self.on_death = on_death
         self._cv = threading.Condition()
@@ -229,7 +229,7 @@ class EngineLoop:
                 engine.add(gen)
             self._deliver_all([engine.cancel(gen) for gen in cancels if gen.result is None])
             if governor is not None:
-                governor.before_iteration()
+                governor.before_iteration(prefill=engine.prefill_pending)
             self._observe_threads()
             try:
                 events = engine.step()
@@ -257,7 +257,7 @@ class EngineLoop:
         # shutdown: nothing is left half-open
         self._deliver_all([engine.cancel(gen) for gen in [*engine.running, *engine.waiting, *inbox]])
 
-    def _governor(self) -> ThreadGovernor | None:
+    def _governor(self) -> ShapeGovernors | None:
         """On a CPU with more than one thread and adaptive threads on: the governor of this thread's
         count, checking before each decoder layer too (None where /proc does not tell)."""
         if not self.adaptive_threads or self.threads < 2 or self.engine.pool.device.type != "cpu":
@@ -266,8 +266,8 @@ class EngineLoop:
         if cores is None:
             log.info("adaptive threads unavailable here (no /proc): the forwards keep %d", self.threads)
             return None
-        governor = ThreadGovernor(self.threads, cores,
-                                   on_change=lambda d: metrics.ENGINE_THREAD_CHANGES.labels(d).inc())
+        governor = ShapeGovernors(self.threads, cores,
+                                  on_change=lambda d: metrics.ENGINE_THREAD_CHANGES.labels(d).inc())
         governor.attach(decoder_layers(self.engine.model))
         return governor
 

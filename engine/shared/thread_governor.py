@@ -273,3 +273,60 @@ def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
     inside a forward; none for a model without them (the governor then checks between iterations)."""
     layers = getattr(getattr(model, "model", None), "layers", None)
     return layers if isinstance(layers, torch.nn.ModuleList) else torch.nn.ModuleList()
+
+
+class ShapeGovernors:
+    """A governor for iterations that prefill a prompt chunk and one for the rest (decoding rows),
+    over the same team: contention costs them differently. Beside a draft worker growing trees (it
+    runs whenever a session does), a decoding forward's ~15 small parallel regions a layer collapse
+    on two threads (1-50 ms a layer against ~2 ms on one, card-target's log, 2026-11-29), while a
+    prefill chunk's large ones still run faster on two. With one governor, the drop a decoding
+    step earned kept the next prompts' prefills on one thread too (the draft never leaves the
+    cores idle for a climb): 512-token first tokens through the trio 1.41-1.56 s against
+    1.06-1.17 s on two threads. Each keeps its own count, windows and holds; beside a neighbour
+    that holds a core (a spinner), the prefill governor drops too, by the same rule."""
+
+    def __init__(self, most: int, cores: CoreSignals, settings: GovernorSettings = GovernorSettings(),
+                 clock: Callable[[], float] = time.monotonic,
+                 set_threads: Callable[[int], None] = torch.set_num_threads,
+                 on_change: Callable[[str], object] | None = None) -> None:
+        self.set_threads = set_threads
+        self.decode = ThreadGovernor(most, cores, settings, clock, set_threads, on_change)
+        self.prefill = ThreadGovernor(most, cores, settings, clock, set_threads, on_change)
+        self.active = self.decode
+        self._applied = self.decode.count
+        self._thread = threading.get_ident()
+
+    @property
+    def count(self) -> int:
+        return self.active.count
+
+    @property
+    def drops(self) -> int:
+        return self.decode.drops + self.prefill.drops
+
+    def before_iteration(self, prefill: bool) -> None:
+        """``prefill``: the iteration computes a prompt chunk (the engine plans it)."""
+        self.active = self.prefill if prefill else self.decode
+        if self.active.count != self._applied:  # the other governor's count is in force
+            self.set_threads(self.active.count)
+        self.active.before_iteration()
+        self._applied = self.active.count
+
+    def after_iteration(self) -> None:
+        self.active.after_iteration()
+        self._applied = self.active.count
+
+    def attach(self, layers: torch.nn.ModuleList) -> Callable[[], None]:
+        """The active governor's ``check`` before each of ``layers``; returns the detacher."""
+        handles = [layer.register_forward_pre_hook(self._hook) for layer in layers]
+
+        def detach() -> None:
+            for handle in handles:
+                handle.remove()
+        return detach
+
+    def _hook(self, *_: object) -> None:
+        if threading.get_ident() == self._thread:  # not a draft forwarding the same model object
+            self.active.check()
+            self._applied = self.active.count

@@ -231,6 +231,13 @@ class TargetEngine:
     def idle(self) -> bool:
         return not self.waiting and not self.running
 
+    @property
+    def prefill_pending(self) -> bool:
+        """Whether the next iteration computes a prompt chunk: a running generation still
+        prefilling, or a waiting one that a free slot admits (its forward's shape, for the thread
+        governor: card.engine.shared.thread_governor.ShapeGovernors)."""
+        return (bool(self.waiting) and self.pool.free_slots > 0) or any(g.prefilling for g in self.running)
+
     def cancel(self, gen: Generation) -> Event:
         """End ``gen`` now (its client went away): it leaves the queue or the batch, closes its
         source and gives its slot back. Between iterations only (the engine's thread)."""

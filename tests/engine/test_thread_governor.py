@@ -14,14 +14,19 @@ import pytest
 import torch
 
 from card.engine.loading.cpu_linear import pack_linears
+from card.engine.shared.config import GenerationRequest, SamplingParams, StopParams
+from card.engine.shared.kv_pool import KVPool
 from card.engine.shared.thread_governor import (
     GovernorSettings,
     ProcCores,
+    ShapeGovernors,
     ThreadGovernor,
     decoder_layers,
 )
 from card.engine.shared.torch_threads import name_os_thread, probe_counts, thread_ladder
 from card.engine.target.chain_source import NoDraft
+from card.engine.target.generation import Generation
+from card.engine.target.scheduler import TargetEngine
 from tests.engine.support import generate, prompt_cases, wait_until
 from tests.tiny_models import tiny_model
 
@@ -336,3 +341,46 @@ def test_the_checkpoints_are_the_decoder_layers_or_none() -> None:
     model = tiny_model("llama", layers=3)
     assert list(decoder_layers(model)) == list(model.model.layers)
     assert len(decoder_layers(torch.nn.Linear(2, 2))) == 0  # checked between iterations only
+
+
+def test_a_drop_in_decoding_steps_leaves_prefill_chunks_on_every_thread() -> None:
+    """ShapeGovernors: a decoding step that collapses beside a draft worker drops the decoding
+    count, and the next prompt's prefill chunk still runs on two threads (its own governor saw no
+    contention); the decoding count comes back in force for the next decoding step. A prefill
+    beside a neighbour that holds a core drops its own count by the same rule."""
+    clock = Clock()
+    cores = Cores(clock)
+    counts: list[int] = []
+    governors = ShapeGovernors(2, cores, GovernorSettings(down_windows=1), clock=clock,  # type: ignore[arg-type]
+                               set_threads=counts.append)
+
+    def iteration(prefill: bool, share: float) -> int:
+        governors.before_iteration(prefill=prefill)
+        count = governors.count
+        cores.share = share
+        clock.now += 0.05
+        governors.after_iteration()
+        cores.share = 0.0
+        return count
+
+    assert iteration(prefill=False, share=0.5) == 2 and governors.decode.count == 1
+    assert iteration(prefill=True, share=0.0) == 2 and counts[-1] == 2
+    assert iteration(prefill=False, share=0.0) == 1 and counts[-1] == 1
+    assert iteration(prefill=True, share=0.5) == 2 and governors.prefill.count == 1
+    assert governors.drops == 2
+
+
+def test_the_engine_says_when_its_next_iteration_prefills() -> None:
+    model = tiny_model("llama", seed=0)
+    engine = TargetEngine(model, KVPool(model, slots=1, max_len=256))
+    assert not engine.prefill_pending
+    request = GenerationRequest(tuple(range(3, 40)), SamplingParams(), StopParams(max_new_tokens=3,
+                                                                                  ignore_eos=True))
+    engine.add(Generation(request, NoDraft(), eos_ids=frozenset(), decode=str, context_window=256,
+                          mode="vanilla"))
+    assert engine.prefill_pending  # a waiting prompt a free slot admits
+    engine.step()  # the whole prompt in one chunk, and its first token
+    assert not engine.prefill_pending  # decoding only
+    engine.add(Generation(request, NoDraft(), eos_ids=frozenset(), decode=str, context_window=256,
+                          mode="vanilla"))
+    assert not engine.prefill_pending  # it waits: no free slot
