@@ -119,7 +119,8 @@ class DraftWorker:
         # (card.engine.shared.prefix_cache; the draft's prefill is what a card session waits for
         # first); ``cached_slots`` more keep finished sessions' text, within ``cache_bytes`` (KVPool)
         self.pool = (KVPool(model, slots, max_len + tree_rows(params), prefix_caching=prefix_caching,
-                            cached_slots=cached_slots if prefix_caching else 0, cache_bytes=cache_bytes)
+                            cached_slots=cached_slots if prefix_caching else 0,
+                            cache_bytes=cache_bytes if prefix_caching else None)
                      if model is not None else None)
         # the tree rows at static shapes (card.engine.draft.static_tree), or None: the eager forward
         lookahead = ngram_config.lookahead if ngram_config is not None else 0

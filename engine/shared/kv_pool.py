@@ -338,12 +338,12 @@ class KVPool:
         """Past ``cache_bytes`` of rows kept by free slots, give the least recently used ones'
         pages back (their blocks go first): memory stays bounded however many sequences pass,
         and a slot given back is resident again only as its next sequence writes it."""
-        if self.cache_bytes is None:
+        if self.cache_bytes is None or self.prefix is None:  # no cache: free slots keep nothing of use
             return
         kept = self.cached_rows * self.bytes_per_row
         if kept <= self.cache_bytes:
             return
-        rows = self.prefix.rows if self.prefix is not None else (lambda _slot: 0)
+        rows = self.prefix.rows
         # resident pages that cache nothing first, then cached sequences, least recently used first
         order = sorted((s for s in self._free if self._touched[s]), key=lambda s: rows(s) > 0)
         for slot in order:
