@@ -249,16 +249,7 @@ class ThreadGovernor:
 
     def attach(self, layers: torch.nn.ModuleList) -> Callable[[], None]:
         """``check`` before each of ``layers`` (a model's decoder layers); returns the detacher."""
-        handles = [layer.register_forward_pre_hook(self._hook) for layer in layers]
-
-        def detach() -> None:
-            for handle in handles:
-                handle.remove()
-        return detach
-
-    def _hook(self, *_: object) -> None:
-        if threading.get_ident() == self._thread:  # not a draft forwarding the same model object
-            self.check()
+        return _before_layers(layers, self._thread, self.check)
 
     def _set(self, count: int, direction: str) -> None:
         log.debug("forwards now on %d thread(s) (drops %d, climbs %d)", count, self.drops, self.climbs)
@@ -319,14 +310,23 @@ class ShapeGovernors:
 
     def attach(self, layers: torch.nn.ModuleList) -> Callable[[], None]:
         """The active governor's ``check`` before each of ``layers``; returns the detacher."""
-        handles = [layer.register_forward_pre_hook(self._hook) for layer in layers]
+        return _before_layers(layers, self._thread, self._check)
 
-        def detach() -> None:
-            for handle in handles:
-                handle.remove()
-        return detach
+    def _check(self) -> None:
+        self.active.check()
+        self._applied = self.active.count
 
-    def _hook(self, *_: object) -> None:
-        if threading.get_ident() == self._thread:  # not a draft forwarding the same model object
-            self.active.check()
-            self._applied = self.active.count
+
+def _before_layers(layers: torch.nn.ModuleList, thread: int, check: Callable[[], None]) -> Callable[[], None]:
+    """``check`` before each of ``layers``, on ``thread`` only (not a draft forwarding the same
+    model object); returns the detacher."""
+    def hook(*_: object) -> None:
+        if threading.get_ident() == thread:
+            check()
+
+    handles = [layer.register_forward_pre_hook(hook) for layer in layers]
+
+    def detach() -> None:
+        for handle in handles:
+            handle.remove()
+    return detach
