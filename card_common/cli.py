@@ -20,6 +20,7 @@ import grpc
 
 from card.common.status import error_from_rpc
 from card.common.tls import TlsConfig
+from card.engine.loading.panel_gemm import KERNELS as CPU_LINEAR
 from card.engine.shared.config import MAX_CHAIN, MAX_TREE_DEPTH, NgramConfig
 from card.engine.shared.errors import CardError
 
@@ -57,6 +58,18 @@ def exact_option(envvar_prefix: str | None = None) -> Callable[[Callable[..., An
              "decoding, at any load. off: the vendor kernels; outputs may change with the load (stats "
              "say exact=false). Measured cost of on: 3-4% on the CPU (bf16); on one H100, eager, "
              "plain decoding at 0.70x (8 in flight) and 0.34x (32) of vendor (docs/performance.md).")
+
+
+def cpu_linear_option(envvar_prefix: str | None = None) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """``--cpu-linear auto|onednn|panel``: the kernel of a CPU model's fp32 linears, the same on
+    card-target, card-draft and card-bench (ModelConfig.cpu_linear)."""
+    return option(
+        "--cpu-linear", type=click.Choice(list(CPU_LINEAR)), default="auto", show_default=True,
+        envvar=f"{envvar_prefix}_CPU_LINEAR" if envvar_prefix else None,
+        help="The CPU's fp32 linears: onednn (oneDNN's packed matmul), panel (the project's AVX2 kernel, "
+             "built with the system C compiler on first use; streams a decoding step's weights ~1.5-2x "
+             "faster on AVX2 machines), or auto (panel on AVX2 CPUs without AVX-512 where it builds, "
+             "oneDNN elsewhere). Either is batch-invariant; the choice depends on the machine only.")
 
 
 def logging_options(fn: Callable[..., Any]) -> Callable[..., Any]:

@@ -120,12 +120,13 @@ class DraftConfig:
     @classmethod
     def from_options(cls, *, model: str, cascade: str, quantize: str, dtype: str, device: str,
                      name: str | None, pool: str | None, capacity: int | None, tree_flags: dict[str, object],
-                     ngram: NgramConfig, draft_token: str | None, **options: object) -> DraftConfig:
+                     ngram: NgramConfig, draft_token: str | None, cpu_linear: str = "auto",
+                     **options: object) -> DraftConfig:
         """The config of card-draft's flags (one keyword per flag; every other flag is a field):
         the drafter kind is parsed here, once."""
         kind = DrafterKind.from_flags(model, cascade)
         device = device if kind.needs_model else "cpu"
-        return cls(model=ModelConfig(model, dtype, device, quantize), drafter=kind,
+        return cls(model=ModelConfig(model, dtype, device, quantize, cpu_linear=cpu_linear), drafter=kind,
                    name=name or default_worker_name(model, quantize, kind is DrafterKind.CASCADE),
                    pool=pool or default_pool(model, quantize, kind is DrafterKind.CASCADE),
                    tree=tree_params(device, kind, **tree_flags), ngram=ngram if kind.uses_ngram else None,

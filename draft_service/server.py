@@ -22,6 +22,7 @@ import torch
 from card.common.channels import warn_if_cleartext
 from card.common.cli import (
     DRAFT_SHAPE,
+    cpu_linear_option,
     exit_on_error,
     logging_options,
     ngram_options,
@@ -139,6 +140,7 @@ def build_worker(config: DraftConfig, publish: Publish, on_forward: Callable[[in
         help="int8: dynamic int8 Linear layers (CPU).")
 @option("--dtype", default="auto", help="auto, float32, bfloat16, float16.")
 @option("--device", default="auto", help="auto (cuda if available), cpu, cuda, cuda:N.")
+@cpu_linear_option()
 @option("--name", default=None,
         help="Unique worker name, shown in card-client drafts (default: <pool>-<host>-<pid>).")
 @option("--pool", default=None,

@@ -20,7 +20,15 @@ import torch
 
 from card.common.auth import TARGET_ROLES, TokenAuth
 from card.common.channels import LOOPBACK, channel, wait_serving, warn_if_cleartext
-from card.common.cli import exact_option, exit_on_error, logging_options, option, service_command, tls_options
+from card.common.cli import (
+    cpu_linear_option,
+    exact_option,
+    exit_on_error,
+    logging_options,
+    option,
+    service_command,
+    tls_options,
+)
 from card.common.serving import (
     add_health,
     bind,
@@ -214,6 +222,7 @@ def serve(config: TargetConfig) -> None:
 @option("--dtype", default="auto", help="auto, float32, bfloat16, float16.")
 @option("--device", default="auto", help="auto (cuda if available), cpu, cuda, cuda:N.")
 @exact_option()
+@cpu_linear_option()
 @option("--threads", default=None, type=int,
         help="torch threads of the forwards, the most with --adaptive-threads (default: torch's choice, "
              "every core).")

@@ -28,6 +28,8 @@ import weakref
 
 import torch
 
+from card.engine.loading.panel_gemm import PanelWeight, choose
+
 # oneDNN reorders for a batch-size hint; 8 covers 1 + the longest CPU chain and measured best
 # among {none, 1, 8} for 4- and 7-row forwards without slowing 1-row forwards on two threads.
 _BATCH_HINT = 8
@@ -59,18 +61,26 @@ def _packed_linear_shape(x: torch.Tensor, key: int) -> torch.Tensor:
 
 
 class PackedLinear(torch.nn.Module):
-    """``y = x @ W.T + b`` with W held in oneDNN's blocked layout (inference only)."""
+    """``y = x @ W.T + b`` with W held in oneDNN's blocked layout, or (``kernel="panel"``, fp32 on
+    AVX2) in card.engine.loading.panel_gemm's panels (inference only)."""
 
-    def __init__(self, linear: torch.nn.Linear, pad_single_row: bool = True) -> None:
+    def __init__(self, linear: torch.nn.Linear, pad_single_row: bool = True, kernel: str = "onednn") -> None:
         super().__init__()
         self.pad_single_row = pad_single_row
         self.in_features = linear.in_features
         self.out_features = linear.out_features
+        self.kernel = kernel
         weight = linear.weight.detach()
         self.dtype = weight.dtype  # the packed tensor is opaque; the probe and logs read this
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, _BATCH_HINT)  # opaque [out, in]
-        # a copy: the checkpoint may be memory-mapped, and a view would keep the whole file resident
-        self.bias = None if linear.bias is None else linear.bias.detach().clone()
+        self.panel: PanelWeight | None = None
+        self.packed: torch.Tensor | None = None
+        self.bias: torch.Tensor | None = None
+        if kernel == "panel":  # one kernel for every row count: a lone row needs no padding
+            self.panel = PanelWeight(weight, linear.bias)
+        else:
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, _BATCH_HINT)  # opaque [out, in]
+            # a copy: the checkpoint may be memory-mapped, and a view would keep the whole file resident
+            self.bias = None if linear.bias is None else linear.bias.detach().clone()
         self.key = next(_KEYS)
         _LAYERS[self.key] = self
 
@@ -80,6 +90,8 @@ class PackedLinear(torch.nn.Module):
         return self.run(x)
 
     def run(self, x: torch.Tensor) -> torch.Tensor:
+        if self.panel is not None:
+            return self.panel(x)
         if self.pad_single_row and x.numel() == self.in_features:
             # one row: run it as two (the matrix-matrix kernel every larger forward takes)
             pair = torch.ops.mkldnn._linear_pointwise(x.reshape(1, -1).expand(2, -1), self.packed, self.bias,
@@ -88,7 +100,8 @@ class PackedLinear(torch.nn.Module):
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, oneDNN-packed"
+        how = "panel kernel" if self.panel is not None else "oneDNN-packed"
+        return f"in_features={self.in_features}, out_features={self.out_features}, {how}"
 
 
 def can_pack(model: torch.nn.Module) -> bool:
@@ -101,8 +114,9 @@ def can_pack(model: torch.nn.Module) -> bool:
     return bool(weights) and all(w.device.type == "cpu" and w.dtype in packable for w in weights)
 
 
-def pack_linears(model: torch.nn.Module, pad_single_row: bool = True) -> int:
-    """Replace every ``nn.Linear`` of ``model`` by a ``PackedLinear`` in place; returns how many.
+def pack_linears(model: torch.nn.Module, pad_single_row: bool = True, cpu_linear: str = "onednn") -> int:
+    """Replace every ``nn.Linear`` of ``model`` by a ``PackedLinear`` in place, each with the kernel
+    ``cpu_linear`` chooses for its dtype (panel_gemm.choose); returns how many.
 
     Layers are packed one at a time so the peak memory is the model plus one layer.
     """
@@ -110,7 +124,8 @@ def pack_linears(model: torch.nn.Module, pad_single_row: bool = True) -> int:
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if type(child) is torch.nn.Linear:
-                setattr(parent, name, PackedLinear(child, pad_single_row))
+                kernel = choose(cpu_linear, child.weight.dtype)
+                setattr(parent, name, PackedLinear(child, pad_single_row, kernel))
                 count += 1
     return count
 

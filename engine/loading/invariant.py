@@ -34,6 +34,7 @@ import torch
 
 from card.engine.loading.cpu_linear import PackedLinear, can_pack, pack_linears
 from card.engine.loading.fused_linear import fuse_siblings
+from card.engine.loading.panel_gemm import choose
 from card.engine.shared.hf import CausalLM
 from card.engine.shared.torch_threads import probe_counts
 
@@ -101,15 +102,21 @@ class RowChunks(torch.nn.Module):
         return f"rows<={self.rows}"
 
 
-def make_exact(model: torch.nn.Module, exact: bool = True, prepack: bool = True) -> str:
-    """Prepare ``model``'s row-wise layers for the engine (in place); returns how, for the logs."""
+def make_exact(model: torch.nn.Module, exact: bool = True, prepack: bool = True,
+               cpu_linear: str = "auto") -> str:
+    """Prepare ``model``'s row-wise layers for the engine (in place); returns how, for the logs.
+    ``cpu_linear``: the packed linears' kernel (card.engine.loading.panel_gemm.choose)."""
     device = next(model.parameters()).device
     packed = prepack and can_pack(model)
     fused = 0
+    packing = ""
     if packed:
-        fused = fuse_siblings(model, lambda linear: PackedLinear(linear, pad_single_row=exact))
-        pack_linears(model, pad_single_row=exact)
-    packing = f"oneDNN-packed linears ({fused} sibling groups fused)" if fused else "oneDNN-packed linears"
+        kernel = choose(cpu_linear, next(model.parameters()).dtype)
+        fused = fuse_siblings(model, lambda linear: PackedLinear(linear, pad_single_row=exact, kernel=kernel))
+        pack_linears(model, pad_single_row=exact, cpu_linear=kernel)
+        packing = "panel-kernel linears (AVX2)" if kernel == "panel" else "oneDNN-packed linears"
+        if fused:
+            packing += f" ({fused} sibling groups fused)"
     if not exact:
         return packing if packed else "vendor kernels"
     tiled: set[str] = set()

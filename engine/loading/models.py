@@ -40,6 +40,7 @@ from card.engine.loading import gguf_cache
 from card.engine.loading.devices import resolve_device
 from card.engine.loading.fingerprint import tokenizer_fingerprint
 from card.engine.loading.invariant import make_exact
+from card.engine.loading.panel_gemm import KERNELS as CPU_LINEAR
 from card.engine.shared.errors import InvalidArgument, NotFound
 from card.engine.shared.hf import CausalLM, Tokenizer
 
@@ -67,10 +68,15 @@ class ModelConfig:
     # must not depend on the batch: its loaders ask for it (--exact); a draft only proposes, and
     # fixed tiles would make every draft forward pay for rows it does not have
     exact: bool = False
+    # the packed CPU linears' kernel (card.engine.loading.panel_gemm.choose): auto, onednn or panel
+    cpu_linear: str = "auto"
 
     def __post_init__(self) -> None:
         if not self.spec:
             raise InvalidArgument("a model spec is empty")
+        if self.cpu_linear not in CPU_LINEAR:
+            raise InvalidArgument(
+                f"cpu_linear must be one of {', '.join(CPU_LINEAR)}, got {self.cpu_linear!r}")
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise InvalidArgument(f"dtype must be auto or one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.quantize not in QUANTIZE:
@@ -313,7 +319,7 @@ def load_model(config: ModelConfig) -> LoadedModel:
             warnings.simplefilter("ignore")
             model = torch.ao.quantization.quantize_dynamic(model, {torch.nn.Linear}, dtype=torch.qint8)
     else:
-        make_exact(model, exact=config.exact, prepack=config.prepack)
+        make_exact(model, exact=config.exact, prepack=config.prepack, cpu_linear=config.cpu_linear)
     if device.type == "cpu":
         own_memory(model)
     return LoadedModel(

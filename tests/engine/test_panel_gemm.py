@@ -1,0 +1,177 @@
+"""The AVX2 panel kernel (card.engine.loading.panel_gemm): built here with the system compiler,
+every row the bits of that row alone at any row and thread count, and a model on it exact."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from card.engine.inprocess.runner import InProcessRunner, RunnerConfig
+from card.engine.loading import panel_gemm
+from card.engine.loading.cpu_linear import PackedLinear
+from card.engine.loading.invariant import FixedTiles, RowChunks, make_exact, probe
+from card.engine.loading.models import LoadedModel, ModelConfig
+from card.engine.shared.config import GenerationRequest, Mode, SamplingParams, StopParams, TreeParams
+from card.engine.shared.errors import InvalidArgument
+from card.engine.shared.kv_pool import KVPool
+from card.engine.target.chain_source import NoDraft
+from card.engine.target.generation import Generation
+from card.engine.target.scheduler import TargetEngine, finish_alone
+from tests.engine.support import LetterTokenizer, chain_logits_equal_steps, letters, prompt_cases, run_batched
+from tests.tiny_models import sharpened, tiny_model
+
+VOCAB = 512
+ROW_COUNTS = (1, 2, 3, 5, 6, 7, 8, 9, 13, 47, 48, 49, 97, 300)
+
+
+def _rows_as_alone(linear, x: torch.Tensor) -> bool:
+    """Whether every row of ``linear`` over the first m rows of ``x`` is that row's bits in the
+    full product, for every count of ROW_COUNTS and on 1 and 2 threads."""
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        full = linear(x)
+        for count in (1, 2):
+            torch.set_num_threads(count)
+            for m in ROW_COUNTS:
+                if not torch.equal(linear(x[:m]), full[:m]):
+                    return False
+        return True
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_the_kernel_builds_on_this_machine() -> None:
+    """CI runs on x86-64 machines with AVX2 and a C compiler: the kernel must build and load there
+    (a build that silently failed would leave ``auto`` on oneDNN and these tests meaningless)."""
+    assert panel_gemm.supported()
+    assert panel_gemm.available() is None
+
+
+@pytest.mark.parametrize(("out_features", "in_features", "bias"),
+                         [(576, 576, False), (960, 576, True), (576, 1536, False), (100, 37, True),
+                          (5, 3, False)])
+def test_every_row_is_its_alone_bits_at_any_row_and_thread_count(out_features: int, in_features: int,
+                                                                  bias: bool) -> None:
+    torch.manual_seed(out_features + in_features)
+    weight = torch.randn(out_features, in_features)
+    b = torch.randn(out_features) if bias else None
+    layer = panel_gemm.PanelWeight(weight, b)
+    x = torch.randn(max(ROW_COUNTS), in_features)
+    assert _rows_as_alone(layer, x)
+    # and the product itself: within fp32 rounding of a float64 reference
+    want = torch.nn.functional.linear(x.double(), weight.double(), None if b is None else b.double())
+    assert torch.allclose(layer(x).double(), want, atol=1e-4 * in_features ** 0.5, rtol=1e-5)
+
+
+def test_the_row_check_catches_a_kernel_whose_sum_order_follows_the_row_count() -> None:
+    """Negative control for the check above: a product that sums the two halves of the inputs
+    apart once more than 8 rows come (as a split-K kernel would) fails it."""
+    torch.manual_seed(0)
+    weight = torch.randn(256, 1536)
+
+    def split_k(x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] <= 8:
+            return x @ weight.T
+        return x[:, :768] @ weight[:, :768].T + x[:, 768:] @ weight[:, 768:].T
+
+    assert not _rows_as_alone(split_k, torch.randn(max(ROW_COUNTS), 1536))
+
+
+def test_inputs_of_other_layouts_and_leading_dimensions() -> None:
+    torch.manual_seed(1)
+    weight = torch.randn(96, 64)
+    layer = panel_gemm.PanelWeight(weight, None)
+    x = torch.randn(2, 5, 128)[..., ::2]  # not contiguous, [2, 5, 64]
+    out = layer(x)
+    assert out.shape == (2, 5, 96)
+    assert torch.equal(out, layer(x.contiguous().reshape(10, 64)).reshape(2, 5, 96))
+    assert layer(torch.empty(0, 64)).shape == (0, 96)
+
+
+def test_choose_depends_on_the_setting_and_dtype_only() -> None:
+    assert panel_gemm.choose("onednn", torch.float32) == "onednn"
+    assert panel_gemm.choose("panel", torch.float32) == "panel"
+    assert panel_gemm.choose("panel", torch.bfloat16) == "onednn"  # the panel kernel is fp32 only
+    auto = "panel" if torch.backends.cpu.get_cpu_capability() == "AVX2" else "onednn"
+    assert panel_gemm.choose("auto", torch.float32) == auto
+    with pytest.raises(ValueError):
+        panel_gemm.choose("mkl", torch.float32)
+    with pytest.raises(InvalidArgument):
+        ModelConfig(cpu_linear="mkl")
+
+
+def test_without_a_compiler_auto_falls_back_to_onednn(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    """A machine without a C compiler (or where the build fails) keeps oneDNN under ``auto`` and
+    says why; asking for ``panel`` there is an error with the reason."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # nothing built yet
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    panel_gemm.library.cache_clear()
+    try:
+        assert panel_gemm.available() is not None
+        assert panel_gemm.choose("auto", torch.float32) == "onednn"
+        with pytest.raises(panel_gemm.Unavailable, match="no-such-cc"):
+            panel_gemm.choose("panel", torch.float32)
+    finally:
+        panel_gemm.library.cache_clear()
+
+
+# ---- a model on the panel kernel -----------------------------------------------------------------
+def _model(kind: str = "llama", hidden: int = 256, exact: bool = True, sharp: bool = False,
+           perturb: float = 0.0) -> torch.nn.Module:
+    model = tiny_model(kind, vocab=VOCAB, hidden=hidden, layers=3, dtype=torch.float32, perturb=perturb)
+    if sharp:
+        sharpened(model)
+    how = make_exact(model, exact=exact, cpu_linear="panel")
+    assert how.startswith("panel-kernel linears"), how
+    return model
+
+
+def test_make_exact_on_the_panel_kernel_needs_no_tiles_or_chunks() -> None:
+    model = _model(hidden=1536)
+    linears = [m for m in model.modules() if isinstance(m, PackedLinear)]
+    assert linears and all(m.kernel == "panel" for m in linears)
+    assert not any(isinstance(m, FixedTiles | RowChunks) for m in model.modules())
+    assert all(probe(m) for m in linears)
+
+
+@pytest.mark.parametrize("hidden", [256, 1536])
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_chain_logits_equal_plain_steps_on_the_panel_kernel(kind: str, hidden: int) -> None:
+    assert chain_logits_equal_steps(_model(kind, hidden), exact=True)
+
+
+def _plain(request: GenerationRequest) -> Generation:
+    return Generation(request, NoDraft(), eos_ids=frozenset(), decode=letters, context_window=512,
+                      mode="vanilla", vocab_size=VOCAB)
+
+
+def _loaded(model: torch.nn.Module) -> LoadedModel:
+    return LoadedModel("tiny", model, LetterTokenizer(), "fp", frozenset(), 512)
+
+
+@pytest.mark.parametrize("sampled", [False, True])
+def test_many_in_flight_equal_alone_on_the_panel_kernel(sampled: bool) -> None:
+    """8 requests on 4 slots, joining every other iteration: plain decoding and card (a perturbed
+    draft) each equal to plain decoding alone, greedy and seeded."""
+    target = _model(sharp=sampled)
+    draft = _model(exact=False, sharp=sampled, perturb=0.02)
+    cases = prompt_cases(8, seed=5, max_prompt=120, max_new=40)
+    requests = [GenerationRequest(tuple(p), SamplingParams(0.8, seed=i) if sampled else SamplingParams(),
+                                  StopParams(max_new_tokens=n, ignore_eos=True))
+                for i, (p, n) in enumerate(cases)]
+    alone = [finish_alone(target, _plain(r)).token_ids for r in requests]
+    engine = TargetEngine(target, KVPool(target, slots=4, max_len=256))
+    batched = run_batched(engine, [_plain(r) for r in requests], join_every=2)
+    assert [batched[i] for i in range(len(requests))] == alone
+    runner = InProcessRunner(_loaded(target), _loaded(draft),
+                             RunnerConfig(mode=Mode.CARD, tree=TreeParams(width=2, max_depth=4),
+                                          backoff=False))
+    try:
+        engine = TargetEngine(target, KVPool(target, slots=4, max_len=256))
+        gens = [runner.generation(r) for r in requests]
+        batched = run_batched(engine, gens, join_every=2)
+        assert [batched[i] for i in range(len(requests))] == alone
+        assert sum(g.stats.draft_forwards for g in gens) > 0
+    finally:
+        runner.close()
