@@ -6,7 +6,9 @@ card.engine.shared.exact_attention; this module does the row-wise layers (linear
 RMSNorm), choosing per device the fastest path that is invariant:
 
     CPU fp32, bf16   oneDNN-prepacked linears (card.engine.loading.cpu_linear), a lone row run as two:
-                     invariant for M >= 2 and as fast or faster than the vendor path
+                     invariant for M >= 2 and as fast or faster than the vendor path; fp32 on AVX2
+                     CPUs: the panel kernel (card.engine.loading.panel_gemm), invariant by
+                     construction at every row count
     CPU fp16, fp64   the vendor nn.Linear where it is invariant (on CPUs without AVX512-FP16 its
                      fp16 path is one matrix-vector product per row), else fixed tiles
     CUDA (any dtype) fixed tiles: rows are computed TILE_ROWS at a time, the last tile padded, so

@@ -133,7 +133,7 @@ void card_panel_linear(const float *x, long m, long k, const float *p, long n, c
     long panels = (n + PANEL - 1) / PANEL, blocks = (m + ROWS - 1) / ROWS;
     long items = panels * blocks;
     /* work items: (row block, panel), row blocks outermost, so the threads share a block's rows */
-#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 1) if (threads > 1)
     for (long it = 0; it < items; it++) {
         long b = it / panels, pi = it % panels;
         long m0 = b * ROWS, rows = m - m0 < ROWS ? m - m0 : ROWS;

@@ -15,7 +15,12 @@ worker that shares its core with the other thread, a scheduler slice at a time. 
   (its chat template, tokenizing, a load generator's wake-up) preempts a team thread for a few
   ms once, and through the services such bursts dropped the count on idle cores every few
   seconds, the hold doubling each time, so plain decoding ran on one thread most of the time (2
-  of 14 s on two, 2026-11-28); a neighbour that really holds a core shows in every window.
+  of 14 s on two, 2026-11-28); a neighbour that really holds a core shows in every window. Nor are
+  two: at 8 in flight the service's own threads (each token streamed, the client reading it) take
+  the second core for bursts of up to four windows once per iteration, and two threads still
+  decode faster beside them (84-86 tokens/s on two fixed threads against 73 after the drop to one
+  that two windows made, 2026-11-29); five windows in a row (100 ms) is what only a neighbour
+  that holds the core fills.
   Counts do not change results: every count of the ladder is one the load-time invariance
   probes checked (``card.engine.shared.torch_threads.probe_counts``).
 - **Idle cores, sampled.** Before an iteration: the machine's runnable tasks (``/proc/loadavg``'s
@@ -157,7 +162,7 @@ class GovernorSettings:
     # windows shorter than this are folded into the next: one preemption by a serving thread in a
     # 20 ms window is not contention (a collapsed forward waits tens of ms per layer)
     min_window_s: float = 0.02
-    down_windows: int = 2  # windows in a row over ``down_share`` before a drop (a burst is one)
+    down_windows: int = 5  # windows in a row over ``down_share`` before a drop (a burst is one)
     up_samples: int = 3  # iterations in a row that must see the next rung's cores idle
     hold_s: float = 0.5  # no climb this long after a drop; doubled by each drop soon after a climb
     hold_max_s: float = 30.0
