@@ -1,4 +1,5 @@
-"""Linear layers with oneDNN-prepacked weights, for models decoding on the CPU.
+"""Linear layers with oneDNN-prepacked weights, for models decoding on the CPU (or, for fp32 on
+AVX2 machines, the project's panel kernel: card.engine.loading.panel_gemm).
 
 Why: a CARD verification forwards ``1 + len(chain)`` tokens at once. With PyTorch's default CPU
 path (MKL sgemm) a forward of 2-8 rows costs 2-3x a one-row forward on the 2-core AMD EPYC

@@ -132,8 +132,12 @@ void card_panel_linear(const float *x, long m, long k, const float *p, long n, c
                        float *y, int threads) {
     long panels = (n + PANEL - 1) / PANEL, blocks = (m + ROWS - 1) / ROWS;
     long items = panels * blocks;
-    /* work items: (row block, panel), row blocks outermost, so the threads share a block's rows */
-#pragma omp parallel for num_threads(threads) schedule(dynamic, 1) if (threads > 1)
+    /* work items: (row block, panel), row blocks outermost, so the threads share a block's rows;
+     * handed out in shrinking chunks (guided): on quiet cores each thread streams a long run of
+     * panels, as a static split would, while a thread another thread preempts holds up only its
+     * current chunk, not a fixed half of the layer (whichever thread takes an item, its bits are
+     * the same) */
+#pragma omp parallel for num_threads(threads) schedule(guided) if (threads > 1)
     for (long it = 0; it < items; it++) {
         long b = it / panels, pi = it % panels;
         long m0 = b * ROWS, rows = m - m0 < ROWS ? m - m0 : ROWS;
