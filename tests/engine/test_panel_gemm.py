@@ -48,6 +48,17 @@ def test_the_kernel_builds_on_this_machine() -> None:
     assert panel_gemm.available() is None
 
 
+def test_a_clean_cache_builds_the_kernel_once(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    """On a machine that has never built it (an empty cache), the first load compiles the C file;
+    the next finds it by the source's hash and compiles nothing."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    built = panel_gemm._build()
+    assert built.parent == tmp_path / "card" / "kernels" and built.stat().st_size > 0
+    assert list(built.parent.iterdir()) == [built]  # no temporary file left beside it
+    stamp = built.stat().st_mtime_ns
+    assert panel_gemm._build() == built and built.stat().st_mtime_ns == stamp
+
+
 @pytest.mark.parametrize(("out_features", "in_features", "bias"),
                          [(576, 576, False), (960, 576, True), (576, 1536, False), (100, 37, True),
                           (5, 3, False)])
