@@ -73,11 +73,11 @@ def _build() -> Path:
         return target
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
-        folder = target.parent
-    except OSError:  # a read-only home: a private build
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    except OSError:  # a read-only home or cache: a private build for this process
         folder = Path(tempfile.mkdtemp(prefix="card-kernels-"))
         target = folder / target.name
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=folder)
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=folder)
     os.close(fd)
     try:
         try:

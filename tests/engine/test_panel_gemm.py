@@ -59,6 +59,17 @@ def test_a_clean_cache_builds_the_kernel_once(monkeypatch: pytest.MonkeyPatch, t
     assert panel_gemm._build() == built and built.stat().st_mtime_ns == stamp
 
 
+def test_a_cache_it_cannot_write_gets_a_private_build(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    """Where the cache folder cannot be made (here a file stands where it would go), the kernel
+    is built in a private temporary folder instead: the model still loads on it."""
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    (cache / "card").write_text("not a folder")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(cache))
+    built = panel_gemm._build()
+    assert built.exists() and not built.is_relative_to(cache)
+
+
 @pytest.mark.parametrize(("out_features", "in_features", "bias"),
                          [(576, 576, False), (960, 576, True), (576, 1536, False), (100, 37, True),
                           (5, 3, False)])
