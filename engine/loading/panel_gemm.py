@@ -35,6 +35,8 @@ from pathlib import Path
 
 import torch
 
+from card.engine.shared.errors import InvalidArgument
+
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("panel_gemm.c")
@@ -42,8 +44,9 @@ FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC", "-std=c99")
 KERNELS = ("auto", "onednn", "panel")  # ModelConfig.cpu_linear
 
 
-class Unavailable(RuntimeError):
-    """This machine cannot run the panel kernel (no AVX2, no C compiler, or the build failed)."""
+class Unavailable(InvalidArgument):
+    """This machine cannot run the panel kernel (no AVX2, no C compiler, or the build failed):
+    asked for by name (``--cpu-linear panel``), a bad argument here; under ``auto``, oneDNN."""
 
 
 def _cache_dir() -> Path:
