@@ -281,11 +281,11 @@ def test_make_exact_leaves_every_row_wise_layer_invariant(dtype: torch.dtype) ->
 
 # ---- one forward: a chain's logits against plain steps ----------------------------------------
 def _exact_model(kind: str, dtype: torch.dtype, exact: bool = True, sharp: bool = False,
-                 perturb: float = 0.0, hidden: int = 256) -> torch.nn.Module:
+                 perturb: float = 0.0, hidden: int = 256, cpu_linear: str = "auto") -> torch.nn.Module:
     model = tiny_model(kind, vocab=VOCAB, hidden=hidden, layers=3, dtype=dtype, perturb=perturb)
     if sharp:
         sharpened(model)
-    make_exact(model, exact=exact)
+    make_exact(model, exact=exact, cpu_linear=cpu_linear)
     return model
 
 
@@ -324,12 +324,14 @@ def _plain(model: torch.nn.Module, request: GenerationRequest) -> Generation:
 
 
 @pytest.mark.parametrize("sampled", [False, True])
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_many_in_flight_equal_alone(dtype: torch.dtype, sampled: bool) -> None:
+@pytest.mark.parametrize(("dtype", "cpu_linear"),
+                         [*((d, "auto") for d in DTYPES), (torch.float32, "panel")])
+def test_many_in_flight_equal_alone(dtype: torch.dtype, cpu_linear: str, sampled: bool) -> None:
     """8 requests, 4 slots, one joining every other iteration: plain decoding and card (a
-    perturbed draft, so chains are partly rejected), each output equal to plain decoding alone."""
-    target = _exact_model("llama", dtype, sharp=sampled)
-    draft = _exact_model("llama", dtype, exact=False, sharp=sampled, perturb=0.02)
+    perturbed draft, so chains are partly rejected), each output equal to plain decoding alone;
+    in fp32 on the panel kernel (card.engine.loading.panel_gemm) too."""
+    target = _exact_model("llama", dtype, sharp=sampled, cpu_linear=cpu_linear)
+    draft = _exact_model("llama", dtype, exact=False, sharp=sampled, perturb=0.02, cpu_linear=cpu_linear)
     requests = _requests(8, seed=21, sampled=sampled)
     alone = [finish_alone(target, _plain(target, r)).token_ids for r in requests]
 

@@ -1,23 +1,18 @@
 """The AVX2 panel kernel (card.engine.loading.panel_gemm): built here with the system compiler,
-every row the bits of that row alone at any row and thread count, and a model on it exact."""
+every row the bits of that row alone at any row and thread count, and a model on it exact (many
+requests in flight on it: tests/engine/test_invariance.py, test_many_in_flight_equal_alone)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from card.engine.inprocess.runner import InProcessRunner, RunnerConfig
 from card.engine.loading import panel_gemm
 from card.engine.loading.cpu_linear import PackedLinear
 from card.engine.loading.invariant import FixedTiles, RowChunks, make_exact, probe
-from card.engine.loading.models import LoadedModel, ModelConfig
-from card.engine.shared.config import GenerationRequest, Mode, SamplingParams, StopParams, TreeParams
+from card.engine.loading.models import ModelConfig
 from card.engine.shared.errors import InvalidArgument
-from card.engine.shared.kv_pool import KVPool
-from card.engine.target.chain_source import NoDraft
-from card.engine.target.generation import Generation
-from card.engine.target.scheduler import TargetEngine, finish_alone
-from tests.engine.support import LetterTokenizer, chain_logits_equal_steps, letters, prompt_cases, run_batched
+from tests.engine.support import chain_logits_equal_steps
 from tests.tiny_models import sharpened, tiny_model
 
 VOCAB = 512
@@ -161,39 +156,3 @@ def test_make_exact_on_the_panel_kernel_needs_no_tiles_or_chunks() -> None:
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
 def test_chain_logits_equal_plain_steps_on_the_panel_kernel(kind: str, hidden: int) -> None:
     assert chain_logits_equal_steps(_model(kind, hidden), exact=True)
-
-
-def _plain(request: GenerationRequest) -> Generation:
-    return Generation(request, NoDraft(), eos_ids=frozenset(), decode=letters, context_window=512,
-                      mode="vanilla", vocab_size=VOCAB)
-
-
-def _loaded(model: torch.nn.Module) -> LoadedModel:
-    return LoadedModel("tiny", model, LetterTokenizer(), "fp", frozenset(), 512)
-
-
-@pytest.mark.parametrize("sampled", [False, True])
-def test_many_in_flight_equal_alone_on_the_panel_kernel(sampled: bool) -> None:
-    """8 requests on 4 slots, joining every other iteration: plain decoding and card (a perturbed
-    draft) each equal to plain decoding alone, greedy and seeded."""
-    target = _model(sharp=sampled)
-    draft = _model(exact=False, sharp=sampled, perturb=0.02)
-    cases = prompt_cases(8, seed=5, max_prompt=120, max_new=40)
-    requests = [GenerationRequest(tuple(p), SamplingParams(0.8, seed=i) if sampled else SamplingParams(),
-                                  StopParams(max_new_tokens=n, ignore_eos=True))
-                for i, (p, n) in enumerate(cases)]
-    alone = [finish_alone(target, _plain(r)).token_ids for r in requests]
-    engine = TargetEngine(target, KVPool(target, slots=4, max_len=256))
-    batched = run_batched(engine, [_plain(r) for r in requests], join_every=2)
-    assert [batched[i] for i in range(len(requests))] == alone
-    runner = InProcessRunner(_loaded(target), _loaded(draft),
-                             RunnerConfig(mode=Mode.CARD, tree=TreeParams(width=2, max_depth=4),
-                                          backoff=False))
-    try:
-        engine = TargetEngine(target, KVPool(target, slots=4, max_len=256))
-        gens = [runner.generation(r) for r in requests]
-        batched = run_batched(engine, gens, join_every=2)
-        assert [batched[i] for i in range(len(requests))] == alone
-        assert sum(g.stats.draft_forwards for g in gens) > 0
-    finally:
-        runner.close()

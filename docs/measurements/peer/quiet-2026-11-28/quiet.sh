@@ -1,7 +1,8 @@
 #!/bin/bash
 # quiet.py against each server in turn, each in its own session, the client niced in another.
 # Usage: quiet.sh OUT [LABEL...]: vllm (vLLM's CPU build, client/bench/peer-vllm-cpu.sh serve),
-# plain (card-client up, requests in mode vanilla), ngram (--draft-model ngram), card (default pair)
+# plain (card-client up, requests in mode vanilla), plain-onednn (the same with the target's linears
+# on oneDNN, --cpu-linear onednn), ngram (--draft-model ngram), card (default pair)
 set -u
 cd "$(git rev-parse --show-toplevel)"
 OUT=$1; shift; mkdir -p "$OUT"
@@ -22,6 +23,8 @@ for label in "${labels[@]}"; do
   case $label in
     vllm) serve 8012 smollm2-135m vllm '{}' bash client/bench/peer-vllm-cpu.sh serve /work/peer/smollm2-135m 8012 ;;
     plain) serve 8013 default trio-plain '{"mode": "vanilla"}' "${UP[@]}" ;;
+    plain-onednn) CARD_TARGET_CPU_LINEAR=onednn serve 8013 default trio-plain-onednn '{"mode": "vanilla"}' \
+      "${UP[@]}" ;;
     ngram) serve 8013 default trio-ngram '{}' "${UP[@]}" --draft-model ngram ;;
     card) serve 8013 default trio-card '{}' "${UP[@]}" ;;
     *) echo "unknown label $label"; exit 2 ;;
