@@ -23,6 +23,7 @@ from card.common.tls import TlsConfig
 from card.engine.loading.panel_gemm import KERNELS as CPU_LINEAR
 from card.engine.shared.config import MAX_CHAIN, MAX_TREE_DEPTH, NgramConfig
 from card.engine.shared.errors import CardError
+from card.engine.shared.row_attention import SETTINGS as CPU_ATTENTION
 
 EXIT_USER_ERROR = 2
 EXIT_INTERRUPTED = 130
@@ -70,6 +71,20 @@ def cpu_linear_option(envvar_prefix: str | None = None) -> Callable[[Callable[..
              "built with the system C compiler on first use; streams a decoding step's weights ~1.5-2x "
              "faster on AVX2 machines), or auto (panel on AVX2 CPUs without AVX-512 where it builds, "
              "oneDNN elsewhere). Either is batch-invariant; the choice depends on the machine only.")
+
+
+def cpu_attention_option(
+        envvar_prefix: str | None = None) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """``--cpu-attention auto|torch|kernel``: the exact attention of an fp32 CPU target, the same on
+    card-target and card-bench (ModelConfig.cpu_attention)."""
+    return option(
+        "--cpu-attention", type=click.Choice(list(CPU_ATTENTION)), default="auto", show_default=True,
+        envvar=f"{envvar_prefix}_CPU_ATTENTION" if envvar_prefix else None,
+        help="The exact attention of an fp32 target on the CPU: kernel (the project's AVX2 kernel, built "
+             "with the system C compiler on first use; one call a layer for every decoding, verifying "
+             "and prompt row), torch (batched torch ops), or auto (kernel where it builds and its "
+             "start-up probe passes). Both are batch-invariant; their bits differ, so every replica "
+             "serving one model should run the same.")
 
 
 def logging_options(fn: Callable[..., Any]) -> Callable[..., Any]:

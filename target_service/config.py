@@ -193,7 +193,7 @@ class TargetConfig:
 
     @classmethod
     def from_options(cls, *, model: str, dtype: str, device: str, exact: bool, cache_addr: str | None,
-                     cpu_linear: str = "auto",
+                     cpu_linear: str = "auto", cpu_attention: str = "auto",
                      api_key: str | None, target_token: str | None, http_tls_cert: str | None = None,
                      http_tls_key: str | None = None, http: bool = True, http_port: int | None = 8000,
                      http_host: str | None = None, served_model_name: tuple[str, ...] = (),
@@ -201,7 +201,8 @@ class TargetConfig:
         """The config of card-target's flags (one keyword per flag; every other flag is a field).
         ``served_model_name``: each value one name or several, comma-separated (the flag repeats)."""
         names = tuple(n.strip() for value in served_model_name for n in value.split(","))
-        model_config = ModelConfig(model, dtype, device, exact=exact, cpu_linear=cpu_linear)
+        model_config = ModelConfig(model, dtype, device, exact=exact, cpu_linear=cpu_linear,
+                                   cpu_attention=cpu_attention)
         return cls(model=model_config, cache_addr=cache_addr or None,
                    api_key=api_key or None, target_token=target_token or None,
                    http_tls_cert=http_tls_cert or None, http_tls_key=http_tls_key or None,

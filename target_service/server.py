@@ -21,6 +21,7 @@ import torch
 from card.common.auth import TARGET_ROLES, TokenAuth
 from card.common.channels import LOOPBACK, channel, wait_serving, warn_if_cleartext
 from card.common.cli import (
+    cpu_attention_option,
     cpu_linear_option,
     exact_option,
     exit_on_error,
@@ -223,6 +224,7 @@ def serve(config: TargetConfig) -> None:
 @option("--device", default="auto", help="auto (cuda if available), cpu, cuda, cuda:N.")
 @exact_option()
 @cpu_linear_option()
+@cpu_attention_option()
 @option("--threads", default=None, type=int,
         help="torch threads of the forwards, the most with --adaptive-threads (default: torch's choice, "
              "every core).")

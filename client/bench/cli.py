@@ -41,7 +41,15 @@ from card.client.bench.modes import (
 )
 from card.client.options import default_thread_split
 from card.client.trio import LocalTrio, service_args
-from card.common.cli import cpu_linear_option, exact_option, exit_on_error, ngram_options, option, tls_options
+from card.common.cli import (
+    cpu_attention_option,
+    cpu_linear_option,
+    exact_option,
+    exit_on_error,
+    ngram_options,
+    option,
+    tls_options,
+)
 from card.common.tls import PLAINTEXT, TlsConfig
 from card.engine.loading.cpu_linear import PackedLinear, pack_linears
 from card.engine.loading.models import DTYPES, LoadedModel, ModelConfig, load_model
@@ -86,7 +94,7 @@ def randomized(draft: LoadedModel, seed: int) -> LoadedModel:
 @contextlib.contextmanager
 def _trio(target_model: str, draft_model: str, dtype: str, draft_quantize: str, tree: TreeParams,
           settings: ModeSettings, modes: Sequence[BenchMode] = DEFAULT_SERVICE_MODES,
-          cpu_linear: str = "auto") -> Iterator[LocalTrio]:
+          cpu_linear: str = "auto", cpu_attention: str = "auto") -> Iterator[LocalTrio]:
     """The services, configured like the in-process card modes (tree shape, chain policy, n-gram
     settings, threads): the draft model's worker in pool bench-draft and, for svc-ngram and
     svc-cascade, a model-free and a cascade worker in pools of their own (SERVICE_POOLS), so that
@@ -98,7 +106,7 @@ def _trio(target_model: str, draft_model: str, dtype: str, draft_quantize: str, 
         extra_args={"draft": ["--pool", SERVICE_POOLS[DrafterKind.NEURAL], "--cpu-linear", cpu_linear],
                     # its own drafts: rejection modes (+rejection) run as asked, not exactly
                     "target": ["--speculation", settings.speculation, "--allow-rejection",
-                               "--cpu-linear", cpu_linear]},
+                               "--cpu-linear", cpu_linear, "--cpu-attention", cpu_attention]},
     ) as trio:
         more = []
         drafters = {m.drafter for m in modes}
@@ -207,6 +215,7 @@ def _parse_variant(value: str) -> tuple[str, dict[str, object]]:
         help="oneDNN-prepacked Linear weights for fp32 models on the CPU "
              "(card.engine.loading.cpu_linear)")
 @cpu_linear_option()
+@cpu_attention_option()
 @option("--draft-random-init", type=int, default=None, metavar="SEED",
         help="replace the draft's weights by random ones (seeded): the useless-draft worst case")
 @option("--modes", default="vanilla,sd,card,hf,hf-assisted", show_default=True,
@@ -299,6 +308,7 @@ def main(**opts: Any) -> None:  # click's values, typed by bench's signature
 
 def bench(*, target_model: str, draft_model: str, target_dtype: str, draft_dtype: str, draft_quantize: str,
           prepack: bool, cpu_linear: str, draft_random_init: int | None, modes: str,
+          cpu_attention: str = "auto",
           datasets: tuple[str, ...],
           prompt_files: tuple[Path, ...] = (),
           data_dir: Path | None, n_prompts: int, max_new_tokens: int, tree_width: int | None,
@@ -351,7 +361,7 @@ def bench(*, target_model: str, draft_model: str, target_dtype: str, draft_dtype
 
     t0 = time.perf_counter()
     target = load_model(ModelConfig(spec=target_model, dtype=target_dtype, prepack=prepack, exact=exact,
-                                     cpu_linear=cpu_linear))
+                                     cpu_linear=cpu_linear, cpu_attention=cpu_attention))
     draft = None
     if any(m.needs_draft for m in runs):
         draft = load_model(ModelConfig(spec=draft_model, dtype=draft_dtype, quantize=draft_quantize,
@@ -378,7 +388,8 @@ def bench(*, target_model: str, draft_model: str, target_dtype: str, draft_dtype
             if not prepack:
                 raise InvalidArgument("the services always prepack CPU weights; drop --no-prepack")
             trio = stack.enter_context(_trio(target_model, draft_model, target_dtype, draft_quantize, tree,
-                                             settings, cpu_linear=cpu_linear))
+                                             settings, cpu_linear=cpu_linear,
+                                             cpu_attention=cpu_attention))
             card_threads = {"target": settings.target_threads, "draft": settings.draft_threads}
             svc = [SVC_VANILLA, *(dataclasses.replace(SVC_CARD, verify=p.mode) for p in policies)]
             built += [ServiceMode(m, trio.target_addr, card_threads, ignore_eos, sampling, policies[0])
@@ -395,7 +406,8 @@ def bench(*, target_model: str, draft_model: str, target_dtype: str, draft_dtype
     config = {
         "target_model": target.name, "draft_model": draft.name if draft else None,
         "target_dtype": target_dtype, "draft_dtype": draft_dtype, "draft_quantize": draft_quantize,
-        "draft_random_init": draft_random_init, "prepack": prepack, "cpu_linear": cpu_linear, "exact": exact,
+        "draft_random_init": draft_random_init, "prepack": prepack, "cpu_linear": cpu_linear,
+        "cpu_attention": cpu_attention, "exact": exact,
         "modes": [m.name for m in built],
         "datasets": {d.name: str(d.path) for d in loaded}, "n": n_prompts,
         "max_new_tokens": max_new_tokens, "ignore_eos": ignore_eos, "tree": vars(tree) | {"k": tree.k},

@@ -43,6 +43,8 @@ from card.engine.loading.invariant import make_exact
 from card.engine.loading.panel_gemm import KERNELS as CPU_LINEAR
 from card.engine.shared.errors import InvalidArgument, NotFound
 from card.engine.shared.hf import CausalLM, Tokenizer
+from card.engine.shared.row_attention import SETTINGS as CPU_ATTENTION
+from card.engine.shared.row_attention import record as record_cpu_attention
 
 log = logging.getLogger(__name__)
 
@@ -70,10 +72,16 @@ class ModelConfig:
     exact: bool = False
     # the packed CPU linears' kernel (card.engine.loading.panel_gemm.choose): auto, onednn or panel
     cpu_linear: str = "auto"
+    # the exact attention of an fp32 CPU target (card.engine.shared.row_attention.use_kernel): auto,
+    # torch or kernel
+    cpu_attention: str = "auto"
 
     def __post_init__(self) -> None:
         if not self.spec:
             raise InvalidArgument("a model spec is empty")
+        if self.cpu_attention not in CPU_ATTENTION:
+            raise InvalidArgument(
+                f"cpu_attention must be one of {', '.join(CPU_ATTENTION)}, got {self.cpu_attention!r}")
         if self.cpu_linear not in CPU_LINEAR:
             raise InvalidArgument(
                 f"cpu_linear must be one of {', '.join(CPU_LINEAR)}, got {self.cpu_linear!r}")
@@ -320,6 +328,7 @@ def load_model(config: ModelConfig) -> LoadedModel:
             model = torch.ao.quantization.quantize_dynamic(model, {torch.nn.Linear}, dtype=torch.qint8)
     else:
         make_exact(model, exact=config.exact, prepack=config.prepack, cpu_linear=config.cpu_linear)
+    record_cpu_attention(model, config.cpu_attention)  # its KV pools' exact attention
     if device.type == "cpu":
         own_memory(model)
     return LoadedModel(

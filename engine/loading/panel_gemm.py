@@ -13,98 +13,32 @@ Exactness: every output is one in-order chain of fused multiply-adds over the in
 same for every row count and thread count (the C file says how); the load-time probes
 (card.engine.loading.invariant, fused_linear) check it as they check oneDNN.
 
-Building: the C file is compiled once per machine with the system's C compiler (``CC`` or cc)
-into ``$XDG_CACHE_HOME/card/kernels`` (keyed by the source's hash and the compiler's flags;
-written to a temporary name and renamed, so concurrent loaders never see half a file), and
-loaded with ctypes. Its OpenMP runtime is the one torch already loaded (the same soname), so its
-threads are torch's intra-op team, not a second one competing for the cores.
+Building: once per machine, on first use (card.engine.loading.c_kernels).
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import logging
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
 from pathlib import Path
 
 import torch
 
-from card.engine.shared.errors import InvalidArgument
+from card.engine.loading.c_kernels import Unavailable, load, supported
 
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("panel_gemm.c")
-FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC", "-std=c99")
 KERNELS = ("auto", "onednn", "panel")  # ModelConfig.cpu_linear
 
-
-class Unavailable(InvalidArgument):
-    """This machine cannot run the panel kernel (no AVX2, no C compiler, or the build failed):
-    asked for by name (``--cpu-linear panel``), a bad argument here; under ``auto``, oneDNN."""
-
-
-def _cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "card" / "kernels"
-
-
-def _compiler() -> str:
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
-    if not cc:
-        raise Unavailable("no C compiler (set CC, or install gcc)")
-    return cc
-
-
-def supported() -> bool:
-    """Whether this CPU runs the kernel: x86-64 with AVX2 and FMA (torch's own capability probe)."""
-    return platform.machine().lower() in ("x86_64", "amd64") and torch.backends.cpu.get_cpu_capability() in (
-        "AVX2", "AVX512")
-
-
-def _build() -> Path:
-    source = SOURCE.read_bytes()
-    cc = _compiler()
-    key = hashlib.sha256(source + " ".join((cc, *FLAGS)).encode()).hexdigest()[:16]
-    target = _cache_dir() / f"panel_gemm-{key}.so"
-    if target.exists():
-        return target
-    try:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
-    except OSError:  # a read-only home or cache: a private build for this process
-        folder = Path(tempfile.mkdtemp(prefix="card-kernels-"))
-        target = folder / target.name
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=folder)
-    os.close(fd)
-    try:
-        try:
-            done = subprocess.run([cc, *FLAGS, "-o", tmp, str(SOURCE)], capture_output=True, text=True,
-                                  timeout=120)
-        except (OSError, subprocess.TimeoutExpired) as exc:
-            raise Unavailable(f"{cc} could not build {SOURCE.name}: {exc}") from exc
-        if done.returncode != 0:
-            raise Unavailable(f"{cc} failed on {SOURCE.name}: {done.stderr.strip()[-500:]}")
-        os.replace(tmp, target)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return target
+__all__ = ["KERNELS", "PanelWeight", "Unavailable", "available", "choose", "library", "supported"]
 
 
 @functools.cache
 def library() -> ctypes.CDLL:
     """The built kernel, loaded once per process (Unavailable where it cannot run)."""
-    if not supported():
-        raise Unavailable(f"the panel kernel needs x86-64 with AVX2 (torch reports "
-                          f"{torch.backends.cpu.get_cpu_capability()} on {platform.machine()})")
-    # torch, imported above, has loaded its libgomp: the library's own libgomp.so.1 resolves to it
-    lib = ctypes.CDLL(str(_build()))
+    lib = load(SOURCE, "the panel kernel")
     lib.card_panel_floats.argtypes = [ctypes.c_long, ctypes.c_long]
     lib.card_panel_floats.restype = ctypes.c_long
     lib.card_panel_pack.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_void_p]

@@ -36,6 +36,7 @@ Qwen3), the families the tree attention of the drafter supports too.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -62,6 +63,7 @@ from card.engine.shared.hf import CACHE_KEYWORD, CausalLM, cache_keyword
 from card.engine.shared.lean_layers import lean_layers
 from card.engine.shared.pages import release_pages
 from card.engine.shared.prefix_cache import PREFIX_BLOCK, PrefixCache
+from card.engine.shared.row_attention import RowKernel, setting_of, use_kernel
 
 ATTN = "card_slots"
 
@@ -168,11 +170,9 @@ class KVPool:
         self.max_len = max_len
         self.device = param.device
         heads = cfg.num_attention_heads
-        self.batched_exact = batched_is_invariant(param.device, dtype, kv_heads, heads // kv_heads, head_dim)
-        # a prompt's rows through exact_attention.attend_blocks get a decoding row's bits here: an
-        # exact engine prefills that way, and any cached row is then reusable (TargetEngine)
-        self.prefill_invariant = blocks_are_invariant(param.device, dtype, kv_heads, heads // kv_heads,
-                                                      head_dim)
+        # how exact rows are attended here (row_kernel, batched_exact, prefill_invariant): decided
+        # when first asked, which a pool without exact rows (a draft's) never does
+        self._attention = (setting_of(model), param.device, dtype, kv_heads, heads // kv_heads, head_dim)
         self._scratch_zeroed = param.device.type != "cpu"  # torch.zeros above
         # free slots; with prefix caching in release order (the front: released longest ago, the
         # LRU victim), else a stack (the slot released last is taken first: its pages are resident)
@@ -182,6 +182,25 @@ class KVPool:
         # prefix caching (card.engine.shared.prefix_cache): which rows hold which token prefix; a
         # free slot keeps its rows and its blocks until it is taken again
         self.prefix = PrefixCache(total, PREFIX_BLOCK, max_len) if prefix_caching else None
+
+    @functools.cached_property
+    def row_kernel(self) -> bool:
+        """Every exact row (decoding, verifying, prefilling) through the C kernel where it runs
+        (card.engine.shared.row_attention): row-invariant by construction, so batched and prompt
+        rows have decoding rows' bits without the torch paths' probes."""
+        return use_kernel(*self._attention)
+
+    @functools.cached_property
+    def batched_exact(self) -> bool:
+        """Many sessions' exact decoding rows in one call give each the bits it gets alone here."""
+        return self.row_kernel or batched_is_invariant(*self._attention[1:])
+
+    @functools.cached_property
+    def prefill_invariant(self) -> bool:
+        """A prompt's rows through exact_attention.attend_blocks (or the kernel) get a decoding row's
+        bits here: an exact engine prefills that way, and any cached row is then reusable
+        (TargetEngine)."""
+        return self.row_kernel or blocks_are_invariant(*self._attention[1:])
 
     def zero_scratch(self) -> None:
         """Zero the scratch slot (once): ghost rows read its keys and values under a mask, and a
@@ -545,11 +564,16 @@ class _Batch:
         self.tree = TreeRows.of(pool, segments, self.offsets) if pool.tree_blocks else None
         self.masks = [(None if self.tree is not None else s.visible.to(dev)) if s.visible is not None
                       else None if s.length == 1 or s.exact else _causal(s, dev) for s in segments]
-        # every exact segment's rows in one batched attention, where that is invariant here
+        # every exact segment's rows in one call of the attention kernel (prompt rows too: the
+        # kernel gives them decoding rows' bits), else in one batched attention where that is
+        # invariant here
+        rows = [Rows(s.slot, s.start, s.length, q0) for s, q0 in zip(segments, self.offsets, strict=False)
+                if s.exact]
+        self.kernel = RowKernel(rows) if rows and pool.row_kernel else None
         exact = [Rows(s.slot, s.start, s.length, q0) for s, q0 in zip(segments, self.offsets, strict=False)
                  if s.exact and not s.prefill]
         self.row_plan = None
-        if exact and pool.batched_exact:
+        if exact and not pool.row_kernel and pool.batched_exact:
             for r in exact:
                 pool.ready(r.slot, r.start + r.n, span(r.start + r.n - 1))
             self.row_plan = RowPlan(exact, dev)
@@ -624,13 +648,15 @@ def _slot_attention(module: CausalLM, query: torch.Tensor, key: torch.Tensor, va
     keys, values = pool.keys[layer], pool.values[layer]
     out = query.new_empty(1, query.shape[2], query.shape[1], query.shape[3])  # [1, T, heads, dim]
     gqa = query.shape[1] != keys.shape[1]
-    planned = card_batch.row_plan
-    if planned is not None:  # every exact segment at once
+    kernel, planned = card_batch.kernel, card_batch.row_plan
+    if kernel is not None:  # every exact segment, in one C call
+        kernel.attend(query[0], keys, values, scale, out[0])
+    if planned is not None:  # every exact decoding segment at once
         planned.attend(query[0], keys, values, scale, out[0])
     if card_batch.tree is not None:  # every tree segment at once
         card_batch.tree.attend(query[0], keys, values, scale, out[0])
     for seg, q0, mask in zip(card_batch.segments, card_batch.offsets, card_batch.masks, strict=False):
-        if (seg.exact and not seg.prefill and planned is not None) or (
+        if (seg.exact and kernel is not None) or (seg.exact and not seg.prefill and planned is not None) or (
                 seg.visible is not None and card_batch.tree is not None):
             continue
         q = query[:, :, q0:q0 + seg.length]  # [1, heads, n, dim]

@@ -25,6 +25,7 @@ from card.engine.loading.invariant import (
     probe_direct,
 )
 from card.engine.loading.models import LoadedModel, ModelConfig, load_model
+from card.engine.shared import row_attention
 from card.engine.shared.config import GenerationRequest, Mode, SamplingParams, StopParams, TreeParams
 from card.engine.shared.exact_attention import (
     KV_BLOCK,
@@ -281,11 +282,13 @@ def test_make_exact_leaves_every_row_wise_layer_invariant(dtype: torch.dtype) ->
 
 # ---- one forward: a chain's logits against plain steps ----------------------------------------
 def _exact_model(kind: str, dtype: torch.dtype, exact: bool = True, sharp: bool = False,
-                 perturb: float = 0.0, hidden: int = 256, cpu_linear: str = "auto") -> torch.nn.Module:
+                 perturb: float = 0.0, hidden: int = 256, cpu_linear: str = "auto",
+                 cpu_attention: str = "auto") -> torch.nn.Module:
     model = tiny_model(kind, vocab=VOCAB, hidden=hidden, layers=3, dtype=dtype, perturb=perturb)
     if sharp:
         sharpened(model)
     make_exact(model, exact=exact, cpu_linear=cpu_linear)
+    row_attention.record(model, cpu_attention)
     return model
 
 
@@ -324,13 +327,16 @@ def _plain(model: torch.nn.Module, request: GenerationRequest) -> Generation:
 
 
 @pytest.mark.parametrize("sampled", [False, True])
-@pytest.mark.parametrize(("dtype", "cpu_linear"),
-                         [*((d, "auto") for d in DTYPES), (torch.float32, "panel")])
-def test_many_in_flight_equal_alone(dtype: torch.dtype, cpu_linear: str, sampled: bool) -> None:
+@pytest.mark.parametrize(("dtype", "cpu_linear", "cpu_attention"),
+                         [*((d, "auto", "auto") for d in DTYPES), (torch.float32, "panel", "kernel"),
+                          (torch.float32, "onednn", "kernel"), (torch.float32, "onednn", "torch")])
+def test_many_in_flight_equal_alone(dtype: torch.dtype, cpu_linear: str, cpu_attention: str,
+                                    sampled: bool) -> None:
     """8 requests, 4 slots, one joining every other iteration: plain decoding and card (a
     perturbed draft, so chains are partly rejected), each output equal to plain decoding alone;
-    in fp32 on the panel kernel (card.engine.loading.panel_gemm) too."""
-    target = _exact_model("llama", dtype, sharp=sampled, cpu_linear=cpu_linear)
+    in fp32 on the panel kernel (card.engine.loading.panel_gemm) and on the attention kernel
+    (card.engine.shared.row_attention) and the torch attention too."""
+    target = _exact_model("llama", dtype, sharp=sampled, cpu_linear=cpu_linear, cpu_attention=cpu_attention)
     draft = _exact_model("llama", dtype, exact=False, sharp=sampled, perturb=0.02, cpu_linear=cpu_linear)
     requests = _requests(8, seed=21, sampled=sampled)
     alone = [finish_alone(target, _plain(target, r)).token_ids for r in requests]

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from card.engine.loading import panel_gemm
+from card.engine.loading import c_kernels, panel_gemm
 from card.engine.loading.cpu_linear import PackedLinear
 from card.engine.loading.invariant import FixedTiles, RowChunks, make_exact, probe
 from card.engine.loading.models import ModelConfig
@@ -47,11 +47,11 @@ def test_a_clean_cache_builds_the_kernel_once(monkeypatch: pytest.MonkeyPatch, t
     """On a machine that has never built it (an empty cache), the first load compiles the C file;
     the next finds it by the source's hash and compiles nothing."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    built = panel_gemm._build()
+    built = c_kernels.build(panel_gemm.SOURCE)
     assert built.parent == tmp_path / "card" / "kernels" and built.stat().st_size > 0
     assert list(built.parent.iterdir()) == [built]  # no temporary file left beside it
     stamp = built.stat().st_mtime_ns
-    assert panel_gemm._build() == built and built.stat().st_mtime_ns == stamp
+    assert c_kernels.build(panel_gemm.SOURCE) == built and built.stat().st_mtime_ns == stamp
 
 
 def test_a_cache_it_cannot_write_gets_a_private_build(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
@@ -61,7 +61,7 @@ def test_a_cache_it_cannot_write_gets_a_private_build(monkeypatch: pytest.Monkey
     cache.mkdir()
     (cache / "card").write_text("not a folder")
     monkeypatch.setenv("XDG_CACHE_HOME", str(cache))
-    built = panel_gemm._build()
+    built = c_kernels.build(panel_gemm.SOURCE)
     assert built.exists() and not built.is_relative_to(cache)
 
 

@@ -2,7 +2,8 @@
 # quiet.py against each server in turn, each in its own session, the client niced in another.
 # Usage: quiet.sh OUT [LABEL...]: vllm (vLLM's CPU build, client/bench/peer-vllm-cpu.sh serve),
 # plain (card-client up, requests in mode vanilla), plain-onednn (the same with the target's linears
-# on oneDNN, --cpu-linear onednn), ngram (--draft-model ngram), card (default pair)
+# on oneDNN, --cpu-linear onednn), plain-torch-attention (the target's exact attention through torch,
+# --cpu-attention torch), ngram (--draft-model ngram), card (default pair)
 set -u
 cd "$(git rev-parse --show-toplevel)"
 OUT=$1; shift; mkdir -p "$OUT"
@@ -25,6 +26,8 @@ for label in "${labels[@]}"; do
     plain) serve 8013 default trio-plain '{"mode": "vanilla"}' "${UP[@]}" ;;
     plain-onednn) CARD_TARGET_CPU_LINEAR=onednn serve 8013 default trio-plain-onednn '{"mode": "vanilla"}' \
       "${UP[@]}" ;;
+    plain-torch-attention) CARD_TARGET_CPU_ATTENTION=torch serve 8013 default trio-plain-torch-attention \
+      '{"mode": "vanilla"}' "${UP[@]}" ;;
     ngram) serve 8013 default trio-ngram '{}' "${UP[@]}" --draft-model ngram ;;
     card) serve 8013 default trio-card '{}' "${UP[@]}" ;;
     *) echo "unknown label $label"; exit 2 ;;

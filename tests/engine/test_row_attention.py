@@ -1,0 +1,135 @@
+"""The attention kernel (card.engine.shared.row_attention): built here with the system compiler,
+every row the bits of that row alone whatever rows, sessions, prompt chunking or threads are beside
+it, close to float64 attention, and the pool's choice of it (a model on it decoding many requests
+in flight: tests/engine/test_invariance.py, test_many_in_flight_equal_alone)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from card.engine.loading.c_kernels import Unavailable
+from card.engine.shared import row_attention
+from card.engine.shared.exact_attention import KV_BLOCK, Rows
+from card.engine.shared.kv_pool import KVPool, Segment
+from card.engine.shared.kv_pool import forward as pool_forward
+from card.engine.shared.row_attention import RowKernel, rows_are_invariant
+from tests.tiny_models import tiny_model
+
+SLOTS, LENGTH = 6, 4 * KV_BLOCK
+
+
+def _cache(kv_heads: int, dim: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn(SLOTS, kv_heads, LENGTH, dim, generator=gen),
+            torch.randn(SLOTS, kv_heads, LENGTH, dim, generator=gen))
+
+
+def _attend(sessions: list[Rows], query: torch.Tensor, keys: torch.Tensor,
+            values: torch.Tensor) -> torch.Tensor:
+    out = torch.full((query.shape[1], query.shape[0], query.shape[2]), float("nan"))
+    RowKernel(sessions).attend(query, keys, values, query.shape[2] ** -0.5, out)
+    return out
+
+
+def _reference(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, s: Rows) -> torch.Tensor:
+    """float64 SDPA of session ``s``'s rows: [n, heads, dim]."""
+    q = query[:, s.offset:s.offset + s.n].double()[None]
+    end = s.start + s.n
+    k, v = keys[s.slot, :, :end].double()[None], values[s.slot, :, :end].double()[None]
+    mask = torch.arange(end)[None] <= torch.arange(s.start, end)[:, None]
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask,
+                                                            enable_gqa=True)[0].transpose(0, 1)
+
+
+def test_the_kernel_builds_on_this_machine() -> None:
+    """CI runs on x86-64 machines with AVX2 and a C compiler: the kernel must build there (a build
+    that silently failed would leave every pool on the torch path and these tests on nothing)."""
+    assert row_attention.runs_here(torch.device("cpu"), torch.float32, 64) is None
+    assert rows_are_invariant(2, 2, 64)
+
+
+@pytest.mark.parametrize(("kv_heads", "group", "dim"), [(2, 2, 64), (3, 3, 64), (1, 4, 128), (2, 1, 8)])
+def test_every_row_is_its_alone_bits_and_close_to_float64(kv_heads: int, group: int, dim: int) -> None:
+    """Decoding rows, chains crossing a block edge and a prompt from row 0, six sessions in one
+    call: each row's output is its bits alone (one row, one thread) at one and two threads, and
+    within fp32 rounding of float64 attention."""
+    keys, values = _cache(kv_heads, dim)
+    sessions = [Rows(0, 0, 1, 0), Rows(1, 60, 8, 1), Rows(2, 100, 3, 9), Rows(3, 0, 130, 12),
+                Rows(4, LENGTH - 1, 1, 142), Rows(5, 63, 2, 143)]
+    total = 145
+    query = torch.randn(kv_heads * group, total, dim, generator=torch.Generator().manual_seed(1))
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = torch.empty(total, kv_heads * group, dim)
+        for s in sessions:
+            for i in range(s.n):
+                r = s.offset + i
+                alone[r] = _attend([Rows(s.slot, s.start + i, 1, r)], query, keys, values)[r]
+        for count in (1, 2):
+            torch.set_num_threads(count)
+            assert torch.equal(_attend(sessions, query, keys, values), alone)
+            # sessions in another order, and a prompt split in two chunks: the same bits
+            assert torch.equal(_attend(sessions[::-1], query, keys, values), alone)
+            split = [Rows(3, 0, 70, 12), Rows(3, 70, 60, 82)]
+            assert torch.equal(_attend(split, query, keys, values)[12:142], alone[12:142])
+    finally:
+        torch.set_num_threads(threads)
+    for s in sessions:
+        got = alone[s.offset:s.offset + s.n].double()
+        torch.testing.assert_close(got, _reference(query, keys, values, s), rtol=1e-5, atol=2e-6)
+
+
+def test_a_row_sees_exactly_its_own_keys() -> None:
+    """Negative controls: changing a key past a row's position leaves it alone (masked, even when
+    that key is NaN), changing one at or before it changes it, and another slot is another result."""
+    keys, values = _cache(2, 64)
+    query = torch.randn(4, 1, 64, generator=torch.Generator().manual_seed(2))
+    row = [Rows(1, 70, 1, 0)]
+    base = _attend(row, query, keys, values)
+    later = keys.clone()
+    later[1, :, 71:80] = float("nan")  # inside the 8-key group the kernel reads: its scores dropped
+    assert torch.equal(_attend(row, query, later, values), base)
+    later_values = values.clone()
+    later_values[1, :, 71:] = float("nan")
+    assert torch.equal(_attend(row, query, keys, later_values), base)
+    own = keys.clone()
+    own[1, :, 70] += 1.0
+    assert not torch.equal(_attend(row, query, own, values), base)
+    first = values.clone()
+    first[1, :, 0] += 1.0
+    assert not torch.equal(_attend(row, query, keys, first), base)
+    assert not torch.equal(_attend([Rows(2, 70, 1, 0)], query, keys, values), base)
+
+
+def test_the_pool_takes_the_kernel_for_fp32_and_torch_where_asked() -> None:
+    """``auto`` takes the kernel for an fp32 CPU model and the torch paths for bf16; ``torch``
+    keeps the torch paths for fp32; ``kernel`` where it cannot run fails at load, not at a request."""
+    fp32 = tiny_model("llama", vocab=64, hidden=64, layers=1, dtype=torch.float32)
+    assert KVPool(fp32, slots=1, max_len=8).row_kernel
+    row_attention.record(fp32, "torch")
+    assert not KVPool(fp32, slots=1, max_len=8).row_kernel
+    bf16 = tiny_model("llama", vocab=64, hidden=64, layers=1, dtype=torch.bfloat16)
+    assert not KVPool(bf16, slots=1, max_len=8).row_kernel
+    with pytest.raises(Unavailable, match="fp32 only"):
+        row_attention.record(bf16, "kernel")
+    with pytest.raises(ValueError):
+        row_attention.record(fp32, "sdpa")
+
+
+@torch.inference_mode()
+def test_a_forward_on_the_kernel_is_close_to_the_torch_path() -> None:
+    """The same prompt and decoding rows through a pool on the kernel and one on the torch paths:
+    logits within fp32 rounding of each other (their bits differ: one engine uses one path)."""
+    model = tiny_model("llama", vocab=64, hidden=64, layers=2, dtype=torch.float32)
+    prompt = torch.randint(0, 64, (90,), generator=torch.Generator().manual_seed(3))
+    logits = {}
+    for setting in ("kernel", "torch"):
+        row_attention.record(model, setting)
+        pool = KVPool(model, slots=1, max_len=128)
+        first = pool_forward(model, pool, [Segment(0, 0, 89, exact=True, prefill=True)], prompt[:89],
+                             torch.tensor([88]))
+        step = pool_forward(model, pool, [Segment(0, 89, 1, exact=True)], prompt[89:], torch.tensor([0]))
+        logits[setting] = torch.cat([first, step])
+    torch.testing.assert_close(logits["kernel"], logits["torch"], rtol=1e-4, atol=1e-5)
