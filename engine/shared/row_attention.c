@@ -9,7 +9,7 @@
  *
  * Exactness: one thread computes one (row, head) pair from start to end, in an order fixed by
  * the row's own position alone: the scores key by key (each an in-order chain of FMAs over the
- * head's 8-float chunks, then one fixed tree over the 8 lanes), their maximum, exp(score - max)
+ * head's 8-float chunks, then one fixed tree over the 8 lanes: neighbours, pairs, halves), their maximum, exp(score - max)
  * in key order with the sum kept in 8 lanes by key index and one fixed tree at the end, and each
  * output feature one in-order chain of FMAs over the keys, divided by the sum. No other row,
  * session, row count, chunking or thread count enters a row's arithmetic, so a verified chain's
@@ -21,7 +21,7 @@
 #include <stdlib.h>
 #include <omp.h>
 
-#define CHUNK 64 /* output features a pass over the values keeps in registers (8 vectors) */
+#define CHUNK 32 /* output features a pass over the values keeps in registers (4 vectors a head) */
 
 /* exp of 8 floats: Cephes' expf (as avx_mathfun's exp256_ps), ~1 ulp; the same code for every
  * lane and call, so deterministic */
@@ -46,12 +46,11 @@ static inline __m256 exp8(__m256 x) {
     return _mm256_mul_ps(y, _mm256_castsi256_ps(_mm256_slli_epi32(n, 23)));
 }
 
-/* lane i of the result: the sum of a[i]'s eight lanes, by the same tree for every i */
-static inline __m256 sum8x8(const __m256 a[8]) {
-    __m256 t0 = _mm256_hadd_ps(a[0], a[1]), t1 = _mm256_hadd_ps(a[2], a[3]);
-    __m256 t2 = _mm256_hadd_ps(a[4], a[5]), t3 = _mm256_hadd_ps(a[6], a[7]);
-    __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
-    return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+/* lane i of the result: the sum of a[i]'s eight lanes, by the same tree for every i (pairs of
+ * neighbours, then pairs of pairs, then the two halves) */
+static inline __m128 sum4x8(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
+    __m256 u = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+    return _mm_add_ps(_mm256_castps256_ps128(u), _mm256_extractf128_ps(u, 1));
 }
 
 static inline float sum8(__m256 a) {
@@ -61,8 +60,7 @@ static inline float sum8(__m256 a) {
     return _mm_cvtss_f32(s);
 }
 
-static inline float max8(__m256 a) {
-    __m128 s = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+static inline float max4(__m128 s) {
     s = _mm_max_ps(s, _mm_movehl_ps(s, s));
     s = _mm_max_ss(s, _mm_movehdup_ps(s));
     return _mm_cvtss_f32(s);
@@ -74,66 +72,109 @@ static inline __m256 first_lanes(long valid) {
     return _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32((int)valid), idx));
 }
 
-/* one (row, head): q [dim] over keys/values [n, dim] (n = the row's position + 1); s: n rounded
- * up to 8 floats of scratch; writes o [dim] */
-static void attend_one(const float *q, const float *k, const float *v, long n, long dim, float scale,
-                       float *s, float *o) {
-    const long groups = (n + 7) / 8, chunks = dim / 8;
-    const __m256 vscale = _mm256_set1_ps(scale);
-    __m256 vmax = _mm256_set1_ps(-INFINITY);
-    for (long g = 0; g < groups; g++) {
-        /* keys past n (up to the group's end, inside the slot) are read and their scores
-         * dropped: a lane of sum8x8 holds one key's sum only */
-        const float *kg = k + g * 8 * dim;
-        __m256 acc[8];
-        for (int i = 0; i < 8; i++) acc[i] = _mm256_setzero_ps();
+/* R heads (1 to MAXR) of one row that share a kv head, each q[r] [dim], over keys/values [n, dim]
+ * (n = the row's position + 1); s[r]: n rounded up to 8 floats of scratch; writes o[r] [dim].
+ * Every key and value is loaded once for the R heads; each head's arithmetic is the same for any R
+ * (the file's comment), so R is a matter of speed only. */
+#define MAXR 3
+static inline __attribute__((always_inline)) void attend_heads(
+        const int R, const float *const *q, const float *k, const float *v, long n, long dim, float scale,
+        float *const *s, float *const *o) {
+    const long quads = (n + 3) / 4, chunks = dim / 8;
+    const __m128 vscale = _mm_set1_ps(scale);
+    __m128 vmax[MAXR];
+    for (int r = 0; r < R; r++) vmax[r] = _mm_set1_ps(-INFINITY);
+    for (long g = 0; g < quads; g++) {
+        /* keys past n (up to the quad's end, inside the slot) are read and their scores dropped:
+         * a lane of sum4x8 holds one key's sum only */
+        const float *kg = k + g * 4 * dim;
+        __m256 acc[MAXR][4];
+        for (int r = 0; r < R; r++)
+            for (int i = 0; i < 4; i++) acc[r][i] = _mm256_setzero_ps();
         for (long c = 0; c < chunks; c++) {
-            const __m256 qc = _mm256_loadu_ps(q + c * 8);
-            for (int i = 0; i < 8; i++) acc[i] = _mm256_fmadd_ps(qc, _mm256_loadu_ps(kg + i * dim + c * 8), acc[i]);
+            __m256 qc[MAXR];
+            for (int r = 0; r < R; r++) qc[r] = _mm256_loadu_ps(q[r] + c * 8);
+            for (int i = 0; i < 4; i++) {
+                const __m256 kc = _mm256_loadu_ps(kg + i * dim + c * 8);
+                for (int r = 0; r < R; r++) acc[r][i] = _mm256_fmadd_ps(qc[r], kc, acc[r][i]);
+            }
         }
-        __m256 dots = _mm256_mul_ps(sum8x8(acc), vscale);
-        if (g == groups - 1 && n % 8)
-            dots = _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), dots, first_lanes(n - g * 8));
-        _mm256_storeu_ps(s + g * 8, dots);
-        vmax = _mm256_max_ps(vmax, dots);
+        for (int r = 0; r < R; r++) {
+            __m128 dots = _mm_mul_ps(sum4x8(acc[r][0], acc[r][1], acc[r][2], acc[r][3]), vscale);
+            if (g == quads - 1 && n % 4)
+                dots = _mm_blendv_ps(_mm_set1_ps(-INFINITY), dots,
+                                     _mm256_castps256_ps128(first_lanes(n - g * 4)));
+            _mm_storeu_ps(s[r] + g * 4, dots);
+            vmax[r] = _mm_max_ps(vmax[r], dots);
+        }
     }
-    const __m256 m = _mm256_set1_ps(max8(vmax));
-    __m256 lsum = _mm256_setzero_ps();
-    for (long g = 0; g < groups; g++) {
-        __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + g * 8), m));
-        if (g == groups - 1 && n % 8) e = _mm256_and_ps(e, first_lanes(n - g * 8));
-        _mm256_storeu_ps(s + g * 8, e);
-        lsum = _mm256_add_ps(lsum, e);
+    __m256 l[MAXR];
+    for (int r = 0; r < R; r++) {
+        const __m256 m = _mm256_set1_ps(max4(vmax[r]));
+        __m256 lsum = _mm256_setzero_ps();
+        const long groups = (n + 7) / 8;
+        for (long g = 0; g < groups; g++) {
+            __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s[r] + g * 8), m));
+            if (g == groups - 1 && n % 8) e = _mm256_and_ps(e, first_lanes(n - g * 8));
+            _mm256_storeu_ps(s[r] + g * 8, e);
+            lsum = _mm256_add_ps(lsum, e);
+        }
+        l[r] = _mm256_set1_ps(sum8(lsum));
     }
-    const __m256 l = _mm256_set1_ps(sum8(lsum));
     for (long c0 = 0; c0 < dim; c0 += CHUNK) {
         const int w = (int)((dim - c0 < CHUNK ? dim - c0 : CHUNK) / 8);
-        __m256 acc[CHUNK / 8];
-        for (int i = 0; i < w; i++) acc[i] = _mm256_setzero_ps();
+        __m256 acc[MAXR][CHUNK / 8];
+        for (int r = 0; r < R; r++)
+            for (int i = 0; i < w; i++) acc[r][i] = _mm256_setzero_ps();
         for (long j = 0; j < n; j++) {
-            const __m256 p = _mm256_broadcast_ss(s + j);
+            __m256 p[MAXR];
+            for (int r = 0; r < R; r++) p[r] = _mm256_broadcast_ss(s[r] + j);
             const float *vj = v + j * dim + c0;
-            for (int i = 0; i < w; i++) acc[i] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vj + i * 8), acc[i]);
+            for (int i = 0; i < w; i++) {
+                const __m256 vc = _mm256_loadu_ps(vj + i * 8);
+                for (int r = 0; r < R; r++) acc[r][i] = _mm256_fmadd_ps(p[r], vc, acc[r][i]);
+            }
         }
-        for (int i = 0; i < w; i++) _mm256_storeu_ps(o + c0 + i * 8, _mm256_div_ps(acc[i], l));
+        for (int r = 0; r < R; r++)
+            for (int i = 0; i < w; i++) _mm256_storeu_ps(o[r] + c0 + i * 8, _mm256_div_ps(acc[r][i], l[r]));
     }
+}
+
+static void attend_any(int R, const float *const *q, const float *k, const float *v, long n, long dim,
+                       float scale, float *const *s, float *const *o) {
+    if (R == 3) attend_heads(3, q, k, v, n, dim, scale, s, o);
+    else if (R == 2) attend_heads(2, q, k, v, n, dim, scale, s, o);
+    else attend_heads(1, q, k, v, n, dim, scale, s, o);
 }
 
 /* Row r (of ``rows``) is query row ``index[r]`` at ``q + index[r] * q_row + h * q_head`` for head h;
  * it attends keys/values 0 .. last[r] of slot ``slots[r]`` (kv head h / (heads / kv_heads), rows of
  * dim floats at ``keys + slot * slot_stride + kvh * head_stride``), and writes ``out + index[r] *
- * heads * dim + h * dim``. ``scratch``: ``threads`` x ``width`` floats, width >= every last + 8. */
+ * heads * dim + h * dim``. ``scratch``: ``threads`` x MAXR x ``width`` floats, width >= every
+ * last + 8. ``per_item``: heads a work item takes together (1 to MAXR; speed only). Work items
+ * are ordered kv head first, so the threads walk one kv head's keys row after row together. */
 void card_row_attention(const float *q, long q_row, long q_head, const float *keys, const float *values,
                         long slot_stride, long head_stride, const long *index, const long *slots,
                         const long *last, long rows, long heads, long kv_heads, long dim, float scale,
-                        float *out, float *scratch, long width, int threads) {
-    const long pairs = rows * heads, group = heads / kv_heads;
-#pragma omp parallel for num_threads(threads) schedule(dynamic, 1) if (threads > 1 && pairs > 1)
-    for (long p = 0; p < pairs; p++) {
-        const long r = p / heads, h = p % heads, t = index[r];
-        const long base = slots[r] * slot_stride + (h / group) * head_stride;
-        float *s = scratch + (long)omp_get_thread_num() * width;
-        attend_one(q + t * q_row + h * q_head, keys + base, values + base, last[r] + 1, dim, scale, s,
-                   out + (t * heads + h) * dim);
+                        float *out, float *scratch, long width, int per_item, int threads) {
+    const long group = heads / kv_heads;
+    const int R = per_item < 1 ? 1 : per_item > MAXR ? MAXR : per_item;
+    const long blocks = (group + R - 1) / R; /* items per (row, kv head) */
+    const long items = kv_heads * rows * blocks;
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 1) if (threads > 1 && items > 1)
+    for (long it = 0; it < items; it++) {
+        const long kvh = it / (rows * blocks), r = it / blocks % rows, b = it % blocks;
+        const long t = index[r], h0 = kvh * group + b * R;
+        const int count = (int)(group - b * R < R ? group - b * R : R);
+        const long base = slots[r] * slot_stride + kvh * head_stride;
+        float *mine = scratch + (long)omp_get_thread_num() * MAXR * width;
+        const float *qs[MAXR];
+        float *ss[MAXR], *os[MAXR];
+        for (int i = 0; i < count; i++) {
+            qs[i] = q + t * q_row + (h0 + i) * q_head;
+            ss[i] = mine + i * width;
+            os[i] = out + (t * heads + h0 + i) * dim;
+        }
+        attend_any(count, qs, keys + base, values + base, last[r] + 1, dim, scale, ss, os);
     }
 }
