@@ -21,6 +21,7 @@
 #include <stdlib.h>
 #include <omp.h>
 
+#define AHEAD 32 /* key and value rows prefetched ahead of the one read (a layer's come cold from memory) */
 #define CHUNK 32 /* output features a pass over the values keeps in registers (4 vectors a head) */
 
 /* exp of 8 floats: Cephes' expf (as avx_mathfun's exp256_ps), ~1 ulp; the same code for every
@@ -88,6 +89,7 @@ static inline __attribute__((always_inline)) void attend_heads(
         /* keys past n (up to the quad's end, inside the slot) are read and their scores dropped:
          * a lane of sum4x8 holds one key's sum only */
         const float *kg = k + g * 4 * dim;
+        for (long b = 0; b < 4 * dim; b += 16) _mm_prefetch((const char *)(kg + AHEAD * dim + b), _MM_HINT_T0);
         __m256 acc[MAXR][4];
         for (int r = 0; r < R; r++)
             for (int i = 0; i < 4; i++) acc[r][i] = _mm256_setzero_ps();
@@ -130,6 +132,7 @@ static inline __attribute__((always_inline)) void attend_heads(
             __m256 p[MAXR];
             for (int r = 0; r < R; r++) p[r] = _mm256_broadcast_ss(s[r] + j);
             const float *vj = v + j * dim + c0;
+            for (long b = 0; b < CHUNK; b += 16) _mm_prefetch((const char *)(vj + AHEAD * dim + b), _MM_HINT_T0);
             for (int i = 0; i < w; i++) {
                 const __m256 vc = _mm256_loadu_ps(vj + i * 8);
                 for (int r = 0; r < R; r++) acc[r][i] = _mm256_fmadd_ps(p[r], vc, acc[r][i]);
@@ -150,8 +153,8 @@ static void attend_any(int R, const float *const *q, const float *k, const float
 /* Row r (of ``rows``) is query row ``index[r]`` at ``q + index[r] * q_row + h * q_head`` for head h;
  * it attends keys/values 0 .. last[r] of slot ``slots[r]`` (kv head h / (heads / kv_heads), rows of
  * dim floats at ``keys + slot * slot_stride + kvh * head_stride``), and writes ``out + index[r] *
- * heads * dim + h * dim``. ``scratch``: ``threads`` x MAXR x ``width`` floats, width >= every
- * last + 8. ``per_item``: heads a work item takes together (1 to MAXR; speed only). Work items
+ * heads * dim + h * dim``. ``per_item``: heads a work item takes together (1 to MAXR; speed only).
+ * ``scratch``: ``threads`` x ``per_item`` x ``width`` floats, width >= every last + 8. Work items
  * are ordered kv head first, so the threads walk one kv head's keys row after row together. */
 void card_row_attention(const float *q, long q_row, long q_head, const float *keys, const float *values,
                         long slot_stride, long head_stride, const long *index, const long *slots,
@@ -167,7 +170,7 @@ void card_row_attention(const float *q, long q_row, long q_head, const float *ke
         const long t = index[r], h0 = kvh * group + b * R;
         const int count = (int)(group - b * R < R ? group - b * R : R);
         const long base = slots[r] * slot_stride + kvh * head_stride;
-        float *mine = scratch + (long)omp_get_thread_num() * MAXR * width;
+        float *mine = scratch + (long)omp_get_thread_num() * R * width;
         const float *qs[MAXR];
         float *ss[MAXR], *os[MAXR];
         for (int i = 0; i < count; i++) {
