@@ -562,14 +562,19 @@ class _Batch:
         # per segment: None (every row up to its end is visible to every query: one query, or a
         # causal block from row 0) or a boolean mask [length, end]
         self.tree = TreeRows.of(pool, segments, self.offsets) if pool.tree_blocks else None
-        self.masks = [(None if self.tree is not None else s.visible.to(dev)) if s.visible is not None
-                      else None if s.length == 1 or s.exact else _causal(s, dev) for s in segments]
         # every exact segment's rows in one call of the attention kernel (prompt rows too: the
         # kernel gives them decoding rows' bits), else in one batched attention where that is
-        # invariant here
+        # invariant here; tree segments not on the block tree go to the kernel too (for speed: one
+        # call instead of SDPA per session)
         rows = [Rows(s.slot, s.start, s.length, q0) for s, q0 in zip(segments, self.offsets, strict=False)
                 if s.exact]
-        self.kernel = RowKernel(rows) if rows and pool.row_kernel else None
+        trees = [(Rows(s.slot, s.start, s.length, q0), s.visible)
+                 for s, q0 in zip(segments, self.offsets, strict=False)
+                 if s.visible is not None and self.tree is None]
+        self.kernel = RowKernel(rows, trees) if (rows or trees) and pool.row_kernel else None
+        self.masks = [(None if self.tree is not None or self.kernel is not None else s.visible.to(dev))
+                      if s.visible is not None
+                      else None if s.length == 1 or s.exact else _causal(s, dev) for s in segments]
         exact = [Rows(s.slot, s.start, s.length, q0) for s, q0 in zip(segments, self.offsets, strict=False)
                  if s.exact and not s.prefill]
         self.row_plan = None
@@ -657,7 +662,7 @@ def _slot_attention(module: CausalLM, query: torch.Tensor, key: torch.Tensor, va
         card_batch.tree.attend(query[0], keys, values, scale, out[0])
     for seg, q0, mask in zip(card_batch.segments, card_batch.offsets, card_batch.masks, strict=False):
         if (seg.exact and kernel is not None) or (seg.exact and not seg.prefill and planned is not None) or (
-                seg.visible is not None and card_batch.tree is not None):
+                seg.visible is not None and (card_batch.tree is not None or kernel is not None)):
             continue
         q = query[:, :, q0:q0 + seg.length]  # [1, heads, n, dim]
         if seg.exact and seg.prefill:

@@ -15,6 +15,10 @@
  * session, row count, chunking or thread count enters a row's arithmetic, so a verified chain's
  * rows are the bits of the same rows decoded one by one, and a prompt's rows the bits of decoding
  * rows (what the prefix cache needs).
+ *
+ * A draft's tree rows (a mask of the keys each sees: the committed prefix, its ancestors, itself)
+ * go through the same code for speed: a key a row does not see scores -inf and its value is
+ * skipped. The mask decides which keys enter a row, never the order, so a causal row is unchanged.
  */
 #include <immintrin.h>
 #include <math.h>
@@ -67,6 +71,14 @@ static inline float max4(__m128 s) {
     return _mm_cvtss_f32(s);
 }
 
+/* lane i all ones where seen[i] (i < valid; the bytes past valid are not read) */
+static inline __m128 visible4(const unsigned char *seen, long valid) {
+    int bytes = 0;
+    for (int i = 0; i < 4 && i < valid; i++) bytes |= (int)(seen[i] != 0) << (8 * i);
+    const __m128i lanes = _mm_cvtepu8_epi32(_mm_cvtsi32_si128(bytes));
+    return _mm_castsi128_ps(_mm_cmpgt_epi32(lanes, _mm_setzero_si128()));
+}
+
 /* lanes [0, valid) all ones */
 static inline __m256 first_lanes(long valid) {
     const __m256i idx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
@@ -80,7 +92,7 @@ static inline __m256 first_lanes(long valid) {
 #define MAXR 3
 static inline __attribute__((always_inline)) void attend_heads(
         const int R, const float *const *q, const float *k, const float *v, long n, long dim, float scale,
-        float *const *s, float *const *o) {
+        const unsigned char *seen, float *const *s, float *const *o) {
     const long quads = (n + 3) / 4, chunks = dim / 8;
     const __m128 vscale = _mm_set1_ps(scale);
     __m128 vmax[MAXR];
@@ -106,6 +118,8 @@ static inline __attribute__((always_inline)) void attend_heads(
             if (g == quads - 1 && n % 4)
                 dots = _mm_blendv_ps(_mm_set1_ps(-INFINITY), dots,
                                      _mm256_castps256_ps128(first_lanes(n - g * 4)));
+            if (seen) /* a tree row: keys it does not see score -inf (their weight is exactly 0) */
+                dots = _mm_blendv_ps(_mm_set1_ps(-INFINITY), dots, visible4(seen + g * 4, n - g * 4));
             _mm_storeu_ps(s[r] + g * 4, dots);
             vmax[r] = _mm_max_ps(vmax[r], dots);
         }
@@ -129,6 +143,7 @@ static inline __attribute__((always_inline)) void attend_heads(
         for (int r = 0; r < R; r++)
             for (int i = 0; i < w; i++) acc[r][i] = _mm256_setzero_ps();
         for (long j = 0; j < n; j++) {
+            if (seen && !seen[j]) continue; /* weight 0: adding it would add exact zeros */
             __m256 p[MAXR];
             for (int r = 0; r < R; r++) p[r] = _mm256_broadcast_ss(s[r] + j);
             const float *vj = v + j * dim + c0;
@@ -144,21 +159,25 @@ static inline __attribute__((always_inline)) void attend_heads(
 }
 
 static void attend_any(int R, const float *const *q, const float *k, const float *v, long n, long dim,
-                       float scale, float *const *s, float *const *o) {
-    if (R == 3) attend_heads(3, q, k, v, n, dim, scale, s, o);
-    else if (R == 2) attend_heads(2, q, k, v, n, dim, scale, s, o);
-    else attend_heads(1, q, k, v, n, dim, scale, s, o);
+                       float scale, const unsigned char *seen, float *const *s, float *const *o) {
+    if (R == 3) attend_heads(3, q, k, v, n, dim, scale, seen, s, o);
+    else if (R == 2) attend_heads(2, q, k, v, n, dim, scale, seen, s, o);
+    else attend_heads(1, q, k, v, n, dim, scale, seen, s, o);
 }
 
 /* Row r (of ``rows``) is query row ``index[r]`` at ``q + index[r] * q_row + h * q_head`` for head h;
  * it attends keys/values 0 .. last[r] of slot ``slots[r]`` (kv head h / (heads / kv_heads), rows of
- * dim floats at ``keys + slot * slot_stride + kvh * head_stride``), and writes ``out + index[r] *
+ * dim floats at ``keys + slot * slot_stride + kvh * head_stride``), all of them (a causal row) or,
+ * where ``masks`` is given and ``mask_rows[r] >= 0``, those whose byte of ``masks + mask_rows[r] *
+ * mask_stride`` is non-zero (a draft's tree row: its ancestors, itself and the committed prefix;
+ * last[r] its last visible key), and writes ``out + index[r] *
  * heads * dim + h * dim``. ``per_item``: heads a work item takes together (1 to MAXR; speed only).
  * ``scratch``: ``threads`` x ``per_item`` x ``width`` floats, width >= every last + 8. Work items
  * are ordered kv head first, so the threads walk one kv head's keys row after row together. */
 void card_row_attention(const float *q, long q_row, long q_head, const float *keys, const float *values,
                         long slot_stride, long head_stride, const long *index, const long *slots,
-                        const long *last, long rows, long heads, long kv_heads, long dim, float scale,
+                        const long *last, const unsigned char *masks, long mask_stride, const long *mask_rows,
+                        long rows, long heads, long kv_heads, long dim, float scale,
                         float *out, float *scratch, long width, int per_item, int threads) {
     const long group = heads / kv_heads;
     const int R = per_item < 1 ? 1 : per_item > MAXR ? MAXR : per_item;
@@ -178,6 +197,7 @@ void card_row_attention(const float *q, long q_row, long q_head, const float *ke
             ss[i] = mine + i * width;
             os[i] = out + (t * heads + h0 + i) * dim;
         }
-        attend_any(count, qs, keys + base, values + base, last[r] + 1, dim, scale, ss, os);
+        const unsigned char *seen = masks && mask_rows[r] >= 0 ? masks + mask_rows[r] * mask_stride : 0;
+        attend_any(count, qs, keys + base, values + base, last[r] + 1, dim, scale, seen, ss, os);
     }
 }

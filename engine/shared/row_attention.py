@@ -14,6 +14,10 @@ construction, which the prefix cache needs (card.engine.shared.prefix_cache). Th
 torch paths where it fails. The bits are not the torch path's: an engine uses one path for all
 its rows (``KVPool.row_kernel``), so card still equals plain decoding token for token.
 
+A draft's tree rows (``RowKernel(trees=...)``: each row sees the keys its mask marks) go through
+it too, for speed alone: one call a layer instead of SDPA session by session (draft rounds 1.05x
+at one session, 1.16x at eight; docs/performance.md).
+
 Where: fp32 KV caches on x86-64 CPUs with AVX2 whose head size is a multiple of 8, where the C
 file builds (card.engine.loading.c_kernels); elsewhere (bf16 and fp16, CUDA) the torch paths.
 """
@@ -53,9 +57,10 @@ def library() -> ctypes.CDLL:
     """The built kernel, loaded once per process (Unavailable where it cannot run)."""
     lib = load(SOURCE, "the attention kernel")
     lib.card_row_attention.argtypes = [
-        ctypes.c_void_p, _LONG, _LONG, ctypes.c_void_p, ctypes.c_void_p, _LONG, _LONG, ctypes.c_void_p,
-        ctypes.c_void_p, ctypes.c_void_p, _LONG, _LONG, _LONG, _LONG, ctypes.c_float, ctypes.c_void_p,
-        ctypes.c_void_p, _LONG, ctypes.c_int, ctypes.c_int]
+        ctypes.c_void_p, _LONG, _LONG, ctypes.c_void_p, ctypes.c_void_p, _LONG, _LONG,  # q, keys, values
+        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, _LONG, ctypes.c_void_p,  # rows
+        _LONG, _LONG, _LONG, _LONG, ctypes.c_float, ctypes.c_void_p, ctypes.c_void_p, _LONG, ctypes.c_int,
+        ctypes.c_int]
     lib.card_row_attention.restype = None
     return lib
 
@@ -116,11 +121,15 @@ def use_kernel(setting: str, device: torch.device, dtype: torch.dtype, kv_heads:
 
 
 class RowKernel:
-    """One forward's exact rows (``Rows``: ``n`` rows of ``slot`` at positions ``start...``, flat
-    query rows ``offset...``), attended in one call per layer: row i sees its slot's keys 0 .. its
-    own position (this forward's keys written first, as ``_Batch.update`` does)."""
+    """One forward's rows for the kernel, attended in one call per layer (this forward's keys
+    written first, as ``_Batch.update`` does). ``sessions``: causal rows (``Rows``: ``n`` rows of
+    ``slot`` at positions ``start...``, flat query rows ``offset...``), row i seeing its slot's keys
+    0 .. its own position (the target's exact rows). ``trees``: a draft's tree rows, each ``Rows``
+    with its ``visible`` [n, >= end] (True where row i sees that key row: the committed prefix, its
+    ancestors and itself), whose bits need no invariance (a draft's numbers never reach an output)
+    but whose speed matters: one call instead of SDPA per session."""
 
-    def __init__(self, sessions: Sequence[Rows]) -> None:
+    def __init__(self, sessions: Sequence[Rows], trees: Sequence[tuple[Rows, torch.Tensor]] = ()) -> None:
         index: list[int] = []
         slots: list[int] = []
         last: list[int] = []
@@ -128,9 +137,26 @@ class RowKernel:
             index.extend(range(s.offset, s.offset + s.n))
             slots.extend([s.slot] * s.n)
             last.extend(range(s.start, s.start + s.n))
+        mask_rows = [-1] * len(index)
+        self.masks: torch.Tensor | None = None
+        if trees:
+            self.masks = torch.zeros(sum(s.n for s, _ in trees), max(s.start + s.n for s, _ in trees),
+                                     dtype=torch.uint8)
+            row = 0
+            for s, visible in trees:
+                seen = visible[:, :s.start + s.n].cpu()
+                self.masks[row:row + s.n, :seen.shape[1]] = seen
+                # each row's last visible key: the kernel reads no further
+                cols = torch.arange(seen.shape[1]).expand_as(seen)
+                last.extend(torch.where(seen, cols, -1).amax(dim=1).clamp_(min=0).tolist())
+                index.extend(range(s.offset, s.offset + s.n))
+                slots.extend([s.slot] * s.n)
+                mask_rows.extend(range(row, row + s.n))
+                row += s.n
         self.index = torch.tensor(index, dtype=torch.long)
         self.slots = torch.tensor(slots, dtype=torch.long)
         self.last = torch.tensor(last, dtype=torch.long)
+        self.mask_rows = torch.tensor(mask_rows, dtype=torch.long)
         self.rows = len(index)
         # per thread: one row's scores, rounded up past the last key group the kernel reads
         self.width = (max(last) // 8 + 2) * 8 if last else 8
@@ -150,10 +176,13 @@ class RowKernel:
         threads = torch.get_num_threads()
         if self._scratch.numel() < threads * MAX_PER_ITEM * self.width:
             self._scratch = torch.empty(threads * MAX_PER_ITEM * self.width)
+        masks = self.masks
         self._run(query.data_ptr(), query.stride(1), query.stride(0), keys.data_ptr(), values.data_ptr(),
                   keys.stride(0), keys.stride(1), self.index.data_ptr(), self.slots.data_ptr(),
-                  self.last.data_ptr(), self.rows, heads, kv_heads, dim, scaling, out.data_ptr(),
-                  self._scratch.data_ptr(), self.width, MAX_PER_ITEM, threads)
+                  self.last.data_ptr(), None if masks is None else masks.data_ptr(),
+                  0 if masks is None else masks.shape[1], self.mask_rows.data_ptr(), self.rows, heads,
+                  kv_heads, dim, scaling, out.data_ptr(), self._scratch.data_ptr(), self.width, MAX_PER_ITEM,
+                  threads)
 
 
 @functools.cache

@@ -133,3 +133,41 @@ def test_a_forward_on_the_kernel_is_close_to_the_torch_path() -> None:
         step = pool_forward(model, pool, [Segment(0, 89, 1, exact=True)], prompt[89:], torch.tensor([0]))
         logits[setting] = torch.cat([first, step])
     torch.testing.assert_close(logits["kernel"], logits["torch"], rtol=1e-4, atol=1e-5)
+
+
+def test_tree_rows_see_exactly_their_mask_and_match_sdpa() -> None:
+    """A draft's tree rows (``trees``): each row attends the keys its ``visible`` row marks, beside
+    causal rows in the same call, within fp32 rounding of float64 SDPA with that mask; a key it
+    does not see may even be NaN (negative control: flipping one visible bit changes the row)."""
+    keys, values = _cache(2, 64)
+    gen = torch.Generator().manual_seed(4)
+    committed, n = 50, 6  # six tree rows written at rows 50..55 of slot 3, over a committed prefix
+    visible = torch.zeros(n, committed + n, dtype=torch.bool)
+    visible[:, :committed] = True
+    parents = [-1, -1, 0, 0, 2, 1]  # rows 0 and 1 are children of the prefix, the rest of a row above
+    for i, parent in enumerate(parents):
+        visible[i, committed + i] = True
+        while parent >= 0:
+            visible[i, committed + parent] = True
+            parent = parents[parent]
+    causal = Rows(1, 30, 2, 0)
+    tree = Rows(3, committed, n, 2)
+    query = torch.randn(4, 2 + n, 64, generator=gen)
+    out = torch.full((2 + n, 4, 64), float("nan"))
+    RowKernel([causal], [(tree, visible)]).attend(query, keys, values, 0.125, out)
+    q = query[:, 2:].double()[None]
+    k, v = keys[3, :, :committed + n].double()[None], values[3, :, :committed + n].double()[None]
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=0.125,
+                                                            enable_gqa=True)[0].transpose(0, 1)
+    torch.testing.assert_close(out[2:].double(), want, rtol=1e-5, atol=2e-6)
+    torch.testing.assert_close(out[:2].double(), _reference(query, keys, values, causal), rtol=1e-5,
+                               atol=2e-6)
+    hidden = keys.clone()
+    hidden[3, :, committed + 1] = float("nan")  # row 1 is no ancestor of rows 0, 2, 3, 4
+    again = torch.full_like(out, float("nan"))
+    RowKernel([causal], [(tree, visible)]).attend(query, hidden, values, 0.125, again)
+    assert torch.equal(again[[0, 1, 2, 4, 5, 6]], out[[0, 1, 2, 4, 5, 6]])
+    flipped = visible.clone()
+    flipped[4, 10] = False
+    RowKernel([causal], [(tree, flipped)]).attend(query, keys, values, 0.125, again)
+    assert not torch.equal(again[6], out[6]) and torch.equal(again[2:6], out[2:6])

@@ -1,6 +1,8 @@
-"""Draft rounds/s in process (issue 34): the eager tree forward with SDPA (the CPU's default), the
-eager forward on the block tree (``KVPool.tree_blocks``) and the static tree step
-(card.engine.draft.static_tree), interleaved rep by rep so that all three see the same load.
+"""Draft rounds/s in process (issue 34): the eager tree forward with SDPA (the CPU's default before
+the attention kernel), with the attention kernel (card.engine.shared.row_attention, the default on
+fp32 CPU pools since 2026-11-29), the eager forward on the block tree (``KVPool.tree_blocks``) and
+the static tree step (card.engine.draft.static_tree), interleaved rep by rep so that all four see
+the same load.
 
     python docs/measurements/draft-static-step/tree_rounds.py QUANTIZE SESSIONS REPS
     e.g.   ... none 1,8 6
@@ -30,18 +32,19 @@ prompts = [torch.randint(0, 49000, (100 + 40 * i,), generator=torch.Generator().
            for i in range(8)]
 
 
-def setup(n: int, static: bool) -> tuple[KVPool, list[Drafter], TreeStep | None]:
+def setup(n: int, static: bool, kernel: bool) -> tuple[KVPool, list[Drafter], TreeStep | None]:
     pool = KVPool(model, slots=8, max_len=1024)
+    pool.row_kernel = kernel  # tree rows through the attention kernel (card.engine.shared.row_attention)
     drafters = [Drafter(model, params, pool=pool) for _ in range(n)]
     return pool, drafters, (TreeStep(model, pool, 8 * params.width) if static else None)
 
 
 def bench(n: int, reps: int) -> None:
-    envs = {v: setup(n, v == "static") for v in ("sdpa", "blocks", "static")}
+    envs = {v: setup(n, v == "static", v == "kernel") for v in ("sdpa", "kernel", "blocks", "static")}
     res: dict[str, list[float]] = {v: [] for v in envs}
     for _ in range(reps):
         for v, (pool, drafters, step) in envs.items():
-            pool.tree_blocks = v != "sdpa"
+            pool.tree_blocks = v in ("blocks", "static")
             for i, d in enumerate(drafters):
                 d.start(prompts[i], epoch=d.epoch + 1)
             while any(d.pending for d in drafters):
