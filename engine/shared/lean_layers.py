@@ -18,8 +18,9 @@ bits are the same; only the Python between them goes. The fused projections are 
 views of their one product instead of contiguous copies: the values are the same and every op
 after them is elementwise or copies them; for the same reason q and k, neighbouring columns of the
 fused product, take their rotary embedding as one tensor (half the ops; ~5% of a SmolLM2 step).
-That is checked, not assumed: ``lean_layers`` runs the first layer both ways on a few rows (``_same_bits``) and keeps transformers' layers where a bit
-differs, or where the layer is not of a known kind (``KNOWN``).
+That is checked, not assumed: ``lean_layers`` runs the first layer both ways on a few rows
+(``_same_bits``) and keeps transformers' layers where a bit differs, or where the layer is not of a
+known kind (``KNOWN``).
 
 A decoder layer's own hooks (the thread governor's pre-hooks, card.engine.shared.thread_governor)
 run before and after it as ``nn.Module.__call__`` would run them.
