@@ -170,9 +170,12 @@ class KVPool:
         self.max_len = max_len
         self.device = param.device
         heads = cfg.num_attention_heads
-        # how exact rows are attended here (row_kernel, batched_exact, prefill_invariant): decided
-        # when first asked, which a pool without exact rows (a draft's) never does
+        # every exact row (decoding, verifying, prefilling) and every tree row through the C kernel
+        # where it runs (card.engine.shared.row_attention): row-invariant by construction, so batched
+        # and prompt rows have decoding rows' bits without the torch paths' probes; decided here,
+        # in the thread that builds the pool, not in a serving thread
         self._attention = (setting_of(model), param.device, dtype, kv_heads, heads // kv_heads, head_dim)
+        self.row_kernel = use_kernel(*self._attention)
         self._scratch_zeroed = param.device.type != "cpu"  # torch.zeros above
         # free slots; with prefix caching in release order (the front: released longest ago, the
         # LRU victim), else a stack (the slot released last is taken first: its pages are resident)
@@ -184,15 +187,9 @@ class KVPool:
         self.prefix = PrefixCache(total, PREFIX_BLOCK, max_len) if prefix_caching else None
 
     @functools.cached_property
-    def row_kernel(self) -> bool:
-        """Every exact row (decoding, verifying, prefilling) through the C kernel where it runs
-        (card.engine.shared.row_attention): row-invariant by construction, so batched and prompt
-        rows have decoding rows' bits without the torch paths' probes."""
-        return use_kernel(*self._attention)
-
-    @functools.cached_property
     def batched_exact(self) -> bool:
-        """Many sessions' exact decoding rows in one call give each the bits it gets alone here."""
+        """Many sessions' exact decoding rows in one call give each the bits it gets alone here
+        (probed when first asked, which a pool without exact rows, a draft's, never does)."""
         return self.row_kernel or batched_is_invariant(*self._attention[1:])
 
     @functools.cached_property

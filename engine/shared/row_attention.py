@@ -111,12 +111,12 @@ def use_kernel(setting: str, device: torch.device, dtype: torch.dtype, kv_heads:
     if why is None and not rows_are_invariant(kv_heads, group, head_dim):
         why = "its start-up probe found a row whose bits depend on the rows beside it"
     if why is None:
-        log.info("exact attention: the C kernel (card.engine.shared.row_attention)")
+        log.info("attention: the C kernel (card.engine.shared.row_attention)")
         return True
     if setting == "kernel":
         raise Unavailable(f"--cpu-attention kernel cannot run here: {why}")
     if device.type == "cpu" and dtype == torch.float32:  # where auto would have taken it: say why not
-        log.warning("exact attention through torch (the attention kernel cannot run here: %s)", why)
+        log.warning("attention through torch (the attention kernel cannot run here: %s)", why)
     return False
 
 
