@@ -75,15 +75,15 @@ def cpu_linear_option(envvar_prefix: str | None = None) -> Callable[[Callable[..
 
 def cpu_attention_option(
         envvar_prefix: str | None = None) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    """``--cpu-attention auto|torch|kernel``: the exact attention of an fp32 CPU target, the same on
+    """``--cpu-attention auto|torch|kernel``: the exact attention of a CPU target, the same on
     card-target and card-bench (ModelConfig.cpu_attention)."""
     return option(
         "--cpu-attention", type=click.Choice(list(CPU_ATTENTION)), default="auto", show_default=True,
         envvar=f"{envvar_prefix}_CPU_ATTENTION" if envvar_prefix else None,
-        help="The exact attention of an fp32 target on the CPU: kernel (the project's AVX2 kernel, built "
-             "with the system C compiler on first use; one call a layer for every decoding, verifying "
-             "and prompt row), torch (batched torch ops), or auto (kernel where it builds and its "
-             "start-up probe passes). Both are batch-invariant; their bits differ, so every replica "
+        help="The exact attention of a target on the CPU (fp32, bf16, fp16): kernel (the project's AVX2 "
+             "kernel, built with the system C compiler on first use; one call a layer for every decoding, "
+             "verifying and prompt row), torch (batched torch ops), or auto (kernel where it builds and "
+             "its start-up probe passes). Both are batch-invariant; their bits differ, so every replica "
              "serving one model should run the same.")
 
 

@@ -24,7 +24,7 @@ from card.engine.shared.errors import InvalidArgument
 
 # every kernel: AVX2 and FMA (the x86-64 CPUs of the last decade), OpenMP, floating-point
 # contraction off (the C files write each fused multiply-add they mean)
-FLAGS = ("-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-std=c99")
+FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-std=c99")
 
 
 class Unavailable(InvalidArgument):

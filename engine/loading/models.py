@@ -72,7 +72,7 @@ class ModelConfig:
     exact: bool = False
     # the packed CPU linears' kernel (card.engine.loading.panel_gemm.choose): auto, onednn or panel
     cpu_linear: str = "auto"
-    # the exact attention of an fp32 CPU target (card.engine.shared.row_attention.use_kernel): auto,
+    # the exact attention of a CPU target (card.engine.shared.row_attention.use_kernel): auto,
     # torch or kernel
     cpu_attention: str = "auto"
 

@@ -1,5 +1,5 @@
-/* Causal attention of query rows over their own slot's keys and values, fp32, for CPUs with AVX2
- * and FMA (card.engine.shared.row_attention).
+/* Causal attention of query rows over their own slot's keys and values (fp32, bf16 or fp16 rows,
+ * computed in fp32), for CPUs with AVX2, FMA and F16C (card.engine.shared.row_attention).
  *
  * Why: on the CPU the exact attention through torch (card.engine.shared.exact_attention) is ~20
  * small ops a layer whose fixed costs, not their arithmetic, made up ~20% of a lone session's
@@ -79,6 +79,29 @@ static inline __m128 visible4(const unsigned char *seen, long valid) {
     return _mm_castsi128_ps(_mm_cmpgt_epi32(lanes, _mm_setzero_si128()));
 }
 
+/* 8 elements of a row of kind E (0 fp32, 1 bf16, 2 fp16) as fp32: exact widenings */
+static inline __attribute__((always_inline)) __m256 load8(const char *p, const int E) {
+    if (E == 0) return _mm256_loadu_ps((const float *)p);
+    const __m128i h = _mm_loadu_si128((const __m128i *)p);
+    if (E == 1) return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+    return _mm256_cvtph_ps(h);
+}
+
+/* 8 fp32 results stored as kind E, rounded to nearest even (the one rounding of an output) */
+static inline __attribute__((always_inline)) void store8(char *p, __m256 x, const int E) {
+    if (E == 0) {
+        _mm256_storeu_ps((float *)p, x);
+    } else if (E == 1) {
+        __m256i u = _mm256_castps_si256(x);
+        const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+        u = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), odd)), 16);
+        const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(u, u), 0x08);
+        _mm_storeu_si128((__m128i *)p, _mm256_castsi256_si128(packed));
+    } else {
+        _mm_storeu_si128((__m128i *)p, _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT));
+    }
+}
+
 /* lanes [0, valid) all ones */
 static inline __m256 first_lanes(long valid) {
     const __m256i idx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
@@ -91,25 +114,25 @@ static inline __m256 first_lanes(long valid) {
  * (the file's comment), so R is a matter of speed only. */
 #define MAXR 3
 static inline __attribute__((always_inline)) void attend_heads(
-        const int R, const float *const *q, const float *k, const float *v, long n, long dim, float scale,
-        const unsigned char *seen, float *const *s, float *const *o) {
-    const long quads = (n + 3) / 4, chunks = dim / 8;
+        const int R, const int E, const char *const *q, const char *k, const char *v, long n, long dim,
+        float scale, const unsigned char *seen, float *const *s, char *const *o) {
+    const long quads = (n + 3) / 4, chunks = dim / 8, es = E == 0 ? 4 : 2, row = dim * es;
     const __m128 vscale = _mm_set1_ps(scale);
     __m128 vmax[MAXR];
     for (int r = 0; r < R; r++) vmax[r] = _mm_set1_ps(-INFINITY);
     for (long g = 0; g < quads; g++) {
         /* keys past n (up to the quad's end, inside the slot) are read and their scores dropped:
          * a lane of sum4x8 holds one key's sum only */
-        const float *kg = k + g * 4 * dim;
-        for (long b = 0; b < 4 * dim; b += 16) _mm_prefetch((const char *)(kg + AHEAD * dim + b), _MM_HINT_T0);
+        const char *kg = k + g * 4 * row;
+        for (long b = 0; b < 4 * row; b += 64) _mm_prefetch(kg + AHEAD * row + b, _MM_HINT_T0);
         __m256 acc[MAXR][4];
         for (int r = 0; r < R; r++)
             for (int i = 0; i < 4; i++) acc[r][i] = _mm256_setzero_ps();
         for (long c = 0; c < chunks; c++) {
             __m256 qc[MAXR];
-            for (int r = 0; r < R; r++) qc[r] = _mm256_loadu_ps(q[r] + c * 8);
+            for (int r = 0; r < R; r++) qc[r] = load8(q[r] + c * 8 * es, E);
             for (int i = 0; i < 4; i++) {
-                const __m256 kc = _mm256_loadu_ps(kg + i * dim + c * 8);
+                const __m256 kc = load8(kg + i * row + c * 8 * es, E);
                 for (int r = 0; r < R; r++) acc[r][i] = _mm256_fmadd_ps(qc[r], kc, acc[r][i]);
             }
         }
@@ -146,23 +169,30 @@ static inline __attribute__((always_inline)) void attend_heads(
             if (seen && !seen[j]) continue; /* weight 0: adding it would add exact zeros */
             __m256 p[MAXR];
             for (int r = 0; r < R; r++) p[r] = _mm256_broadcast_ss(s[r] + j);
-            const float *vj = v + j * dim + c0;
-            for (long b = 0; b < CHUNK; b += 16) _mm_prefetch((const char *)(vj + AHEAD * dim + b), _MM_HINT_T0);
+            const char *vj = v + j * row + c0 * es;
+            for (long b = 0; b < CHUNK * es; b += 64) _mm_prefetch(vj + AHEAD * row + b, _MM_HINT_T0);
             for (int i = 0; i < w; i++) {
-                const __m256 vc = _mm256_loadu_ps(vj + i * 8);
+                const __m256 vc = load8(vj + i * 8 * es, E);
                 for (int r = 0; r < R; r++) acc[r][i] = _mm256_fmadd_ps(p[r], vc, acc[r][i]);
             }
         }
         for (int r = 0; r < R; r++)
-            for (int i = 0; i < w; i++) _mm256_storeu_ps(o[r] + c0 + i * 8, _mm256_div_ps(acc[r][i], l[r]));
+            for (int i = 0; i < w; i++) store8(o[r] + (c0 + i * 8) * es, _mm256_div_ps(acc[r][i], l[r]), E);
     }
 }
 
-static void attend_any(int R, const float *const *q, const float *k, const float *v, long n, long dim,
-                       float scale, const unsigned char *seen, float *const *s, float *const *o) {
-    if (R == 3) attend_heads(3, q, k, v, n, dim, scale, seen, s, o);
-    else if (R == 2) attend_heads(2, q, k, v, n, dim, scale, seen, s, o);
-    else attend_heads(1, q, k, v, n, dim, scale, seen, s, o);
+#define HEADS(E)                                                                                \
+    do {                                                                                        \
+        if (R == 3) attend_heads(3, E, q, k, v, n, dim, scale, seen, s, o);                     \
+        else if (R == 2) attend_heads(2, E, q, k, v, n, dim, scale, seen, s, o);                \
+        else attend_heads(1, E, q, k, v, n, dim, scale, seen, s, o);                            \
+    } while (0)
+
+static void attend_any(int R, int E, const char *const *q, const char *k, const char *v, long n, long dim,
+                       float scale, const unsigned char *seen, float *const *s, char *const *o) {
+    if (E == 0) HEADS(0);
+    else if (E == 1) HEADS(1);
+    else HEADS(2);
 }
 
 /* Row r (of ``rows``) is query row ``index[r]`` at ``q + index[r] * q_row + h * q_head`` for head h;
@@ -174,12 +204,14 @@ static void attend_any(int R, const float *const *q, const float *k, const float
  * heads * dim + h * dim``. ``per_item``: heads a work item takes together (1 to MAXR; speed only).
  * ``scratch``: ``threads`` x ``per_item`` x ``width`` floats, width >= every last + 8. Work items
  * are ordered kv head first, so the threads walk one kv head's keys row after row together. */
-void card_row_attention(const float *q, long q_row, long q_head, const float *keys, const float *values,
+void card_row_attention(const void *q, long q_row, long q_head, const void *keys, const void *values,
                         long slot_stride, long head_stride, const long *index, const long *slots,
                         const long *last, const unsigned char *masks, long mask_stride, const long *mask_rows,
                         long rows, long heads, long kv_heads, long dim, float scale,
-                        float *out, float *scratch, long width, int per_item, int threads) {
-    const long group = heads / kv_heads;
+                        void *out, float *scratch, long width, int per_item, int kind, int threads) {
+    const long group = heads / kv_heads, es = kind == 0 ? 4 : 2;
+    const char *qb = (const char *)q, *kb = (const char *)keys, *vb = (const char *)values;
+    char *ob = (char *)out;
     const int R = per_item < 1 ? 1 : per_item > MAXR ? MAXR : per_item;
     const long blocks = (group + R - 1) / R; /* items per (row, kv head) */
     const long items = kv_heads * rows * blocks;
@@ -190,14 +222,15 @@ void card_row_attention(const float *q, long q_row, long q_head, const float *ke
         const int count = (int)(group - b * R < R ? group - b * R : R);
         const long base = slots[r] * slot_stride + kvh * head_stride;
         float *mine = scratch + (long)omp_get_thread_num() * R * width;
-        const float *qs[MAXR];
-        float *ss[MAXR], *os[MAXR];
+        const char *qs[MAXR];
+        float *ss[MAXR];
+        char *os[MAXR];
         for (int i = 0; i < count; i++) {
-            qs[i] = q + t * q_row + (h0 + i) * q_head;
+            qs[i] = qb + (t * q_row + (h0 + i) * q_head) * es;
             ss[i] = mine + i * width;
-            os[i] = out + (t * heads + h0 + i) * dim;
+            os[i] = ob + (t * heads + h0 + i) * dim * es;
         }
         const unsigned char *seen = masks && mask_rows[r] >= 0 ? masks + mask_rows[r] * mask_stride : 0;
-        attend_any(count, qs, keys + base, values + base, last[r] + 1, dim, scale, seen, ss, os);
+        attend_any(count, kind, qs, kb + base * es, vb + base * es, last[r] + 1, dim, scale, seen, ss, os);
     }
 }

@@ -18,8 +18,9 @@ A draft's tree rows (``RowKernel(trees=...)``: each row sees the keys its mask m
 it too, for speed alone: one call a layer instead of SDPA session by session (draft rounds 1.05x
 at one session, 1.16x at eight; docs/performance.md).
 
-Where: fp32 KV caches on x86-64 CPUs with AVX2 whose head size is a multiple of 8, where the C
-file builds (card.engine.loading.c_kernels); elsewhere (bf16 and fp16, CUDA) the torch paths.
+Where: fp32, bf16 and fp16 KV caches (widened exactly, every sum in fp32, each output rounded once
+to the dtype) on x86-64 CPUs with AVX2 whose head size is a multiple of 8, where the C file builds
+(card.engine.loading.c_kernels); elsewhere (fp64, CUDA) the torch paths.
 """
 
 from __future__ import annotations
@@ -43,6 +44,9 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("row_attention.c")
 SETTINGS = ("auto", "torch", "kernel")  # ModelConfig.cpu_attention
 _LONG = ctypes.c_long
+# the element kinds of row_attention.c (scores, softmax and sums in fp32 whatever the kind; each
+# output rounded once to its kind)
+KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 # row_attention.c's MAXR: heads of one kv head that a work item attends together, each key and value
 # loaded once for them (a 256-row prompt chunk 1.9x, one decoding row 1.6x faster than one head at a
 # time on the 2-core AMD EPYC); the bits are the same for any count
@@ -60,7 +64,7 @@ def library() -> ctypes.CDLL:
         ctypes.c_void_p, _LONG, _LONG, ctypes.c_void_p, ctypes.c_void_p, _LONG, _LONG,  # q, keys, values
         ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, _LONG, ctypes.c_void_p,  # rows
         _LONG, _LONG, _LONG, _LONG, ctypes.c_float, ctypes.c_void_p, ctypes.c_void_p, _LONG, ctypes.c_int,
-        ctypes.c_int]
+        ctypes.c_int, ctypes.c_int]
     lib.card_row_attention.restype = None
     return lib
 
@@ -69,8 +73,8 @@ def runs_here(device: torch.device, dtype: torch.dtype, head_dim: int) -> str | 
     """None where the kernel serves a pool of this device, dtype and head size, else why not."""
     if device.type != "cpu":
         return f"a {device.type} pool keeps the torch attention"
-    if dtype != torch.float32:
-        return f"the kernel is fp32 only ({dtype} keys keep the torch attention)"
+    if dtype not in KINDS:
+        return f"the kernel takes fp32, bf16 and fp16 keys ({dtype} keys keep the torch attention)"
     if head_dim % 8:
         return f"the kernel needs a head size that is a multiple of 8, got {head_dim}"
     try:
@@ -108,14 +112,14 @@ def use_kernel(setting: str, device: torch.device, dtype: torch.dtype, kv_heads:
     if setting == "torch":
         return False
     why = runs_here(device, dtype, head_dim)
-    if why is None and not rows_are_invariant(kv_heads, group, head_dim):
+    if why is None and not rows_are_invariant(kv_heads, group, head_dim, dtype):
         why = "its start-up probe found a row whose bits depend on the rows beside it"
     if why is None:
         log.info("attention: the C kernel (card.engine.shared.row_attention)")
         return True
     if setting == "kernel":
         raise Unavailable(f"--cpu-attention kernel cannot run here: {why}")
-    if device.type == "cpu" and dtype == torch.float32:  # where auto would have taken it: say why not
+    if device.type == "cpu" and dtype in KINDS:  # where auto would have taken it: say why not
         log.warning("attention through torch (the attention kernel cannot run here: %s)", why)
     return False
 
@@ -166,12 +170,13 @@ class RowKernel:
     def attend(self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float,
                out: torch.Tensor) -> None:
         """``query`` [heads, T, dim] (the forward's rows, any strides with unit feature stride); one
-        layer's ``keys`` / ``values`` [slots, kv_heads, rows, dim] (contiguous, fp32); writes the
+        layer's ``keys`` / ``values`` [slots, kv_heads, rows, dim] (contiguous, the query's dtype); writes the
         planned rows of ``out`` [T, heads, dim] (contiguous)."""
         heads, _, dim = query.shape
         kv_heads = keys.shape[1]
-        if query.stride(2) != 1 or query.dtype != torch.float32:
-            query = query.contiguous().float()
+        if query.stride(2) != 1:
+            query = query.contiguous()
+        assert query.dtype == keys.dtype == values.dtype == out.dtype
         assert keys.is_contiguous() and values.is_contiguous() and out.is_contiguous()
         threads = torch.get_num_threads()
         if self._scratch.numel() < threads * MAX_PER_ITEM * self.width:
@@ -182,33 +187,33 @@ class RowKernel:
                   self.last.data_ptr(), None if masks is None else masks.data_ptr(),
                   0 if masks is None else masks.shape[1], self.mask_rows.data_ptr(), self.rows, heads,
                   kv_heads, dim, scaling, out.data_ptr(), self._scratch.data_ptr(), self.width, MAX_PER_ITEM,
-                  threads)
+                  KINDS[keys.dtype], threads)
 
 
 @functools.cache
-def rows_are_invariant(kv_heads: int, group: int, dim: int) -> bool:
+def rows_are_invariant(kv_heads: int, group: int, dim: int, dtype: torch.dtype = torch.float32) -> bool:
     """Whether the kernel gives every row the bits it gives that row alone here: sessions of
     chains of 1 to 8 rows beside each other, a prompt's rows in one call and one by one, at one
     thread and this process's count (by construction, the C file; checked as the torch paths'
     probes check theirs)."""
     gen = torch.Generator().manual_seed(0)
     slots, rows = 5, 4 * KV_BLOCK
-    keys = torch.randn(slots, kv_heads, rows, dim, generator=gen)
-    values = torch.randn(slots, kv_heads, rows, dim, generator=gen)
+    keys = torch.randn(slots, kv_heads, rows, dim, generator=gen).to(dtype)
+    values = torch.randn(slots, kv_heads, rows, dim, generator=gen).to(dtype)
     # a lone row, a chain across a block edge, a chain, a prompt from row 0, a row at the span's end
     sessions = [Rows(0, 5, 1, 0), Rows(1, 60, 8, 1), Rows(2, 130, 3, 9), Rows(3, 0, 70, 12),
                 Rows(4, 250, 1, 82)]
     total = 83
-    query = torch.randn(kv_heads * group, total, dim, generator=gen)
+    query = torch.randn(kv_heads * group, total, dim, generator=gen).to(dtype)
     threads = torch.get_num_threads()
 
     def run(chosen: Sequence[Rows]) -> torch.Tensor:
-        out = torch.zeros(total, kv_heads * group, dim)
+        out = torch.zeros(total, kv_heads * group, dim, dtype=dtype)
         RowKernel(chosen).attend(query, keys, values, dim ** -0.5, out)
         return out
 
     try:
-        alone = torch.zeros(total, kv_heads * group, dim)
+        alone = torch.zeros(total, kv_heads * group, dim, dtype=dtype)
         for s in sessions:  # every row by itself, on one thread
             torch.set_num_threads(1)
             for i in range(s.n):

@@ -19,15 +19,16 @@ from tests.tiny_models import tiny_model
 SLOTS, LENGTH = 6, 4 * KV_BLOCK
 
 
-def _cache(kv_heads: int, dim: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+def _cache(kv_heads: int, dim: int, seed: int = 0,
+           dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
-    return (torch.randn(SLOTS, kv_heads, LENGTH, dim, generator=gen),
-            torch.randn(SLOTS, kv_heads, LENGTH, dim, generator=gen))
+    return (torch.randn(SLOTS, kv_heads, LENGTH, dim, generator=gen).to(dtype),
+            torch.randn(SLOTS, kv_heads, LENGTH, dim, generator=gen).to(dtype))
 
 
 def _attend(sessions: list[Rows], query: torch.Tensor, keys: torch.Tensor,
             values: torch.Tensor) -> torch.Tensor:
-    out = torch.full((query.shape[1], query.shape[0], query.shape[2]), float("nan"))
+    out = torch.full((query.shape[1], query.shape[0], query.shape[2]), float("nan"), dtype=query.dtype)
     RowKernel(sessions).attend(query, keys, values, query.shape[2] ** -0.5, out)
     return out
 
@@ -45,24 +46,31 @@ def _reference(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, s:
 def test_the_kernel_builds_on_this_machine() -> None:
     """CI runs on x86-64 machines with AVX2 and a C compiler: the kernel must build there (a build
     that silently failed would leave every pool on the torch path and these tests on nothing)."""
-    assert row_attention.runs_here(torch.device("cpu"), torch.float32, 64) is None
-    assert rows_are_invariant(2, 2, 64)
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        assert row_attention.runs_here(torch.device("cpu"), dtype, 64) is None
+        assert rows_are_invariant(2, 2, 64, dtype)
 
 
+# (dtype, tolerance against float64): one rounding of the output to its dtype, fp32 inside
+TOLERANCES = {torch.float32: (1e-5, 2e-6), torch.bfloat16: (1.6e-2, 1e-2), torch.float16: (2e-3, 1e-3)}
+
+
+@pytest.mark.parametrize("dtype", list(TOLERANCES))
 @pytest.mark.parametrize(("kv_heads", "group", "dim"), [(2, 2, 64), (3, 3, 64), (1, 4, 128), (2, 1, 8)])
-def test_every_row_is_its_alone_bits_and_close_to_float64(kv_heads: int, group: int, dim: int) -> None:
+def test_every_row_is_its_alone_bits_and_close_to_float64(kv_heads: int, group: int, dim: int,
+                                                          dtype: torch.dtype) -> None:
     """Decoding rows, chains crossing a block edge and a prompt from row 0, six sessions in one
     call: each row's output is its bits alone (one row, one thread) at one and two threads, and
-    within fp32 rounding of float64 attention."""
-    keys, values = _cache(kv_heads, dim)
+    within one rounding to its dtype of float64 attention."""
+    keys, values = _cache(kv_heads, dim, dtype=dtype)
     sessions = [Rows(0, 0, 1, 0), Rows(1, 60, 8, 1), Rows(2, 100, 3, 9), Rows(3, 0, 130, 12),
                 Rows(4, LENGTH - 1, 1, 142), Rows(5, 63, 2, 143)]
     total = 145
-    query = torch.randn(kv_heads * group, total, dim, generator=torch.Generator().manual_seed(1))
+    query = torch.randn(kv_heads * group, total, dim, generator=torch.Generator().manual_seed(1)).to(dtype)
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        alone = torch.empty(total, kv_heads * group, dim)
+        alone = torch.empty(total, kv_heads * group, dim, dtype=dtype)
         for s in sessions:
             for i in range(s.n):
                 r = s.offset + i
@@ -76,9 +84,10 @@ def test_every_row_is_its_alone_bits_and_close_to_float64(kv_heads: int, group: 
             assert torch.equal(_attend(split, query, keys, values)[12:142], alone[12:142])
     finally:
         torch.set_num_threads(threads)
+    rtol, atol = TOLERANCES[dtype]
     for s in sessions:
         got = alone[s.offset:s.offset + s.n].double()
-        torch.testing.assert_close(got, _reference(query, keys, values, s), rtol=1e-5, atol=2e-6)
+        torch.testing.assert_close(got, _reference(query, keys, values, s), rtol=rtol, atol=atol)
 
 
 def test_a_row_sees_exactly_its_own_keys() -> None:
@@ -104,18 +113,19 @@ def test_a_row_sees_exactly_its_own_keys() -> None:
 
 
 def test_the_pool_takes_the_kernel_for_fp32_and_torch_where_asked() -> None:
-    """``auto`` takes the kernel for an fp32 CPU model and the torch paths for bf16; ``torch``
-    keeps the torch paths for fp32; ``kernel`` where it cannot run fails at load, not at a request."""
-    fp32 = tiny_model("llama", vocab=64, hidden=64, layers=1, dtype=torch.float32)
-    assert KVPool(fp32, slots=1, max_len=8).row_kernel
-    row_attention.record(fp32, "torch")
-    assert not KVPool(fp32, slots=1, max_len=8).row_kernel
-    bf16 = tiny_model("llama", vocab=64, hidden=64, layers=1, dtype=torch.bfloat16)
-    assert not KVPool(bf16, slots=1, max_len=8).row_kernel
-    with pytest.raises(Unavailable, match="fp32 only"):
-        row_attention.record(bf16, "kernel")
+    """``auto`` takes the kernel for fp32, bf16 and fp16 CPU models and the torch paths for fp64;
+    ``torch`` keeps the torch paths; ``kernel`` where it cannot run fails at load, not at a request."""
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        model = tiny_model("llama", vocab=64, hidden=64, layers=1, dtype=dtype)
+        assert KVPool(model, slots=1, max_len=8).row_kernel
+        row_attention.record(model, "torch")
+        assert not KVPool(model, slots=1, max_len=8).row_kernel
+    fp64 = tiny_model("llama", vocab=64, hidden=64, layers=1, dtype=torch.float64)
+    assert not KVPool(fp64, slots=1, max_len=8).row_kernel
+    with pytest.raises(Unavailable, match="fp32, bf16 and fp16"):
+        row_attention.record(fp64, "kernel")
     with pytest.raises(ValueError):
-        row_attention.record(fp32, "sdpa")
+        row_attention.record(model, "sdpa")
 
 
 @torch.inference_mode()

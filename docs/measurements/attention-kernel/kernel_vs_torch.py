@@ -5,7 +5,7 @@ prefill time, the ratios of the best, and whether every output is the same token
 two paths' bits differ; greedy tokens rarely do). Output of the runs in results.txt beside this file.
 
     .venv/bin/python docs/measurements/attention-kernel/kernel_vs_torch.py IN_FLIGHT STEPS [THREADS] \
-        [PROMPT_TOKENS]
+        [PROMPT_TOKENS] [DTYPE]
 """
 
 from __future__ import annotations
@@ -72,7 +72,8 @@ def main() -> None:
     in_flight, steps = int(sys.argv[1]), int(sys.argv[2])
     torch.set_num_threads(int(sys.argv[3]) if len(sys.argv) > 3 else 2)
     prompt_tokens = int(sys.argv[4]) if len(sys.argv) > 4 else 1500
-    model = load_model(ModelConfig(dtype="float32", exact=True))
+    dtype = sys.argv[5] if len(sys.argv) > 5 else "float32"
+    model = load_model(ModelConfig(dtype=dtype, exact=True))
     times: dict[bool, list[float]] = {False: [], True: []}
     first: dict[bool, list[float]] = {False: [], True: []}
     outputs: dict[bool, list[tuple[int, ...]]] = {}
@@ -82,7 +83,7 @@ def main() -> None:
             times[kernel].append(round(ms, 2))
             assert outputs.setdefault(kernel, out) == out
             first[kernel].append(round(prefill(model, prompt_tokens, kernel), 3))
-    print(f"in flight {in_flight}, {steps} steps, {torch.get_num_threads()} threads: "
+    print(f"{dtype}, in flight {in_flight}, {steps} steps, {torch.get_num_threads()} threads: "
           f"torch {sorted(times[False])} kernel {sorted(times[True])} ms/iteration, kernel / torch speed "
           f"{min(times[False]) / min(times[True]):.3f}; prefill of {prompt_tokens} tokens: torch "
           f"{sorted(first[False])} kernel {sorted(first[True])} s, "
