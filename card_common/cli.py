@@ -82,9 +82,10 @@ def cpu_attention_option(
         envvar=f"{envvar_prefix}_CPU_ATTENTION" if envvar_prefix else None,
         help="The exact attention of a target on the CPU (fp32, bf16, fp16): kernel (the project's AVX2 "
              "kernel, built with the system C compiler on first use; one call a layer for every decoding, "
-             "verifying and prompt row), torch (batched torch ops), or auto (kernel where it builds and "
-             "its start-up probe passes). Both are batch-invariant; their bits differ, so every replica "
-             "serving one model should run the same.")
+             "verifying and prompt row), torch (batched torch ops), or auto (kernel for fp32 where it builds "
+             "and its start-up probe passes; bf16 and fp16 keep torch, whose bf16 matmuls prefill "
+             "faster). Both are batch-invariant; their bits differ, so every replica serving one model "
+             "should run the same.")
 
 
 def logging_options(fn: Callable[..., Any]) -> Callable[..., Any]:

@@ -106,10 +106,13 @@ def setting_of(model: Any) -> str:
 def use_kernel(setting: str, device: torch.device, dtype: torch.dtype, kv_heads: int, group: int,
                head_dim: int) -> bool:
     """Whether a pool whose model has ``setting`` attends its exact rows with the kernel: ``auto``
-    wherever it runs and its probe passes, ``torch`` never, ``kernel`` or an error saying why not
+    for fp32 wherever it runs and its probe passes, ``torch`` never, ``kernel`` or an error saying why not
     (Unavailable). The answer depends on the machine alone, never on a timing, so every process
     on one machine computes the same bits."""
-    if setting == "torch":
+    if setting == "torch" or (setting == "auto" and dtype != torch.float32):
+        # auto keeps bf16 and fp16 on the torch path: their decoding is 1.2x faster on the kernel,
+        # but oneDNN's bf16 matmuls prefill a long prompt 1.37x faster than the kernel's fp32 sums
+        # (docs/performance.md, "The attention kernel"); --cpu-attention kernel takes it there
         return False
     why = runs_here(device, dtype, head_dim)
     if why is None and not rows_are_invariant(kv_heads, group, head_dim, dtype):
@@ -119,7 +122,7 @@ def use_kernel(setting: str, device: torch.device, dtype: torch.dtype, kv_heads:
         return True
     if setting == "kernel":
         raise Unavailable(f"--cpu-attention kernel cannot run here: {why}")
-    if device.type == "cpu" and dtype in KINDS:  # where auto would have taken it: say why not
+    if device.type == "cpu" and dtype == torch.float32:  # where auto would have taken it: say why not
         log.warning("attention through torch (the attention kernel cannot run here: %s)", why)
     return False
 

@@ -330,7 +330,7 @@ def _plain(model: torch.nn.Module, request: GenerationRequest) -> Generation:
 @pytest.mark.parametrize(("dtype", "cpu_linear", "cpu_attention"),
                          [*((d, "auto", "auto") for d in DTYPES), (torch.float32, "panel", "kernel"),
                           (torch.float32, "onednn", "kernel"), (torch.float32, "onednn", "torch"),
-                          (torch.bfloat16, "auto", "torch")])
+                          (torch.bfloat16, "auto", "kernel"), (torch.float16, "auto", "kernel")])
 def test_many_in_flight_equal_alone(dtype: torch.dtype, cpu_linear: str, cpu_attention: str,
                                     sampled: bool) -> None:
     """8 requests, 4 slots, one joining every other iteration: plain decoding and card (a

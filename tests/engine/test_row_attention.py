@@ -113,10 +113,13 @@ def test_a_row_sees_exactly_its_own_keys() -> None:
 
 
 def test_the_pool_takes_the_kernel_for_fp32_and_torch_where_asked() -> None:
-    """``auto`` takes the kernel for fp32, bf16 and fp16 CPU models and the torch paths for fp64;
-    ``torch`` keeps the torch paths; ``kernel`` where it cannot run fails at load, not at a request."""
+    """``auto`` takes the kernel for fp32 CPU models and the torch paths for bf16 and fp16 (whose
+    prefill oneDNN's bf16 matmuls run faster), ``kernel`` takes it for all three, ``torch`` never;
+    ``kernel`` where it cannot run (fp64) fails at load, not at a request."""
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
         model = tiny_model("llama", vocab=64, hidden=64, layers=1, dtype=dtype)
+        assert KVPool(model, slots=1, max_len=8).row_kernel == (dtype == torch.float32)
+        row_attention.record(model, "kernel")
         assert KVPool(model, slots=1, max_len=8).row_kernel
         row_attention.record(model, "torch")
         assert not KVPool(model, slots=1, max_len=8).row_kernel
