@@ -18,9 +18,10 @@ A draft's tree rows (``RowKernel(trees=...)``: each row sees the keys its mask m
 it too, for speed alone: one call a layer instead of SDPA session by session (draft rounds 1.05x
 at one session, 1.16x at eight; docs/performance.md).
 
-Where: fp32, bf16 and fp16 KV caches (widened exactly, every sum in fp32, each output rounded once
-to the dtype) on x86-64 CPUs with AVX2 whose head size is a multiple of 8, where the C file builds
-(card.engine.loading.c_kernels); elsewhere (fp64, CUDA) the torch paths.
+Where: x86-64 CPUs with AVX2 and head sizes that are a multiple of 8, where the C file builds
+(card.engine.loading.c_kernels); fp32 KV caches under ``auto``, bf16 and fp16 ones too (widened
+exactly, every sum in fp32, each output rounded once to the dtype) under ``kernel`` (``use_kernel``
+says why not by default); elsewhere (fp64, CUDA) the torch paths.
 """
 
 from __future__ import annotations
