@@ -563,17 +563,15 @@ class _Batch:
         # kernel gives them decoding rows' bits), else in one batched attention where that is
         # invariant here; tree segments not on the block tree go to the kernel too (for speed: one
         # call instead of SDPA per session)
-        rows = [Rows(s.slot, s.start, s.length, q0) for s, q0 in zip(segments, self.offsets, strict=False)
-                if s.exact]
-        trees = [(Rows(s.slot, s.start, s.length, q0), s.visible)
-                 for s, q0 in zip(segments, self.offsets, strict=False)
-                 if s.visible is not None and self.tree is None]
+        placed = [(s, Rows(s.slot, s.start, s.length, q0))
+                  for s, q0 in zip(segments, self.offsets, strict=False)]
+        rows = [r for s, r in placed if s.exact]
+        trees = [(r, s.visible) for s, r in placed if s.visible is not None and self.tree is None]
         self.kernel = RowKernel(rows, trees) if (rows or trees) and pool.row_kernel else None
         self.masks = [(None if self.tree is not None or self.kernel is not None else s.visible.to(dev))
                       if s.visible is not None
                       else None if s.length == 1 or s.exact else _causal(s, dev) for s in segments]
-        exact = [Rows(s.slot, s.start, s.length, q0) for s, q0 in zip(segments, self.offsets, strict=False)
-                 if s.exact and not s.prefill]
+        exact = [r for s, r in placed if s.exact and not s.prefill]
         self.row_plan = None
         if exact and not pool.row_kernel and pool.batched_exact:
             for r in exact:
