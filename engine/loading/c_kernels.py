@@ -25,6 +25,8 @@ from card.engine.shared.errors import InvalidArgument
 # every kernel: AVX2 and FMA (the x86-64 CPUs of the last decade), OpenMP, floating-point
 # contraction off (the C files write each fused multiply-add they mean)
 FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-std=c99")
+# added for a kernel with an AVX-512 variant (``#ifdef __AVX512F__``) on a CPU that has it
+AVX512 = ("-mavx512f",)
 
 
 class Unavailable(InvalidArgument):
@@ -50,11 +52,18 @@ def supported() -> bool:
         "AVX2", "AVX512")
 
 
-def build(source: Path) -> Path:
-    """The shared library of ``source``, compiled here unless the cache holds it."""
+def wide() -> bool:
+    """Whether this CPU runs AVX-512 code (torch's capability probe: AVX512F, BW, VL and DQ)."""
+    return supported() and torch.backends.cpu.get_cpu_capability() == "AVX512"
+
+
+def build(source: Path, extra: tuple[str, ...] = ()) -> Path:
+    """The shared library of ``source`` (compiled with FLAGS and ``extra``), compiled here unless
+    the cache holds it."""
     text = source.read_bytes()
     cc = _compiler()
-    key = hashlib.sha256(text + " ".join((cc, *FLAGS)).encode()).hexdigest()[:16]
+    flags = (*FLAGS, *extra)
+    key = hashlib.sha256(text + " ".join((cc, *flags)).encode()).hexdigest()[:16]
     target = _cache_dir() / f"{source.stem}-{key}.so"
     if target.exists():
         return target
@@ -68,7 +77,7 @@ def build(source: Path) -> Path:
     os.close(fd)
     try:
         try:
-            done = subprocess.run([cc, *FLAGS, "-o", tmp, str(source)], capture_output=True, text=True,
+            done = subprocess.run([cc, *flags, "-o", tmp, str(source)], capture_output=True, text=True,
                                   timeout=120)
         except (OSError, subprocess.TimeoutExpired) as exc:
             raise Unavailable(f"{cc} could not build {source.name}: {exc}") from exc
@@ -81,10 +90,11 @@ def build(source: Path) -> Path:
     return target
 
 
-def load(source: Path, what: str) -> ctypes.CDLL:
-    """``source`` built and loaded (Unavailable where it cannot run here; ``what`` names it)."""
+def load(source: Path, what: str, extra: tuple[str, ...] = ()) -> ctypes.CDLL:
+    """``source`` built with ``extra`` flags and loaded (Unavailable where it cannot run here;
+    ``what`` names it)."""
     if not supported():
         raise Unavailable(f"{what} needs x86-64 with AVX2 (torch reports "
                           f"{torch.backends.cpu.get_cpu_capability()} on {platform.machine()})")
     # torch, imported above, has loaded its libgomp: the library's own libgomp.so.1 resolves to it
-    return ctypes.CDLL(str(build(source)))
+    return ctypes.CDLL(str(build(source, extra)))

@@ -13,6 +13,12 @@
  * and one thread computes each output, so a row's bits do not depend on how many rows came, how
  * they were grouped, or the thread count: a prefill chunk's rows are the bits of the same rows
  * decoded one by one.
+ *
+ * Built with -mavx512f (card.engine.loading.panel_gemm on AVX-512 machines), the same chains run
+ * 16 outputs to a register: one or two rows against a whole panel in 3 registers a row, and eight
+ * rows against a whole panel (24 accumulators, 3 loads and 8 broadcasts per 24 FMAs) for prefill
+ * chunks. Vector width only decides how many outputs advance together, never an output's order
+ * of operations, so both builds give the same bits (tests/engine/test_panel_gemm.py compares them).
  */
 #include <immintrin.h>
 #include <stddef.h>
@@ -42,6 +48,7 @@ static inline void put(float *y, const float *bias, long n0, long n, __m256 acc)
     for (int j = 0; j < 8 && n0 + j < n; j++) y[n0 + j] = bias ? v[j] + bias[n0 + j] : v[j];
 }
 
+#ifndef __AVX512F__
 /* rows x[0] (and x[ldx] when two) against rows k0 .. k1-1 of panel p, continuing the chains in
  * acc (6 vectors a row): 6 or 12 accumulators in registers */
 static void rows_panel(const float *x, long ldx, int two, const float *p, long k0, long k1, float *acc) {
@@ -104,6 +111,56 @@ static void six_by_16(const float *x, long ldx, const float *p, long k0, long k1
     _mm256_storeu_ps(r3, c30); _mm256_storeu_ps(r3 + 8, c31); _mm256_storeu_ps(r4, c40);
     _mm256_storeu_ps(r4 + 8, c41); _mm256_storeu_ps(r5, c50); _mm256_storeu_ps(r5 + 8, c51);
 }
+#endif
+
+#ifdef __AVX512F__
+/* rows_panel with 16 outputs a register: one row (or two) against rows k0 .. k1-1 of panel p */
+static void rows_panel_512(const float *x, long ldx, int two, const float *p, long k0, long k1, float *acc) {
+    __m512 a0 = _mm512_loadu_ps(acc), a1 = _mm512_loadu_ps(acc + 16), a2 = _mm512_loadu_ps(acc + 32);
+    __m512 b0 = a0, b1 = a1, b2 = a2;
+    float *bcc = acc + PANEL;
+    if (two) b0 = _mm512_loadu_ps(bcc), b1 = _mm512_loadu_ps(bcc + 16), b2 = _mm512_loadu_ps(bcc + 32);
+    const float *x1 = x + ldx;
+    for (long j = k0; j < k1; j++) {
+        const float *w = p + (size_t)j * PANEL;
+        _mm_prefetch((const char *)(w + AHEAD * PANEL), _MM_HINT_T0);
+        _mm_prefetch((const char *)(w + AHEAD * PANEL + 16), _MM_HINT_T0);
+        _mm_prefetch((const char *)(w + AHEAD * PANEL + 32), _MM_HINT_T0);
+        __m512 w0 = _mm512_loadu_ps(w), w1 = _mm512_loadu_ps(w + 16), w2 = _mm512_loadu_ps(w + 32);
+        __m512 s = _mm512_set1_ps(x[j]);
+        a0 = _mm512_fmadd_ps(s, w0, a0); a1 = _mm512_fmadd_ps(s, w1, a1); a2 = _mm512_fmadd_ps(s, w2, a2);
+        if (two) {
+            __m512 t = _mm512_set1_ps(x1[j]);
+            b0 = _mm512_fmadd_ps(t, w0, b0); b1 = _mm512_fmadd_ps(t, w1, b1); b2 = _mm512_fmadd_ps(t, w2, b2);
+        }
+    }
+    _mm512_storeu_ps(acc, a0); _mm512_storeu_ps(acc + 16, a1); _mm512_storeu_ps(acc + 32, a2);
+    if (two) _mm512_storeu_ps(bcc, b0), _mm512_storeu_ps(bcc + 16, b1), _mm512_storeu_ps(bcc + 32, b2);
+}
+
+/* eight rows of x against a whole panel: 24 accumulators, each panel row loaded once for them */
+static void eight_by_48(const float *x, long ldx, const float *p, long k0, long k1, float *acc) {
+#define ROW_LOAD(r) __m512 c##r##0 = _mm512_loadu_ps(acc + r * PANEL), \
+    c##r##1 = _mm512_loadu_ps(acc + r * PANEL + 16), c##r##2 = _mm512_loadu_ps(acc + r * PANEL + 32);
+    ROW_LOAD(0) ROW_LOAD(1) ROW_LOAD(2) ROW_LOAD(3) ROW_LOAD(4) ROW_LOAD(5) ROW_LOAD(6) ROW_LOAD(7)
+    for (long j = k0; j < k1; j++) {
+        const float *w = p + (size_t)j * PANEL;
+        _mm_prefetch((const char *)(w + AHEAD * PANEL), _MM_HINT_T0);
+        _mm_prefetch((const char *)(w + AHEAD * PANEL + 16), _MM_HINT_T0);
+        _mm_prefetch((const char *)(w + AHEAD * PANEL + 32), _MM_HINT_T0);
+        __m512 w0 = _mm512_loadu_ps(w), w1 = _mm512_loadu_ps(w + 16), w2 = _mm512_loadu_ps(w + 32), s;
+#define ROW_FMA(r) s = _mm512_set1_ps(x[(size_t)r * ldx + j]); c##r##0 = _mm512_fmadd_ps(s, w0, c##r##0); \
+    c##r##1 = _mm512_fmadd_ps(s, w1, c##r##1); c##r##2 = _mm512_fmadd_ps(s, w2, c##r##2);
+        ROW_FMA(0) ROW_FMA(1) ROW_FMA(2) ROW_FMA(3) ROW_FMA(4) ROW_FMA(5) ROW_FMA(6) ROW_FMA(7)
+    }
+#define ROW_STORE(r) _mm512_storeu_ps(acc + r * PANEL, c##r##0); \
+    _mm512_storeu_ps(acc + r * PANEL + 16, c##r##1); _mm512_storeu_ps(acc + r * PANEL + 32, c##r##2);
+    ROW_STORE(0) ROW_STORE(1) ROW_STORE(2) ROW_STORE(3) ROW_STORE(4) ROW_STORE(5) ROW_STORE(6) ROW_STORE(7)
+#undef ROW_LOAD
+#undef ROW_FMA
+#undef ROW_STORE
+}
+#endif
 
 /* up to ROWS rows against a whole panel, KC panel rows at a time: each stretch of the panel comes
  * from memory once and stays in L1 while every pair of rows reads it; the sums wait in acc */
@@ -115,12 +172,18 @@ static void rows_block(const float *x, long m, long k, const float *p, float *y,
     for (long k0 = 0; k0 < k; k0 += kc) {
         long k1 = k0 + kc < k ? k0 + kc : k;
         long r = 0;
+#ifdef __AVX512F__
+        for (; r + 8 <= m; r += 8) eight_by_48(x + (size_t)r * k, k, p, k0, k1, acc + r * PANEL);
+        for (; r + 2 <= m; r += 2) rows_panel_512(x + (size_t)r * k, k, 1, p, k0, k1, acc + r * PANEL);
+        if (r < m) rows_panel_512(x + (size_t)r * k, k, 0, p, k0, k1, acc + r * PANEL);
+#else
         if (m >= SIXES)  /* many rows (a prefill chunk): six at a time, fewer loads per FMA */
             for (; r + 6 <= m; r += 6)
                 for (int col = 0; col < PANEL; col += 16)
                     six_by_16(x + (size_t)r * k, k, p, k0, k1, col, acc + r * PANEL);
         for (; r + 2 <= m; r += 2) rows_panel(x + (size_t)r * k, k, 1, p, k0, k1, acc + r * PANEL);
         if (r < m) rows_panel(x + (size_t)r * k, k, 0, p, k0, k1, acc + r * PANEL);
+#endif
     }
     for (long r = 0; r < m; r++)
         for (int c = 0; c < PANEL; c += 8)

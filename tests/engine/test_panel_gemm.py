@@ -1,6 +1,7 @@
-"""The AVX2 panel kernel (card.engine.loading.panel_gemm): built here with the system compiler,
-every row the bits of that row alone at any row and thread count, and a model on it exact (many
-requests in flight on it: tests/engine/test_invariance.py, test_many_in_flight_equal_alone)."""
+"""The panel kernel (card.engine.loading.panel_gemm): built here with the system compiler, every
+row the bits of that row alone at any row and thread count, its AVX-512 build the AVX2 build's
+bits, and a model on it exact (many requests in flight on it: tests/engine/test_invariance.py,
+test_many_in_flight_equal_alone)."""
 
 from __future__ import annotations
 
@@ -110,7 +111,7 @@ def test_choose_depends_on_the_setting_and_dtype_only() -> None:
     assert panel_gemm.choose("onednn", torch.float32) == "onednn"
     assert panel_gemm.choose("panel", torch.float32) == "panel"
     assert panel_gemm.choose("panel", torch.bfloat16) == "onednn"  # the panel kernel is fp32 only
-    auto = "panel" if torch.backends.cpu.get_cpu_capability() == "AVX2" else "onednn"
+    auto = "panel" if panel_gemm.panel_pays() else "onednn"
     assert panel_gemm.choose("auto", torch.float32) == auto
     with pytest.raises(ValueError):
         panel_gemm.choose("mkl", torch.float32)
@@ -123,14 +124,14 @@ def test_without_a_compiler_auto_falls_back_to_onednn(monkeypatch: pytest.Monkey
     says why; asking for ``panel`` there is an error with the reason."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # nothing built yet
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
-    panel_gemm.library.cache_clear()
+    panel_gemm.build_of.cache_clear()
     try:
         assert panel_gemm.available() is not None
         assert panel_gemm.choose("auto", torch.float32) == "onednn"
         with pytest.raises(panel_gemm.Unavailable, match="no-such-cc"):
             panel_gemm.choose("panel", torch.float32)
     finally:
-        panel_gemm.library.cache_clear()
+        panel_gemm.build_of.cache_clear()
 
 
 # ---- a model on the panel kernel -----------------------------------------------------------------
@@ -156,3 +157,58 @@ def test_make_exact_on_the_panel_kernel_needs_no_tiles_or_chunks() -> None:
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
 def test_chain_logits_equal_plain_steps_on_the_panel_kernel(kind: str, hidden: int) -> None:
     assert chain_logits_equal_steps(_model(kind, hidden), exact=True)
+
+
+@pytest.mark.parametrize(("capability", "vendor", "pays"),
+                         [("AVX2", "AuthenticAMD", True), ("AVX2", "GenuineIntel", True),
+                          ("AVX512", "GenuineIntel", True), ("AVX512", "AuthenticAMD", False),
+                          ("AVX512", "", False), ("DEFAULT", "GenuineIntel", False)])
+def test_auto_takes_the_panel_kernel_where_it_was_measured_faster(
+        monkeypatch: pytest.MonkeyPatch, capability: str, vendor: str, pays: bool) -> None:
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
+    monkeypatch.setattr(panel_gemm, "_vendor", lambda: vendor)
+    assert panel_gemm.panel_pays() is pays
+
+
+def _product(lib, panels: torch.Tensor, x: torch.Tensor, n: int, bias: torch.Tensor | None,
+             threads: int) -> torch.Tensor:
+    out = torch.empty(x.shape[0], n)
+    lib.card_panel_linear(x.data_ptr(), x.shape[0], x.shape[1], panels.data_ptr(), n,
+                          None if bias is None else bias.data_ptr(), out.data_ptr(), threads)
+    return out
+
+
+@pytest.mark.skipif(not c_kernels.wide(), reason="the AVX-512 build runs on AVX-512 CPUs only")
+@pytest.mark.parametrize(("out_features", "in_features", "bias"),
+                         [(576, 576, False), (960, 576, True), (100, 37, True), (5, 3, False)])
+def test_the_avx512_build_gives_the_avx2_builds_bits(out_features: int, in_features: int,
+                                                     bias: bool) -> None:
+    """The two builds differ in how many outputs advance together, never in an output's chain, so
+    every row count (the eight-row and two-row kernels and their remainders) and thread count gives
+    the same bits; and the build ``auto`` loads on this CPU is the AVX-512 one."""
+    wide, narrow = panel_gemm.build_of(c_kernels.AVX512), panel_gemm.build_of(())
+    assert panel_gemm.library() is wide
+    torch.manual_seed(out_features * in_features)
+    weight, b = torch.randn(out_features, in_features), torch.randn(out_features) if bias else None
+    panels = torch.empty(narrow.card_panel_floats(out_features, in_features))
+    narrow.card_panel_pack(weight.contiguous().data_ptr(), out_features, in_features, panels.data_ptr())
+    x = torch.randn(max(ROW_COUNTS), in_features)
+    for m in (*ROW_COUNTS, 16, 17, 24, 129):
+        rows = torch.randn(m, in_features)
+        for threads in (1, 2):
+            assert torch.equal(_product(wide, panels, rows, out_features, b, threads),
+                               _product(narrow, panels, rows, out_features, b, threads)), (m, threads)
+    assert torch.equal(_product(wide, panels, x, out_features, b, 2), _product(narrow, panels, x, out_features, b, 2))
+
+
+@pytest.mark.skipif(not c_kernels.wide(), reason="the AVX-512 build runs on AVX-512 CPUs only")
+def test_the_build_comparison_sees_another_order() -> None:
+    """Negative control for the comparison above: the same product summed in another order
+    (float64, rounded once) is not the kernel's bits, and the comparison says so."""
+    wide = panel_gemm.build_of(c_kernels.AVX512)
+    torch.manual_seed(3)
+    weight, x = torch.randn(96, 576), torch.randn(9, 576)
+    panels = torch.empty(wide.card_panel_floats(96, 576))
+    wide.card_panel_pack(weight.data_ptr(), 96, 576, panels.data_ptr())
+    other = (x.double() @ weight.double().T).float()
+    assert not torch.equal(_product(wide, panels, x, 96, None, 2), other)
