@@ -33,8 +33,8 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("panel_gemm.c")
 KERNELS = ("auto", "onednn", "panel")  # ModelConfig.cpu_linear
 
-__all__ = ["KERNELS", "PanelWeight", "Unavailable", "available", "build_of", "choose", "library", "panel_pays",
-           "supported"]
+__all__ = ["KERNELS", "PanelWeight", "Unavailable", "available", "build_of", "choose", "library",
+           "panel_pays", "supported"]
 
 
 def library() -> ctypes.CDLL:

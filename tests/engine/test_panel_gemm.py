@@ -198,7 +198,8 @@ def test_the_avx512_build_gives_the_avx2_builds_bits(out_features: int, in_featu
         for threads in (1, 2):
             assert torch.equal(_product(wide, panels, rows, out_features, b, threads),
                                _product(narrow, panels, rows, out_features, b, threads)), (m, threads)
-    assert torch.equal(_product(wide, panels, x, out_features, b, 2), _product(narrow, panels, x, out_features, b, 2))
+    assert torch.equal(_product(wide, panels, x, out_features, b, 2),
+                       _product(narrow, panels, x, out_features, b, 2))
 
 
 @pytest.mark.skipif(not c_kernels.wide(), reason="the AVX-512 build runs on AVX-512 CPUs only")
