@@ -67,6 +67,9 @@ class CacheTarget:
     retry_initial_s: float = 0.5
     retry_max_s: float = 5.0
     default_pool: str = ""  # the pool an unnamed session prefers (card-target --default-pool)
+    # a session opens at its generation's first Step, not at admission (card-target
+    # --draft-after-prefill): the draft's prefill does not share the cores with the target's
+    open_after_prefill: bool = False
 
     @property
     def idle_timeout_s(self) -> float:

@@ -37,6 +37,9 @@ class TargetConfig:
     model: ModelConfig
     cache_addr: str | None = None  # None: plain decoding only
     default_pool: str = ""  # the draft pool an unnamed request prefers ("" = any)
+    # a request's draft session opens once its prompt is prefilled (its first token), not when it
+    # takes a KV slot: a draft worker on the target's cores then does not slow the target's prefill
+    draft_after_prefill: bool = True
     served_model_names: tuple[str, ...] = ()
     host: str = "127.0.0.1"
     port: int = 50051

@@ -193,7 +193,7 @@ class Frontend:
             self.link = CacheClient(self.cache, CacheTarget(
                 self.config.cache_addr or "", model.name, model.fingerprint, limits.vocab_size,
                 limits.context_window, step_timeout_s=self.config.step_timeout_ms / 1000.0,
-                default_pool=self.config.default_pool))
+                default_pool=self.config.default_pool, open_after_prefill=self.config.draft_after_prefill))
         self.loop = loop
         self._validator = limits
 

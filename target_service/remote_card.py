@@ -1,6 +1,7 @@
 """CARD through the cache service: the target loop's chain source over gRPC, a state machine.
 
-    open   OpenSession(committed), under way while the generation prefills (cache_link.CacheClient)
+    open   OpenSession(committed), sent with the first Step, once the prompt is prefilled
+           (CacheTarget.open_after_prefill; else at once, under way while the generation prefills)
     step   Step(correction), deadline -> next chain (possibly empty) and the verdict
     close  CloseSession(final stats), nobody waiting for it
 
@@ -123,11 +124,14 @@ class RemoteCard:
         self._kind = kind
 
     def open(self, committed: Sequence[int]) -> None:
-        """Start opening a session at ``committed`` (the engine admitted the generation); it
-        serves from the first step after it has answered."""
+        """The engine admitted the generation at ``committed``: start opening its session now, or,
+        with ``open_after_prefill``, at its first Step (the engine steps a generation once its
+        prompt is prefilled), so that the draft's prefill of the prompt does not run beside the
+        target's where they share cores. It serves from the first step after the open answered."""
         self.committed = committed
         self.client.keeper.add(self)
-        self._begin_open()
+        if not self.target.open_after_prefill:
+            self._begin_open()  # else WAITING with retry_at 0: the first Step opens it
 
     def step(self, correction: Correction) -> StepResult:
         return RemoteCard.step_batch([self], [correction])[0]

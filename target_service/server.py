@@ -220,6 +220,12 @@ def serve(config: TargetConfig) -> None:
 @option("--default-pool", default="",
         help="The draft pool a request that names none prefers while the pool has a live worker (else "
              "any pool whose tokenizer matches, split by the cache's --pool-weights).")
+@option("--draft-after-prefill/--no-draft-after-prefill", default=True,
+        help="Open a request's draft session once its prompt is prefilled (its first token), not when "
+             "it takes a KV slot: a draft worker on the target's cores (card-client up, one machine) "
+             "then does not slow the target's prefill and first token. --no-draft-after-prefill "
+             "overlaps the two prefills, where draft workers have cores or devices of their own (the "
+             "drafts then start sooner).")
 @option("--dtype", default="auto", help="auto, float32, bfloat16, float16.")
 @option("--device", default="auto", help="auto (cuda if available), cpu, cuda, cuda:N.")
 @exact_option()

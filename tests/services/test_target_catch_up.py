@@ -71,3 +71,41 @@ def test_a_late_open_catches_up_with_the_text_committed_meanwhile(cache: Cache) 
         assert _catch_ups() == before + 1
         stats = source.close(GenerationStats())
         assert len(stats.step_rtt_ms) == 2
+
+
+@pytest.mark.parametrize("after_prefill", [True, False])
+def test_after_prefill_the_session_opens_with_the_first_step(cache: Cache, after_prefill: bool) -> None:
+    """card-target --draft-after-prefill (the default): admission sends nothing, so the draft does
+    not prefill the prompt beside the target; the generation's first Step (its prompt prefilled,
+    its first token committed) opens the session at the text so far, and it serves from then on.
+    Without it (the control) the open goes at admission."""
+    draft = cache.draft("d0")
+    with grpc.insecure_channel(cache.addr) as ch:
+        link = CacheClient(cache_pb2_grpc.CacheServiceStub(ch),
+                           CacheTarget(cache.addr, "target-model", FP_A, vocab_size=1000,
+                                       open_after_prefill=after_prefill))
+        committed = [1, 2, 3]
+        source = RemoteCard(link)
+        source.open(committed)
+        if after_prefill:
+            assert source._opening is None and not cache.target.status().sessions
+            committed.append(7)  # the prefill's token
+            first = source.step(Correction(0, (), (), 7))
+            assert first.chain.tokens == () and first.outcome is None  # plain while it opens
+            opening = source._opening
+            assert opening is not None
+            wait_for(opening.done, what="the OpenSession answer")
+            assert list(expect_start(draft).committed) == [1, 2, 3, 7]
+            committed.append(8)
+            source.step(Correction(0, (), (), 8))  # the open answered: this Step takes the session
+        else:
+            opening = source._opening
+            assert opening is not None
+            wait_for(opening.done, what="the OpenSession answer")
+            assert list(expect_start(draft).committed) == [1, 2, 3]
+            committed.append(7)
+            source.step(Correction(0, (), (), 7))
+        assert source.session_id
+        info = {s.session_id: s for s in cache.target.status().sessions}[source.session_id]
+        assert info.committed_tokens == len(committed)
+        source.close(GenerationStats())
