@@ -16,6 +16,14 @@
  * rows are the bits of the same rows decoded one by one, and a prompt's rows the bits of decoding
  * rows (what the prefix cache needs).
  *
+ * Two neighbouring rows of one prompt (causal, one slot, positions p and p + 1) go through one work
+ * item (attend_pair): each key and value is loaded once for both rows' heads, half the traffic of
+ * a long prompt's keys, while every (row, head) keeps the chain above: the pair's scores take two
+ * keys at a time through the same lane tree (sum4x8 of the two keys twice), a row sums and weights
+ * only its own keys, and each output feature's chain over the keys is in order. So pairing, like
+ * grouping heads, is a matter of speed only (the probe and tests/engine/test_row_attention.py
+ * compare paired rows with the same rows alone).
+ *
  * A draft's tree rows (a mask of the keys each sees: the committed prefix, its ancestors, itself)
  * go through the same code for speed: a key a row does not see scores -inf and its value is
  * skipped. The mask decides which keys enter a row, never the order, so a causal row is unchanged.
@@ -195,6 +203,104 @@ static void attend_any(int R, int E, const char *const *q, const char *k, const 
     else HEADS(2);
 }
 
+/* Two rows of one slot, row 0 seeing keys 0 .. n-1 and row 1 keys 0 .. n, R heads each (2R query
+ * vectors: q[0..R-1] row 0's, q[R..2R-1] row 1's), each key and value loaded once for all of them.
+ * Every (row, head) gets the bits attend_heads gives it: the same FMA chain per key over the
+ * head's chunks, the same lane tree (sum4x8 of the pair twice: lanes 0 and 1 are the two keys'
+ * sums by the tree a quad gives each key), its own keys only in its maximum, exponentials and sum,
+ * and each output feature's in-order chain over its own keys. s[i]: scratch of >= n + 9 floats. */
+static inline __attribute__((always_inline)) void attend_pair(
+        const int R, const int E, const char *const *q, const char *k, const char *v, long n, long dim,
+        float scale, float *const *s, char *const *o) {
+    const int Q = 2 * R;
+    const long n1 = n + 1, pairs = (n1 + 1) / 2, chunks = dim / 8, es = E == 0 ? 4 : 2, row = dim * es;
+    const __m128 vscale = _mm_set1_ps(scale);
+    __m128 vmax[2 * MAXR];
+    for (int i = 0; i < Q; i++) vmax[i] = _mm_set1_ps(-INFINITY);
+    for (long g = 0; g < pairs; g++) {
+        const char *kg = k + g * 2 * row;
+        for (long b = 0; b < 2 * row; b += 64) _mm_prefetch(kg + AHEAD * row + b, _MM_HINT_T0);
+        __m256 acc[2 * MAXR][2];
+        for (int i = 0; i < Q; i++) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+        for (long c = 0; c < chunks; c++) {
+            const __m256 k0 = load8(kg + c * 8 * es, E), k1 = load8(kg + row + c * 8 * es, E);
+            for (int i = 0; i < Q; i++) {
+                const __m256 qc = load8(q[i] + c * 8 * es, E);
+                acc[i][0] = _mm256_fmadd_ps(qc, k0, acc[i][0]);
+                acc[i][1] = _mm256_fmadd_ps(qc, k1, acc[i][1]);
+            }
+        }
+        /* lanes 0, 1: keys 2g, 2g + 1 (lanes 2, 3 repeat them); a row's keys past its own end -inf */
+        const long seen0 = n - g * 2, seen1 = n1 - g * 2;
+        const __m128 keep0 = seen0 >= 2 ? _mm_castsi128_ps(_mm_set1_epi32(-1))
+                                        : _mm_castsi128_ps(_mm_setr_epi32(seen0 > 0 ? -1 : 0, 0,
+                                                                          seen0 > 0 ? -1 : 0, 0));
+        const __m128 keep1 = seen1 >= 2 ? _mm_castsi128_ps(_mm_set1_epi32(-1))
+                                        : _mm_castsi128_ps(_mm_setr_epi32(-1, 0, -1, 0));
+        for (int i = 0; i < Q; i++) {
+            __m128 dots = _mm_mul_ps(sum4x8(acc[i][0], acc[i][1], acc[i][0], acc[i][1]), vscale);
+            dots = _mm_blendv_ps(_mm_set1_ps(-INFINITY), dots, i < R ? keep0 : keep1);
+            _mm_storel_pi((__m64 *)(s[i] + g * 2), dots);
+            vmax[i] = _mm_max_ps(vmax[i], dots);
+        }
+    }
+    __m256 l[2 * MAXR];
+    for (int i = 0; i < Q; i++) {
+        const long ni = i < R ? n : n1;
+        const __m256 m = _mm256_set1_ps(max4(vmax[i]));
+        __m256 lsum = _mm256_setzero_ps();
+        const long groups = (ni + 7) / 8;
+        for (long g = 0; g < groups; g++) {
+            __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s[i] + g * 8), m));
+            if (g == groups - 1 && ni % 8) e = _mm256_and_ps(e, first_lanes(ni - g * 8));
+            _mm256_storeu_ps(s[i] + g * 8, e);
+            lsum = _mm256_add_ps(lsum, e);
+        }
+        l[i] = _mm256_set1_ps(sum8(lsum));
+    }
+#define PAIR_CHUNK 16 /* output features a pass over the values keeps: 2 vectors x 2R query vectors */
+    for (long c0 = 0; c0 < dim; c0 += PAIR_CHUNK) {
+        const int w = (int)((dim - c0 < PAIR_CHUNK ? dim - c0 : PAIR_CHUNK) / 8);
+        __m256 acc[2 * MAXR][PAIR_CHUNK / 8];
+        for (int i = 0; i < Q; i++) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+        for (long j = 0; j < n; j++) {
+            const char *vj = v + j * row + c0 * es;
+            for (long b = 0; b < PAIR_CHUNK * es; b += 64) _mm_prefetch(vj + AHEAD * row + b, _MM_HINT_T0);
+            const __m256 v0 = load8(vj, E), v1 = w > 1 ? load8(vj + 8 * es, E) : v0;
+            for (int i = 0; i < Q; i++) {
+                const __m256 p = _mm256_broadcast_ss(s[i] + j);
+                acc[i][0] = _mm256_fmadd_ps(p, v0, acc[i][0]);
+                if (w > 1) acc[i][1] = _mm256_fmadd_ps(p, v1, acc[i][1]);
+            }
+        }
+        { /* key n: row 1's own, beyond row 0 */
+            const char *vj = v + n * row + c0 * es;
+            const __m256 v0 = load8(vj, E), v1 = w > 1 ? load8(vj + 8 * es, E) : v0;
+            for (int i = R; i < Q; i++) {
+                const __m256 p = _mm256_broadcast_ss(s[i] + n);
+                acc[i][0] = _mm256_fmadd_ps(p, v0, acc[i][0]);
+                if (w > 1) acc[i][1] = _mm256_fmadd_ps(p, v1, acc[i][1]);
+            }
+        }
+        for (int i = 0; i < Q; i++)
+            for (int u = 0; u < w; u++) store8(o[i] + (c0 + u * 8) * es, _mm256_div_ps(acc[i][u], l[i]), E);
+    }
+}
+
+#define PAIRS(E)                                                                                \
+    do {                                                                                        \
+        if (R == 3) attend_pair(3, E, q, k, v, n, dim, scale, s, o);                            \
+        else if (R == 2) attend_pair(2, E, q, k, v, n, dim, scale, s, o);                       \
+        else attend_pair(1, E, q, k, v, n, dim, scale, s, o);                                   \
+    } while (0)
+
+static void attend_pair_any(int R, int E, const char *const *q, const char *k, const char *v, long n, long dim,
+                            float scale, float *const *s, char *const *o) {
+    if (E == 0) PAIRS(0);
+    else if (E == 1) PAIRS(1);
+    else PAIRS(2);
+}
+
 /* Row r (of ``rows``) is query row ``index[r]`` at ``q + index[r] * q_row + h * q_head`` for head h;
  * it attends keys/values 0 .. last[r] of slot ``slots[r]`` (kv head h / (heads / kv_heads), rows of
  * dim floats at ``keys + slot * slot_stride + kvh * head_stride``), all of them (a causal row) or,
@@ -202,8 +308,10 @@ static void attend_any(int R, int E, const char *const *q, const char *k, const 
  * mask_stride`` is non-zero (a draft's tree row: its ancestors, itself and the committed prefix;
  * last[r] its last visible key), and writes ``out + index[r] *
  * heads * dim + h * dim``. ``per_item``: heads a work item takes together (1 to MAXR; speed only).
- * ``scratch``: ``threads`` x ``per_item`` x ``width`` floats, width >= every last + 8. Work items
- * are ordered kv head first, so the threads walk one kv head's keys row after row together. */
+ * ``scratch``: ``threads`` x 2 x ``per_item`` x ``width`` floats, width >= every last + 9. Causal
+ * rows that follow each other in one slot (r, r + 1: same slot, unmasked, last[r + 1] = last[r] + 1)
+ * are taken two at a time (attend_pair; speed only). Work items are ordered kv head first, so the
+ * threads walk one kv head's keys row after row together. */
 void card_row_attention(const void *q, long q_row, long q_head, const void *keys, const void *values,
                         long slot_stride, long head_stride, const long *index, const long *slots,
                         const long *last, const unsigned char *masks, long mask_stride, const long *mask_rows,
@@ -213,24 +321,46 @@ void card_row_attention(const void *q, long q_row, long q_head, const void *keys
     const char *qb = (const char *)q, *kb = (const char *)keys, *vb = (const char *)values;
     char *ob = (char *)out;
     const int R = per_item < 1 ? 1 : per_item > MAXR ? MAXR : per_item;
-    const long blocks = (group + R - 1) / R; /* items per (row, kv head) */
-    const long items = kv_heads * rows * blocks;
+    const long blocks = (group + R - 1) / R; /* items per (row unit, kv head) */
+    /* row units: a pair of neighbouring causal rows of one slot, or a row alone */
+    long *start = malloc(sizeof(long) * (size_t)(rows + 1));
+    long units = 0;
+    for (long r = 0; r < rows; units++) {
+        start[units] = r;
+        const int causal = !(masks && mask_rows[r] >= 0);
+        if (causal && r + 1 < rows && slots[r + 1] == slots[r] && !(masks && mask_rows[r + 1] >= 0) &&
+            last[r + 1] == last[r] + 1)
+            r += 2;
+        else
+            r += 1;
+    }
+    start[units] = rows;
+    const long items = kv_heads * units * blocks;
 #pragma omp parallel for num_threads(threads) schedule(dynamic, 1) if (threads > 1 && items > 1)
     for (long it = 0; it < items; it++) {
-        const long kvh = it / (rows * blocks), r = it / blocks % rows, b = it % blocks;
-        const long t = index[r], h0 = kvh * group + b * R;
+        const long kvh = it / (units * blocks), u = it / blocks % units, b = it % blocks;
+        const long r = start[u], pair = start[u + 1] - r == 2;
+        const long h0 = kvh * group + b * R;
         const int count = (int)(group - b * R < R ? group - b * R : R);
         const long base = slots[r] * slot_stride + kvh * head_stride;
-        float *mine = scratch + (long)omp_get_thread_num() * R * width;
-        const char *qs[MAXR];
-        float *ss[MAXR];
-        char *os[MAXR];
-        for (int i = 0; i < count; i++) {
-            qs[i] = qb + (t * q_row + (h0 + i) * q_head) * es;
-            ss[i] = mine + i * width;
-            os[i] = ob + (t * heads + h0 + i) * dim * es;
+        float *mine = scratch + (long)omp_get_thread_num() * 2 * R * width;
+        const char *qs[2 * MAXR];
+        float *ss[2 * MAXR];
+        char *os[2 * MAXR];
+        for (long p = 0; p <= pair; p++) {
+            const long t = index[r + p];
+            for (int i = 0; i < count; i++) {
+                qs[p * count + i] = qb + (t * q_row + (h0 + i) * q_head) * es;
+                ss[p * count + i] = mine + (p * count + i) * width;
+                os[p * count + i] = ob + (t * heads + h0 + i) * dim * es;
+            }
         }
-        const unsigned char *seen = masks && mask_rows[r] >= 0 ? masks + mask_rows[r] * mask_stride : 0;
-        attend_any(count, kind, qs, kb + base * es, vb + base * es, last[r] + 1, dim, scale, seen, ss, os);
+        if (pair) {
+            attend_pair_any(count, kind, qs, kb + base * es, vb + base * es, last[r] + 1, dim, scale, ss, os);
+        } else {
+            const unsigned char *seen = masks && mask_rows[r] >= 0 ? masks + mask_rows[r] * mask_stride : 0;
+            attend_any(count, kind, qs, kb + base * es, vb + base * es, last[r] + 1, dim, scale, seen, ss, os);
+        }
     }
+    free(start);
 }

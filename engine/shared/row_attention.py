@@ -52,6 +52,9 @@ KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 # loaded once for them (a 256-row prompt chunk 1.9x, one decoding row 1.6x faster than one head at a
 # time on the 2-core AMD EPYC); the bits are the same for any count
 MAX_PER_ITEM = 3
+# row_attention.c: a work item takes up to two neighbouring causal rows of one slot (a prompt's),
+# each key and value loaded once for both; scratch holds each one's scores
+MAX_ROWS_PER_ITEM = 2
 
 # per model: its setting (load_model records ModelConfig.cpu_attention; models built otherwise: auto)
 _SETTING: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
@@ -183,8 +186,9 @@ class RowKernel:
         assert query.dtype == keys.dtype == values.dtype == out.dtype
         assert keys.is_contiguous() and values.is_contiguous() and out.is_contiguous()
         threads = torch.get_num_threads()
-        if self._scratch.numel() < threads * MAX_PER_ITEM * self.width:
-            self._scratch = torch.empty(threads * MAX_PER_ITEM * self.width)
+        need = threads * MAX_ROWS_PER_ITEM * MAX_PER_ITEM * self.width
+        if self._scratch.numel() < need:
+            self._scratch = torch.empty(need)
         masks = self.masks
         self._run(query.data_ptr(), query.stride(1), query.stride(0), keys.data_ptr(), values.data_ptr(),
                   keys.stride(0), keys.stride(1), self.index.data_ptr(), self.slots.data_ptr(),

@@ -112,6 +112,27 @@ def test_a_row_sees_exactly_its_own_keys() -> None:
     assert not torch.equal(_attend([Rows(2, 70, 1, 0)], query, keys, values), base)
 
 
+def test_two_neighbouring_prompt_rows_in_one_item_see_exactly_their_own_keys() -> None:
+    """A prompt's rows at positions 70 and 71 go through one work item (attend_pair): the first
+    row does not see the second's own key and value even when they are NaN, the second does, and
+    keys past both change neither; each equals itself computed alone."""
+    keys, values = _cache(2, 64)
+    query = torch.randn(4, 2, 64, generator=torch.Generator().manual_seed(4))
+    pair = [Rows(1, 70, 2, 0)]
+    alone = [_attend([Rows(1, 70 + i, 1, i)], query, keys, values)[i] for i in range(2)]
+    base = _attend(pair, query, keys, values)
+    assert torch.equal(base[0], alone[0]) and torch.equal(base[1], alone[1])
+    keys2, values2 = keys.clone(), values.clone()
+    keys2[1, :, 71], values2[1, :, 71] = float("nan"), float("nan")
+    keys2[1, :, 72:80] = float("nan")
+    got = _attend(pair, query, keys2, values2)
+    assert torch.equal(got[0], base[0])
+    assert got[1].isnan().all()  # the second row's own key and value reach it
+    later = keys.clone()
+    later[1, :, 72:80] = float("nan")
+    assert torch.equal(_attend(pair, query, later, values), base)
+
+
 def test_the_pool_takes_the_kernel_for_fp32_and_torch_where_asked() -> None:
     """``auto`` takes the kernel for fp32 CPU models and the torch paths for bf16 and fp16 (whose
     prefill oneDNN's bf16 matmuls run faster), ``kernel`` takes it for all three, ``torch`` never;

@@ -4,7 +4,8 @@
 # (the same with its n-gram speculation, 4 tokens, lookup 2-4),
 # plain (card-client up, requests in mode vanilla), plain-onednn (the same with the target's linears
 # on oneDNN, --cpu-linear onednn), plain-torch-attention (the target's exact attention through torch,
-# --cpu-attention torch), ngram (--draft-model ngram), card (default pair)
+# --cpu-attention torch), ngram (--draft-model ngram), card (default pair), card-overlap (the same with
+# --no-draft-after-prefill: the draft prefills beside the target)
 set -u
 cd "$(git rev-parse --show-toplevel)"
 OUT=$1; shift; mkdir -p "$OUT"
@@ -34,6 +35,7 @@ for label in "${labels[@]}"; do
       '{"mode": "vanilla"}' "${UP[@]}" ;;
     ngram) serve 8013 default trio-ngram '{}' "${UP[@]}" --draft-model ngram ;;
     card) serve 8013 default trio-card '{}' "${UP[@]}" ;;
+    card-overlap) CARD_TARGET_DRAFT_AFTER_PREFILL=false serve 8013 default trio-card-overlap '{}' "${UP[@]}" ;;
     *) echo "unknown label $label"; exit 2 ;;
   esac
 done
