@@ -1,7 +1,14 @@
-"""First-turn TTFT by mode on one server: MT-Bench first questions, one at a time, alternating modes."""
-import json, statistics, sys, time
+"""First-turn TTFT by mode on one server (card-client up): the 16 MT-Bench first questions and 16
+follow-ups, each as a first turn, one at a time, modes alternating in pairs. Usage: first_turn_modes.py URL"""
+import json
+import statistics
+import sys
+import time
+
 import httpx
+
 from card.client.bench import data
+
 url = sys.argv[1]
 convs = data.load("mt_bench_followup", 16).prompts
 msgs = [c[0] for c in convs] + [c[2] for c in convs]
