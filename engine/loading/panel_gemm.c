@@ -42,6 +42,13 @@ void card_panel_pack(const float *w, long n, long k, float *p) {
     }
 }
 
+/* the panel row AHEAD rows past w (its 48 floats: three cache lines) into L1 */
+static inline void prefetch_ahead(const float *w) {
+    _mm_prefetch((const char *)(w + AHEAD * PANEL), _MM_HINT_T0);
+    _mm_prefetch((const char *)(w + AHEAD * PANEL + 16), _MM_HINT_T0);
+    _mm_prefetch((const char *)(w + AHEAD * PANEL + 32), _MM_HINT_T0);
+}
+
 static inline void put(float *y, const float *bias, long n0, long n, __m256 acc) {
     float v[8];
     _mm256_storeu_ps(v, acc);
@@ -63,9 +70,7 @@ static void rows_panel(const float *x, long ldx, int two, const float *p, long k
     const float *x1 = x + ldx;
     for (long j = k0; j < k1; j++) {
         const float *w = p + (size_t)j * PANEL;
-        _mm_prefetch((const char *)(w + AHEAD * PANEL), _MM_HINT_T0);
-        _mm_prefetch((const char *)(w + AHEAD * PANEL + 16), _MM_HINT_T0);
-        _mm_prefetch((const char *)(w + AHEAD * PANEL + 32), _MM_HINT_T0);
+        prefetch_ahead(w);
         __m256 w0 = _mm256_loadu_ps(w), w1 = _mm256_loadu_ps(w + 8), w2 = _mm256_loadu_ps(w + 16);
         __m256 w3 = _mm256_loadu_ps(w + 24), w4 = _mm256_loadu_ps(w + 32), w5 = _mm256_loadu_ps(w + 40);
         __m256 s = _mm256_broadcast_ss(x + j);
@@ -123,9 +128,7 @@ static void rows_panel_512(const float *x, long ldx, int two, const float *p, lo
     const float *x1 = x + ldx;
     for (long j = k0; j < k1; j++) {
         const float *w = p + (size_t)j * PANEL;
-        _mm_prefetch((const char *)(w + AHEAD * PANEL), _MM_HINT_T0);
-        _mm_prefetch((const char *)(w + AHEAD * PANEL + 16), _MM_HINT_T0);
-        _mm_prefetch((const char *)(w + AHEAD * PANEL + 32), _MM_HINT_T0);
+        prefetch_ahead(w);
         __m512 w0 = _mm512_loadu_ps(w), w1 = _mm512_loadu_ps(w + 16), w2 = _mm512_loadu_ps(w + 32);
         __m512 s = _mm512_set1_ps(x[j]);
         a0 = _mm512_fmadd_ps(s, w0, a0); a1 = _mm512_fmadd_ps(s, w1, a1); a2 = _mm512_fmadd_ps(s, w2, a2);
@@ -145,9 +148,7 @@ static void eight_by_48(const float *x, long ldx, const float *p, long k0, long 
     ROW_LOAD(0) ROW_LOAD(1) ROW_LOAD(2) ROW_LOAD(3) ROW_LOAD(4) ROW_LOAD(5) ROW_LOAD(6) ROW_LOAD(7)
     for (long j = k0; j < k1; j++) {
         const float *w = p + (size_t)j * PANEL;
-        _mm_prefetch((const char *)(w + AHEAD * PANEL), _MM_HINT_T0);
-        _mm_prefetch((const char *)(w + AHEAD * PANEL + 16), _MM_HINT_T0);
-        _mm_prefetch((const char *)(w + AHEAD * PANEL + 32), _MM_HINT_T0);
+        prefetch_ahead(w);
         __m512 w0 = _mm512_loadu_ps(w), w1 = _mm512_loadu_ps(w + 16), w2 = _mm512_loadu_ps(w + 32), s;
 #define ROW_FMA(r) s = _mm512_set1_ps(x[(size_t)r * ldx + j]); c##r##0 = _mm512_fmadd_ps(s, w0, c##r##0); \
     c##r##1 = _mm512_fmadd_ps(s, w1, c##r##1); c##r##2 = _mm512_fmadd_ps(s, w2, c##r##2);

@@ -116,6 +116,22 @@ static inline __m256 first_lanes(long valid) {
     return _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32((int)valid), idx));
 }
 
+/* A row's n scores s[0 .. n-1] (max4(vmax) their maximum) replaced by exp(score - max) in key
+ * order, lanes past n zeroed; returns their sum (8 lanes by key index, one fixed tree) in every
+ * lane: the one softmax arithmetic of every row, alone or paired */
+static inline __m256 exp_sum(float *s, long n, __m128 vmax) {
+    const __m256 m = _mm256_set1_ps(max4(vmax));
+    __m256 lsum = _mm256_setzero_ps();
+    const long groups = (n + 7) / 8;
+    for (long g = 0; g < groups; g++) {
+        __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + g * 8), m));
+        if (g == groups - 1 && n % 8) e = _mm256_and_ps(e, first_lanes(n - g * 8));
+        _mm256_storeu_ps(s + g * 8, e);
+        lsum = _mm256_add_ps(lsum, e);
+    }
+    return _mm256_set1_ps(sum8(lsum));
+}
+
 /* R heads (1 to MAXR) of one row that share a kv head, each q[r] [dim], over keys/values [n, dim]
  * (n = the row's position + 1); s[r]: n rounded up to 8 floats of scratch; writes o[r] [dim].
  * Every key and value is loaded once for the R heads; each head's arithmetic is the same for any R
@@ -156,18 +172,7 @@ static inline __attribute__((always_inline)) void attend_heads(
         }
     }
     __m256 l[MAXR];
-    for (int r = 0; r < R; r++) {
-        const __m256 m = _mm256_set1_ps(max4(vmax[r]));
-        __m256 lsum = _mm256_setzero_ps();
-        const long groups = (n + 7) / 8;
-        for (long g = 0; g < groups; g++) {
-            __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s[r] + g * 8), m));
-            if (g == groups - 1 && n % 8) e = _mm256_and_ps(e, first_lanes(n - g * 8));
-            _mm256_storeu_ps(s[r] + g * 8, e);
-            lsum = _mm256_add_ps(lsum, e);
-        }
-        l[r] = _mm256_set1_ps(sum8(lsum));
-    }
+    for (int r = 0; r < R; r++) l[r] = exp_sum(s[r], n, vmax[r]);
     for (long c0 = 0; c0 < dim; c0 += CHUNK) {
         const int w = (int)((dim - c0 < CHUNK ? dim - c0 : CHUNK) / 8);
         __m256 acc[MAXR][CHUNK / 8];
@@ -245,19 +250,7 @@ static inline __attribute__((always_inline)) void attend_pair(
         }
     }
     __m256 l[2 * MAXR];
-    for (int i = 0; i < Q; i++) {
-        const long ni = i < R ? n : n1;
-        const __m256 m = _mm256_set1_ps(max4(vmax[i]));
-        __m256 lsum = _mm256_setzero_ps();
-        const long groups = (ni + 7) / 8;
-        for (long g = 0; g < groups; g++) {
-            __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s[i] + g * 8), m));
-            if (g == groups - 1 && ni % 8) e = _mm256_and_ps(e, first_lanes(ni - g * 8));
-            _mm256_storeu_ps(s[i] + g * 8, e);
-            lsum = _mm256_add_ps(lsum, e);
-        }
-        l[i] = _mm256_set1_ps(sum8(lsum));
-    }
+    for (int i = 0; i < Q; i++) l[i] = exp_sum(s[i], i < R ? n : n1, vmax[i]);
 #define PAIR_CHUNK 16 /* output features a pass over the values keeps: 2 vectors x 2R query vectors */
     for (long c0 = 0; c0 < dim; c0 += PAIR_CHUNK) {
         const int w = (int)((dim - c0 < PAIR_CHUNK ? dim - c0 : PAIR_CHUNK) / 8);
