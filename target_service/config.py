@@ -14,6 +14,7 @@ from card.engine.shared.errors import InvalidArgument
 from card.engine.shared.kv_pool import DEVICE_KV_SHARE, PoolShape, check_sizing, size_pool
 from card.engine.shared.static_step import STEP_MODES
 from card.engine.target.drafting_policy import DraftingConfig
+from card.engine.target.prefill_order import PREFILL_ORDERS
 
 MAX_MODEL_NAME = 256  # characters of a served model name
 
@@ -64,6 +65,9 @@ class TargetConfig:
     # beside decoding rows, prefill chunks are paced so that decoding streams' mean time between
     # tokens stays within this multiple of theirs alone (engine.target.scheduler.PrefillPacer); 0: off
     max_decode_slowdown: float = 1.5
+    # which waiting prompts an iteration prefills (card.engine.target.prefill_order): shortest
+    # first, grouped where the measured cost says it pays; or arrival order
+    prefill_order: str = "shortest"
     adaptive_chains: bool = True
     speculation: str = "auto"  # the drafting policy's regime (card.engine.target.drafting_policy)
     decode_step: str = "auto"  # decoding rows at static shapes (card.engine.shared.static_step)
@@ -121,6 +125,9 @@ class TargetConfig:
         if not (self.max_decode_slowdown == 0 or self.max_decode_slowdown > 1):
             raise InvalidArgument(f"max-decode-slowdown must be > 1, or 0 (off), "
                                   f"got {self.max_decode_slowdown}")
+        if self.prefill_order not in PREFILL_ORDERS:
+            raise InvalidArgument(f"prefill-order must be one of {', '.join(PREFILL_ORDERS)}, "
+                                  f"got {self.prefill_order!r}")
         if self.max_tokens_cap is not None and self.max_tokens_cap < 1:
             raise InvalidArgument(f"max-tokens-cap must be >= 1, got {self.max_tokens_cap}")
         _ = self.chat_template_text  # a missing file or a template that does not parse: at start

@@ -47,6 +47,7 @@ from card.engine.shared.kv_pool import DEVICE_KV_SHARE, KVPool, device_free_byte
 from card.engine.shared.static_step import STEP_MODES
 from card.engine.shared.torch_threads import on_passing_thread
 from card.engine.target.drafting_policy import SPECULATION_MODES
+from card.engine.target.prefill_order import PREFILL_ORDERS
 from card.engine.target.scheduler import TargetEngine
 from card.target_service.config import TargetConfig
 from card.target_service.engine_loop import EngineLoop, drafting_policy
@@ -130,7 +131,8 @@ def load_engine(config: TargetConfig) -> tuple[LoadedModel, TargetEngine]:
              "on" if config.enable_prefix_caching else "off (--enable-prefix-caching turns it on)")
     engine = TargetEngine(model.model, pool, config.max_batch_tokens, adaptive=config.adaptive_chains,
                           exact=model.exact, policy=drafting_policy(config.speculation),
-                          decode_step=config.decode_step, max_decode_slowdown=config.max_decode_slowdown)
+                          decode_step=config.decode_step, max_decode_slowdown=config.max_decode_slowdown,
+                          prefill_order=config.prefill_order)
     return model, engine
 
 
@@ -272,6 +274,12 @@ def serve(config: TargetConfig) -> None:
              "stays within this multiple of theirs alone (the median stays theirs alone); prompts get "
              "the rest of the time, all of it when nothing decodes. 0: off, every chunk "
              "--max-batch-tokens holds goes at once. Outputs do not change (docs/engine.md).")
+@option("--prefill-order", type=click.Choice(PREFILL_ORDERS), default="shortest", show_default=True,
+        help="Which waiting prompts an iteration prefills: shortest (the prompts with the fewest tokens "
+             "left first, together only where the measured cost of one more forward says it pays: "
+             "in a burst the short prompts' first tokens come while the long ones prefill; a prompt "
+             "passed over 8 iterations goes first) or arrival (first come first served, as many as "
+             "--max-batch-tokens holds, as vLLM). Outputs do not change (docs/engine.md).")
 @option("--adaptive-chains/--no-adaptive-chains", default=True,
         help="Cut each iteration's chains to what pays at the measured cost of a verified row and "
              "each request's acceptance; off: verify every chain the cache hands out.")

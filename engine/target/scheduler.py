@@ -11,8 +11,10 @@ generation (continuous batching, nano-vllm's shape). An iteration has seven phas
     plan     each running generation gives its next input: a prefill chunk, or [t_next, *chain]
              after its chain source's step; steps first, their chains cut (longest first) so that
              their rows fit the iteration's token budget (``max_batch_tokens``; t_next always
-             goes), then prefill chunks while the budget lasts (the first input always goes) and,
-             beside decoding rows, while the prefill pacer allows (``PrefillPacer``)
+             goes), then prefill chunks, shortest prompt first and as many as pay at the
+             measured cost (card.engine.target.prefill_order), while the budget lasts (the first
+             input always goes) and, beside decoding rows, while the prefill pacer allows
+             (``PrefillPacer``)
     budget   each chain is cut to what pays at this iteration's measured cost
              (card.engine.target.speculation); a generation not drafting verifies none
     forward  one flattened forward over all of them (card.engine.shared.kv_pool.forward), timed
@@ -53,6 +55,7 @@ from card.engine.shared.tree import Outcome
 from card.engine.target.chain_source import step_all
 from card.engine.target.drafting_policy import DraftingConfig, DraftingPolicy, Stepped
 from card.engine.target.generation import Chunk, Generation, GenerationResult
+from card.engine.target.prefill_order import PrefillOrder
 from card.engine.target.speculation import CostModel, chain_lengths
 from card.engine.target.verify import RowPicks
 
@@ -176,7 +179,7 @@ class TargetEngine:
     def __init__(self, model: torch.nn.Module, pool: KVPool, max_batch_tokens: int = 2048,
                  prefill_chunk: int = PREFILL_CHUNK, adaptive: bool = True, exact: bool = True,
                  policy: DraftingPolicy | None = None, decode_step: str = "eager",
-                 max_decode_slowdown: float = 0.0) -> None:
+                 max_decode_slowdown: float = 0.0, prefill_order: str = "shortest") -> None:
         self.model = model
         self.pool = pool
         # decoding rows at static shapes (card.engine.shared.static_step), or None: every input
@@ -195,6 +198,9 @@ class TargetEngine:
         # beside decoding rows, prefill chunks wait until the time earlier ones cost is paid back
         self.pacer = PrefillPacer(max_decode_slowdown)
         self._held = False  # this iteration held a prefill chunk back (the pacer)
+        # which prompts an iteration prefills: shortest first, grouped where that pays at the
+        # measured cost (card.engine.target.prefill_order), or in arrival order
+        self.prefill_order = PrefillOrder(prefill_order)
         # a prompt's rows through exact_attention.attend_blocks where that gives a decoding row's
         # bits on this device (KVPool.prefill_invariant): a row's keys and values are then the same
         # whatever chunk computed them, prefill or decoding, so a prompt may start from any cached
@@ -296,20 +302,31 @@ class TargetEngine:
                 planned.tokens = gen.trim_chain(0)
             plan.append(planned)
         fit_rows(plan, budget)  # decoding rows are tokens of this forward too
-        budget -= sum(len(p.tokens) for p in plan)
+        decoding_rows = sum(len(p.tokens) for p in plan)
+        budget -= decoding_rows
         paced = bool(plan) and not self.pacer.admits()  # beside decoding rows, chunks may wait
         self._held = False
-        for gen in [g for g in self.running if g.prefilling]:
+        streams, cost, finishing = len(plan), self.cost.fit(), 0
+        offered = self.prefill_order.ordered([g for g in self.running if g.prefilling])
+        taken: list[Generation] = []
+        for i, gen in enumerate(offered):
             if self.prefix_caching and self.prefill_exact and self._follows(gen):
                 continue  # another prompt is computing its next rows: copied once they are
             if paced and not self._one_chunk(gen):
                 self._held = True
                 continue
-            if plan and budget < min(self.prefill_chunk, gen.prefill_left):
+            rows = min(self.prefill_chunk, gen.prefill_left)
+            if plan and budget < rows:
                 continue
+            if taken and not self.prefill_order.joins(gen, rows, finishing, streams, decoding_rows,
+                                                      len(offered) - i, cost):
+                break  # it and the longer ones after it: the next iteration
+            finishing += rows == gen.prefill_left
             tokens, start = gen.next_input(self.prefill_chunk)
             plan.append(Planned(gen, list(tokens), start, decoding=False))
+            taken.append(gen)
             budget -= len(tokens)
+        self.prefill_order.planned(offered, taken)
         return plan
 
     def _follows(self, gen: Generation) -> bool:
