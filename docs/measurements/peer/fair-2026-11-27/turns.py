@@ -50,6 +50,10 @@ for level, group in ((1, convs[:8]), (8, convs[8:16])):
     t2 = [b for _, b in times]
     result["levels"][level] = {"turn1_ttft_p50_ms": 1000 * statistics.median(t1),
                                "turn2_ttft_p50_ms": 1000 * statistics.median(t2),
-                               "turn2_over_turn1": statistics.median(t2) / statistics.median(t1)}
+                               "turn2_over_turn1": statistics.median(t2) / statistics.median(t1),
+                               # the tails (since 2026-11-30): the slowest first token of each turn
+                               "turn1_ttft_max_ms": 1000 * max(t1), "turn2_ttft_max_ms": 1000 * max(t2),
+                               "turn1_ttft_mean_ms": 1000 * statistics.mean(t1),
+                               "turn2_ttft_mean_ms": 1000 * statistics.mean(t2)}
     print(label, level, result["levels"][level], flush=True)
 Path(f"{out}/turns-{label}.json").write_text(json.dumps(result, indent=2) + "\n")

@@ -9,6 +9,7 @@
 #   card-t1       the same, --target-threads 1 (card-client up's split before adaptive threads)
 #   card-t2-fixed the same, --target-threads 2 and CARD_TARGET_ADAPTIVE_THREADS=false
 #   card-arrival  the same, CARD_TARGET_PREFILL_ORDER=arrival (prompts prefilled first come first served)
+#   card-never    the same, CARD_TARGET_SPECULATION=never (every draft stopped: the target alone)
 # The runs of 2026-11-27: OUT vllm card card-nocache (20:43), then card card-nopacer (turns
 # labelled card-pacer / card-nopacer: pacer-turns.log), then card card-t2 (threads-turns.log).
 # The runs of 2026-11-27/28 (../turns-2026-11-27c/): OUT vllm card card-t1 card-t2-fixed, then
@@ -36,6 +37,7 @@ for label in "$@"; do
     card-nocache) serve 8013 default trio-card-nocache env CARD_TARGET_ENABLE_PREFIX_CACHING=false "${UP[@]}" ;;
     card-nopacer) serve 8013 default trio-card-nopacer env CARD_TARGET_MAX_DECODE_SLOWDOWN=0 "${UP[@]}" ;;
     card-arrival) serve 8013 default trio-card-arrival env CARD_TARGET_PREFILL_ORDER=arrival "${UP[@]}" ;;
+    card-never) serve 8013 default trio-card-never env CARD_TARGET_SPECULATION=never "${UP[@]}" ;;
     card-t2) serve 8013 default trio-card-t2 "${UP[@]}" --target-threads 2 ;;
     card-t1) serve 8013 default trio-card-t1 "${UP[@]}" --target-threads 1 ;;
     card-t2-fixed) serve 8013 default trio-card-t2-fixed env CARD_TARGET_ADAPTIVE_THREADS=false \
