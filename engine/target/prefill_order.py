@@ -75,6 +75,3 @@ class PrefillOrder:
         passed over once more."""
         took = set(taken)
         self._passed = {p: self._passed.get(p, 0) + (p not in took) for p in offered}
-
-    def passed(self, prompt: Prompt) -> int:
-        return self._passed.get(prompt, 0)
