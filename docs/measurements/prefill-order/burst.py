@@ -2,33 +2,20 @@
 default model in process (TargetEngine, 8 slots, prefix caching on, a budget of 512 tokens an
 iteration, card-target's default), prefilled in arrival order and shortest first, alternating:
 each prompt's first-token time, when the last of 16 new tokens each came, and that the tokens are
-the same both ways. Usage: burst.py ROUNDS [THREADS]"""
+the same both ways. Usage: burst.py THREADS ROUNDS"""
 
 import statistics
 import sys
 import time
+from pathlib import Path
 
-import torch
-
-from card.client.bench import data
-from card.engine.loading.models import ModelConfig, load_model
-from card.engine.shared.config import GenerationRequest, SamplingParams, StopParams
 from card.engine.shared.kv_pool import KVPool
-from card.engine.target.chain_source import NoDraft
-from card.engine.target.generation import Generation
 from card.engine.target.scheduler import TargetEngine
 
-torch.set_num_threads(int(sys.argv[2]) if len(sys.argv) > 2 else 2)
-model = load_model(ModelConfig(dtype="float32", exact=True))
-convs = data.load("mt_bench_followup", 16).prompts
-prompts = [tuple(model.tokenizer.apply_chat_template([c[0]], add_generation_prompt=True, tokenize=True,
-                                                     return_dict=False)) for c in convs]
-
-
-def generation(p: tuple[int, ...], tokens: int) -> Generation:
-    request = GenerationRequest(p, SamplingParams(), StopParams(max_new_tokens=tokens, ignore_eos=True))
-    return Generation(request, NoDraft(), eos_ids=frozenset(), decode=model.decode, context_window=2048,
-                      mode="vanilla")
+# the model (its torch threads from argv[1]), the chat prompts and a plain generation of each:
+# the same setup as the budget sweep of 2026-11-29
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "peer" / "turns-2026-11-29"))
+from eight_prompts_in_process import generation, model, prompts
 
 
 def run(ps: list[tuple[int, ...]], order: str) -> list[list[int]]:
@@ -57,7 +44,7 @@ def run(ps: list[tuple[int, ...]], order: str) -> list[list[int]]:
 
 print("prompt tokens:", [len(p) for p in prompts[8:16]])
 reference = None
-for _ in range(int(sys.argv[1]) if len(sys.argv) > 1 else 2):
+for _ in range(int(sys.argv[2]) if len(sys.argv) > 2 else 2):
     for order in ("arrival", "shortest"):
         out = run(prompts[8:16], order)
         reference = reference or out

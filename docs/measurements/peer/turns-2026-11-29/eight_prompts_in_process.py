@@ -50,5 +50,6 @@ def run(ps: list[tuple[int, ...]], budget: int) -> None:
     print(f"budget {budget}: TTFT ms", [round(1000 * t) for t in ts], "p50", p50, flush=True)
 
 
-for b in (2048, 512, 256, 128):
-    run(prompts[8:16], b)
+if __name__ == "__main__":  # ../../prefill-order/burst.py imports the model, prompts and generation
+    for b in (2048, 512, 256, 128):
+        run(prompts[8:16], b)
